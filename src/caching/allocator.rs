@@ -1,0 +1,246 @@
+//! The allocator over every device: the Rust API that the C boundary wraps.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use super::device::DeviceAllocator;
+use super::segment_index::SegmentIndex;
+use super::shard::Shard;
+use crate::config::{Config, DriverKind};
+use crate::driver::cuda::CudaDriver;
+use crate::driver::sim::SimDriver;
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::Error;
+use crate::stats::DeviceStats;
+use crate::stats::summary::memory_summary;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A caching allocator over every device of one driver (PyTorch `NativeCachingAllocator`).
+///
+/// Thread-safe: every method may be called from any thread. Calls on different streams take
+/// different locks; see the crate's README for the design.
+pub struct Allocator {
+    id: u64,
+    driver: Arc<dyn Driver>,
+    config: Config,
+    index: Arc<SegmentIndex>,
+    devices: Box<[OnceLock<DeviceAllocator>]>,
+}
+
+struct CachedShard {
+    allocator: u64,
+    device: i32,
+    stream: StreamHandle,
+    shard: Arc<Shard>,
+}
+
+const SHARD_CACHE_SLOTS: usize = 4;
+
+/// Each thread remembers the shards it used last, so the hit path finds its stream's shard
+/// without a lock.
+struct ShardCache {
+    slots: [Option<CachedShard>; SHARD_CACHE_SLOTS],
+    next: usize,
+}
+
+thread_local! {
+    static SHARD_CACHE: RefCell<ShardCache> =
+        const { RefCell::new(ShardCache { slots: [const { None }; SHARD_CACHE_SLOTS], next: 0 }) };
+}
+
+impl Allocator {
+    /// An allocator over `driver`. `config.driver` and the `sim_*` fields are not used here
+    /// (they choose the driver in [`Allocator::from_config`]).
+    pub fn new(driver: Arc<dyn Driver>, config: Config) -> Allocator {
+        let count = driver.device_count().max(0) as usize;
+        Allocator {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            config,
+            index: Arc::new(SegmentIndex::default()),
+            devices: (0..count).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// An allocator over the driver `config` names. Also returns the simulated driver when that
+    /// is the one chosen, so tests and the C API can control it.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] when the CUDA driver or a device is missing.
+    pub fn from_config(config: Config) -> Result<(Allocator, Option<Arc<SimDriver>>), Error> {
+        match config.driver {
+            DriverKind::Sim => {
+                let sim = Arc::new(SimDriver::new(config.sim_devices, config.sim_capacity));
+                Ok((Allocator::new(sim.clone(), config), Some(sim)))
+            }
+            DriverKind::Cuda => {
+                let cuda = CudaDriver::new().map_err(|e| Error::driver(e, "starting the CUDA driver"))?;
+                Ok((Allocator::new(Arc::new(cuda), config), None))
+            }
+        }
+    }
+
+    /// The driver this allocator uses.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// The options in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> i32 {
+        self.devices.len() as i32
+    }
+
+    fn device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        let d = if device == -1 {
+            self.driver.current_device().map_err(|e| Error::driver(e, "reading the current device"))?
+        } else {
+            device
+        };
+        let slot = usize::try_from(d).ok().and_then(|i| self.devices.get(i)).ok_or_else(|| {
+            Error::InvalidValue(format!(
+                "device {device} is out of range: the {} driver has {} device(s); pass -1 for the current device",
+                self.driver.name(),
+                self.devices.len()
+            ))
+        })?;
+        Ok(slot.get_or_init(|| {
+            DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)
+        }))
+    }
+
+    #[inline]
+    fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>) -> R) -> R {
+        let found = SHARD_CACHE.try_with(|cache| {
+            let cache = cache.borrow();
+            cache
+                .slots
+                .iter()
+                .flatten()
+                .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)
+                .map(|c| c.shard.clone())
+        });
+        if let Ok(Some(shard)) = found {
+            return f(&shard);
+        }
+        let shard = dev.shard(stream);
+        let _ = SHARD_CACHE.try_with(|cache| {
+            let mut cache = cache.borrow_mut();
+            let slot = cache.next;
+            cache.next = (slot + 1) % SHARD_CACHE_SLOTS;
+            cache.slots[slot] =
+                Some(CachedShard { allocator: self.id, device: dev.device, stream, shard: shard.clone() });
+        });
+        f(&shard)
+    }
+
+    /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
+    /// for use on `stream` (PyTorch `raw_alloc_with_stream`). Returns 0 for `size` 0.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
+    /// [`Error::OutOfMemory`] (after releasing the cache and retrying once), [`Error::Cuda`].
+    pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
+        let dev = self.device(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        self.with_shard(dev, stream, |shard| dev.malloc(shard, size))
+    }
+
+    /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
+    ///
+    /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
+    /// every pool as it was; [`Error::Cuda`] if an event for `record_stream` cannot be recorded.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(Error::InvalidPointer(format!("gpupool_free: pointer {ptr:#x} was not allocated by gpupool"))),
+            Some(e) => self.device_of(e.device)?.free(&e.shard, ptr, e.base),
+        })
+    }
+
+    /// Marks the block at `ptr` as used on `stream` (PyTorch `recordStream`).
+    ///
+    /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(Error::InvalidPointer(format!(
+                "gpupool_record_stream: pointer {ptr:#x} was not allocated by gpupool"
+            ))),
+            Some(e) => self.device_of(e.device)?.record_stream(&e.shard, ptr, e.base, stream),
+        })
+    }
+
+    fn device_of(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        self.devices[device as usize]
+            .get()
+            .ok_or_else(|| Error::Internal(format!("a segment names device {device}, which was never used")))
+    }
+
+    /// Returns every wholly free cached segment to the driver, after waiting for all pending
+    /// events (PyTorch `emptyCache`). `device` -1: every device in use.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`].
+    pub fn empty_cache(&self, device: i32) -> Result<(), Error> {
+        if device == -1 {
+            for dev in self.devices.iter().filter_map(|d| d.get()) {
+                dev.release_cached_blocks()?;
+            }
+            return Ok(());
+        }
+        self.device(device)?.release_cached_blocks()
+    }
+
+    /// The statistics of `device` (-1: current), as `torch.cuda.memory_stats` reports them.
+    pub fn stats(&self, device: i32) -> Result<DeviceStats, Error> {
+        Ok(self.device(device)?.stats())
+    }
+
+    /// Sets every peak to its current value (PyTorch `reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
+        self.device(device)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// The table of `torch.cuda.memory_summary` for `device` (-1: current).
+    pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
+        let dev = self.device(device)?;
+        Ok(memory_summary(dev.device, self.driver.name(), &dev.stats()))
+    }
+
+    /// Checks every invariant of every device, for tests: each segment's blocks cover it
+    /// exactly and in order, free neighbours are coalesced, each free block is in its pool
+    /// once, the live map holds exactly the allocated blocks, pending events match the blocks
+    /// awaiting them, each statistic equals a recount, the peak credit adds up, and no two
+    /// segments overlap. Takes every lock; O(blocks).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut end = 0;
+        let mut per_device = vec![0i64; self.devices.len()];
+        for (base, size, device) in self.index.segments() {
+            if base < end {
+                return Err(format!("segment {base:#x} overlaps the one before it"));
+            }
+            end = base + size as u64;
+            per_device[device as usize] += 1;
+        }
+        for (i, dev) in self.devices.iter().enumerate() {
+            if let Some(dev) = dev.get() {
+                dev.check()?;
+                let segments = dev.stats().segment.all.current;
+                if segments != per_device[i] {
+                    return Err(format!("device {i}: {segments} segments counted, {} indexed", per_device[i]));
+                }
+            } else if per_device[i] != 0 {
+                return Err(format!("device {i} was never used but has segments"));
+            }
+        }
+        Ok(())
+    }
+}

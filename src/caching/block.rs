@@ -1,0 +1,91 @@
+//! Blocks and the arena that owns them.
+//!
+//! A block is a contiguous range of one segment: allocated to a caller, waiting for the events
+//! of the streams that used it, or free in its pool (PyTorch `Block`). The blocks of a segment
+//! form a doubly linked list by address (`prev`/`next`); a segment's first block never changes
+//! identity, because coalescing always merges a block into its lower neighbour.
+
+use super::rules::PoolKind;
+use crate::driver::{DevicePtr, StreamHandle};
+
+/// Index of a block in its shard's [`Arena`].
+pub type BlockId = u32;
+/// "No block": the end of a segment's list.
+pub const NIL: BlockId = u32::MAX;
+
+/// Where a block is in its life (PyTorch tracks this with `allocated` and `event_count`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// In its pool's free list, available to a request on the owning stream.
+    Free,
+    /// Handed to a caller by malloc.
+    Allocated,
+    /// Freed by the caller, but streams recorded with `record_stream` may still use it: it
+    /// goes back to its pool when the last of its events has completed.
+    AwaitingEvents,
+}
+
+/// One block (PyTorch `Block`). Sizes in bytes.
+#[derive(Debug)]
+pub struct Block {
+    pub addr: DevicePtr,
+    pub size: usize,
+    /// The size the caller asked for, before rounding (PyTorch `requested_size`).
+    pub requested: usize,
+    pub prev: BlockId,
+    pub next: BlockId,
+    pub state: BlockState,
+    pub pool: PoolKind,
+    /// Events still outstanding for this block (PyTorch `event_count`).
+    pub event_count: u32,
+    /// Streams other than the owning one that used the block (PyTorch `stream_uses`).
+    pub stream_uses: Vec<StreamHandle>,
+}
+
+impl Block {
+    /// PyTorch `Block::is_split`: the block shares its segment with other blocks.
+    pub fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+}
+
+/// Storage for a shard's blocks with stable ids and slot reuse.
+#[derive(Default, Debug)]
+pub struct Arena {
+    slots: Vec<Block>,
+    vacant: Vec<BlockId>,
+}
+
+impl Arena {
+    pub fn insert(&mut self, block: Block) -> BlockId {
+        if let Some(id) = self.vacant.pop() {
+            self.slots[id as usize] = block;
+            id
+        } else {
+            self.slots.push(block);
+            (self.slots.len() - 1) as BlockId
+        }
+    }
+
+    /// Marks a slot reusable. The caller has unlinked the block from its segment and pool.
+    pub fn remove(&mut self, id: BlockId) {
+        let b = &mut self.slots[id as usize];
+        b.stream_uses = Vec::new();
+        self.vacant.push(id);
+    }
+}
+
+impl std::ops::Index<BlockId> for Arena {
+    type Output = Block;
+    #[inline]
+    fn index(&self, id: BlockId) -> &Block {
+        &self.slots[id as usize]
+    }
+}
+
+impl std::ops::IndexMut<BlockId> for Arena {
+    #[inline]
+    fn index_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.slots[id as usize]
+    }
+}

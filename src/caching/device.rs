@@ -1,0 +1,246 @@
+//! One device: its shards (one per stream), PyTorch's malloc with free-and-retry on
+//! out-of-memory, `empty_cache`, and the device-wide statistics.
+//!
+//! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
+//! lock but the segment index's writer lock. The peak lock is taken with no shard lock held,
+//! and then every shard lock in creation order.
+
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+
+use super::segment_index::SegmentIndex;
+use super::shard::{Env, Request, Shard, ShardState};
+use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
+use crate::error::Error;
+use crate::stats::summary::format_size;
+use crate::stats::{self, CELLS, DeviceCounters, DeviceStats, ShardCounters, peaks};
+
+#[derive(Default)]
+struct ShardTable {
+    list: Vec<Arc<Shard>>,
+    by_stream: FxHashMap<StreamHandle, Arc<Shard>>,
+}
+
+pub(crate) struct DeviceAllocator {
+    pub device: i32,
+    driver: Arc<dyn Driver>,
+    index: Arc<SegmentIndex>,
+    pub max_split_size: usize,
+    shards: Mutex<ShardTable>,
+    peaks: Mutex<[i64; CELLS]>,
+    counters: DeviceCounters,
+}
+
+impl DeviceAllocator {
+    pub fn new(device: i32, driver: Arc<dyn Driver>, index: Arc<SegmentIndex>, max_split_size: usize) -> Self {
+        DeviceAllocator {
+            device,
+            driver,
+            index,
+            max_split_size,
+            shards: Mutex::new(ShardTable::default()),
+            peaks: Mutex::new([0; CELLS]),
+            counters: DeviceCounters::default(),
+        }
+    }
+
+    fn env<'a>(&'a self, shard: &'a Arc<Shard>) -> Env<'a> {
+        Env {
+            driver: &*self.driver,
+            device: self.device,
+            max_split_size: self.max_split_size,
+            index: &self.index,
+            shard,
+            counters: &self.counters,
+        }
+    }
+
+    /// The shard of `stream`, created on first use.
+    pub fn shard(&self, stream: StreamHandle) -> Arc<Shard> {
+        let mut t = self.shards.lock();
+        let ShardTable { list, by_stream } = &mut *t;
+        by_stream
+            .entry(stream)
+            .or_insert_with(|| {
+                let s = Arc::new(Shard::new(stream));
+                list.push(s.clone());
+                s
+            })
+            .clone()
+    }
+
+    fn shard_list(&self) -> Vec<Arc<Shard>> {
+        self.shards.lock().list.clone()
+    }
+
+    /// PyTorch `DeviceCachingAllocator::malloc`: events first (`process_events`), then the best
+    /// cached fit, then a new segment; on out-of-memory, oversize segments of this stream
+    /// (`release_available_cached_blocks`), then every cached segment of the device after
+    /// waiting for all events (`release_cached_blocks`) and one retry (`num_alloc_retries`).
+    ///
+    /// The hit path takes the shard's lock once and makes no driver call when no event is
+    /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
+    /// stream's callers.
+    pub fn malloc(&self, shard: &Arc<Shard>, size: usize) -> Result<DevicePtr, Error> {
+        let req = Request::new(size)?;
+        let env = self.env(shard);
+        let mut st = shard.lock();
+        st.process_events(&env)?;
+        if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+            return Ok(self.finish(st, ptr));
+        }
+        drop(st);
+        self.release_cached_blocks()?;
+        DeviceCounters::bump(&self.counters.num_alloc_retries);
+        let mut st = shard.lock();
+        if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+            return Ok(self.finish(st, ptr));
+        }
+        drop(st);
+        Err(self.out_of_memory(&req))
+    }
+
+    /// A block for `req` from the cache or a new segment; `Ok(None)` when the device is out of
+    /// memory for it.
+    #[inline]
+    fn serve(&self, st: &mut ShardState, env: &Env, req: &Request) -> Result<Option<DevicePtr>, Error> {
+        let id = match st.take_cached(req, self.max_split_size) {
+            Some(id) => id,
+            None => match st.new_segment(env, req) {
+                Ok(id) => id,
+                Err(DriverError::OutOfMemory) => {
+                    if !st.release_available(env, req)? {
+                        return Ok(None);
+                    }
+                    match st.new_segment(env, req) {
+                        Ok(id) => id,
+                        Err(DriverError::OutOfMemory) => return Ok(None),
+                        Err(e) => return Err(Error::driver(e, "allocating a segment")),
+                    }
+                }
+                Err(e) => return Err(Error::driver(e, "allocating a segment")),
+            },
+        };
+        Ok(Some(st.hand_out(id, req, self.max_split_size)))
+    }
+
+    /// Unlocks the shard and settles the device peaks if the call went past its credit.
+    #[inline]
+    fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
+        let settle = st.counters.needs_settle;
+        drop(st);
+        if settle {
+            self.with_all_shards(peaks::settle);
+        }
+        value
+    }
+
+    /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
+    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+        let env = self.env(shard);
+        let mut st = shard.lock();
+        st.free(&env, ptr, segment)?;
+        self.finish(st, ());
+        Ok(())
+    }
+
+    pub fn record_stream(
+        &self,
+        shard: &Arc<Shard>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), Error> {
+        shard.lock().record_stream(ptr, segment, shard.stream, stream)
+    }
+
+    /// PyTorch `release_cached_blocks` (`empty_cache`, and the OOM path): waits for every
+    /// outstanding event of the device (`num_sync_all_streams`), then returns every wholly free
+    /// cached segment of every stream to the driver.
+    ///
+    /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
+    /// done, and the rest stays cached.
+    pub fn release_cached_blocks(&self) -> Result<(), Error> {
+        DeviceCounters::bump(&self.counters.num_sync_all_streams);
+        for shard in self.shard_list() {
+            let env = self.env(&shard);
+            let mut st = shard.lock();
+            st.synchronize_events(&env)?;
+            st.release_cached(&env)?;
+            self.finish(st, ());
+        }
+        Ok(())
+    }
+
+    /// PyTorch's out-of-memory message, with the device's figures.
+    fn out_of_memory(&self, req: &Request) -> Error {
+        DeviceCounters::bump(&self.counters.num_ooms);
+        let s = self.stats();
+        let (allocated, reserved) = (s.allocated_bytes.all.current as u64, s.reserved_bytes.all.current as u64);
+        let capacity = match self.driver.mem_info(self.device) {
+            Ok(info) => format!(
+                "GPU {} has a total capacity of {} of which {} is free",
+                self.device,
+                format_size(info.total as u64),
+                format_size(info.free as u64)
+            ),
+            Err(e) => format!("GPU {}'s free memory could not be read ({e})", self.device),
+        };
+        Error::OutOfMemory(format!(
+            "CUDA out of memory. Tried to allocate {} (for a request of {} bytes). {capacity}. \
+             Of the allocated memory {} is allocated by gpupool, and {} is reserved by gpupool but unallocated. \
+             If reserved but unallocated memory is large, the cache is fragmented: see gpupool_memory_summary.",
+            format_size(req.segment as u64),
+            req.size,
+            format_size(allocated),
+            format_size(reserved - allocated),
+        ))
+    }
+
+    /// Runs `f` with the peak lock and every shard of the device locked.
+    fn with_all_shards<R>(&self, f: impl FnOnce(&mut [i64; CELLS], &mut [&mut ShardCounters]) -> R) -> R {
+        let mut peaks = self.peaks.lock();
+        let list = self.shard_list();
+        let mut guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        let mut counters: Vec<&mut ShardCounters> = guards.iter_mut().map(|g| &mut g.counters).collect();
+        f(&mut peaks, &mut counters)
+    }
+
+    /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
+    pub fn stats(&self) -> DeviceStats {
+        self.with_all_shards(|peaks, shards| {
+            peaks::settle(peaks, shards);
+            let view: Vec<&ShardCounters> = shards.iter().map(|s| &**s).collect();
+            stats::collect(peaks, &view, &self.counters, self.max_split_size)
+        })
+    }
+
+    /// PyTorch `resetPeakStats`.
+    pub fn reset_peak_stats(&self) {
+        self.with_all_shards(peaks::reset);
+    }
+
+    /// The consistency check of every shard, and of the peak credit.
+    pub fn check(&self) -> Result<(), String> {
+        let peaks = self.peaks.lock();
+        let list = self.shard_list();
+        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        for (shard, st) in list.iter().zip(&guards) {
+            st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
+        }
+        let settled = guards.iter().all(|g| !g.counters.needs_settle);
+        for (cell, &peak) in peaks.iter().enumerate() {
+            let current: i64 = guards.iter().map(|g| g.counters.cells[cell].current).sum();
+            let credit: i64 = guards.iter().map(|g| g.counters.cells[cell].headroom).sum();
+            if peak != current + credit || (settled && peak < current) {
+                return Err(format!(
+                    "device {}: peak of statistic cell {cell} is {peak} with current {current} and credit {credit}",
+                    self.device
+                ));
+            }
+        }
+        Ok(())
+    }
+}

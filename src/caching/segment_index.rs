@@ -1,0 +1,67 @@
+//! Which shard owns an address: the map from segment ranges to shards that `free` and
+//! `record_stream` search, since they are given a pointer and nothing else.
+//!
+//! Readers load an immutable snapshot (`arc-swap`: no lock and no shared write), search it, and
+//! use the shard it names. Writers (a segment obtained or released: a driver call already)
+//! copy the snapshot, change it and publish the copy. Threads freeing on different streams so
+//! never touch a common cache line here.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+
+use super::shard::Shard;
+use crate::driver::DevicePtr;
+
+/// One segment and the shard (stream) it belongs to.
+pub(crate) struct SegmentEntry {
+    pub base: DevicePtr,
+    pub size: usize,
+    pub device: i32,
+    pub shard: Arc<Shard>,
+}
+
+#[derive(Default)]
+pub(crate) struct SegmentIndex {
+    snapshot: ArcSwap<Vec<SegmentEntry>>,
+    writer: Mutex<()>,
+}
+
+impl SegmentIndex {
+    /// Calls `f` with the segment that contains `ptr`, if any.
+    #[inline]
+    pub fn with_segment<R>(&self, ptr: DevicePtr, f: impl FnOnce(Option<&SegmentEntry>) -> R) -> R {
+        let snap = self.snapshot.load();
+        let i = snap.partition_point(|e| e.base <= ptr);
+        let hit = i.checked_sub(1).map(|i| &snap[i]).filter(|e| ptr - e.base < e.size as u64);
+        f(hit)
+    }
+
+    pub fn insert(&self, entry: SegmentEntry) {
+        let _w = self.writer.lock();
+        let old = self.snapshot.load();
+        let mut next: Vec<SegmentEntry> = Vec::with_capacity(old.len() + 1);
+        let at = old.partition_point(|e| e.base < entry.base);
+        next.extend(old[..at].iter().map(clone_entry));
+        next.push(entry);
+        next.extend(old[at..].iter().map(clone_entry));
+        self.snapshot.store(Arc::new(next));
+    }
+
+    pub fn remove(&self, base: DevicePtr) {
+        let _w = self.writer.lock();
+        let old = self.snapshot.load();
+        let next: Vec<SegmentEntry> = old.iter().filter(|e| e.base != base).map(clone_entry).collect();
+        self.snapshot.store(Arc::new(next));
+    }
+
+    /// Every segment as (base, size, device), in address order.
+    pub fn segments(&self) -> Vec<(DevicePtr, usize, i32)> {
+        self.snapshot.load().iter().map(|e| (e.base, e.size, e.device)).collect()
+    }
+}
+
+fn clone_entry(e: &SegmentEntry) -> SegmentEntry {
+    SegmentEntry { base: e.base, size: e.size, device: e.device, shard: e.shard.clone() }
+}

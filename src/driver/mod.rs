@@ -1,0 +1,78 @@
+//! The driver layer: everything gpupool asks of a device, behind one trait.
+//!
+//! Two implementations: [`cuda::CudaDriver`] (the CUDA driver API through cudarc, on each
+//! device's primary context) and [`sim::SimDriver`] (host memory posing as device memory, with
+//! streams and events a test controls and faults injected on demand). The allocator core only
+//! sees this trait, so everything above it is tested without a GPU. None of these calls is on
+//! the cache-hit path.
+
+pub mod cuda;
+pub mod sim;
+
+use std::fmt;
+
+/// A device address (CUDA `CUdeviceptr`).
+pub type DevicePtr = u64;
+/// A stream, by the value of its handle (`cudaStream_t`/`CUstream`; 0 is the legacy default
+/// stream). Streams are told apart by handle value, as PyTorch does.
+pub type StreamHandle = usize;
+
+/// An event created by a driver (CUDA `CUevent`, as an integer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EventHandle(pub u64);
+
+/// Device memory figures from the driver (CUDA `cuMemGetInfo`), in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// What a driver call can fail with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DriverError {
+    /// The device has no memory left for the request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory,
+    /// Any other failure of a driver call, with the call's name and CUDA's error code and name.
+    Cuda { call: &'static str, code: i32, name: String },
+    /// There is no driver library or no device.
+    Unavailable(String),
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DriverError::OutOfMemory => write!(f, "the device is out of memory"),
+            DriverError::Cuda { call, code, name } => write!(f, "{call} failed with {name} ({code})"),
+            DriverError::Unavailable(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+/// What the allocator needs from a device. Implementations are shared by all threads.
+///
+/// Device ordinals passed in are valid (`0..device_count()`); the allocator checks them first.
+pub trait Driver: Send + Sync {
+    /// A short name for messages ("cuda", "sim").
+    fn name(&self) -> &'static str;
+    /// Number of devices.
+    fn device_count(&self) -> i32;
+    /// The calling thread's current device (the runtime API's `cudaGetDevice`).
+    fn current_device(&self) -> Result<i32, DriverError>;
+    /// Allocates `size` bytes of device memory (`cuMemAlloc`).
+    fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError>;
+    /// Frees memory from [`Driver::mem_alloc`] (`cuMemFree`).
+    fn mem_free(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError>;
+    /// Free and total memory of the device (`cuMemGetInfo`).
+    fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError>;
+    /// Creates an event without timing (`cuEventCreate(CU_EVENT_DISABLE_TIMING)`).
+    fn event_create(&self, device: i32) -> Result<EventHandle, DriverError>;
+    /// Records `event` on `stream` (`cuEventRecord`).
+    fn event_record(&self, device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Whether the work before the event has completed (`cuEventQuery`), never blocking.
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError>;
+    /// Blocks until the event has completed (`cuEventSynchronize`).
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
+    /// Destroys an event (`cuEventDestroy`).
+    fn event_destroy(&self, device: i32, event: EventHandle);
+}

@@ -1,0 +1,53 @@
+//! The error type of gpupool's Rust API; the C boundary maps each kind to a `gpupool_status`.
+
+use std::fmt;
+
+use crate::driver::DriverError;
+
+/// Why a call failed. Each carries the message the caller is shown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// An argument is wrong: a device out of range, a size that overflows, a NULL out-pointer.
+    InvalidValue(String),
+    /// The device has no memory for the request even after the cache was released.
+    OutOfMemory(String),
+    /// A pointer gpupool did not hand out, an interior pointer, or a double free.
+    InvalidPointer(String),
+    /// No driver: no `libcuda.so.1`, no device, or the simulated device not selected.
+    DriverUnavailable(String),
+    /// A driver call failed for another reason.
+    Cuda(String),
+    /// A bug in gpupool (a caught panic, a broken invariant).
+    Internal(String),
+}
+
+impl Error {
+    /// The message, without the kind.
+    pub fn message(&self) -> &str {
+        match self {
+            Error::InvalidValue(m)
+            | Error::OutOfMemory(m)
+            | Error::InvalidPointer(m)
+            | Error::DriverUnavailable(m)
+            | Error::Cuda(m)
+            | Error::Internal(m) => m,
+        }
+    }
+
+    /// Wraps a driver failure, saying what gpupool was doing when it happened.
+    pub fn driver(e: DriverError, doing: &str) -> Error {
+        match e {
+            DriverError::OutOfMemory => Error::OutOfMemory(format!("the device is out of memory while {doing}")),
+            DriverError::Unavailable(why) => Error::DriverUnavailable(why),
+            e @ DriverError::Cuda { .. } => Error::Cuda(format!("{e} while {doing}")),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,124 @@
+//! Allocation, free, record_stream and empty_cache.
+
+use std::ffi::{c_int, c_void};
+
+use super::status::{boundary, gpupool_status};
+use super::{gpupool_stream_t, runtime};
+use crate::error::Error;
+
+/// Allocates at least `size` bytes of device memory on `device` for use on `stream`, from
+/// gpupool's cache when a cached block fits (PyTorch `raw_alloc_with_stream`).
+///
+/// - `ptr`: out-pointer, written only on success. Must not be NULL.
+/// - `size`: bytes. 0 gives `*ptr = NULL` and success. Rounded up to a multiple of 512 bytes;
+///   requests up to 1 MiB share 2 MiB segments, larger ones are carved from 20 MiB segments
+///   (under 10 MiB) or get a segment of their own rounded up to 2 MiB, as in PyTorch.
+/// - `device`: a device ordinal, or -1 for the calling thread's current device
+///   (`cudaGetDevice`).
+/// - `stream`: the stream the memory will be used on (`cudaStream_t`/`CUstream`; NULL is the
+///   legacy default stream). The block is reused only by later allocations on the same stream,
+///   unless `gpupool_record_stream` says otherwise. gpupool never synchronizes the stream.
+///
+/// The memory is not initialised. Device pointers are valid in the device's primary context,
+/// i.e. for the CUDA runtime API. A cache hit takes one uncontended lock and makes no driver
+/// call; threads allocating on different streams do not contend.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `ptr`, device out of range, `size` overflows
+/// when rounded); `GPUPOOL_ERROR_OUT_OF_MEMORY` when the device is full even after gpupool
+/// waited for its pending events, released every cached segment of the device and retried
+/// once (the message has PyTorch's figures: requested, total, free, allocated, reserved);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`; `GPUPOOL_ERROR_CUDA`.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `ptr` must be NULL or point to writable storage for one `void *`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_malloc(
+    ptr: *mut *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: gpupool_stream_t,
+) -> gpupool_status {
+    boundary("gpupool_malloc", || {
+        if ptr.is_null() {
+            return Err(Error::InvalidValue("gpupool_malloc: ptr (the out-pointer) is NULL".into()));
+        }
+        let p = runtime()?.allocator.malloc(size, device, stream as usize)?;
+        // SAFETY: checked non-NULL; the caller passes a writable `void *`.
+        unsafe { *ptr = p as *mut c_void };
+        Ok(())
+    })
+}
+
+/// Frees memory from `gpupool_malloc` back to gpupool's cache (PyTorch `raw_delete`): the
+/// block becomes available to later allocations on its stream at once, or, if
+/// `gpupool_record_stream` named other streams, once the work queued on each of them up to
+/// now has completed (gpupool records one event per such stream and polls it at later calls;
+/// it never blocks here). Neighbouring free blocks of the same segment are merged. The memory
+/// stays reserved from the driver until `gpupool_empty_cache`.
+///
+/// - `ptr`: as returned by `gpupool_malloc`, on any device. NULL is a no-op.
+///
+/// Work already queued on the allocating stream may still use the block: a later allocation
+/// on that stream is ordered after it, as with PyTorch.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_POINTER` for a pointer gpupool did not hand out, a pointer
+/// inside a block, or a block already freed; the pools are left exactly as they were.
+/// `GPUPOOL_ERROR_CUDA` if an event cannot be recorded; the block then stays allocated.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
+    boundary("gpupool_free", || {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        runtime()?.allocator.free(ptr as u64)
+    })
+}
+
+/// Says that the block at `ptr` is also used by work on `stream`, so that after
+/// `gpupool_free` it is not reused until that work, as queued at the time of the free, has
+/// completed (the meaning of PyTorch's `Tensor.record_stream`). Use on the allocating stream
+/// is a no-op; naming a stream twice counts once.
+///
+/// - `ptr`: as returned by `gpupool_malloc` and not yet freed. NULL is a no-op.
+/// - `stream`: any stream of the block's device.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_POINTER` when `ptr` is not an allocated block (nothing
+/// changes).
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_record_stream", || {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        runtime()?.allocator.record_stream(ptr as u64, stream as usize)
+    })
+}
+
+/// Returns every cached segment that is wholly free to the driver (`cuMemFree`), after waiting
+/// for every pending event of freed blocks (PyTorch `torch.cuda.empty_cache`). Segments that
+/// still hold an allocated block stay. Blocks the caller and other threads may be using are
+/// untouched.
+///
+/// - `device`: a device ordinal, or -1 for every device gpupool has used.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
+/// waiting or freeing fails (what was released before stays released);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe; blocks the calling thread while it waits for events.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
+    boundary("gpupool_empty_cache", || runtime()?.allocator.empty_cache(device))
+}

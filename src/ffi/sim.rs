@@ -1,0 +1,62 @@
+//! Control of the simulated device (`GPUPOOL_DRIVER=sim`), for tests written in C.
+
+use std::ffi::c_int;
+
+use super::status::{boundary, gpupool_status};
+use super::{Runtime, gpupool_stream_t, runtime};
+use crate::driver::sim::SimDriver;
+use crate::error::Error;
+
+fn sim(call: &str) -> Result<(&'static Runtime, &'static SimDriver), Error> {
+    let rt = runtime()?;
+    let sim = rt.sim.as_deref().ok_or_else(|| {
+        Error::InvalidValue(format!("{call}: the simulated device is not in use (set GPUPOOL_DRIVER=sim)"))
+    })?;
+    Ok((rt, sim))
+}
+
+/// Simulated device only: from now on, work queued on `stream` does not complete, so events
+/// that gpupool records there stay pending (as behind a long kernel) until
+/// `gpupool_sim_release_stream`.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_sim_hold_stream", || {
+        sim("gpupool_sim_hold_stream")?.1.hold_stream(stream as usize);
+        Ok(())
+    })
+}
+
+/// Simulated device only: completes all work queued on `stream` and stops holding it.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_sim_release_stream", || {
+        sim("gpupool_sim_release_stream")?.1.release_stream(stream as usize);
+        Ok(())
+    })
+}
+
+/// Simulated device only: sets the calling thread's current device, the one device -1 means
+/// (the simulated `cudaSetDevice`).
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `device`
+/// is out of range. Affects the calling thread only.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
+    boundary("gpupool_sim_set_device", || {
+        let (rt, _) = sim("gpupool_sim_set_device")?;
+        let count = rt.allocator.device_count();
+        if !(0..count).contains(&device) {
+            return Err(Error::InvalidValue(format!(
+                "gpupool_sim_set_device: device {device} is out of range: {count} simulated device(s)"
+            )));
+        }
+        SimDriver::set_current_device(device);
+        Ok(())
+    })
+}

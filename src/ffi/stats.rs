@@ -1,0 +1,221 @@
+//! Statistics, peak reset, and the memory summary.
+
+use std::ffi::{c_char, c_int};
+
+use super::runtime;
+use super::status::{boundary, gpupool_status};
+use crate::error::Error;
+use crate::stats::{DeviceStats, Stat, StatArray};
+
+/// The layout version of `gpupool_stats_t` this library writes.
+pub const GPUPOOL_STATS_VERSION: u32 = 1;
+
+/// One statistic, as PyTorch's `Stat`: `current` value, `peak` (highest since the last
+/// `gpupool_reset_peak_stats`), and the sums of every increase (`allocated`) and decrease
+/// (`freed`). Bytes for the `*_bytes` statistics, counts for the others.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct gpupool_stat_t {
+    pub current: i64,
+    pub peak: i64,
+    pub allocated: i64,
+    pub freed: i64,
+}
+
+/// A statistic for all blocks and per pool (PyTorch's `StatArray`; the keys `all`,
+/// `small_pool`, `large_pool` of `torch.cuda.memory_stats()`). The small pool holds blocks of
+/// at most 1 MiB.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct gpupool_stat_array_t {
+    pub all: gpupool_stat_t,
+    pub small_pool: gpupool_stat_t,
+    pub large_pool: gpupool_stat_t,
+}
+
+/// The counters of `torch.cuda.memory_stats()` for one device.
+///
+/// Extensible: set `size` to `sizeof(gpupool_stats_t)` before the call. The library writes
+/// the first `min(size, its own sizeof)` bytes and sets `size` to that count, so a program
+/// built against an older header gets the fields it knows and a newer program can tell which
+/// fields an older library filled. Fields are only ever added at the end.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct gpupool_stats_t {
+    /// In: `sizeof(gpupool_stats_t)` as the caller compiled it. Out: bytes written.
+    pub size: u32,
+    /// Out: `GPUPOOL_STATS_VERSION` of the library.
+    pub version: u32,
+    /// Blocks handed out by `gpupool_malloc` and not yet freed.
+    pub allocation: gpupool_stat_array_t,
+    /// Segments obtained from the driver (`cuMemAlloc`) and not yet released.
+    pub segment: gpupool_stat_array_t,
+    /// Blocks allocated, or freed but waiting for the events of `gpupool_record_stream`.
+    pub active: gpupool_stat_array_t,
+    /// Free blocks in split segments (memory that `gpupool_empty_cache` cannot release).
+    pub inactive_split: gpupool_stat_array_t,
+    /// Bytes of allocated blocks (after rounding).
+    pub allocated_bytes: gpupool_stat_array_t,
+    /// Bytes of segments: what gpupool holds from the driver.
+    pub reserved_bytes: gpupool_stat_array_t,
+    /// Bytes of active blocks.
+    pub active_bytes: gpupool_stat_array_t,
+    /// Bytes of inactive split blocks.
+    pub inactive_split_bytes: gpupool_stat_array_t,
+    /// Bytes requested by callers (before rounding) of the active blocks.
+    pub requested_bytes: gpupool_stat_array_t,
+    /// Allocations of at least `max_split_size` bytes.
+    pub oversize_allocations: gpupool_stat_t,
+    /// Segments of at least `max_split_size` bytes.
+    pub oversize_segments: gpupool_stat_t,
+    /// Allocations that released the cache and retried after the device ran out of memory.
+    pub num_alloc_retries: i64,
+    /// `GPUPOOL_ERROR_OUT_OF_MEMORY` results.
+    pub num_ooms: i64,
+    /// Waits for every pending event of the device (OOM retry, `gpupool_empty_cache`).
+    pub num_sync_all_streams: i64,
+    /// Successful `cuMemAlloc` calls.
+    pub num_device_alloc: i64,
+    /// Successful `cuMemFree` calls.
+    pub num_device_free: i64,
+    /// `GPUPOOL_MAX_SPLIT_SIZE_MB` in bytes; INT64_MAX when unlimited.
+    pub max_split_size: i64,
+}
+
+fn stat(s: &Stat) -> gpupool_stat_t {
+    gpupool_stat_t { current: s.current, peak: s.peak, allocated: s.allocated, freed: s.freed }
+}
+
+fn array(a: &StatArray) -> gpupool_stat_array_t {
+    gpupool_stat_array_t { all: stat(&a.all), small_pool: stat(&a.small_pool), large_pool: stat(&a.large_pool) }
+}
+
+impl From<&DeviceStats> for gpupool_stats_t {
+    fn from(s: &DeviceStats) -> Self {
+        gpupool_stats_t {
+            size: size_of::<gpupool_stats_t>() as u32,
+            version: GPUPOOL_STATS_VERSION,
+            allocation: array(&s.allocation),
+            segment: array(&s.segment),
+            active: array(&s.active),
+            inactive_split: array(&s.inactive_split),
+            allocated_bytes: array(&s.allocated_bytes),
+            reserved_bytes: array(&s.reserved_bytes),
+            active_bytes: array(&s.active_bytes),
+            inactive_split_bytes: array(&s.inactive_split_bytes),
+            requested_bytes: array(&s.requested_bytes),
+            oversize_allocations: stat(&s.oversize_allocations),
+            oversize_segments: stat(&s.oversize_segments),
+            num_alloc_retries: s.num_alloc_retries,
+            num_ooms: s.num_ooms,
+            num_sync_all_streams: s.num_sync_all_streams,
+            num_device_alloc: s.num_device_alloc,
+            num_device_free: s.num_device_free,
+            max_split_size: s.max_split_size,
+        }
+    }
+}
+
+const HEADER: usize = 8;
+
+/// Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as
+/// one consistent snapshot (PyTorch `torch.cuda.memory_stats`).
+///
+/// - `out`: caller-owned; set `out->size = sizeof(gpupool_stats_t)` first. Written only on
+///   success, and only its first `out->size` bytes.
+///
+/// Peaks are exact for any sequence of calls that do not overlap in time; while several
+/// threads allocate on different streams of one device at the same moment, a peak can be off
+/// by what those streams moved during the moment it was settled.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
+/// range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe; briefly takes every lock of the device.
+///
+/// # Safety
+/// `out` must be NULL or point to writable storage of at least `out->size` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_stats(device: c_int, out: *mut gpupool_stats_t) -> gpupool_status {
+    boundary("gpupool_stats", || {
+        if out.is_null() {
+            return Err(Error::InvalidValue("gpupool_stats: out is NULL".into()));
+        }
+        // SAFETY: `out` is non-NULL and points to at least the 4-byte `size` field.
+        let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
+        if caller_size < HEADER {
+            return Err(Error::InvalidValue(format!(
+                "gpupool_stats: out->size is {caller_size}; set it to sizeof(gpupool_stats_t) first"
+            )));
+        }
+        let mut full = gpupool_stats_t::from(&runtime()?.allocator.stats(device)?);
+        let n = caller_size.min(size_of::<gpupool_stats_t>());
+        full.size = n as u32;
+        // SAFETY: the caller's struct is at least `caller_size >= n` bytes, per the contract.
+        unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out.cast::<u8>(), n) };
+        Ok(())
+    })
+}
+
+/// Sets every peak of `device` (-1: current) to its current value (PyTorch
+/// `torch.cuda.reset_peak_memory_stats`).
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
+    boundary("gpupool_reset_peak_stats", || runtime()?.allocator.reset_peak_stats(device))
+}
+
+/// Writes a text table of `device`'s statistics (-1: current), with the rows and columns of
+/// `torch.cuda.memory_summary()`: allocated, active, requested, reserved and non-releasable
+/// memory, and the counts, each per pool, with current, peak, total allocated and total freed.
+///
+/// - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
+/// - `needed`: if not NULL, receives the bytes the text needs, NUL included.
+///
+/// With `buf` NULL: writes `*needed` and succeeds. With a buffer of at least `*needed` bytes:
+/// writes the NUL-terminated text and `*needed`. The table can grow between two calls (a new
+/// digit); allocate a little more than asked, or retry.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL, `len` too small: the
+/// message gives the size needed, and nothing is written; device out of range);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_memory_summary(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> gpupool_status {
+    boundary("gpupool_memory_summary", || {
+        if buf.is_null() && needed.is_null() {
+            return Err(Error::InvalidValue("gpupool_memory_summary: buf and needed are both NULL".into()));
+        }
+        let text = runtime()?.allocator.memory_summary(device)?;
+        let n = text.len() + 1;
+        if !buf.is_null() {
+            if len < n {
+                return Err(Error::InvalidValue(format!(
+                    "gpupool_memory_summary: the buffer has {len} bytes but the summary needs {n}"
+                )));
+            }
+            // SAFETY: the caller's buffer holds `len >= n` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+                *buf.add(text.len()) = 0;
+            }
+        }
+        if !needed.is_null() {
+            // SAFETY: non-NULL, caller-owned.
+            unsafe { *needed = n };
+        }
+        Ok(())
+    })
+}

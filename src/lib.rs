@@ -1,0 +1,30 @@
+//! gpupool: PyTorch's CUDA caching allocator for C and C++ programs, as a library with a C ABI.
+//!
+//! Layout:
+//! - [`ffi`]: the C boundary (`include/gpupool.h` is generated from it by cbindgen).
+//! - [`caching`]: the allocator core, PyTorch's rules over a driver trait; no GPU needed.
+//! - [`driver`]: the CUDA driver (through cudarc) and the simulated device.
+//! - [`stats`]: statistics in PyTorch's terms, and the memory summary.
+//! - [`config`]: the `GPUPOOL_*` options.
+//!
+//! From Rust, build an [`Allocator`] over a driver:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use gpupool::{Allocator, config::Config, driver::sim::SimDriver};
+//!
+//! let alloc = Allocator::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+//! let p = alloc.malloc(1000, 0, 0).unwrap();
+//! alloc.free(p).unwrap();
+//! assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 2 << 20);
+//! ```
+
+pub mod caching;
+pub mod config;
+pub mod driver;
+pub mod error;
+pub mod ffi;
+pub mod stats;
+
+pub use caching::allocator::Allocator;
+pub use error::Error;

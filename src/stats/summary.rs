@@ -1,0 +1,140 @@
+//! The text table of `torch.cuda.memory_summary()`, and PyTorch's size formats.
+
+use std::fmt::Write;
+
+use super::{DeviceStats, Stat, StatArray};
+
+/// A byte count as PyTorch's allocator writes it in messages (`format_size` in
+/// `CUDACachingAllocator.cpp`): "512 bytes", "1.50 KiB", "20.00 MiB", "79.19 GiB".
+pub fn format_size(size: u64) -> String {
+    let s = size as f64;
+    if size <= 1024 {
+        format!("{size} bytes")
+    } else if size <= 1 << 20 {
+        format!("{:.2} KiB", s / 1024.0)
+    } else if size <= 1 << 30 {
+        format!("{:.2} MiB", s / 1048576.0)
+    } else {
+        format!("{:.2} GiB", s / 1073741824.0)
+    }
+}
+
+/// PyTorch `memory_summary`'s `_format_size`: scaled while the row's reference value is at
+/// least 768 of the unit.
+fn table_size(mut value: i64, reference: i64) -> String {
+    let mut reference = reference as f64;
+    let units = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut unit = units[0];
+    for next in &units[1..] {
+        if reference < 768.0 * 1024.0 {
+            break;
+        }
+        unit = next;
+        value /= 1024;
+        reference /= 1024.0;
+    }
+    format!("{value:6} {unit}")
+}
+
+/// PyTorch `memory_summary`'s `_format_count`: scaled by 1000 while at least 750 K.
+fn table_count(mut value: i64, reference: i64) -> String {
+    let mut reference = reference as f64;
+    let units = [" ", "K", "M"];
+    let mut unit = units[0];
+    for next in &units[1..] {
+        if reference < 750.0 * 1000.0 {
+            break;
+        }
+        unit = next;
+        value /= 1000;
+        reference /= 1000.0;
+    }
+    format!("{value:7} {unit} ")
+}
+
+const WIDTH: usize = 75;
+
+fn rule(out: &mut String, c: char) {
+    out.push('|');
+    out.extend(std::iter::repeat_n(c, WIDTH));
+    out.push_str("|\n");
+}
+
+fn row(out: &mut String, name: &str, stat: &Stat, reference: &Stat, bytes: bool) {
+    let f = |v: i64, r: i64| if bytes { table_size(v, r) } else { table_count(v, r) };
+    let _ = writeln!(
+        out,
+        "| {:<21} | {} | {} | {} | {} |",
+        name,
+        f(stat.current, reference.current),
+        f(stat.peak, reference.peak),
+        f(stat.allocated, reference.allocated),
+        f(stat.freed, reference.freed),
+    );
+}
+
+fn section(out: &mut String, name: &str, a: &StatArray, bytes: bool) {
+    row(out, name, &a.all, &a.all, bytes);
+    row(out, "      from large pool", &a.large_pool, &a.all, bytes);
+    row(out, "      from small pool", &a.small_pool, &a.all, bytes);
+    rule(out, '-');
+}
+
+/// The table for one device, with the rows and columns of `torch.cuda.memory_summary()`.
+pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
+    let mut out = String::with_capacity(4096);
+    rule(&mut out, '=');
+    let title = format!("gpupool memory summary, device ID {device} ({driver} driver)");
+    let _ = writeln!(out, "|{title:^WIDTH$}|");
+    rule(&mut out, '-');
+    let ooms = format!("OOMs: {:<9}", s.num_ooms);
+    let retries = format!("device alloc retries: {:<5}", s.num_alloc_retries);
+    let _ = writeln!(out, "|{ooms:^37}|{retries:^37}|");
+    rule(&mut out, '=');
+    let _ = writeln!(out, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |");
+    rule(&mut out, '-');
+    section(&mut out, "Allocated memory", &s.allocated_bytes, true);
+    section(&mut out, "Active memory", &s.active_bytes, true);
+    section(&mut out, "Requested memory", &s.requested_bytes, true);
+    section(&mut out, "GPU reserved memory", &s.reserved_bytes, true);
+    section(&mut out, "Non-releasable memory", &s.inactive_split_bytes, true);
+    section(&mut out, "Allocations", &s.allocation, false);
+    section(&mut out, "Active allocs", &s.active, false);
+    section(&mut out, "GPU reserved segments", &s.segment, false);
+    section(&mut out, "Non-releasable allocs", &s.inactive_split, false);
+    row(&mut out, "Oversize allocations", &s.oversize_allocations, &s.oversize_allocations, false);
+    rule(&mut out, '-');
+    row(&mut out, "Oversize GPU segments", &s.oversize_segments, &s.oversize_segments, false);
+    rule(&mut out, '=');
+    let sync = format!("syncs of all streams: {:<6}", s.num_sync_all_streams);
+    let calls = format!("device allocs: {:<7} frees: {:<7}", s.num_device_alloc, s.num_device_free);
+    let _ = writeln!(out, "|{sync:^37}|{calls:^37}|");
+    rule(&mut out, '=');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_like_pytorch() {
+        assert_eq!(format_size(512), "512 bytes");
+        assert_eq!(format_size(1536), "1.50 KiB");
+        assert_eq!(format_size(20 << 20), "20.00 MiB");
+        assert_eq!(format_size(3 << 30), "3.00 GiB");
+        assert_eq!(table_size(2 << 20, 2 << 20), "  2048 KiB");
+        assert_eq!(table_size(1 << 30, 1 << 30), "  1024 MiB");
+        assert_eq!(table_count(12, 12), "     12   ");
+    }
+
+    #[test]
+    fn every_row_has_the_table_width() {
+        let text = memory_summary(0, "sim", &DeviceStats::default());
+        for line in text.lines() {
+            assert_eq!(line.chars().count(), WIDTH + 2, "{line:?}");
+        }
+        assert!(text.contains("Allocated memory"));
+        assert!(text.contains("Non-releasable allocs"));
+    }
+}

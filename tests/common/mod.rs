@@ -1,0 +1,26 @@
+//! Helpers shared by the integration tests: an allocator over a fresh simulated device.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use gpupool::Allocator;
+use gpupool::config::Config;
+use gpupool::driver::sim::SimDriver;
+
+pub const MIB: usize = 1 << 20;
+
+pub fn sim(devices: i32, capacity: usize) -> (Allocator, Arc<SimDriver>) {
+    sim_with(devices, capacity, Config::default())
+}
+
+pub fn sim_with(devices: i32, capacity: usize, config: Config) -> (Allocator, Arc<SimDriver>) {
+    let driver = Arc::new(SimDriver::new(devices, capacity));
+    (Allocator::new(driver.clone(), config), driver)
+}
+
+/// Panics with the checker's finding if any invariant is broken.
+pub fn check(a: &Allocator) {
+    if let Err(e) = a.check_invariants() {
+        panic!("invariant broken: {e}");
+    }
+}
