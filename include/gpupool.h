@@ -299,6 +299,18 @@ gpupool_status gpupool_record_stream(void *ptr, gpupool_stream_t stream);
 gpupool_status gpupool_empty_cache(int device);
 
 /**
+ * Writes the number of devices of the driver in use to `*count` (`cudaGetDeviceCount`;
+ * with `GPUPOOL_DRIVER=sim`, `GPUPOOL_SIM_DEVICES`). Valid ordinals are 0 to `*count - 1`.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `count`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ * Thread-safe.
+ *
+ * # Safety
+ * `count` must be NULL or point to a writable `int`.
+ */
+gpupool_status gpupool_device_count(int *count);
+
+/**
  * Simulated device only: from now on, work queued on `stream` does not complete, so events
  * that gpupool records there stay pending (as behind a long kernel) until
  * `gpupool_sim_release_stream`.
@@ -407,5 +419,15 @@ const char *gpupool_version(void);
 
 #endif  /* GPUPOOL_H */
 
-/** Initialiser for a gpupool_stats_t: `gpupool_stats_t s = GPUPOOL_STATS_INIT;` */
-#define GPUPOOL_STATS_INIT {sizeof(gpupool_stats_t), 0}
+/**
+ * A zeroed gpupool_stats_t with `size` set, ready for gpupool_stats():
+ * `gpupool_stats_t s = GPUPOOL_STATS_INIT;`. Clean under -Wall -Wextra in C and C++.
+ */
+static inline gpupool_stats_t gpupool_stats_init(void) {
+  gpupool_stats_t s;
+  unsigned char *bytes = (unsigned char *)&s;
+  for (size_t i = 0; i < sizeof s; i++) bytes[i] = 0;
+  s.size = (uint32_t)sizeof s;
+  return s;
+}
+#define GPUPOOL_STATS_INIT gpupool_stats_init()

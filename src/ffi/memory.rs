@@ -122,3 +122,24 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
     boundary("gpupool_empty_cache", || runtime()?.allocator.empty_cache(device))
 }
+
+/// Writes the number of devices of the driver in use to `*count` (`cudaGetDeviceCount`;
+/// with `GPUPOOL_DRIVER=sim`, `GPUPOOL_SIM_DEVICES`). Valid ordinals are 0 to `*count - 1`.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `count`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+/// Thread-safe.
+///
+/// # Safety
+/// `count` must be NULL or point to a writable `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
+    boundary("gpupool_device_count", || {
+        if count.is_null() {
+            return Err(Error::InvalidValue("gpupool_device_count: count is NULL".into()));
+        }
+        let n = runtime()?.allocator.device_count();
+        // SAFETY: checked non-NULL; caller-owned.
+        unsafe { *count = n };
+        Ok(())
+    })
+}

@@ -1,0 +1,103 @@
+// gpupool.hpp: a header-only C++17 wrapper over gpupool's C API.
+//
+//   gpupool::buffer b(n * sizeof(float), stream);   // gpupool_malloc on the current device
+//   kernel<<<g, t, 0, stream>>>(b.as<float>());
+//   b.record_stream(other);                          // also used on `other`
+//   // ~buffer: gpupool_free; the block is reused on `stream` only after `other` has passed
+//
+// Errors become gpupool::error (a std::runtime_error with the status and gpupool's message).
+// A buffer owns its block alone (move-only, like std::unique_ptr) and frees it when destroyed.
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "gpupool.h"
+
+namespace gpupool {
+
+class error : public std::runtime_error {
+ public:
+  error(gpupool_status status, const std::string &what)
+      : std::runtime_error(what), status_(status) {}
+  gpupool_status status() const noexcept { return status_; }
+
+ private:
+  gpupool_status status_;
+};
+
+inline void check(gpupool_status status, const char *call) {
+  if (status != GPUPOOL_SUCCESS) {
+    throw error(status, std::string(call) + ": " + gpupool_status_string(status) + ": " +
+                            gpupool_last_error_message());
+  }
+}
+
+// A block of device memory from gpupool, tied to the stream it was allocated for.
+class buffer {
+ public:
+  buffer() noexcept = default;
+  buffer(std::size_t bytes, gpupool_stream_t stream, int device = -1) : size_(bytes), stream_(stream) {
+    check(gpupool_malloc(&ptr_, bytes, device, stream), "gpupool_malloc");
+  }
+  buffer(const buffer &) = delete;
+  buffer &operator=(const buffer &) = delete;
+  buffer(buffer &&other) noexcept { swap(other); }
+  buffer &operator=(buffer &&other) noexcept {
+    if (this != &other) {
+      reset();
+      swap(other);
+    }
+    return *this;
+  }
+  ~buffer() { reset(); }
+
+  void *get() const noexcept { return ptr_; }
+  template <typename T>
+  T *as() const noexcept { return static_cast<T *>(ptr_); }
+  std::size_t size() const noexcept { return size_; }
+  gpupool_stream_t stream() const noexcept { return stream_; }
+  explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  // The block is also used by work queued on `other` (PyTorch's Tensor.record_stream).
+  void record_stream(gpupool_stream_t other) { check(gpupool_record_stream(ptr_, other), "gpupool_record_stream"); }
+
+  // Frees the block now. A failure here can only be a gpupool bug; it is not thrown from a
+  // destructor.
+  void reset() noexcept {
+    if (ptr_ != nullptr) gpupool_free(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  void swap(buffer &other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(size_, other.size_);
+    std::swap(stream_, other.stream_);
+  }
+  void *ptr_ = nullptr;
+  std::size_t size_ = 0;
+  gpupool_stream_t stream_ = nullptr;
+};
+
+inline gpupool_stats_t stats(int device = -1) {
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  check(gpupool_stats(device, &s), "gpupool_stats");
+  return s;
+}
+
+inline std::string summary(int device = -1) {
+  std::size_t needed = 0;
+  check(gpupool_memory_summary(device, nullptr, 0, &needed), "gpupool_memory_summary");
+  std::string text(needed + 256, '\0');
+  check(gpupool_memory_summary(device, text.data(), text.size(), &needed), "gpupool_memory_summary");
+  text.resize(needed - 1);
+  return text;
+}
+
+inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device), "gpupool_empty_cache"); }
+
+}  // namespace gpupool

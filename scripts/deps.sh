@@ -1,0 +1,16 @@
+# Sourced by run.sh, test.sh and .ci/run: installs what a fresh machine lacks to build
+# gpupool (cmake and pkg-config from Debian/Ubuntu packages). Needs cargo and a C compiler.
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "gpupool needs a Rust toolchain (cargo): see https://rustup.rs" >&2
+  exit 1
+fi
+missing=()
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v cc >/dev/null 2>&1 || missing+=(build-essential)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== installing ${missing[*]}"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

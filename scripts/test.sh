@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every test that runs without a GPU: the Rust tests (rules, invariant checker, stress), the C
+# tests under CTest against the shared and the static library, and a C++ project that finds
+# an installed gpupool with find_package(gpupool CONFIG REQUIRED).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh
+jobs=$(nproc)
+
+echo "== cargo test"
+cargo test --release
+
+echo "== C tests (CTest, simulated device)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$jobs"
+ctest --test-dir build --output-on-failure
+
+echo "== installed package, C++ consumer"
+rm -rf build/install build/cpp
+cmake --install build --prefix build/install >/dev/null
+cmake -S examples/cpp -B build/cpp -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
+cmake --build build/cpp -j"$jobs"
+GPUPOOL_DRIVER=sim ./build/cpp/consumer
+echo "== installed package, pkg-config"
+PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -Wall -Wextra -Werror examples/c/hello.c -o build/hello_pc \
+  $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
+GPUPOOL_DRIVER=sim ./build/hello_pc >/dev/null
+echo "test.sh: all tests passed"

@@ -1,0 +1,196 @@
+/* The C API end to end: run with GPUPOOL_DRIVER=sim (the memory is then host memory and the
+ * test also writes it) or GPUPOOL_DRIVER=cuda on a GPU. Built against both libgpupool.so and
+ * libgpupool.a with -Wall -Wextra -Wpedantic -Werror. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpupool.h"
+#include "check.h"
+
+#define MIB ((size_t)1 << 20)
+
+static int sim;
+
+static gpupool_stats_t stats(int device) {
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  CHECK_OK(gpupool_stats(device, &s));
+  return s;
+}
+
+static void test_strings(void) {
+  CHECK(strcmp(gpupool_status_string(GPUPOOL_SUCCESS), "success") == 0);
+  CHECK(strcmp(gpupool_status_string(GPUPOOL_ERROR_OUT_OF_MEMORY), "out of memory") == 0);
+  CHECK(strcmp(gpupool_status_string(12345), "unknown gpupool_status") == 0);
+  CHECK(strlen(gpupool_version()) >= 5);
+}
+
+static void test_malloc_free(void) {
+  void *p = NULL, *q = NULL;
+  CHECK_OK(gpupool_malloc(&p, 1000, 0, NULL));
+  CHECK(p != NULL && (uintptr_t)p % 512 == 0);
+  CHECK_OK(gpupool_malloc(&q, 1000, 0, NULL));
+  CHECK((char *)q == (char *)p + 1024);
+  if (sim) memset(p, 0x5a, 1000);
+  gpupool_stats_t s = stats(0);
+  CHECK(s.allocation.all.current == 2);
+  CHECK(s.allocated_bytes.small_pool.current == 2048);
+  CHECK(s.requested_bytes.all.current == 2000);
+  CHECK(s.reserved_bytes.all.current >= (int64_t)(2 * MIB));
+  CHECK_OK(gpupool_free(p));
+  CHECK_OK(gpupool_free(q));
+  void *r = NULL;
+  CHECK_OK(gpupool_malloc(&r, 1000, 0, NULL));
+  CHECK(r == p); /* the cached block comes back */
+  CHECK_OK(gpupool_free(r));
+  CHECK_OK(gpupool_free(NULL));
+}
+
+static void test_size_zero_and_null_out(void) {
+  void *p = (void *)0x1;
+  CHECK_OK(gpupool_malloc(&p, 0, 0, NULL));
+  CHECK(p == NULL);
+  CHECK(gpupool_malloc(NULL, 64, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "NULL") != NULL);
+  p = (void *)0x1;
+  CHECK(gpupool_malloc(&p, SIZE_MAX - 7, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "overflows") != NULL);
+  CHECK(p == (void *)0x1); /* outputs are written only on success */
+}
+
+static void test_bad_pointers(void) {
+  void *p = NULL, *q = NULL;
+  int local = 0;
+  CHECK_OK(gpupool_malloc(&p, 4096, 0, NULL));
+  CHECK_OK(gpupool_malloc(&q, 4096, 0, NULL));
+  CHECK_OK(gpupool_free(q));
+  gpupool_stats_t before = stats(0);
+  CHECK(gpupool_free(&local) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(strstr(gpupool_last_error_message(), "not allocated by gpupool") != NULL);
+  CHECK(gpupool_free((char *)p + 8) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(strstr(gpupool_last_error_message(), "8 bytes inside the block") != NULL);
+  CHECK(gpupool_free(q) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(strstr(gpupool_last_error_message(), "double free") != NULL);
+  CHECK(gpupool_record_stream(q, NULL) == GPUPOOL_ERROR_INVALID_POINTER);
+  gpupool_stats_t after = stats(0);
+  CHECK(memcmp(&before.allocation, &after.allocation, sizeof before.allocation) == 0);
+  CHECK(memcmp(&before.inactive_split, &after.inactive_split, sizeof before.inactive_split) == 0);
+  CHECK_OK(gpupool_free(p));
+}
+
+static void test_devices(void) {
+  int count = 0;
+  CHECK_OK(gpupool_device_count(&count));
+  CHECK(count >= 1);
+  CHECK(gpupool_device_count(NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  void *p = NULL;
+  CHECK(gpupool_malloc(&p, 64, count, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "out of range") != NULL);
+  CHECK(gpupool_malloc(&p, 64, -2, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  CHECK(gpupool_stats(count, &s) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_empty_cache(count) == GPUPOOL_ERROR_INVALID_VALUE);
+
+  int target = (sim && count > 1) ? 1 : 0;
+  if (sim) CHECK_OK(gpupool_sim_set_device(target));
+  int64_t before = stats(target).allocation.all.current;
+  CHECK_OK(gpupool_malloc(&p, 3 * MIB, -1, NULL));
+  CHECK(stats(target).allocation.all.current == before + 1);
+  CHECK(stats(-1).allocation.all.current == before + 1);
+  CHECK_OK(gpupool_free(p));
+  if (sim) {
+    CHECK_OK(gpupool_sim_set_device(0));
+    CHECK(gpupool_sim_set_device(count) == GPUPOOL_ERROR_INVALID_VALUE);
+  }
+}
+
+static void test_stats_struct(void) {
+  gpupool_stats_t s;
+  memset(&s, 0xab, sizeof s);
+  s.size = 4;
+  CHECK(gpupool_stats(0, &s) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_stats(0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  /* An older caller that knows only the header and `allocation`. */
+  memset(&s, 0xab, sizeof s);
+  s.size = (uint32_t)(offsetof(gpupool_stats_t, segment));
+  CHECK_OK(gpupool_stats(0, &s));
+  CHECK(s.size == offsetof(gpupool_stats_t, segment));
+  CHECK(s.version == GPUPOOL_STATS_VERSION);
+  CHECK(s.allocation.all.current >= 0);
+  unsigned char *tail = (unsigned char *)&s.segment;
+  CHECK(tail[0] == 0xab && tail[sizeof s.segment - 1] == 0xab); /* untouched */
+  s = stats(0);
+  CHECK(s.size == sizeof(gpupool_stats_t));
+  CHECK(s.max_split_size > 0);
+}
+
+static void test_summary(void) {
+  size_t needed = 0;
+  CHECK_OK(gpupool_memory_summary(0, NULL, 0, &needed));
+  CHECK(needed > 1000);
+  char small[16];
+  CHECK(gpupool_memory_summary(0, small, sizeof small, &needed) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "needs") != NULL);
+  char *buf = malloc(needed + 256);
+  CHECK_OK(gpupool_memory_summary(0, buf, needed + 256, &needed));
+  CHECK(strstr(buf, "Allocated memory") != NULL);
+  CHECK(strstr(buf, "GPU reserved memory") != NULL);
+  CHECK(strlen(buf) + 1 == needed);
+  free(buf);
+  CHECK(gpupool_memory_summary(0, NULL, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+}
+
+static void test_record_stream_sim(void) {
+  gpupool_stream_t a = (gpupool_stream_t)(uintptr_t)0x1000;
+  gpupool_stream_t b = (gpupool_stream_t)(uintptr_t)0x2000;
+  void *p = NULL, *q = NULL, *r = NULL;
+  CHECK_OK(gpupool_malloc(&p, 2 * MIB, 0, a));
+  CHECK_OK(gpupool_record_stream(p, b));
+  CHECK_OK(gpupool_sim_hold_stream(b));
+  CHECK_OK(gpupool_free(p));
+  CHECK_OK(gpupool_malloc(&q, 2 * MIB, 0, a));
+  CHECK(q != p); /* b may still be using p */
+  CHECK_OK(gpupool_free(q));
+  CHECK_OK(gpupool_sim_release_stream(b));
+  CHECK_OK(gpupool_malloc(&r, 2 * MIB, 0, a));
+  CHECK(r == p); /* b has passed the free */
+  CHECK_OK(gpupool_free(r));
+}
+
+static void test_out_of_memory(void) {
+  void *p = (void *)0x1;
+  int64_t ooms = stats(0).num_ooms;
+  CHECK(gpupool_malloc(&p, (size_t)1 << 50, 0, NULL) == GPUPOOL_ERROR_OUT_OF_MEMORY);
+  const char *msg = gpupool_last_error_message();
+  CHECK(strncmp(msg, "CUDA out of memory. Tried to allocate", 37) == 0);
+  CHECK(strstr(msg, "total capacity of") != NULL);
+  CHECK(strstr(msg, "reserved by gpupool but unallocated") != NULL);
+  CHECK(p == (void *)0x1);
+  CHECK(stats(0).num_ooms == ooms + 1);
+}
+
+static void test_empty_cache(void) {
+  CHECK_OK(gpupool_empty_cache(-1));
+  gpupool_stats_t s = stats(0);
+  CHECK(s.reserved_bytes.all.current == 0);
+  CHECK(s.active.all.current == 0);
+  CHECK(s.num_device_free == s.num_device_alloc);
+  CHECK_OK(gpupool_reset_peak_stats(0));
+  CHECK(stats(0).reserved_bytes.all.peak == 0);
+}
+
+int main(void) {
+  const char *driver = getenv("GPUPOOL_DRIVER");
+  sim = driver != NULL && strcmp(driver, "sim") == 0;
+  test_strings();
+  test_malloc_free();
+  test_size_zero_and_null_out();
+  test_bad_pointers();
+  test_devices();
+  test_stats_struct();
+  test_summary();
+  if (sim) test_record_stream_sim();
+  test_out_of_memory();
+  test_empty_cache();
+  return checks_report(sim ? "test_api (sim)" : "test_api (cuda)");
+}

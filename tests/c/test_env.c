@@ -1,0 +1,53 @@
+/* How gpupool starts when it cannot: run as `test_env no-driver` on a machine without
+ * libcuda (GPUPOOL_DRIVER unset: the CUDA driver is the default), or as `test_env bad-env`
+ * with GPUPOOL_DRIVER set to a value that means nothing. Either way every call returns a
+ * status with a message that says what to do, and nothing is printed on stderr. */
+#define _POSIX_C_SOURCE 200809L
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gpupool.h"
+#include "check.h"
+
+int main(int argc, char **argv) {
+  if (argc != 2) return 2;
+  int no_driver = strcmp(argv[1], "no-driver") == 0;
+  if (no_driver) {
+    void *lib = dlopen("libcuda.so.1", RTLD_LAZY);
+    if (lib != NULL) {
+      printf("test_env: libcuda.so.1 is present; skipped\n");
+      return 77;
+    }
+  }
+  /* Send stderr to a temporary file while gpupool runs, to prove it prints nothing. */
+  FILE *capture = tmpfile();
+  int saved = dup(2);
+  fflush(stderr);
+  dup2(fileno(capture), 2);
+
+  void *p = NULL;
+  gpupool_status malloc_status = gpupool_malloc(&p, 1024, 0, NULL);
+  char message[1024];
+  snprintf(message, sizeof message, "%s", gpupool_last_error_message());
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  gpupool_status stats_status = gpupool_stats(0, &s);
+  gpupool_status free_status = gpupool_free(NULL);
+
+  fflush(stderr);
+  dup2(saved, 2);
+  long printed = ftell(capture);
+  fseek(capture, 0, SEEK_END);
+  printed = ftell(capture);
+
+  gpupool_status want = no_driver ? GPUPOOL_ERROR_DRIVER_UNAVAILABLE : GPUPOOL_ERROR_INVALID_VALUE;
+  CHECK(malloc_status == want);
+  CHECK(stats_status == want);
+  CHECK(free_status == GPUPOOL_SUCCESS);
+  CHECK(p == NULL);
+  CHECK(strstr(message, no_driver ? "GPUPOOL_DRIVER=sim" : "GPUPOOL_DRIVER") != NULL);
+  CHECK(printed == 0);
+  printf("message: %s\n", message);
+  return checks_report(argv[1]);
+}
