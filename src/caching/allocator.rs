@@ -116,17 +116,20 @@ impl Allocator {
 
     #[inline]
     fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>) -> R) -> R {
-        let found = SHARD_CACHE.try_with(|cache| {
+        let mut f = Some(f);
+        // The hit: this thread used the shard lately; call in place, with no reference count
+        // taken (two atomic operations saved).
+        let hit = SHARD_CACHE.try_with(|cache| {
             let cache = cache.borrow();
-            cache
+            let slot = cache
                 .slots
                 .iter()
                 .flatten()
-                .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)
-                .map(|c| c.shard.clone())
+                .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)?;
+            Some((f.take().expect("called once"))(&slot.shard))
         });
-        if let Ok(Some(shard)) = found {
-            return f(&shard);
+        if let Ok(Some(r)) = hit {
+            return r;
         }
         let shard = dev.shard(stream);
         let _ = SHARD_CACHE.try_with(|cache| {
@@ -136,7 +139,7 @@ impl Allocator {
             cache.slots[slot] =
                 Some(CachedShard { allocator: self.id, device: dev.device, stream, shard: shard.clone() });
         });
-        f(&shard)
+        (f.take().expect("called once"))(&shard)
     }
 
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
