@@ -1,0 +1,20 @@
+// PyTorch's c10 CUDACachingAllocator behind a C interface, for bench.c. Built only when CMake is
+// given GPUPOOL_TORCH_DIR (the torch package directory, with include/ and lib/).
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+extern "C" {
+int torch_init(void) {
+  c10::cuda::CUDACachingAllocator::init(c10::cuda::device_count());
+  return 0;
+}
+void *torch_alloc(size_t n, void *stream) {
+  return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(n, static_cast<cudaStream_t>(stream));
+}
+void torch_free(void *p) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+long long torch_reserved_peak(void) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].peak;
+}
+void torch_reset_peak(void) { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
+void torch_empty_cache(void) { c10::cuda::CUDACachingAllocator::emptyCache(); }
+}
