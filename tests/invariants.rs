@@ -7,7 +7,7 @@ mod common;
 
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
-use gpupool::stats::DeviceStats;
+use gpupool::stats::{DeviceStats, Stat};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -42,8 +42,8 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Every (statistic, current) pair, for the peak model.
-fn currents(s: &DeviceStats) -> Vec<i64> {
+/// One field (`current` or `peak`) of every statistic that has a peak, in a fixed order.
+fn field(s: &DeviceStats, pick: fn(&Stat) -> i64) -> Vec<i64> {
     let arrays = [
         s.allocation,
         s.segment,
@@ -56,26 +56,17 @@ fn currents(s: &DeviceStats) -> Vec<i64> {
         s.requested_bytes,
     ];
     let mut v: Vec<i64> =
-        arrays.iter().flat_map(|a| [a.all.current, a.small_pool.current, a.large_pool.current]).collect();
-    v.extend([s.oversize_allocations.current, s.oversize_segments.current]);
+        arrays.iter().flat_map(|a| [pick(&a.all), pick(&a.small_pool), pick(&a.large_pool)]).collect();
+    v.extend([pick(&s.oversize_allocations), pick(&s.oversize_segments)]);
     v
 }
 
+fn currents(s: &DeviceStats) -> Vec<i64> {
+    field(s, |x| x.current)
+}
+
 fn peaks(s: &DeviceStats) -> Vec<i64> {
-    let arrays = [
-        s.allocation,
-        s.segment,
-        s.active,
-        s.inactive_split,
-        s.allocated_bytes,
-        s.reserved_bytes,
-        s.active_bytes,
-        s.inactive_split_bytes,
-        s.requested_bytes,
-    ];
-    let mut v: Vec<i64> = arrays.iter().flat_map(|a| [a.all.peak, a.small_pool.peak, a.large_pool.peak]).collect();
-    v.extend([s.oversize_allocations.peak, s.oversize_segments.peak]);
-    v
+    field(s, |x| x.peak)
 }
 
 /// Stamps a block's first and last bytes with a cookie (the simulated device's memory is host
