@@ -36,14 +36,6 @@ impl Default for Config {
     }
 }
 
-/// Every option: name, default, meaning. Printed by the examples and the README.
-pub const OPTIONS: &[(&str, &str, &str)] = &[
-    ("GPUPOOL_DRIVER", "cuda", "cuda or sim (the simulated device)"),
-    ("GPUPOOL_SIM_CAPACITY", "16GiB", "bytes per simulated device"),
-    ("GPUPOOL_SIM_DEVICES", "1", "number of simulated devices"),
-    ("GPUPOOL_MAX_SPLIT_SIZE_MB", "unlimited", "PyTorch's max_split_size_mb"),
-];
-
 impl Config {
     /// Reads every option from the environment.
     ///

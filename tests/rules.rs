@@ -115,6 +115,13 @@ fn record_stream_holds_a_block_back_until_the_other_stream_passes_the_free() {
         a.free(x).unwrap();
     }
     assert_eq!(drv.counts(), before);
+    // The event of the first free was reused, and empty_cache destroys it.
+    let p = a.malloc(MIB, 0, 1).unwrap();
+    a.record_stream(p, 2).unwrap();
+    a.free(p).unwrap();
+    assert_eq!((drv.counts().event_create, drv.counts().event_record), (1, 2));
+    a.empty_cache(0).unwrap();
+    assert_eq!(drv.live_events(), 0);
     check(&a);
 }
 

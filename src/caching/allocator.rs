@@ -201,18 +201,28 @@ impl Allocator {
         self.device(device)?.release_cached_blocks()
     }
 
-    /// The statistics of `device` (-1: current), as `torch.cuda.memory_stats` reports them.
+    /// The statistics of `device` (-1: current), as `torch.cuda.memory_stats` reports them:
+    /// one snapshot taken with every lock of the device held briefly.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`] (reading the
+    /// current device for -1).
     pub fn stats(&self, device: i32) -> Result<DeviceStats, Error> {
         Ok(self.device(device)?.stats())
     }
 
-    /// Sets every peak to its current value (PyTorch `reset_peak_memory_stats`).
+    /// Sets every peak of `device` (-1: current) to its current value (PyTorch
+    /// `reset_peak_memory_stats`).
+    ///
+    /// Errors: as [`Allocator::stats`].
     pub fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
         self.device(device)?.reset_peak_stats();
         Ok(())
     }
 
-    /// The table of `torch.cuda.memory_summary` for `device` (-1: current).
+    /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,
+    /// sizes in PyTorch's units (B, KiB, MiB, GiB).
+    ///
+    /// Errors: as [`Allocator::stats`].
     pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
         let dev = self.device(device)?;
         Ok(memory_summary(dev.device, self.driver.name(), &dev.stats()))

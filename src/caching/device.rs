@@ -146,6 +146,7 @@ impl DeviceAllocator {
         Ok(())
     }
 
+    /// PyTorch `recordStream` on the block at `ptr` of `shard`'s segment at `segment`.
     pub fn record_stream(
         &self,
         shard: &Arc<Shard>,

@@ -15,6 +15,7 @@ use super::shard::Shard;
 use crate::driver::DevicePtr;
 
 /// One segment and the shard (stream) it belongs to.
+#[derive(Clone)]
 pub(crate) struct SegmentEntry {
     pub base: DevicePtr,
     pub size: usize,
@@ -43,16 +44,16 @@ impl SegmentIndex {
         let old = self.snapshot.load();
         let mut next: Vec<SegmentEntry> = Vec::with_capacity(old.len() + 1);
         let at = old.partition_point(|e| e.base < entry.base);
-        next.extend(old[..at].iter().map(clone_entry));
+        next.extend(old[..at].iter().cloned());
         next.push(entry);
-        next.extend(old[at..].iter().map(clone_entry));
+        next.extend(old[at..].iter().cloned());
         self.snapshot.store(Arc::new(next));
     }
 
     pub fn remove(&self, base: DevicePtr) {
         let _w = self.writer.lock();
         let old = self.snapshot.load();
-        let next: Vec<SegmentEntry> = old.iter().filter(|e| e.base != base).map(clone_entry).collect();
+        let next: Vec<SegmentEntry> = old.iter().filter(|e| e.base != base).cloned().collect();
         self.snapshot.store(Arc::new(next));
     }
 
@@ -60,8 +61,4 @@ impl SegmentIndex {
     pub fn segments(&self) -> Vec<(DevicePtr, usize, i32)> {
         self.snapshot.load().iter().map(|e| (e.base, e.size, e.device)).collect()
     }
-}
-
-fn clone_entry(e: &SegmentEntry) -> SegmentEntry {
-    SegmentEntry { base: e.base, size: e.size, device: e.device, shard: e.shard.clone() }
 }

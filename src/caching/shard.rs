@@ -412,8 +412,13 @@ impl ShardState {
     }
 
     /// PyTorch `release_blocks` over both pools: every cached segment that is wholly free goes
-    /// back to the driver. Split segments stay.
+    /// back to the driver. Split segments stay. The events kept for reuse are destroyed too
+    /// (PyTorch keeps its `EventPool` for the life of the process; gpupool gives everything
+    /// idle back).
     pub fn release_cached(&mut self, env: &Env) -> Result<(), Error> {
+        for ev in self.spare_events.drain(..) {
+            env.driver.event_destroy(env.device, ev);
+        }
         let whole: Vec<BlockId> = self
             .small
             .iter()

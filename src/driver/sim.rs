@@ -126,11 +126,6 @@ impl SimDriver {
         self.state.lock().faults.push(Fault { op, skip, error });
     }
 
-    /// Removes every pending fault.
-    pub fn clear_faults(&self) {
-        self.state.lock().faults.clear();
-    }
-
     /// How often each call was made so far.
     pub fn counts(&self) -> SimCounts {
         self.state.lock().counts

@@ -107,7 +107,8 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 }
 
 /// Returns every cached segment that is wholly free to the driver (`cuMemFree`), after waiting
-/// for every pending event of freed blocks (PyTorch `torch.cuda.empty_cache`). Segments that
+/// for every pending event of freed blocks (PyTorch `torch.cuda.empty_cache`), and destroys the
+/// CUDA events gpupool keeps for reuse by `gpupool_record_stream`. Segments that
 /// still hold an allocated block stay. Blocks the caller and other threads may be using are
 /// untouched.
 ///

@@ -37,9 +37,8 @@ int main(int argc, char **argv) {
 
   fflush(stderr);
   dup2(saved, 2);
-  long printed = ftell(capture);
   fseek(capture, 0, SEEK_END);
-  printed = ftell(capture);
+  long printed = ftell(capture);
 
   gpupool_status want = no_driver ? GPUPOOL_ERROR_DRIVER_UNAVAILABLE : GPUPOOL_ERROR_INVALID_VALUE;
   CHECK(malloc_status == want);
