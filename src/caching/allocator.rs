@@ -219,6 +219,15 @@ impl Allocator {
         Ok(())
     }
 
+    /// How many calls on `device` had to lock every stream's shard to settle the peak
+    /// statistics (see `src/stats/peaks.rs`): a diagnostic of the cost of exact peaks, not a
+    /// PyTorch statistic. In a steady state it stays flat.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    pub fn peak_settles(&self, device: i32) -> Result<i64, Error> {
+        Ok(self.device(device)?.peak_settles())
+    }
+
     /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,
     /// sizes in PyTorch's units (B, KiB, MiB, GiB).
     ///

@@ -6,6 +6,7 @@
 //! and then every shard lock in creation order.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
@@ -30,6 +31,8 @@ pub(crate) struct DeviceAllocator {
     pub max_split_size: usize,
     shards: Mutex<ShardTable>,
     peaks: Mutex<[i64; CELLS]>,
+    /// Credit towards the peaks that no shard holds (see `stats::peaks`).
+    reserve: peaks::Reserve,
     counters: DeviceCounters,
 }
 
@@ -42,6 +45,7 @@ impl DeviceAllocator {
             max_split_size,
             shards: Mutex::new(ShardTable::default()),
             peaks: Mutex::new([0; CELLS]),
+            reserve: std::array::from_fn(|_| AtomicI64::new(0)),
             counters: DeviceCounters::default(),
         }
     }
@@ -126,13 +130,19 @@ impl DeviceAllocator {
         Ok(Some(st.hand_out(id, req, self.max_split_size)))
     }
 
-    /// Unlocks the shard and settles the device peaks if the call went past its credit.
+    /// Ends a call on a shard: gives surplus credit back to the reserve, covers a shortfall
+    /// from it, unlocks, and settles the device peaks only if the reserve could not cover.
     #[inline]
-    fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
-        let settle = st.counters.needs_settle;
+    fn finish<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T) -> T {
+        let c = &mut st.counters;
+        if c.has_surplus {
+            peaks::give_back(c, &self.reserve);
+        }
+        let settle = c.needs_settle && !peaks::borrow(c, &self.reserve);
         drop(st);
         if settle {
-            self.with_all_shards(peaks::settle);
+            DeviceCounters::bump(&self.counters.num_peak_settles);
+            self.with_all_shards(|p, shards| peaks::settle(p, shards, &self.reserve));
         }
         value
     }
@@ -209,10 +219,15 @@ impl DeviceAllocator {
         f(&mut peaks, &mut counters)
     }
 
+    /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
+    pub fn peak_settles(&self) -> i64 {
+        self.counters.num_peak_settles.load(Ordering::Relaxed)
+    }
+
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
         self.with_all_shards(|peaks, shards| {
-            peaks::settle(peaks, shards);
+            peaks::settle(peaks, shards, &self.reserve);
             let view: Vec<&ShardCounters> = shards.iter().map(|s| &**s).collect();
             stats::collect(peaks, &view, &self.counters, self.max_split_size)
         })
@@ -220,7 +235,7 @@ impl DeviceAllocator {
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.with_all_shards(peaks::reset);
+        self.with_all_shards(|p, shards| peaks::reset(p, shards, &self.reserve));
     }
 
     /// The consistency check of every shard, and of the peak credit.
@@ -234,7 +249,8 @@ impl DeviceAllocator {
         let settled = guards.iter().all(|g| !g.counters.needs_settle);
         for (cell, &peak) in peaks.iter().enumerate() {
             let current: i64 = guards.iter().map(|g| g.counters.cells[cell].current).sum();
-            let credit: i64 = guards.iter().map(|g| g.counters.cells[cell].headroom).sum();
+            let credit: i64 = guards.iter().map(|g| g.counters.cells[cell].headroom).sum::<i64>()
+                + peaks::reserved_credit(&self.reserve, cell);
             if peak != current + credit || (settled && peak < current) {
                 return Err(format!(
                     "device {}: peak of statistic cell {cell} is {peak} with current {current} and credit {credit}",

@@ -112,6 +112,9 @@ pub(crate) struct Cell {
     /// The lowest `headroom` since the last settle: where this shard's value peaked within
     /// the calls not yet settled.
     pub low: i64,
+    /// The most credit this shard has had to borrow at once: the credit it keeps when it
+    /// gives surplus back to the device reserve.
+    pub keep: i64,
 }
 
 /// The statistics of one shard. Not synchronised: the shard's lock guards it.
@@ -121,11 +124,13 @@ pub(crate) struct ShardCounters {
     /// Some cell went past its headroom: the device peak must be settled before the call
     /// that did it returns.
     pub needs_settle: bool,
+    /// Some cell holds more credit than it keeps: give the rest to the reserve.
+    pub has_surplus: bool,
 }
 
 impl Default for ShardCounters {
     fn default() -> Self {
-        ShardCounters { cells: [Cell::default(); CELLS], needs_settle: false }
+        ShardCounters { cells: [Cell::default(); CELLS], needs_settle: false, has_surplus: false }
     }
 }
 
@@ -146,6 +151,7 @@ impl ShardCounters {
         c.current -= n;
         c.freed += n;
         c.headroom += n;
+        self.has_surplus |= c.headroom > c.keep;
     }
 
     /// PyTorch `stats.<metric>[all and pool].increase(n)`.
@@ -191,6 +197,8 @@ pub(crate) struct DeviceCounters {
     pub num_sync_all_streams: AtomicI64,
     pub num_device_alloc: AtomicI64,
     pub num_device_free: AtomicI64,
+    /// Peak settles that locked every shard of the device (a diagnostic; see [`peaks`]).
+    pub num_peak_settles: AtomicI64,
 }
 
 impl DeviceCounters {
