@@ -103,13 +103,9 @@ impl ShardState {
     /// `max_split_size` rules, taken out of the pool.
     #[inline]
     pub fn take_cached(&mut self, req: &Request, max_split_size: usize) -> Option<BlockId> {
-        let pool = self.pool(req.pool);
-        let (size, addr, id) = pool.best_fit(req.rounded)?;
-        if !rules::fits_oversize_rules(size, req.rounded, max_split_size) {
-            return None;
-        }
-        pool.remove(size, addr, id);
-        Some(id)
+        let rounded = req.rounded;
+        let fits = |size| rules::fits_oversize_rules(size, rounded, max_split_size);
+        self.pool(req.pool).take_best_fit(rounded, fits).map(|(_, _, id)| id)
     }
 
     /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
@@ -206,11 +202,10 @@ impl ShardState {
     /// shard (`segment` is the base of the segment that contains it); [`Error::Cuda`] if an
     /// event cannot be recorded, in which case the block stays allocated and nothing changed.
     pub fn free(&mut self, env: &Env, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
-        let Some(&id) = self.live.get(&ptr) else {
+        let Some(id) = self.live.remove(&ptr) else {
             return Err(self.diagnose(ptr, segment, "gpupool_free"));
         };
         if self.blocks[id].stream_uses.is_empty() {
-            self.live.remove(&ptr);
             self.count_free(id, env.max_split_size);
             self.free_block(id);
             return Ok(());
@@ -221,13 +216,14 @@ impl ShardState {
             match self.record_event(env, stream) {
                 Ok(ev) => recorded.push((stream, ev)),
                 Err(e) => {
+                    // Undo: the block stays allocated, as it was.
                     self.spare_events.extend(recorded.iter().map(|r| r.1));
                     self.blocks[id].stream_uses = uses;
+                    self.live.insert(ptr, id);
                     return Err(Error::driver(e, "recording the event of a stream given to gpupool_record_stream"));
                 }
             }
         }
-        self.live.remove(&ptr);
         self.count_free(id, env.max_split_size);
         let b = &mut self.blocks[id];
         b.state = BlockState::AwaitingEvents;
