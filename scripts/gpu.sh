@@ -74,6 +74,10 @@ if ! { cmake -S examples/c -B build-gpu/examples -DCMAKE_PREFIX_PATH="$prefix" -
 fi
 ./build-gpu/examples/hello >"$out/hello.log" 2>&1 || status=1
 head -3 "$out/hello.log"; tail -1 "$out/hello.log"
+{ cmake -S examples/cpp -B build-gpu/cpp -DCMAKE_PREFIX_PATH="$prefix" && cmake --build build-gpu/cpp -j; } \
+  >"$out/cpp-build.log" 2>&1 || { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
+./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
+./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
 
 echo "== benchmark"
 traces=()

@@ -21,6 +21,9 @@ cmake --install build --prefix build/install >/dev/null
 cmake -S examples/cpp -B build/cpp -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 cmake --build build/cpp -j"$jobs"
 GPUPOOL_DRIVER=sim ./build/cpp/consumer
+# The engine needs a GPU: here it must say why it cannot run, and exit 77 (skipped).
+rc=0; ./build/cpp/engine || rc=$?
+if [ "$rc" != 77 ] && [ "$rc" != 0 ]; then echo "engine failed: exit $rc" >&2; exit 1; fi
 echo "== installed package, pkg-config"
 PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -Wall -Wextra -Werror examples/c/hello.c -o build/hello_pc \
   $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"

@@ -1,0 +1,215 @@
+// engine: what an inference engine asks of its allocator, on a real GPU.
+//
+// It serves a stream of requests of varying batch sizes with a multi-layer network
+// (network.hpp). Each request's input is copied host-to-device on a copy stream; the layers run
+// on a compute stream; the result is copied back on the copy stream. Every device buffer is a
+// gpupool::buffer (gpupool.hpp), freed as soon as the host is done enqueuing work on it, and
+// record_stream tells gpupool about the other stream: the input block is allocated on the copy
+// stream and read by compute, the output block is allocated on compute and read by the copy.
+// Up to `depth` requests are in flight at once.
+//
+// Every result is compared bit for bit with the CPU reference. A block that gpupool handed out
+// again before the other stream had finished with it would be overwritten while still in use,
+// and the comparison would catch it.
+//
+//   ./engine [requests] [depth]        (defaults: 400 requests, 4 in flight)
+// Exit status: 0 when every result matched, 1 on a mismatch or an error, 77 when it cannot run
+// here (no GPU, or GPUPOOL_DRIVER=sim).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpupool.hpp"
+#include "network.hpp"
+
+namespace {
+
+void cuda_check(cudaError_t e, const char *call) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(call) + ": " + cudaGetErrorString(e));
+}
+#define CUDA(call) cuda_check((call), #call)
+
+// One output element per thread: y[b, j] = act(bias[j] + sum_k w[j, k] * x[b, k]), the sum as
+// fused multiply-adds in index order, exactly as engine::reference computes it.
+__global__ void dense(const float *__restrict__ w, const float *__restrict__ bias, const float *__restrict__ x,
+                      float *__restrict__ y, int in, int out, int relu) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  int b = blockIdx.y;
+  if (j >= out) return;
+  const float *wr = w + static_cast<size_t>(j) * in;
+  const float *xr = x + static_cast<size_t>(b) * in;
+  float acc = bias[j];
+  for (int k = 0; k < in; k++) acc = fmaf(wr[k], xr[k], acc);
+  y[static_cast<size_t>(b) * out + j] = (relu && acc < 0.0f) ? 0.0f : acc;
+}
+
+struct device_layer {
+  int in, out;
+  gpupool::buffer weight, bias;
+};
+
+// One request in flight: its pinned host buffers and the events that order its streams.
+struct slot {
+  float *host_in = nullptr, *host_out = nullptr;
+  cudaEvent_t uploaded{}, computed{}, done{};
+  long long request = -1;
+  int batch = 0;
+};
+
+constexpr int max_batch = 96;
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  long long requests = argc > 1 ? std::atoll(argv[1]) : 400;
+  int depth = argc > 2 ? std::atoi(argv[2]) : 4;
+  if (requests < 1 || depth < 1) {
+    std::fprintf(stderr, "usage: engine [requests >= 1] [depth >= 1]\n");
+    return 1;
+  }
+  const char *driver = std::getenv("GPUPOOL_DRIVER");
+  if (driver != nullptr && std::strcmp(driver, "sim") == 0) {
+    std::printf("engine: cannot run: GPUPOOL_DRIVER=sim gives host memory, and the kernels need device memory\n");
+    return 77;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("engine: cannot run: no CUDA device here (cudaGetDeviceCount: %d devices)\n", devices);
+    return 77;
+  }
+
+  try {
+    CUDA(cudaSetDevice(0));
+    cudaStream_t copy, compute;
+    CUDA(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+    CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+
+    // The weights live for the whole run, allocated on the compute stream that reads them.
+    const auto net = engine::make_network(42);
+    std::vector<device_layer> layers;
+    for (const auto &l : net) {
+      device_layer d{l.in, l.out, gpupool::buffer(l.weight.size() * sizeof(float), compute),
+                     gpupool::buffer(l.bias.size() * sizeof(float), compute)};
+      CUDA(cudaMemcpy(d.weight.get(), l.weight.data(), l.weight.size() * sizeof(float), cudaMemcpyHostToDevice));
+      CUDA(cudaMemcpy(d.bias.get(), l.bias.data(), l.bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+      layers.push_back(std::move(d));
+    }
+    const int in_width = engine::widths().front(), out_width = engine::widths().back();
+
+    std::vector<slot> slots(depth);
+    for (auto &s : slots) {
+      CUDA(cudaMallocHost(&s.host_in, sizeof(float) * max_batch * in_width));
+      CUDA(cudaMallocHost(&s.host_out, sizeof(float) * max_batch * out_width));
+      CUDA(cudaEventCreateWithFlags(&s.uploaded, cudaEventDisableTiming));
+      CUDA(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
+      CUDA(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+    }
+
+    long long checked = 0, mismatched = 0, rows = 0;
+    std::vector<float> input;
+    // Waits for the request in `s`, then compares its output with the CPU reference.
+    auto retire = [&](slot &s) {
+      if (s.request < 0) return;
+      CUDA(cudaEventSynchronize(s.done));
+      engine::make_input(static_cast<std::uint64_t>(s.request), s.batch, input);
+      std::vector<float> want = engine::reference(net, input, s.batch);
+      if (std::memcmp(want.data(), s.host_out, want.size() * sizeof(float)) != 0) {
+        if (mismatched < 5) std::fprintf(stderr, "engine: request %lld differs from the reference\n", s.request);
+        mismatched++;
+      }
+      checked++;
+      s.request = -1;
+    };
+
+    long long device_allocs_warm = -1;
+    auto start = std::chrono::steady_clock::now();
+    for (long long r = 0; r < requests; r++) {
+      slot &s = slots[r % depth];
+      retire(s);
+      s.request = r;
+      s.batch = engine::batch_of(static_cast<std::uint64_t>(r));
+      rows += s.batch;
+      engine::make_input(static_cast<std::uint64_t>(r), s.batch, input);
+      std::memcpy(s.host_in, input.data(), input.size() * sizeof(float));
+
+      // Input: allocated for the copy stream, read by compute.
+      gpupool::buffer x(input.size() * sizeof(float), copy);
+      CUDA(cudaMemcpyAsync(x.get(), s.host_in, x.size(), cudaMemcpyHostToDevice, copy));
+      CUDA(cudaEventRecord(s.uploaded, copy));
+      CUDA(cudaStreamWaitEvent(compute, s.uploaded, 0));
+      x.record_stream(compute);
+
+      // Layers: each activation is allocated on compute; the previous one is freed as soon as
+      // the kernel that reads it is queued (stream order makes that safe on compute itself).
+      for (std::size_t li = 0; li < layers.size(); li++) {
+        const device_layer &l = layers[li];
+        gpupool::buffer y(static_cast<std::size_t>(s.batch) * l.out * sizeof(float), compute);
+        dim3 grid((l.out + 127) / 128, s.batch);
+        dense<<<grid, 128, 0, compute>>>(l.weight.as<float>(), l.bias.as<float>(), x.as<float>(), y.as<float>(),
+                                         l.in, l.out, li + 1 < layers.size());
+        CUDA(cudaGetLastError());
+        x = std::move(y);  // frees the previous block
+      }
+
+      // Output: allocated on compute, read by the copy stream.
+      CUDA(cudaEventRecord(s.computed, compute));
+      CUDA(cudaStreamWaitEvent(copy, s.computed, 0));
+      x.record_stream(copy);
+      CUDA(cudaMemcpyAsync(s.host_out, x.get(), x.size(), cudaMemcpyDeviceToHost, copy));
+      CUDA(cudaEventRecord(s.done, copy));
+      // x is freed here, while its copy may still be running: gpupool keeps the block until
+      // the copy stream has passed this point.
+      if (r + 1 == std::min<long long>(requests, 50)) device_allocs_warm = gpupool::stats().num_device_alloc;
+    }
+    for (auto &s : slots) retire(s);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+    gpupool_stats_t st = gpupool::stats();
+    std::printf("engine: %lld requests (%lld rows, batch 1..%d), %d in flight, %d layers: %lld of %lld results "
+                "match the CPU reference bit for bit\n",
+                requests, rows, max_batch, depth, static_cast<int>(layers.size()), checked - mismatched, checked);
+    std::printf("engine: %.0f requests/s; gpupool: %lld allocations, peak %lld live blocks, peak %.1f MiB allocated, "
+                "peak %.1f MiB reserved, %lld device allocations (%lld after the first 50 requests), %lld retries\n",
+                requests / seconds, static_cast<long long>(st.allocation.all.allocated),
+                static_cast<long long>(st.allocation.all.peak), st.allocated_bytes.all.peak / 1048576.0,
+                st.reserved_bytes.all.peak / 1048576.0, static_cast<long long>(st.num_device_alloc),
+                static_cast<long long>(st.num_device_alloc - device_allocs_warm),
+                static_cast<long long>(st.num_alloc_retries));
+    long long expected_live = 2 * static_cast<long long>(layers.size());
+    bool ok = mismatched == 0 && st.allocation.all.current == expected_live;
+    if (st.allocation.all.current != expected_live) {
+      std::fprintf(stderr, "engine: %lld live blocks after the run, expected %lld (the weights)\n",
+                   static_cast<long long>(st.allocation.all.current), expected_live);
+    }
+
+    layers.clear();
+    for (auto &s : slots) {
+      CUDA(cudaFreeHost(s.host_in));
+      CUDA(cudaFreeHost(s.host_out));
+      CUDA(cudaEventDestroy(s.uploaded));
+      CUDA(cudaEventDestroy(s.computed));
+      CUDA(cudaEventDestroy(s.done));
+    }
+    CUDA(cudaDeviceSynchronize());
+    gpupool::empty_cache();
+    st = gpupool::stats();
+    std::printf("engine: after empty_cache: %lld bytes reserved, %lld allocated\n",
+                static_cast<long long>(st.reserved_bytes.all.current),
+                static_cast<long long>(st.allocated_bytes.all.current));
+    ok = ok && st.reserved_bytes.all.current == 0 && st.allocated_bytes.all.current == 0;
+    CUDA(cudaStreamDestroy(copy));
+    CUDA(cudaStreamDestroy(compute));
+    std::printf("engine: %s\n", ok ? "ok" : "FAILED");
+    return ok ? 0 : 1;
+  } catch (const std::exception &e) {
+    std::fprintf(stderr, "engine: %s\n", e.what());
+    return 1;
+  }
+}
