@@ -20,6 +20,7 @@ int torch_init(void);
 void *torch_alloc(size_t n, void *stream);
 void torch_free(void *p);
 long long torch_reserved_peak(void);
+long long torch_device_allocs(void);
 void torch_reset_peak(void);
 void torch_empty_cache(void);
 #endif
@@ -39,6 +40,7 @@ typedef struct {
   void (*release)(void *p, cudaStream_t s);
   long long (*reserved_peak)(void); /* bytes; NULL when not measured */
   void (*reset)(void);              /* empty the cache and reset peaks */
+  long long (*device_allocs)(void); /* segments obtained from the driver so far; NULL: unknown */
   int slow;                         /* cudaMalloc: run fewer iterations */
 } allocator_t;
 
@@ -64,6 +66,11 @@ static long long gp_peak(void) {
   gpupool_stats_t st = GPUPOOL_STATS_INIT;
   gpupool_stats(0, &st);
   return st.reserved_bytes.all.peak;
+}
+static long long gp_device_allocs(void) {
+  gpupool_stats_t st = GPUPOOL_STATS_INIT;
+  gpupool_stats(0, &st);
+  return st.num_device_alloc;
 }
 static void gp_reset(void) {
   gpupool_empty_cache(0);
@@ -113,12 +120,12 @@ static void pt_reset(void) {
 #endif
 
 static allocator_t allocators[] = {
-    {"gpupool", gp_alloc, gp_free, gp_peak, gp_reset, 0},
+    {"gpupool", gp_alloc, gp_free, gp_peak, gp_reset, gp_device_allocs, 0},
 #ifdef GPUPOOL_BENCH_TORCH
-    {"pytorch", pt_alloc, pt_free, torch_reserved_peak, pt_reset, 0},
+    {"pytorch", pt_alloc, pt_free, torch_reserved_peak, pt_reset, torch_device_allocs, 0},
 #endif
-    {"cudaMallocAsync", ca_alloc, ca_free, ca_peak, ca_reset, 0},
-    {"cudaMalloc", cm_alloc, cm_free, NULL, NULL, 1},
+    {"cudaMallocAsync", ca_alloc, ca_free, ca_peak, ca_reset, NULL, 0},
+    {"cudaMalloc", cm_alloc, cm_free, NULL, NULL, NULL, 1},
 };
 #define NALLOC ((int)(sizeof allocators / sizeof allocators[0]))
 
@@ -308,6 +315,36 @@ static trace_t load_trace(const char *path) {
   return t;
 }
 
+/* One pass over the trace; returns ns per event and raises *peak_live to the live peak. */
+static double replay_pass(allocator_t *A, trace_t *t, cudaStream_t *streams, void **ptr, size_t *size, int *owner,
+                          long long *peak_live) {
+  long long cur = 0;
+  double t0 = now_ns();
+  for (size_t i = 0; i < t->n; i++) {
+    event_t *e = &t->ev[i];
+    if (e->op == 'a') {
+      ptr[e->id] = A->alloc(e->size, streams[e->stream]);
+      size[e->id] = e->size;
+      owner[e->id] = e->stream;
+      cur += (long long)e->size;
+      if (cur > *peak_live) *peak_live = cur;
+    } else if (ptr[e->id]) {
+      A->release(ptr[e->id], streams[owner[e->id]]);
+      ptr[e->id] = NULL;
+      cur -= (long long)size[e->id];
+    }
+  }
+  double per_event = (now_ns() - t0) / (double)t->n;
+  for (uint32_t i = 0; i <= t->max_id; i++) {
+    if (ptr[i]) A->release(ptr[i], streams[owner[i]]);
+    ptr[i] = NULL;
+  }
+  return per_event;
+}
+
+/* The trace from an empty cache ("cold": the model's first step, when segments come from the
+ * driver), then again with what the first pass left cached ("warm": every later step, the
+ * allocator's own cost). Reserved/live is over both passes; device allocations over the first. */
 static void bench_replay(int ai, trace_t *t) {
   allocator_t *A = &allocators[ai];
   if (A->slow) return; /* minutes per trace; GPU.md and the traces' README give its figures */
@@ -317,29 +354,18 @@ static void bench_replay(int ai, trace_t *t) {
   cudaStream_t streams[64];
   for (int k = 0; k < t->nstreams; k++) CUDA(cudaStreamCreateWithFlags(&streams[k], cudaStreamNonBlocking));
   if (A->reset) A->reset();
-  long long cur = 0, peak_live = 0;
-  double t0 = now_ns();
-  for (size_t i = 0; i < t->n; i++) {
-    event_t *e = &t->ev[i];
-    if (e->op == 'a') {
-      ptr[e->id] = A->alloc(e->size, streams[e->stream]);
-      size[e->id] = e->size;
-      owner[e->id] = e->stream;
-      cur += (long long)e->size;
-      if (cur > peak_live) peak_live = cur;
-    } else if (ptr[e->id]) {
-      A->release(ptr[e->id], streams[owner[e->id]]);
-      ptr[e->id] = NULL;
-      cur -= (long long)size[e->id];
-    }
-  }
-  double per_event = (now_ns() - t0) / (double)t->n;
-  for (uint32_t i = 0; i <= t->max_id; i++)
-    if (ptr[i]) A->release(ptr[i], streams[owner[i]]);
+  long long peak_live = 0, allocs0 = A->device_allocs ? A->device_allocs() : 0;
+  double cold = replay_pass(A, t, streams, ptr, size, owner, &peak_live);
+  long long allocs = A->device_allocs ? A->device_allocs() - allocs0 : -1;
+  double warm = replay_pass(A, t, streams, ptr, size, owner, &peak_live);
   CUDA(cudaDeviceSynchronize());
   char name[64];
   snprintf(name, sizeof name, "replay %s", t->name);
-  row_val[row(name, "ns/event", 1)][ai] = per_event;
+  row_val[row(name, "ns/event", 1)][ai] = cold;
+  if (allocs >= 0) row_val[row(name, "device allocs", 1)][ai] = (double)allocs;
+  snprintf(name, sizeof name, "replay %s warm", t->name);
+  row_val[row(name, "ns/event", 1)][ai] = warm;
+  snprintf(name, sizeof name, "replay %s", t->name);
   if (A->reserved_peak) row_val[row(name, "reserved/live", 1)][ai] = (double)A->reserved_peak() / (double)peak_live;
   for (int k = 0; k < t->nstreams; k++) CUDA(cudaStreamDestroy(streams[k]));
   free(ptr);
@@ -368,7 +394,12 @@ int main(int argc, char **argv) {
   trace_t *traces = calloc((size_t)ntraces + 1, sizeof(trace_t));
   for (int i = 0; i < ntraces; i++) traces[i] = load_trace(argv[i + 1]);
 
-  for (int a = 0; a < NALLOC; a++) {
+  /* BENCH_ORDER=reverse runs the allocators last to first, to show that the order (which one
+   * meets a fresh device first) does not decide a comparison. */
+  const char *order = getenv("BENCH_ORDER");
+  int reverse = order != NULL && strcmp(order, "reverse") == 0;
+  for (int i = 0; i < NALLOC; i++) {
+    int a = reverse ? NALLOC - 1 - i : i;
     fprintf(stderr, "bench: %s\n", allocators[a].name);
     bench_hit(a, s);
     bench_random(a, s);

@@ -15,6 +15,7 @@ void torch_free(void *p) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
 long long torch_reserved_peak(void) {
   return c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].peak;
 }
+long long torch_device_allocs(void) { return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc; }
 void torch_reset_peak(void) { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
 void torch_empty_cache(void) { c10::cuda::CUDACachingAllocator::emptyCache(); }
 }
