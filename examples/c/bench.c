@@ -344,7 +344,8 @@ static double replay_pass(allocator_t *A, trace_t *t, cudaStream_t *streams, voi
 
 /* The trace from an empty cache ("cold": the model's first step, when segments come from the
  * driver), then again with what the first pass left cached ("warm": every later step, the
- * allocator's own cost). Reserved/live is over both passes; device allocations over the first. */
+ * allocator's own cost). Reserved/live and device allocations are the cold pass's, comparable
+ * with the figures PyTorch recorded with the traces. */
 static void bench_replay(int ai, trace_t *t) {
   allocator_t *A = &allocators[ai];
   if (A->slow) return; /* minutes per trace; GPU.md and the traces' README give its figures */
@@ -357,6 +358,7 @@ static void bench_replay(int ai, trace_t *t) {
   long long peak_live = 0, allocs0 = A->device_allocs ? A->device_allocs() : 0;
   double cold = replay_pass(A, t, streams, ptr, size, owner, &peak_live);
   long long allocs = A->device_allocs ? A->device_allocs() - allocs0 : -1;
+  long long reserved = A->reserved_peak ? A->reserved_peak() : -1;
   double warm = replay_pass(A, t, streams, ptr, size, owner, &peak_live);
   CUDA(cudaDeviceSynchronize());
   char name[64];
@@ -366,7 +368,7 @@ static void bench_replay(int ai, trace_t *t) {
   snprintf(name, sizeof name, "replay %s warm", t->name);
   row_val[row(name, "ns/event", 1)][ai] = warm;
   snprintf(name, sizeof name, "replay %s", t->name);
-  if (A->reserved_peak) row_val[row(name, "reserved/live", 1)][ai] = (double)A->reserved_peak() / (double)peak_live;
+  if (reserved >= 0) row_val[row(name, "reserved/live", 1)][ai] = (double)reserved / (double)peak_live;
   for (int k = 0; k < t->nstreams; k++) CUDA(cudaStreamDestroy(streams[k]));
   free(ptr);
   free(size);
