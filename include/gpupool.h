@@ -312,6 +312,24 @@ gpupool_status gpupool_empty_cache(int device);
 gpupool_status gpupool_device_count(int *count);
 
 /**
+ * Limits `device` to reserving at most `fraction` of its total memory (`cuMemGetInfo`), as
+ * PyTorch's `torch.cuda.set_per_process_memory_fraction` does: a new segment that would take
+ * the device's reserved bytes past `fraction * total` counts as out of memory, so gpupool
+ * releases its cache and retries once, then fails with `GPUPOOL_ERROR_OUT_OF_MEMORY` (the
+ * message names the limit). Segments already reserved stay; 1.0 allows the whole device.
+ *
+ * - `fraction`: from 0 to 1.
+ * - `device`: a device ordinal, or -1 for the current device.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (`fraction` outside 0 to 1 or NaN, device out of
+ * range; nothing changes); `GPUPOOL_ERROR_CUDA` (the total cannot be read);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; allocations already in flight on other threads may still pass the old limit.
+ */
+gpupool_status gpupool_set_memory_fraction(double fraction, int device);
+
+/**
  * Simulated device only: from now on, work queued on `stream` does not complete, so events
  * that gpupool records there stay pending (as behind a long kernel) until
  * `gpupool_sim_release_stream`.
@@ -413,6 +431,71 @@ const char *gpupool_status_string(uint32_t status);
  * Ownership: a static string; never free it. Thread-safe.
  */
 const char *gpupool_version(void);
+
+/**
+ * PyTorch's `alloc_fn`: `void *alloc(size_t size, int device, cudaStream_t stream)`, the
+ * allocation of a tensor's storage of `size` bytes on `device` for `stream`
+ * (PyTorch `raw_alloc_with_stream`); exactly `gpupool_malloc`.
+ *
+ * Returns NULL for `size` 0, and NULL on failure after writing gpupool's message (PyTorch's
+ * out-of-memory text on out of memory) to stderr. PyTorch 2.11's pluggable allocator does not
+ * check for NULL: an out-of-memory here ends the program at the tensor's first use, where
+ * PyTorch's own allocator would raise `torch.OutOfMemoryError`.
+ *
+ * Thread-safe.
+ */
+void *gpupool_torch_malloc(size_t size, int device, gpupool_stream_t stream);
+
+/**
+ * PyTorch's `free_fn`: `void free(void *ptr, size_t size, int device, cudaStream_t stream)`;
+ * PyTorch passes the size, device and stream of the allocation, which gpupool already knows:
+ * exactly `gpupool_free(ptr)`. A failure (a pointer gpupool did not hand out) is written to
+ * stderr and changes nothing.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+void gpupool_torch_free(void *ptr, size_t size, int device, gpupool_stream_t stream);
+
+/**
+ * PyTorch's `record_stream_fn` (`set_record_stream_fn`): `void record_stream(void *ptr,
+ * cudaStream_t stream)`, called by `Tensor.record_stream`; exactly `gpupool_record_stream`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+void gpupool_torch_record_stream(void *ptr, gpupool_stream_t stream);
+
+/**
+ * PyTorch's `reset_fn` (`set_reset_fn`): `void reset(void)`, called by
+ * `torch.cuda.empty_cache()`; `gpupool_empty_cache(-1)`, every device.
+ *
+ * Thread-safe; waits for the pending events of freed blocks.
+ */
+void gpupool_torch_empty_cache(void);
+
+/**
+ * PyTorch's `memory_fraction_fn` (`set_memory_fraction_fn`): `void set_fraction(double
+ * fraction, int device)`, called by `torch.cuda.set_per_process_memory_fraction`; exactly
+ * `gpupool_set_memory_fraction`.
+ *
+ * Thread-safe.
+ */
+void gpupool_torch_set_memory_fraction(double fraction, int device);
+
+/**
+ * PyTorch's `init_fn` (`set_init_fn`): `void init(int device_count)`, called once when
+ * PyTorch initialises CUDA. Starts gpupool's allocator now, so that a missing driver or a bad
+ * `GPUPOOL_*` variable is reported at start rather than at the first tensor, and warns on
+ * stderr if gpupool sees a different number of devices than PyTorch.
+ *
+ * Thread-safe.
+ */
+void gpupool_torch_init(int device_count);
 
 #ifdef __cplusplus
 }  // extern "C"

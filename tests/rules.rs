@@ -163,6 +163,38 @@ fn out_of_memory_waits_for_pending_events_before_giving_up() {
 }
 
 #[test]
+fn a_memory_fraction_limits_reserved_bytes_with_release_and_retry() {
+    // 0.05 of 1 GiB: 51.2 MiB may be reserved.
+    let (a, drv) = sim(1, 1024 * MIB);
+    a.set_memory_fraction(0.05, 0).unwrap();
+    let p = a.malloc(40 * MIB, 0, 0).unwrap();
+    // 40 + 20 MiB would pass the limit: OOM after one retry, though the device has room.
+    let e = a.malloc(20 * MIB, 0, 0).unwrap_err();
+    let Error::OutOfMemory(msg) = &e else { panic!("{e:?}") };
+    assert!(msg.contains("memory fraction set for this device allows gpupool 51.20 MiB"), "{msg}");
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.num_alloc_retries, s.num_ooms, s.reserved_bytes.all.current), (1, 1, 40 * MIB as i64));
+    // Freed and cached, the 40 MiB segment is released so that a 45 MiB one fits.
+    a.free(p).unwrap();
+    let q = a.malloc(45 * MIB, 0, 0).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.num_alloc_retries, s.num_device_free, s.reserved_bytes.all.current), (2, 1, 46 * MIB as i64));
+    assert_eq!(drv.used(0), 46 * MIB);
+    // 1.0 lifts the limit to the whole device.
+    a.set_memory_fraction(1.0, 0).unwrap();
+    let r = a.malloc(200 * MIB, 0, 0).unwrap();
+    for bad in [-0.1, 1.5, f64::NAN] {
+        let e = a.set_memory_fraction(bad, 0).unwrap_err();
+        assert!(matches!(&e, Error::InvalidValue(m) if m.contains("expected a value from 0 to 1")), "{e:?}");
+    }
+    assert!(matches!(a.set_memory_fraction(0.5, 3), Err(Error::InvalidValue(_))));
+    assert!(a.owns(q) && a.owns(q + 1) && !a.owns(0x10));
+    a.free(q).unwrap();
+    a.free(r).unwrap();
+    check(&a);
+}
+
+#[test]
 fn an_impossible_request_fails_with_pytorchs_message_and_changes_nothing() {
     let (a, _) = sim(1, 64 * MIB);
     let keep = a.malloc(3 * MIB, 0, 0).unwrap();

@@ -210,6 +210,30 @@ impl Allocator {
         Ok(self.device(device)?.stats())
     }
 
+    /// Limits `device` (-1: current) to reserving at most `fraction` of its total memory
+    /// (PyTorch `torch.cuda.set_per_process_memory_fraction` / `setMemoryFraction`). A
+    /// segment that would pass the limit is treated as out of memory: gpupool releases its
+    /// cache and retries as for a full device, then fails with the out-of-memory error.
+    /// Segments already reserved stay. 1.0 allows the whole device.
+    ///
+    /// Errors: [`Error::InvalidValue`] (`fraction` not within 0 to 1, device out of range),
+    /// [`Error::Cuda`] (the device's total cannot be read).
+    pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), Error> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::InvalidValue(format!(
+                "memory fraction {fraction} is not valid: expected a value from 0 to 1"
+            )));
+        }
+        self.device(device)?.set_memory_fraction(fraction)
+    }
+
+    /// Whether `ptr` lies in a segment of this allocator (allocated, cached or awaiting
+    /// events). Lock-free; for a program that receives pointers from several allocators and
+    /// must send each back to the one it came from (the LD_PRELOAD shim).
+    pub fn owns(&self, ptr: DevicePtr) -> bool {
+        self.index.with_segment(ptr, |seg| seg.is_some())
+    }
+
     /// Sets every peak of `device` (-1: current) to its current value (PyTorch
     /// `reset_peak_memory_stats`).
     ///

@@ -185,6 +185,20 @@ impl DeviceAllocator {
         Ok(())
     }
 
+    /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its
+    /// total memory (`cuMemGetInfo`); a segment past that fails as out of memory, after the
+    /// cache was released and the allocation retried. Segments already reserved stay.
+    /// `fraction` is checked by the caller.
+    ///
+    /// Errors: [`Error::Cuda`] when the total cannot be read.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
+        let info =
+            self.driver.mem_info(self.device).map_err(|e| Error::driver(e, "reading the device's total memory"))?;
+        let limit = (fraction * info.total as f64) as i64;
+        self.counters.limit.store(limit, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// PyTorch's out-of-memory message, with the device's figures.
     fn out_of_memory(&self, req: &Request) -> Error {
         DeviceCounters::bump(&self.counters.num_ooms);
@@ -199,9 +213,15 @@ impl DeviceAllocator {
             ),
             Err(e) => format!("GPU {}'s free memory could not be read ({e})", self.device),
         };
+        let limit = self.counters.limit.load(Ordering::Relaxed);
+        let fraction = if limit == i64::MAX {
+            String::new()
+        } else {
+            format!(" The memory fraction set for this device allows gpupool {} in all.", format_size(limit as u64))
+        };
         Error::OutOfMemory(format!(
             "CUDA out of memory. Tried to allocate {} (for a request of {} bytes). {capacity}. \
-             Of the allocated memory {} is allocated by gpupool, and {} is reserved by gpupool but unallocated. \
+             Of the allocated memory {} is allocated by gpupool, and {} is reserved by gpupool but unallocated.{fraction} \
              If reserved but unallocated memory is large, the cache is fragmented: see gpupool_memory_summary.",
             format_size(req.segment as u64),
             req.size,
@@ -245,6 +265,14 @@ impl DeviceAllocator {
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
+        }
+        let reserved: i64 = guards.iter().map(|g| g.counters.cells[stats::RESERVED_BYTES_ALL].current).sum();
+        if reserved != self.counters.reserved.load(Ordering::Relaxed) {
+            return Err(format!(
+                "device {}: reserved bytes {reserved}, but the limit check counts {}",
+                self.device,
+                self.counters.reserved.load(Ordering::Relaxed)
+            ));
         }
         let settled = guards.iter().all(|g| !g.counters.needs_settle);
         for (cell, &peak) in peaks.iter().enumerate() {

@@ -110,9 +110,20 @@ impl ShardState {
 
     /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
     /// pool: the caller hands it out at once).
+    /// A device with a memory fraction set refuses a segment that would take its reserved
+    /// bytes past the limit, as out of memory (PyTorch `alloc_block` with `set_fraction`).
     pub fn new_segment(&mut self, env: &Env, req: &Request) -> Result<BlockId, DriverError> {
-        let addr = env.driver.mem_alloc(env.device, req.segment)?;
         let size = req.segment;
+        if !env.counters.try_reserve(size) {
+            return Err(DriverError::OutOfMemory);
+        }
+        let addr = match env.driver.mem_alloc(env.device, size) {
+            Ok(addr) => addr,
+            Err(e) => {
+                env.counters.unreserve(size);
+                return Err(e);
+            }
+        };
         let id = self.blocks.insert(Block {
             addr,
             size,
@@ -403,6 +414,7 @@ impl ShardState {
         if size >= env.max_split_size {
             self.counters.decrease_single(OVERSIZE_SEGMENTS);
         }
+        env.counters.unreserve(size);
         DeviceCounters::bump(&env.counters.num_device_free);
         Ok(())
     }

@@ -144,3 +144,22 @@ pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_stat
         Ok(())
     })
 }
+
+/// Limits `device` to reserving at most `fraction` of its total memory (`cuMemGetInfo`), as
+/// PyTorch's `torch.cuda.set_per_process_memory_fraction` does: a new segment that would take
+/// the device's reserved bytes past `fraction * total` counts as out of memory, so gpupool
+/// releases its cache and retries once, then fails with `GPUPOOL_ERROR_OUT_OF_MEMORY` (the
+/// message names the limit). Segments already reserved stay; 1.0 allows the whole device.
+///
+/// - `fraction`: from 0 to 1.
+/// - `device`: a device ordinal, or -1 for the current device.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (`fraction` outside 0 to 1 or NaN, device out of
+/// range; nothing changes); `GPUPOOL_ERROR_CUDA` (the total cannot be read);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe; allocations already in flight on other threads may still pass the old limit.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
+    boundary("gpupool_set_memory_fraction", || runtime()?.allocator.set_memory_fraction(fraction, device))
+}

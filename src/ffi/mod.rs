@@ -15,6 +15,7 @@ pub mod memory;
 pub mod sim;
 pub mod stats;
 pub mod status;
+pub mod torch;
 
 use std::sync::{Arc, OnceLock};
 

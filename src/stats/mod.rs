@@ -93,6 +93,8 @@ const METRICS: usize = 9;
 pub(crate) const OVERSIZE_ALLOCATIONS: usize = METRICS * 3;
 /// Cell of `oversize_segments`.
 pub(crate) const OVERSIZE_SEGMENTS: usize = METRICS * 3 + 1;
+/// Cell of `reserved_bytes` for all pools.
+pub(crate) const RESERVED_BYTES_ALL: usize = Metric::ReservedBytes as usize * 3;
 /// Number of statistics with a peak.
 pub(crate) const CELLS: usize = METRICS * 3 + 2;
 
@@ -190,7 +192,7 @@ impl ShardCounters {
 }
 
 /// Device-wide counters that change only on slow paths (driver calls, OOM, empty_cache).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DeviceCounters {
     pub num_alloc_retries: AtomicI64,
     pub num_ooms: AtomicI64,
@@ -199,11 +201,52 @@ pub(crate) struct DeviceCounters {
     pub num_device_free: AtomicI64,
     /// Peak settles that locked every shard of the device (a diagnostic; see [`peaks`]).
     pub num_peak_settles: AtomicI64,
+    /// Bytes of every segment of the device (the sum over shards of `reserved_bytes`, kept
+    /// here so that a limit can be checked without locking every shard; PyTorch
+    /// `total_allocated_memory`).
+    pub reserved: AtomicI64,
+    /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`, from
+    /// `set_per_process_memory_fraction`); `i64::MAX` when no fraction is set.
+    pub limit: AtomicI64,
+}
+
+impl Default for DeviceCounters {
+    fn default() -> Self {
+        DeviceCounters {
+            num_alloc_retries: AtomicI64::new(0),
+            num_ooms: AtomicI64::new(0),
+            num_sync_all_streams: AtomicI64::new(0),
+            num_device_alloc: AtomicI64::new(0),
+            num_device_free: AtomicI64::new(0),
+            num_peak_settles: AtomicI64::new(0),
+            reserved: AtomicI64::new(0),
+            limit: AtomicI64::new(i64::MAX),
+        }
+    }
 }
 
 impl DeviceCounters {
     pub fn bump(counter: &AtomicI64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts `size` more bytes reserved, unless that would pass the limit (PyTorch's check
+    /// in `alloc_block`: `total_allocated_memory + size > allowed_memory_maximum`). Returns
+    /// whether the bytes were counted.
+    pub fn try_reserve(&self, size: usize) -> bool {
+        let size = size as i64;
+        let limit = self.limit.load(Ordering::Relaxed);
+        let before = self.reserved.fetch_add(size, Ordering::Relaxed);
+        if limit != i64::MAX && before + size > limit {
+            self.reserved.fetch_sub(size, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Counts `size` bytes no longer reserved.
+    pub fn unreserve(&self, size: usize) {
+        self.reserved.fetch_sub(size as i64, Ordering::Relaxed);
     }
 }
 

@@ -169,6 +169,42 @@ static void test_out_of_memory(void) {
   CHECK(stats(0).num_ooms == ooms + 1);
 }
 
+static void test_memory_fraction(void) {
+  void *p = (void *)0x1;
+  CHECK(gpupool_set_memory_fraction(1.5, 0) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "from 0 to 1") != NULL);
+  CHECK(gpupool_set_memory_fraction(0.5, 99) == GPUPOOL_ERROR_INVALID_VALUE);
+  /* Nothing more may be reserved: a new segment fails as out of memory, naming the limit. */
+  CHECK_OK(gpupool_set_memory_fraction(0.0, 0));
+  CHECK(gpupool_malloc(&p, 64 * MIB, 0, NULL) == GPUPOOL_ERROR_OUT_OF_MEMORY);
+  CHECK(strstr(gpupool_last_error_message(), "memory fraction") != NULL);
+  CHECK(p == (void *)0x1);
+  CHECK_OK(gpupool_set_memory_fraction(1.0, 0));
+  CHECK_OK(gpupool_malloc(&p, 64 * MIB, 0, NULL));
+  CHECK_OK(gpupool_free(p));
+}
+
+/* The functions CUDAPluggableAllocator and its hooks call, with PyTorch's signatures. */
+static void test_torch_hooks(void) {
+  int devices = 0;
+  CHECK_OK(gpupool_device_count(&devices));
+  gpupool_torch_init(devices);
+  int64_t live = stats(0).allocation.all.current;
+  void *p = gpupool_torch_malloc(4096, 0, NULL);
+  CHECK(p != NULL);
+  CHECK(stats(0).allocation.all.current == live + 1);
+  gpupool_torch_record_stream(p, NULL); /* the allocating stream: nothing to wait for */
+  gpupool_torch_free(p, 4096, 0, NULL);
+  CHECK(stats(0).allocation.all.current == live);
+  CHECK(gpupool_torch_malloc(0, 0, NULL) == NULL);
+  /* A failure cannot be returned: it goes to stderr and to the last error message. */
+  gpupool_torch_free((void *)0x10, 16, 0, NULL);
+  CHECK(strstr(gpupool_last_error_message(), "not allocated by gpupool") != NULL);
+  gpupool_torch_set_memory_fraction(1.0, 0);
+  gpupool_torch_empty_cache();
+  CHECK(stats(0).reserved_bytes.all.current == 0);
+}
+
 static void test_empty_cache(void) {
   CHECK_OK(gpupool_empty_cache(-1));
   gpupool_stats_t s = stats(0);
@@ -191,6 +227,8 @@ int main(void) {
   test_summary();
   if (sim) test_record_stream_sim();
   test_out_of_memory();
+  test_memory_fraction();
+  test_torch_hooks();
   test_empty_cache();
   return checks_report(sim ? "test_api (sim)" : "test_api (cuda)");
 }

@@ -1,0 +1,117 @@
+//! The functions PyTorch's pluggable allocator calls (`torch.cuda.memory.CUDAPluggableAllocator`
+//! and the hooks of the object its `allocator()` returns), with PyTorch's exact signatures.
+//!
+//! PyTorch's hooks return nothing, so a failure cannot be returned: each of these functions
+//! writes gpupool's message to stderr (prefixed `gpupool:`) and leaves it for
+//! `gpupool_last_error_message` on the calling thread. `examples/python/gpupool_torch.py`
+//! wires them all.
+
+use std::ffi::{c_int, c_void};
+use std::io::Write;
+
+use super::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc, gpupool_record_stream};
+use super::status::{boundary, gpupool_last_error_message, gpupool_status, gpupool_status_string};
+use super::{gpupool_stream_t, runtime};
+
+fn report(call: &str, status: gpupool_status) {
+    if status != gpupool_status::GPUPOOL_SUCCESS {
+        // SAFETY: both return NUL-terminated strings that live at least until the next failing
+        // call on this thread.
+        let (what, msg) = unsafe {
+            (
+                std::ffi::CStr::from_ptr(gpupool_status_string(status as u32)).to_string_lossy(),
+                std::ffi::CStr::from_ptr(gpupool_last_error_message()).to_string_lossy(),
+            )
+        };
+        // Not eprintln!, which panics when stderr is closed.
+        let _ = writeln!(std::io::stderr(), "gpupool: {call}: {what}: {msg}");
+    }
+}
+
+/// PyTorch's `alloc_fn`: `void *alloc(size_t size, int device, cudaStream_t stream)`, the
+/// allocation of a tensor's storage of `size` bytes on `device` for `stream`
+/// (PyTorch `raw_alloc_with_stream`); exactly `gpupool_malloc`.
+///
+/// Returns NULL for `size` 0, and NULL on failure after writing gpupool's message (PyTorch's
+/// out-of-memory text on out of memory) to stderr. PyTorch 2.11's pluggable allocator does not
+/// check for NULL: an out-of-memory here ends the program at the tensor's first use, where
+/// PyTorch's own allocator would raise `torch.OutOfMemoryError`.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> *mut c_void {
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: `ptr` is a writable local.
+    let status = unsafe { gpupool_malloc(&mut ptr, size, device, stream) };
+    report("gpupool_torch_malloc", status);
+    ptr
+}
+
+/// PyTorch's `free_fn`: `void free(void *ptr, size_t size, int device, cudaStream_t stream)`;
+/// PyTorch passes the size, device and stream of the allocation, which gpupool already knows:
+/// exactly `gpupool_free(ptr)`. A failure (a pointer gpupool did not hand out) is written to
+/// stderr and changes nothing.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: gpupool_stream_t) {
+    let _ = (size, device, stream);
+    // SAFETY: as this function's contract.
+    report("gpupool_torch_free", unsafe { gpupool_free(ptr) });
+}
+
+/// PyTorch's `record_stream_fn` (`set_record_stream_fn`): `void record_stream(void *ptr,
+/// cudaStream_t stream)`, called by `Tensor.record_stream`; exactly `gpupool_record_stream`.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) {
+    // SAFETY: as this function's contract.
+    report("gpupool_torch_record_stream", unsafe { gpupool_record_stream(ptr, stream) });
+}
+
+/// PyTorch's `reset_fn` (`set_reset_fn`): `void reset(void)`, called by
+/// `torch.cuda.empty_cache()`; `gpupool_empty_cache(-1)`, every device.
+///
+/// Thread-safe; waits for the pending events of freed blocks.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_torch_empty_cache() {
+    report("gpupool_torch_empty_cache", gpupool_empty_cache(-1));
+}
+
+/// PyTorch's `memory_fraction_fn` (`set_memory_fraction_fn`): `void set_fraction(double
+/// fraction, int device)`, called by `torch.cuda.set_per_process_memory_fraction`; exactly
+/// `gpupool_set_memory_fraction`.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int) {
+    report("gpupool_torch_set_memory_fraction", super::memory::gpupool_set_memory_fraction(fraction, device));
+}
+
+/// PyTorch's `init_fn` (`set_init_fn`): `void init(int device_count)`, called once when
+/// PyTorch initialises CUDA. Starts gpupool's allocator now, so that a missing driver or a bad
+/// `GPUPOOL_*` variable is reported at start rather than at the first tensor, and warns on
+/// stderr if gpupool sees a different number of devices than PyTorch.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_torch_init(device_count: c_int) {
+    let status = boundary("gpupool_torch_init", || {
+        let ours = runtime()?.allocator.device_count();
+        if ours != device_count {
+            let _ = writeln!(
+                std::io::stderr(),
+                "gpupool: gpupool_torch_init: PyTorch sees {device_count} device(s), gpupool {ours}"
+            );
+        }
+        Ok(())
+    });
+    report("gpupool_torch_init", status);
+}
