@@ -9,7 +9,7 @@
 use std::ffi::{c_int, c_void};
 use std::io::Write;
 
-use super::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc, gpupool_record_stream};
+use super::memory::{gpupool_empty_cache, gpupool_free, gpupool_record_stream};
 use super::status::{boundary, gpupool_last_error_message, gpupool_status, gpupool_status_string};
 use super::{gpupool_stream_t, runtime};
 
@@ -40,11 +40,13 @@ fn report(call: &str, status: gpupool_status) {
 /// Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> *mut c_void {
-    let mut ptr = std::ptr::null_mut();
-    // SAFETY: `ptr` is a writable local.
-    let status = unsafe { gpupool_malloc(&mut ptr, size, device, stream) };
+    let mut ptr = 0;
+    let status = boundary("gpupool_torch_malloc", || {
+        ptr = runtime()?.allocator.malloc(size, device, stream as usize)?;
+        Ok(())
+    });
     report("gpupool_torch_malloc", status);
-    ptr
+    ptr as *mut c_void
 }
 
 /// PyTorch's `free_fn`: `void free(void *ptr, size_t size, int device, cudaStream_t stream)`;
