@@ -8,12 +8,17 @@ source scripts/deps.sh
 jobs=$(nproc)
 
 echo "== cargo test"
-cargo test --release
+cargo test --release --workspace
 
 echo "== C tests (CTest, simulated device)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUPOOL_BUILD_TESTS=ON >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure
+echo "== LD_PRELOAD shim: statistics at exit"
+LD_PRELOAD="$PWD/build/cargo/release/libgpupool_preload.so" GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
+  GPUPOOL_PRELOAD_STATS=1 ./build/tests/c/test_preload safe >/dev/null 2>build/preload-stats.txt
+grep -q "served 5 cudaMalloc, 1 cudaMallocAsync, 1 cuMemAlloc" build/preload-stats.txt
+grep -q "gpupool memory summary, device ID 0" build/preload-stats.txt
 
 echo "== installed package, C++ consumer"
 rm -rf build/install build/cpp

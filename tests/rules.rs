@@ -189,6 +189,9 @@ fn a_memory_fraction_limits_reserved_bytes_with_release_and_retry() {
     }
     assert!(matches!(a.set_memory_fraction(0.5, 3), Err(Error::InvalidValue(_))));
     assert!(a.owns(q) && a.owns(q + 1) && !a.owns(0x10));
+    let info = a.block_info(q).unwrap();
+    assert_eq!((info.device, info.stream, info.size), (0, 0, 46 * MIB));
+    assert_eq!(a.block_info(q + 512), None);
     a.free(q).unwrap();
     a.free(r).unwrap();
     check(&a);

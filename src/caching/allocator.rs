@@ -17,6 +17,17 @@ use crate::stats::summary::memory_summary;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// An allocated block, as [`Allocator::block_info`] describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// The device ordinal.
+    pub device: i32,
+    /// The stream it was allocated for.
+    pub stream: StreamHandle,
+    /// Bytes, rounded as `allocated_bytes` counts them.
+    pub size: usize,
+}
+
 /// A caching allocator over every device of one driver (PyTorch `NativeCachingAllocator`).
 ///
 /// Thread-safe: every method may be called from any thread. Calls on different streams take
@@ -232,6 +243,18 @@ impl Allocator {
     /// must send each back to the one it came from (the LD_PRELOAD shim).
     pub fn owns(&self, ptr: DevicePtr) -> bool {
         self.index.with_segment(ptr, |seg| seg.is_some())
+    }
+
+    /// Where the allocated block at `ptr` is: its device, the stream it was allocated for and
+    /// its size in bytes (rounded, as `allocated_bytes` counts it). `None` when `ptr` is not
+    /// the start of an allocated block (never allocated, freed, or inside a block). Takes the
+    /// block's shard lock.
+    pub fn block_info(&self, ptr: DevicePtr) -> Option<BlockInfo> {
+        self.index.with_segment(ptr, |seg| {
+            let e = seg?;
+            let size = e.shard.lock().allocated_size(ptr)?;
+            Some(BlockInfo { device: e.device, stream: e.shard.stream, size })
+        })
     }
 
     /// Sets every peak of `device` (-1: current) to its current value (PyTorch

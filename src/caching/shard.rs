@@ -397,6 +397,12 @@ impl ShardState {
         Ok(())
     }
 
+    /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at
+    /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
+    pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {
+        self.live.get(&ptr).map(|&id| self.blocks[id].size)
+    }
+
     /// PyTorch `release_block`: a whole free segment goes back to the driver.
     fn release_segment(&mut self, env: &Env, id: BlockId) -> Result<(), Error> {
         let b = &self.blocks[id];

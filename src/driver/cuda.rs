@@ -192,4 +192,24 @@ impl Driver for CudaDriver {
         let _ = self
             .in_context(device, || check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) }));
     }
+
+    fn device_synchronize(&self, device: i32) -> Result<(), DriverError> {
+        // SAFETY: no arguments; runs in the device's primary context.
+        self.in_context(device, || check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }))
+    }
+
+    fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+        if ctx.is_null() {
+            return Ok(None);
+        }
+        let mut dev = 0;
+        // SAFETY: a context is current; writes one CUdevice.
+        check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+        let Some(ordinal) = self.devices.iter().position(|&d| d == dev) else { return Ok(None) };
+        let primary = self.context(ordinal as i32)?;
+        Ok((primary == ctx).then_some(ordinal as i32))
+    }
 }

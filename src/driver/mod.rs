@@ -75,4 +75,11 @@ pub trait Driver: Send + Sync {
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
     /// Destroys an event (`cuEventDestroy`).
     fn event_destroy(&self, device: i32, event: EventHandle);
+    /// Blocks until all work queued on the device so far, on every stream, has completed
+    /// (`cuCtxSynchronize` in its primary context; what `cudaFree` waits for).
+    fn device_synchronize(&self, device: i32) -> Result<(), DriverError>;
+    /// The device whose primary context is current on the calling thread; `None` when no
+    /// context, or a context the program created itself (`cuCtxCreate`), is current. Memory
+    /// from gpupool is valid only in primary contexts.
+    fn current_primary_device(&self) -> Result<Option<i32>, DriverError>;
 }

@@ -30,6 +30,7 @@ pub enum SimOp {
     EventRecord,
     EventQuery,
     EventSynchronize,
+    DeviceSynchronize,
 }
 
 /// How often each driver call was made, for tests that check what the allocator asked.
@@ -42,6 +43,7 @@ pub struct SimCounts {
     pub event_query: u64,
     pub event_synchronize: u64,
     pub event_destroy: u64,
+    pub device_synchronize: u64,
 }
 
 #[derive(Default)]
@@ -264,6 +266,19 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.event_destroy += 1;
         st.events.remove(&event.0);
+    }
+
+    /// The simulated device runs no work, so there is nothing to wait for (a held stream stays
+    /// held): counts the call, or fails with an injected fault.
+    fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.device_synchronize += 1;
+        st.fault(SimOp::DeviceSynchronize)?;
+        Ok(())
+    }
+
+    fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
+        Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
     }
 }
 

@@ -45,6 +45,16 @@ pub(crate) struct Runtime {
 
 static RUNTIME: OnceLock<Result<Runtime, Error>> = OnceLock::new();
 
+/// The process-wide allocator behind the C API, started on first use from the `GPUPOOL_*`
+/// variables. For Rust code in the same process that must share it with C callers (the
+/// LD_PRELOAD shim): what it allocates, `gpupool_stats` counts.
+///
+/// Errors: the error the first start failed with ([`Error::DriverUnavailable`], or
+/// [`Error::InvalidValue`] for a bad variable), every time.
+pub fn process_allocator() -> Result<&'static Allocator, Error> {
+    runtime().map(|rt| &rt.allocator)
+}
+
 /// The process-wide allocator, started on first use from the `GPUPOOL_*` variables.
 pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
     let rt = RUNTIME.get_or_init(|| {

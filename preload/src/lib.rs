@@ -1,0 +1,64 @@
+//! `libgpupool_preload.so`: gpupool under a CUDA program that was not written for it.
+//!
+//! ```text
+//! LD_PRELOAD=libgpupool_preload.so ./program
+//! ```
+//!
+//! The library exports the CUDA allocation functions, so that the dynamic linker binds the
+//! program's calls to them instead of to CUDA's, and serves them from gpupool's process-wide
+//! allocator (the one the C API uses, so `gpupool_stats` from the same process sees it):
+//!
+//! | call | served by gpupool when | otherwise |
+//! |---|---|---|
+//! | `cudaMalloc`, `cudaMallocAsync` | always (gpupool started) | the real function |
+//! | `cuMemAlloc_v2`, `cuMemAllocAsync` | a primary context is current (the runtime API's) | the real function |
+//! | `cudaFree`, `cudaFreeAsync`, `cuMemFree_v2`, `cuMemFreeAsync` | the pointer is gpupool's | the real function |
+//! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the four driver symbols above | - |
+//!
+//! Everything else is the real library's: the shim defines nothing else. Memory from
+//! gpupool is valid in the device's primary context, so a driver-API allocation made while a
+//! context the program created itself (`cuCtxCreate`) is current goes to the real driver.
+//!
+//! ## When a freed block is reused
+//!
+//! A program may rely on `cudaFree` waiting for the device: memory it frees is not in use by
+//! any kernel or copy issued before. gpupool does not wait at the free, so by default
+//! (`GPUPOOL_PRELOAD_MODE=safe`) a block freed with `cudaFree` or `cuMemFree` is *deferred*:
+//! it stays allocated in gpupool until the shim has synchronised the device
+//! (`cuCtxSynchronize`) after the free, which it does, once for every deferred block, when
+//! the deferred blocks reach `GPUPOOL_PRELOAD_SYNC_BYTES` (default 256 MiB), and when an
+//! allocation fails for want of memory (then it retries once). So a block is never handed out
+//! again while work issued before its free, on any stream, may still use it; gpupool's
+//! `allocated_bytes` includes the deferred blocks until then.
+//!
+//! `GPUPOOL_PRELOAD_MODE=stream` is the faster opt-in for programs that use one stream: a freed
+//! block goes back to gpupool at once and is reused by later allocations in stream order, as
+//! PyTorch's caching allocator does. Every `cudaMalloc` is counted against the legacy default
+//! stream.
+//!
+//! `cudaFreeAsync(ptr, stream)` and `cuMemFreeAsync` are stream-ordered by CUDA's definition
+//! and never deferred: gpupool records `stream` on the block (`record_stream`) and frees it,
+//! so the block is reused on its allocating stream at once if `stream` is that stream, and
+//! after `stream` has passed the free otherwise.
+//!
+//! ## What is not caught
+//!
+//! A statically linked CUDA runtime (nvcc's default, `-cudart static`) is part of the program:
+//! its `cudaMalloc` is not a dynamic symbol, and it finds the driver through its own handle of
+//! `libcuda.so`, so neither its runtime nor its driver calls reach the shim. Build with
+//! `-cudart shared` (PyTorch's libraries link `libcudart.so` dynamically). A program that calls
+//! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
+//! caught. `cudaMallocManaged`, `cudaMallocHost`, `cudaMallocPitch`, `cuMemCreate` and the
+//! other allocation functions are not interposed; their frees pass through.
+//!
+//! ## Statistics at exit
+//!
+//! `GPUPOOL_PRELOAD_STATS=1` writes what the shim intercepted and gpupool's memory summary of
+//! each device it used to stderr when the program exits. It reads gpupool's counters only and
+//! calls nothing in CUDA, which may have shut down by then.
+
+mod driver_api;
+mod runtime_api;
+mod shim;
+
+pub use shim::{Counters, Mode};

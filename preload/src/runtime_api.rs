@@ -1,0 +1,141 @@
+//! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed. The real ones
+//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links.
+
+use std::ffi::{CStr, c_int, c_void};
+use std::sync::OnceLock;
+
+use crate::shim::{bump, cuda_status, guard, shim};
+
+/// `cudaErrorUnknown`: the real function could not be found.
+const UNKNOWN: c_int = 999;
+
+type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> c_int;
+type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The next definition of `name` after this library (the real runtime's), or null.
+fn next(name: &CStr, slot: &OnceLock<usize>) -> usize {
+    // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted to
+    // the function type CUDA declares for that name.
+    *slot.get_or_init(|| unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize)
+}
+
+macro_rules! real {
+    ($name:literal, $ty:ty) => {{
+        static SLOT: OnceLock<usize> = OnceLock::new();
+        let f = next($name, &SLOT);
+        // SAFETY: a non-null result of dlsym for this CUDA symbol has CUDA's signature.
+        (f != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(f) })
+    }};
+}
+
+/// The runtime's current device (`cudaGetDevice`), or -1 (gpupool's current device) when the
+/// runtime cannot say.
+fn runtime_device() -> i32 {
+    let Some(get) = real!(c"cudaGetDevice", GetDeviceFn) else { return -1 };
+    let mut d = 0;
+    // SAFETY: writes one int.
+    if unsafe { get(&mut d) } == 0 { d } else { -1 }
+}
+
+/// `cudaError_t cudaMalloc(void **devPtr, size_t size)`, served by gpupool on the runtime's
+/// current device for the legacy default stream. Errors as CUDA's: `cudaErrorInvalidValue`
+/// (NULL `devPtr`), `cudaErrorMemoryAllocation`.
+///
+/// # Safety
+/// As CUDA's `cudaMalloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+    guard(UNKNOWN, || {
+        let Some(s) = shim() else {
+            // SAFETY: the real function, with the caller's arguments.
+            return real!(c"cudaMalloc", MallocFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size) });
+        };
+        if dev_ptr.is_null() {
+            return 1;
+        }
+        bump(&s.counters.cuda_malloc);
+        match s.malloc(size, runtime_device(), 0) {
+            Ok(p) => {
+                // SAFETY: checked non-null; the caller passes a writable `void *`.
+                unsafe { *dev_ptr = p as *mut c_void };
+                0
+            }
+            Err(e) => cuda_status(&e),
+        }
+    })
+}
+
+/// `cudaError_t cudaFree(void *devPtr)`: a gpupool pointer goes back to gpupool (deferred
+/// until a device synchronisation in the default safe mode); NULL and every other pointer go
+/// to the real `cudaFree`.
+///
+/// # Safety
+/// As CUDA's `cudaFree`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
+    guard(UNKNOWN, || {
+        if let Some(s) = shim()
+            && !dev_ptr.is_null()
+            && s.alloc.owns(dev_ptr as u64)
+        {
+            return s.free(dev_ptr as u64).map_or_else(|e| cuda_status(&e), |()| 0);
+        }
+        if let Some(s) = shim() {
+            bump(&s.counters.passed_frees);
+        }
+        // SAFETY: the real function, with the caller's arguments.
+        real!(c"cudaFree", FreeFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr) })
+    })
+}
+
+/// `cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream)`, served by
+/// gpupool for `stream` on the runtime's current device.
+///
+/// # Safety
+/// As CUDA's `cudaMallocAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize, stream: *mut c_void) -> c_int {
+    guard(UNKNOWN, || {
+        let Some(s) = shim() else {
+            // SAFETY: the real function, with the caller's arguments.
+            return real!(c"cudaMallocAsync", MallocAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size, stream) });
+        };
+        if dev_ptr.is_null() {
+            return 1;
+        }
+        bump(&s.counters.cuda_malloc_async);
+        match s.malloc(size, runtime_device(), stream as usize) {
+            Ok(p) => {
+                // SAFETY: checked non-null; the caller passes a writable `void *`.
+                unsafe { *dev_ptr = p as *mut c_void };
+                0
+            }
+            Err(e) => cuda_status(&e),
+        }
+    })
+}
+
+/// `cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t stream)`: a gpupool pointer is freed
+/// in `stream`'s order (`record_stream` then free); others go to the real function.
+///
+/// # Safety
+/// As CUDA's `cudaFreeAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaFreeAsync(dev_ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guard(UNKNOWN, || {
+        if let Some(s) = shim()
+            && !dev_ptr.is_null()
+            && s.alloc.owns(dev_ptr as u64)
+        {
+            return s.free_async(dev_ptr as u64, stream as usize).map_or_else(|e| cuda_status(&e), |()| 0);
+        }
+        if let Some(s) = shim() {
+            bump(&s.counters.passed_frees);
+        }
+        // SAFETY: the real function, with the caller's arguments.
+        real!(c"cudaFreeAsync", FreeAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, stream) })
+    })
+}

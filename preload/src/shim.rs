@@ -1,0 +1,255 @@
+//! The shim's state: gpupool's process-wide allocator, the reuse mode, the deferred frees and
+//! the counters printed at exit.
+
+use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gpupool::driver::{DevicePtr, StreamHandle};
+use gpupool::{Allocator, Error};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+/// When a block freed through `cudaFree`/`cuMemFree` may be reused (see the crate's docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// After a device synchronisation that follows the free (the default).
+    Safe,
+    /// At once, in stream order (one-stream programs).
+    Stream,
+}
+
+/// What the shim did, for `GPUPOOL_PRELOAD_STATS`. Counts of calls.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub cuda_malloc: AtomicU64,
+    pub cuda_malloc_async: AtomicU64,
+    pub cu_mem_alloc: AtomicU64,
+    pub cu_mem_alloc_async: AtomicU64,
+    pub frees: AtomicU64,
+    pub async_frees: AtomicU64,
+    pub passed_allocs: AtomicU64,
+    pub passed_frees: AtomicU64,
+    /// Device synchronisations that released deferred frees.
+    pub syncs: AtomicU64,
+    /// Deferred frees released by them.
+    pub released: AtomicU64,
+}
+
+pub(crate) struct Shim {
+    pub alloc: &'static Allocator,
+    pub mode: Mode,
+    sync_bytes: usize,
+    /// Blocks freed in safe mode and not yet synchronised: pointer to (device, bytes).
+    deferred: Mutex<Deferred>,
+    pub counters: Counters,
+}
+
+#[derive(Default)]
+struct Deferred {
+    blocks: FxHashMap<DevicePtr, (i32, usize)>,
+    bytes: usize,
+}
+
+static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "gpupool_preload: {msg}");
+}
+
+/// The shim, started on first use; `None` when gpupool cannot start (then every call passes
+/// through to CUDA, and the reason was written to stderr once).
+pub(crate) fn shim() -> Option<&'static Shim> {
+    SHIM.get_or_init(|| match start() {
+        Ok(s) => Some(s),
+        Err(e) => {
+            say(&format!("gpupool did not start ({e}); every call passes through to CUDA"));
+            None
+        }
+    })
+    .as_ref()
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn start() -> Result<Shim, Error> {
+    let mode = match env("GPUPOOL_PRELOAD_MODE").as_deref().map(str::trim) {
+        None | Some("safe") => Mode::Safe,
+        Some("stream") => Mode::Stream,
+        Some(v) => {
+            return Err(Error::InvalidValue(format!(
+                "GPUPOOL_PRELOAD_MODE={v:?} is not valid: expected safe or stream"
+            )));
+        }
+    };
+    let sync_bytes = match env("GPUPOOL_PRELOAD_SYNC_BYTES") {
+        None => 256 << 20,
+        Some(v) => v.trim().parse::<usize>().map_err(|_| {
+            Error::InvalidValue(format!("GPUPOOL_PRELOAD_SYNC_BYTES={v:?} is not valid: expected a number of bytes"))
+        })?,
+    };
+    let alloc = gpupool::ffi::process_allocator()?;
+    if env("GPUPOOL_PRELOAD_STATS").as_deref() == Some("1") {
+        // SAFETY: registers a plain function with no arguments.
+        unsafe { libc::atexit(print_stats_at_exit) };
+    }
+    Ok(Shim { alloc, mode, sync_bytes, deferred: Mutex::new(Deferred::default()), counters: Counters::default() })
+}
+
+/// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
+pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        say("internal error: gpupool panicked; please report this");
+        on_panic
+    })
+}
+
+/// CUDA's status for a gpupool error: the runtime's `cudaError_t` and the driver's `CUresult`
+/// agree on these values.
+pub(crate) fn cuda_status(e: &Error) -> i32 {
+    match e {
+        Error::InvalidValue(_) | Error::InvalidPointer(_) => 1, // cudaErrorInvalidValue
+        Error::OutOfMemory(_) => 2,                             // cudaErrorMemoryAllocation
+        _ => 999,                                               // cudaErrorUnknown
+    }
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Shim {
+    /// Allocates on `device` (-1: current) for `stream`; in safe mode, when gpupool is out of
+    /// memory and frees are deferred, synchronises, releases them and retries once.
+    pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
+        match self.alloc.malloc(size, device, stream) {
+            Err(Error::OutOfMemory(msg)) => {
+                if self.release_deferred() == 0 {
+                    return Err(Error::OutOfMemory(msg));
+                }
+                self.alloc.malloc(size, device, stream)
+            }
+            r => r,
+        }
+    }
+
+    /// A free through `cudaFree`/`cuMemFree` of a pointer gpupool owns: deferred in safe mode,
+    /// at once in stream mode.
+    ///
+    /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed
+    /// (a deferred block freed twice included).
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
+        bump(&self.counters.frees);
+        if self.mode == Mode::Stream {
+            return self.alloc.free(ptr);
+        }
+        let info = self.alloc.block_info(ptr).ok_or_else(|| {
+            Error::InvalidPointer(format!(
+                "pointer {ptr:#x} is not an allocated block (freed twice, or inside a block)"
+            ))
+        })?;
+        let release = {
+            let mut d = self.deferred.lock();
+            if d.blocks.insert(ptr, (info.device, info.size)).is_some() {
+                return Err(Error::InvalidPointer(format!("pointer {ptr:#x} was freed twice")));
+            }
+            d.bytes += info.size;
+            d.bytes >= self.sync_bytes
+        };
+        if release {
+            self.release_deferred();
+        }
+        Ok(())
+    }
+
+    /// A stream-ordered free (`cudaFreeAsync`, `cuMemFreeAsync`) of a pointer gpupool owns.
+    pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
+        bump(&self.counters.async_frees);
+        self.alloc.record_stream(ptr, stream)?;
+        self.alloc.free(ptr)
+    }
+
+    /// Synchronises every device with deferred blocks, then frees them into gpupool. Returns
+    /// how many were released. A device that cannot be synchronised keeps its blocks deferred.
+    pub fn release_deferred(&self) -> usize {
+        let taken = std::mem::take(&mut *self.deferred.lock());
+        if taken.blocks.is_empty() {
+            return 0;
+        }
+        let mut devices: Vec<i32> = taken.blocks.values().map(|&(d, _)| d).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        let mut released = 0;
+        for dev in devices {
+            let synced = self.alloc.driver().device_synchronize(dev);
+            if synced.is_ok() {
+                bump(&self.counters.syncs);
+            }
+            for (&ptr, &(d, size)) in taken.blocks.iter().filter(|(_, (d, _))| *d == dev) {
+                match synced {
+                    Ok(()) => {
+                        if let Err(e) = self.alloc.free(ptr) {
+                            say(&format!("releasing a deferred free: {e}"));
+                        }
+                        released += 1;
+                    }
+                    Err(_) => {
+                        let mut back = self.deferred.lock();
+                        back.blocks.insert(ptr, (d, size));
+                        back.bytes += size;
+                    }
+                }
+            }
+        }
+        self.counters.released.fetch_add(released as u64, Ordering::Relaxed);
+        released
+    }
+
+    fn deferred_now(&self) -> (usize, usize) {
+        let d = self.deferred.lock();
+        (d.blocks.len(), d.bytes)
+    }
+}
+
+extern "C" fn print_stats_at_exit() {
+    guard((), || {
+        let Some(Some(s)) = SHIM.get() else { return };
+        let c = &s.counters;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (waiting, waiting_bytes) = s.deferred_now();
+        let mut out = format!(
+            "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
+             {} frees, {} stream-ordered frees; passed through {} allocations and {} frees; \
+             {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit\n",
+            s.mode,
+            n(&c.cuda_malloc),
+            n(&c.cuda_malloc_async),
+            n(&c.cu_mem_alloc),
+            n(&c.cu_mem_alloc_async),
+            n(&c.frees),
+            n(&c.async_frees),
+            n(&c.passed_allocs),
+            n(&c.passed_frees),
+            n(&c.syncs),
+            n(&c.released),
+            waiting,
+            waiting_bytes,
+        );
+        for dev in 0..s.alloc.device_count() {
+            // Reads counters only: no CUDA call (CUDA may have shut down already).
+            match s.alloc.stats(dev) {
+                Ok(st) if st.num_device_alloc > 0 => {
+                    if let Ok(text) = s.alloc.memory_summary(dev) {
+                        out.push_str(&text);
+                        out.push('\n');
+                    }
+                }
+                _ => {}
+            }
+        }
+        let _ = std::io::stderr().write_all(out.as_bytes());
+    })
+}

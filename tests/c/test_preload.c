@@ -1,0 +1,118 @@
+/* The LD_PRELOAD shim (libgpupool_preload.so) on the simulated device, with no CUDA installed:
+ * the program finds cudaMalloc and friends with dlsym, as the dynamic linker would bind them,
+ * and gets the shim's. Run as
+ *   LD_PRELOAD=libgpupool_preload.so GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
+ *     GPUPOOL_PRELOAD_MODE=safe|stream ./test_preload safe|stream
+ * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "gpupool.h"
+
+/* Not linked with libgpupool: check.h's messages come from the shim's copy of gpupool. */
+static const char *shim_last_error(void) {
+  const char *(*f)(void) = NULL;
+  *(void **)(&f) = dlsym(RTLD_DEFAULT, "gpupool_last_error_message");
+  return f ? f() : "(no shim)";
+}
+#define gpupool_last_error_message shim_last_error
+#include "check.h"
+
+#define MIB ((size_t)1 << 20)
+
+typedef int (*malloc_fn)(void **, size_t);
+typedef int (*free_fn)(void *);
+typedef int (*malloc_async_fn)(void **, size_t, void *);
+typedef int (*free_async_fn)(void *, void *);
+typedef int (*cu_alloc_fn)(uint64_t *, size_t);
+typedef int (*cu_free_fn)(uint64_t);
+typedef gpupool_status (*stats_fn)(int, gpupool_stats_t *);
+
+static stats_fn get_stats;
+
+/* dlsym's object pointer into a function pointer, the way POSIX allows under -Wpedantic. */
+#define LOOKUP(fn, name) (*(void **)(&(fn)) = dlsym(RTLD_DEFAULT, name))
+
+static gpupool_stats_t stats(void) {
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  CHECK(get_stats(0, &s) == GPUPOOL_SUCCESS);
+  return s;
+}
+
+int main(int argc, char **argv) {
+  int stream_mode = argc > 1 && strcmp(argv[1], "stream") == 0;
+  malloc_fn cuda_malloc = NULL;
+  LOOKUP(cuda_malloc, "cudaMalloc");
+  free_fn cuda_free = NULL;
+  LOOKUP(cuda_free, "cudaFree");
+  malloc_async_fn cuda_malloc_async = NULL;
+  LOOKUP(cuda_malloc_async, "cudaMallocAsync");
+  free_async_fn cuda_free_async = NULL;
+  LOOKUP(cuda_free_async, "cudaFreeAsync");
+  cu_alloc_fn cu_alloc = NULL;
+  LOOKUP(cu_alloc, "cuMemAlloc_v2");
+  cu_free_fn cu_free = NULL;
+  LOOKUP(cu_free, "cuMemFree_v2");
+  LOOKUP(get_stats, "gpupool_stats");
+  if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free || !get_stats) {
+    printf("test_preload: skipped: libgpupool_preload.so is not preloaded\n");
+    return 77;
+  }
+
+  /* cudaMalloc is served by gpupool: the memory is the simulated device's (host memory). */
+  void *p = NULL;
+  CHECK(cuda_malloc(&p, 1000) == 0);
+  CHECK(p != NULL && (uintptr_t)p % 512 == 0);
+  if (p) memset(p, 0xab, 1000);
+  CHECK(stats().allocation.all.current == 1);
+  CHECK(cuda_malloc(NULL, 16) == 1); /* cudaErrorInvalidValue */
+
+  /* cudaFree: in safe mode the block waits for a device synchronisation, so the next
+   * allocation of the same size gets another block; in stream mode it is reused at once. */
+  CHECK(cuda_free(p) == 0);
+  void *q = NULL;
+  CHECK(cuda_malloc(&q, 1000) == 0);
+  if (stream_mode) {
+    CHECK(q == p);
+    CHECK(stats().allocation.all.current == 1);
+  } else {
+    CHECK(q != p);
+    CHECK(stats().allocation.all.current == 2); /* p is still deferred */
+  }
+  CHECK(cuda_free(q) == 0);
+  CHECK(cuda_free(q) == 1); /* a second free of the same block is refused */
+
+  /* Out of memory with deferred blocks: the shim synchronises, releases them and retries. */
+  void *big = NULL, *big2 = NULL;
+  CHECK(cuda_malloc(&big, 40 * MIB) == 0);
+  CHECK(cuda_free(big) == 0);
+  CHECK(cuda_malloc(&big2, 40 * MIB) == 0); /* 64 MiB device: fits only once big is back */
+  CHECK(big2 == big);
+  CHECK(cuda_free(big2) == 0);
+  void *huge = (void *)0x1;
+  CHECK(cuda_malloc(&huge, 100 * MIB) == 2); /* cudaErrorMemoryAllocation */
+
+  /* The driver API: served too (the simulated device's context counts as primary). */
+  uint64_t d = 0;
+  CHECK(cu_alloc(&d, 4096) == 0);
+  CHECK(d != 0);
+  CHECK(cu_free(d) == 0);
+
+  /* Stream-ordered: cudaFreeAsync on another stream is never deferred. */
+  void *a = NULL;
+  gpupool_stats_t before = stats();
+  CHECK(cuda_malloc_async(&a, 1 << 20, (void *)0x10) == 0);
+  CHECK(cuda_free_async(a, (void *)0x20) == 0);
+  CHECK(stats().allocation.all.current == before.allocation.all.current);
+
+  /* Pointers that are not gpupool's go to the real function, absent here (no CUDA runtime):
+   * cudaErrorUnknown, and gpupool is untouched. */
+  before = stats();
+  CHECK(cuda_free((void *)0x1234) == 999);
+  CHECK(cuda_free(NULL) == 999);
+  CHECK(stats().allocation.all.current == before.allocation.all.current);
+  return checks_report(stream_mode ? "test_preload (stream)" : "test_preload (safe)");
+}
