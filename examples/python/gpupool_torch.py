@@ -1,0 +1,144 @@
+"""gpupool under PyTorch, through PyTorch's pluggable-allocator interface.
+
+    import torch, gpupool_torch
+    gpupool_torch.install()          # before the first CUDA tensor
+    ...
+    print(gpupool_torch.summary())   # torch.cuda.memory_summary() is the native allocator's
+
+install() loads libgpupool.so (the path given, else $GPUPOOL_LIB, else the library the
+repository's build or an installed prefix holds), makes it PyTorch's CUDA allocator with
+torch.cuda.memory.CUDAPluggableAllocator and change_current_allocator, and wires the optional
+hooks: init, reset (torch.cuda.empty_cache), memory fraction
+(torch.cuda.set_per_process_memory_fraction) and record_stream (Tensor.record_stream).
+
+With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
+gpupool's figures; stats() and summary() here do, from gpupool_stats and
+gpupool_memory_summary.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+
+_lib = None
+
+_ARRAYS = [
+    "allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+    "active_bytes", "inactive_split_bytes", "requested_bytes",
+]
+_COUNTERS = [
+    "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+    "max_split_size",
+]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("current", "peak", "allocated", "freed")]
+
+
+class _StatArray(ctypes.Structure):
+    _fields_ = [(n, _Stat) for n in ("all", "small_pool", "large_pool")]
+
+
+class _Stats(ctypes.Structure):
+    """gpupool_stats_t, field for field (include/gpupool.h)."""
+
+    _fields_ = (
+        [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)]
+        + [(n, _StatArray) for n in _ARRAYS]
+        + [("oversize_allocations", _Stat), ("oversize_segments", _Stat)]
+        + [(n, ctypes.c_int64) for n in _COUNTERS]
+    )
+
+
+def find_library():
+    """The libgpupool.so to use: $GPUPOOL_LIB, else the repository's build, else the system's."""
+    if os.environ.get("GPUPOOL_LIB"):
+        return os.environ["GPUPOOL_LIB"]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for candidate in (root / "build/cargo/release/libgpupool.so", root / "target/release/libgpupool.so",
+                      root / ".device/prefix/lib/libgpupool.so"):
+        if candidate.exists():
+            return str(candidate)
+    found = ctypes.util.find_library("gpupool")
+    if found:
+        return found
+    raise FileNotFoundError("libgpupool.so not found: pass its path or set GPUPOOL_LIB")
+
+
+def _check(status, call):
+    if status != 0:
+        msg = _lib.gpupool_last_error_message().decode()
+        raise RuntimeError(f"{call} failed (gpupool status {status}): {msg}")
+
+
+def _bind(lib):
+    lib.gpupool_last_error_message.restype = ctypes.c_char_p
+    lib.gpupool_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
+    lib.gpupool_reset_peak_stats.argtypes = [ctypes.c_int]
+    lib.gpupool_memory_summary.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+                                           ctypes.POINTER(ctypes.c_size_t)]
+    return lib
+
+
+def install(path=None):
+    """Makes gpupool PyTorch's CUDA allocator. Call before anything allocates CUDA memory."""
+    global _lib
+    import torch
+
+    path = path or find_library()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "gpupool_torch_malloc", "gpupool_torch_free")
+    # The same library PyTorch just opened (dlopen of one path gives one handle, one allocator).
+    _lib = _bind(ctypes.CDLL(path))
+    native = allocator.allocator()
+    hooks = [
+        ("set_init_fn", "gpupool_torch_init"),
+        ("set_reset_fn", "gpupool_torch_empty_cache"),
+        ("set_memory_fraction_fn", "gpupool_torch_set_memory_fraction"),
+        ("set_record_stream_fn", "gpupool_torch_record_stream"),
+    ]
+    for setter, symbol in hooks:
+        getattr(native, setter)(ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(allocator)
+    return allocator
+
+
+def attach(lib=None):
+    """Binds stats() and summary() to a gpupool already in the process without installing it
+    (the LD_PRELOAD shim exports the same functions: attach(ctypes.CDLL(None)))."""
+    global _lib
+    _lib = _bind(lib if lib is not None else ctypes.CDLL(None))
+
+
+def stats(device=0):
+    """gpupool's statistics of `device` as a flat dict: 'reserved_bytes.all.peak', ... (bytes,
+    counts), the keys of torch.cuda.memory_stats()."""
+    s = _Stats()
+    s.size = ctypes.sizeof(_Stats)
+    _check(_lib.gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
+    out = {}
+    for name in _ARRAYS:
+        arr = getattr(s, name)
+        for pool in ("all", "small_pool", "large_pool"):
+            for field in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{pool}.{field}"] = getattr(getattr(arr, pool), field)
+    for name in ("oversize_allocations", "oversize_segments"):
+        for field in ("current", "peak", "allocated", "freed"):
+            out[f"{name}.{field}"] = getattr(getattr(s, name), field)
+    for name in _COUNTERS:
+        out[name] = getattr(s, name)
+    return out
+
+
+def reset_peak_stats(device=0):
+    _check(_lib.gpupool_reset_peak_stats(device), "gpupool_reset_peak_stats")
+
+
+def summary(device=0):
+    """gpupool's memory summary, in torch.cuda.memory_summary()'s layout."""
+    needed = ctypes.c_size_t(0)
+    _check(_lib.gpupool_memory_summary(device, None, 0, ctypes.byref(needed)), "gpupool_memory_summary")
+    buf = ctypes.create_string_buffer(needed.value + 256)
+    _check(_lib.gpupool_memory_summary(device, buf, len(buf), ctypes.byref(needed)), "gpupool_memory_summary")
+    return buf.value.decode()
