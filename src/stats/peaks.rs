@@ -15,16 +15,17 @@
 //! statistic). Only when the reserve cannot cover it — the device may be at a new peak — does
 //! the call settle the device ([`settle`]): with every shard of the device locked it recounts
 //! `G`, sets `P` to the highest value `G` reached and deals the credit `P - G` out again. A
-//! shard that holds more than the most it ever had to borrow gives the rest back to the
-//! reserve ([`give_back`]), so credit flows from shrinking streams to growing ones without
-//! any lock.
+//! shard that holds more than the most it had to borrow gives the rest back to the reserve
+//! ([`give_back`]), so credit flows from shrinking streams to growing ones without any lock;
+//! a settle also resets what a shard that borrowed nothing since the last one keeps to zero,
+//! so that credit does not stay with a stream that has gone quiet.
 //!
-//! Measured on the simulated device (`examples/settle_rate.rs`, threads each churning 16
-//! blocks of 4 KiB to 1 MiB on their own stream): 1 settle in 2,000 calls at 1, 4 and 16
-//! threads, where dealing credit only at settles gave 1 in 80 at 16 threads. Streams that
-//! trade memory in lock-step still settle about 1 call in 20 (`tests/rules.rs`), all of it on
-//! `inactive_split_bytes`, which jumps by up to 2 MiB whenever a small segment is split or
-//! made whole again.
+//! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
+//! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and 1 in
+//! 4,000 at 16, where dealing credit only at settles gave 1 in 80 at 16 threads; streams that
+//! trade memory in lock-step (`tests/rules.rs`), 1 in 461 (1 in 21 while quiet shards kept
+//! their credit through settles); the recorded two-stream trace `pipeline_streams` replayed
+//! warm (`examples/replay.rs`), 14 settles in 1,957 events (80 before).
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
@@ -117,6 +118,10 @@ pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters]
             let c = &mut s.cells[cell];
             if c.low < 0 {
                 c.keep = c.keep.max(-c.low);
+            } else {
+                // A shard that did not need credit since the last settle keeps none: what it
+                // held goes to the reserve, where the stream that ran short can borrow it.
+                c.keep = 0;
             }
             let kept = c.headroom.clamp(0, c.keep.min(credit));
             c.headroom = kept;
