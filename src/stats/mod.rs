@@ -114,10 +114,19 @@ pub(crate) struct Cell {
     /// The lowest `headroom` since the last settle: where this shard's value peaked within
     /// the calls not yet settled.
     pub low: i64,
-    /// The most credit this shard has had to borrow at once: the credit it keeps when it
-    /// gives surplus back to the device reserve.
+    /// The most credit this shard has had to borrow at once since it last had to: the credit
+    /// it keeps when it gives surplus back to the device reserve (which it does once it holds
+    /// `SURPLUS_FACTOR` times this). A settle resets it to zero for a shard that borrowed
+    /// nothing since the settle before.
     pub keep: i64,
 }
+
+/// A shard gives credit back to the device reserve only once it holds this many times what it
+/// keeps, so that a stream whose blocks vary in size does not trade credit through the
+/// reserve's shared atomics at every call. Measured on the simulated device, 16 threads on
+/// their own streams (`examples/settle_rate.rs`): reserve operations in 0.8% of calls at 8,
+/// 8% at 4, 48% at 1; streams trading in lock-step settle 1 call in 159 at 8, 1 in 461 at 1.
+const SURPLUS_FACTOR: i64 = 8;
 
 /// The statistics of one shard. Not synchronised: the shard's lock guards it.
 #[derive(Debug)]
@@ -126,7 +135,8 @@ pub(crate) struct ShardCounters {
     /// Some cell went past its headroom: the device peak must be settled before the call
     /// that did it returns.
     pub needs_settle: bool,
-    /// Some cell holds more credit than it keeps: give the rest to the reserve.
+    /// Some cell holds [`SURPLUS_FACTOR`] times more credit than it keeps: give what it does
+    /// not keep to the reserve.
     pub has_surplus: bool,
 }
 
@@ -153,7 +163,7 @@ impl ShardCounters {
         c.current -= n;
         c.freed += n;
         c.headroom += n;
-        self.has_surplus |= c.headroom > c.keep;
+        self.has_surplus |= c.headroom > SURPLUS_FACTOR * c.keep;
     }
 
     /// PyTorch `stats.<metric>[all and pool].increase(n)`.
