@@ -50,6 +50,9 @@ impl SegmentIndex {
         self.snapshot.store(Arc::new(next));
     }
 
+    /// Removes the segment at `base`. Call before the segment goes back to the driver: from
+    /// then on its addresses may belong to a new segment of another stream, and removing by
+    /// base would remove that one too.
     pub fn remove(&self, base: DevicePtr) {
         let _w = self.writer.lock();
         let old = self.snapshot.load();

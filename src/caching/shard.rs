@@ -408,12 +408,15 @@ impl ShardState {
         let b = &self.blocks[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (addr, size, pool) = (b.addr, b.size, b.pool);
-        env.driver
-            .mem_free(env.device, addr)
-            .map_err(|e| Error::driver(e, "returning a cached segment to the driver"))?;
+        // Out of the index first: once the driver has the memory back, another stream's new
+        // segment may start at the same address.
+        env.index.remove(addr);
+        if let Err(e) = env.driver.mem_free(env.device, addr) {
+            env.index.insert(SegmentEntry { base: addr, size, device: env.device, shard: env.shard.clone() });
+            return Err(Error::driver(e, "returning a cached segment to the driver"));
+        }
         self.pool(pool).remove(size, addr, id);
         self.segments.remove(&addr);
-        env.index.remove(addr);
         self.blocks.remove(id);
         self.counters.decrease(Metric::Segment, pool, 1);
         self.counters.decrease(Metric::ReservedBytes, pool, size as i64);
