@@ -18,16 +18,17 @@
 //! shard keeps the most it had to borrow at once; holding several times that
 //! (`SURPLUS_FACTOR`), it gives the rest back to the reserve ([`give_back`]), so credit flows
 //! from shrinking streams to growing ones without any lock. A settle also resets to zero what
-//! a shard that borrowed nothing since the last settle keeps, so that credit does not stay
-//! with a stream that has gone quiet.
+//! a shard that was quiet since the last settle keeps, so that credit does not stay with a
+//! stream that has stopped. (Resetting every shard that was not short, active or not, made
+//! the settles cascade on the H100: at 16 threads each settle sent 15 streams back to the
+//! reserve at once, and throughput fell from 13-19 to 3-4 M ops/s.)
 //!
 //! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
 //! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and 1 in
-//! 3,500 at 16 (1 in 80 when credit moved only at settles), and the reserve touched in 0.8% of
-//! calls; streams that trade memory in lock-step (`tests/rules.rs`), 1 in 159 (1 in 21 while
-//! quiet shards kept their credit through settles); the recorded two-stream trace
-//! `pipeline_streams` replayed warm (`examples/replay.rs`), 14 settles in 1,957 events (80
-//! before).
+//! 3,000 at 16 (1 in 80 when credit moved only at settles), and the reserve touched in 0.8% of
+//! calls; streams that trade memory in lock-step (`tests/rules.rs`), 1 in 95 (1 in 21 while
+//! quiet shards kept their credit); the recorded two-stream trace `pipeline_streams` replayed
+//! warm (`examples/replay.rs`), 28 settles in 1,957 events (80 before).
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
@@ -118,13 +119,17 @@ pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters]
         let mut credit = *peak - current;
         for s in shards.iter_mut() {
             let c = &mut s.cells[cell];
+            let moved = c.allocated + c.freed;
             if c.low < 0 {
                 c.keep = c.keep.max(-c.low);
-            } else {
-                // A shard that did not need credit since the last settle keeps none: what it
-                // held goes to the reserve, where the stream that ran short can borrow it.
+            } else if moved == c.moved_at_settle {
+                // A shard whose value did not move since the last settle (a quiet stream)
+                // keeps no credit: what it held goes to the reserve, where the stream that ran
+                // short can borrow it. Active shards keep theirs, or they would all come back
+                // to the reserve at once.
                 c.keep = 0;
             }
+            c.moved_at_settle = moved;
             let kept = c.headroom.clamp(0, c.keep.min(credit));
             c.headroom = kept;
             c.low = kept;
@@ -232,6 +237,28 @@ mod tests {
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 1);
         assert!(finish(&mut peaks, &mut s, 0, &r), "past the peak: settle");
         assert_eq!(peaks[BYTES], 901);
+    }
+
+    #[test]
+    fn a_settle_takes_back_what_a_quiet_shard_keeps_but_not_an_active_one() {
+        let (mut peaks, r) = ([0; CELLS], reserve());
+        let mut s = [ShardCounters::default(), ShardCounters::default()];
+        s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
+        assert!(finish(&mut peaks, &mut s, 0, &r));
+        s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 100);
+        finish(&mut peaks, &mut s, 0, &r);
+        // Shard 1 runs short while shard 0, active since the last settle, holds the credit.
+        s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 50);
+        assert!(finish(&mut peaks, &mut s, 1, &r));
+        assert_eq!(s[0].cells[BYTES].headroom, 50, "active: keeps what the peak leaves");
+        // Shard 0 has been quiet since: the next settle moves its credit to the reserve, so
+        // shard 1 borrows it afterwards instead of settling again.
+        s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 40);
+        assert!(finish(&mut peaks, &mut s, 1, &r));
+        assert_eq!((s[0].cells[BYTES].headroom, reserved_credit(&r, BYTES)), (0, 10));
+        s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 10);
+        assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed what shard 0 no longer keeps");
+        assert_eq!(peaks[BYTES], 100);
     }
 
     #[test]
