@@ -45,16 +45,16 @@ static gpupool_stats_t stats(void) {
 int main(int argc, char **argv) {
   int stream_mode = argc > 1 && strcmp(argv[1], "stream") == 0;
   malloc_fn cuda_malloc = NULL;
-  LOOKUP(cuda_malloc, "cudaMalloc");
   free_fn cuda_free = NULL;
-  LOOKUP(cuda_free, "cudaFree");
   malloc_async_fn cuda_malloc_async = NULL;
-  LOOKUP(cuda_malloc_async, "cudaMallocAsync");
   free_async_fn cuda_free_async = NULL;
-  LOOKUP(cuda_free_async, "cudaFreeAsync");
   cu_alloc_fn cu_alloc = NULL;
-  LOOKUP(cu_alloc, "cuMemAlloc_v2");
   cu_free_fn cu_free = NULL;
+  LOOKUP(cuda_malloc, "cudaMalloc");
+  LOOKUP(cuda_free, "cudaFree");
+  LOOKUP(cuda_malloc_async, "cudaMallocAsync");
+  LOOKUP(cuda_free_async, "cudaFreeAsync");
+  LOOKUP(cu_alloc, "cuMemAlloc_v2");
   LOOKUP(cu_free, "cuMemFree_v2");
   LOOKUP(get_stats, "gpupool_stats");
   if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free || !get_stats) {
