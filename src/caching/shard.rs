@@ -110,6 +110,7 @@ impl ShardState {
 
     /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
     /// pool: the caller hands it out at once).
+    ///
     /// A device with a memory fraction set refuses a segment that would take its reserved
     /// bytes past the limit, as out of memory (PyTorch `alloc_block` with `set_fraction`).
     pub fn new_segment(&mut self, env: &Env, req: &Request) -> Result<BlockId, DriverError> {
