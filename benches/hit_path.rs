@@ -14,6 +14,10 @@ use gpupool::Allocator;
 use gpupool::config::Config;
 use gpupool::driver::sim::SimDriver;
 
+#[path = "shared/churn.rs"]
+mod churn;
+use churn::churn;
+
 fn allocator() -> Allocator {
     Allocator::new(Arc::new(SimDriver::new(1, 64 << 30)), Config::default())
 }
@@ -32,26 +36,6 @@ fn hit_pair(c: &mut Criterion) {
         });
     }
     g.finish();
-}
-
-/// `ops` operations on one thread's own stream: a ring of 16 live blocks, sizes 4 KiB..1 MiB.
-fn churn(a: &Allocator, stream: usize, ops: u64, seed: u64) {
-    let mut live = [0u64; 16];
-    let mut rng = seed | 1;
-    for (i, slot) in live.iter_mut().enumerate() {
-        *slot = a.malloc(4096 << (i % 9), 0, stream).unwrap();
-    }
-    for i in 0..ops / 2 {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        let slot = (i % 16) as usize;
-        a.free(live[slot]).unwrap();
-        live[slot] = a.malloc(4096 << (rng % 9), 0, stream).unwrap();
-    }
-    for p in live {
-        a.free(p).unwrap();
-    }
 }
 
 fn threads(c: &mut Criterion) {

@@ -5,6 +5,10 @@ use std::sync::Arc;
 
 use gpupool::{Allocator, config::Config, driver::sim::SimDriver};
 
+#[path = "../benches/shared/churn.rs"]
+mod churn;
+use churn::churn;
+
 fn main() {
     for n in [1usize, 4, 16] {
         let a = Arc::new(Allocator::new(Arc::new(SimDriver::new(1, 64 << 30)), Config::default()));
@@ -12,25 +16,7 @@ fn main() {
         let threads: Vec<_> = (0..n)
             .map(|t| {
                 let a = a.clone();
-                std::thread::spawn(move || {
-                    let stream = 0x100 * (t + 1);
-                    let mut rng = (t as u64 + 7) | 1;
-                    let mut live = [0u64; 16];
-                    for (i, slot) in live.iter_mut().enumerate() {
-                        *slot = a.malloc(4096 << (i % 9), 0, stream).unwrap();
-                    }
-                    for i in 0..ops / 2 {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
-                        let k = (i % 16) as usize;
-                        a.free(live[k]).unwrap();
-                        live[k] = a.malloc(4096 << (rng % 9), 0, stream).unwrap();
-                    }
-                    for p in live {
-                        a.free(p).unwrap();
-                    }
-                })
+                std::thread::spawn(move || churn(&a, 0x100 * (t + 1), ops, t as u64 + 7))
             })
             .collect();
         for t in threads {
