@@ -3,11 +3,11 @@
 //! the driver's definitions, never these.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
-use gpupool::driver::DevicePtr;
 
-use crate::shim::{bump, cuda_status, guard, shim};
+use crate::shim::{Shim, bump, guard, owner_of, shim, status};
 
 /// `CUDA_ERROR_UNKNOWN`.
 const UNKNOWN: c_int = 999;
@@ -17,14 +17,25 @@ fn primary_device() -> Option<i32> {
     shim()?.alloc.driver().current_primary_device().ok().flatten()
 }
 
-fn alloc_into(dptr: *mut sys::CUdeviceptr, result: Result<DevicePtr, gpupool::Error>) -> c_int {
-    match result {
-        Ok(p) => {
-            // SAFETY: checked non-null by the callers; the caller passes a writable CUdeviceptr.
-            unsafe { *dptr = p };
-            0
+/// An allocation gpupool serves when a primary context is current, else the real function's.
+fn allocate(
+    dptr: *mut sys::CUdeviceptr,
+    size: usize,
+    stream: sys::CUstream,
+    served: impl Fn(&Shim) -> &AtomicU64,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
+    match (shim(), primary_device()) {
+        // SAFETY (out): checked non-null; the caller passes a writable CUdeviceptr.
+        (Some(s), Some(dev)) if !dptr.is_null() => {
+            s.serve(served(s), size, dev, stream as usize, |p| unsafe { *dptr = p })
         }
-        Err(e) => cuda_status(&e),
+        (s, _) => {
+            if let Some(s) = s {
+                bump(&s.counters.passed_allocs);
+            }
+            real()
+        }
     }
 }
 
@@ -36,18 +47,15 @@ fn alloc_into(dptr: *mut sys::CUdeviceptr, result: Result<DevicePtr, gpupool::Er
 /// As CUDA's `cuMemAlloc_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> c_int {
-    guard(UNKNOWN, || match (shim(), primary_device()) {
-        (Some(s), Some(dev)) if !dptr.is_null() => {
-            bump(&s.counters.cu_mem_alloc);
-            alloc_into(dptr, s.malloc(bytesize, dev, 0))
-        }
-        (s, _) => {
-            if let Some(s) = s {
-                bump(&s.counters.passed_allocs);
-            }
-            // SAFETY: the real function, with the caller's arguments.
-            unsafe { sys::cuMemAlloc_v2(dptr, bytesize) as c_int }
-        }
+    guard(UNKNOWN, || {
+        // SAFETY: the real function, with the caller's arguments.
+        allocate(
+            dptr,
+            bytesize,
+            std::ptr::null_mut(),
+            |s| &s.counters.cu_mem_alloc,
+            || unsafe { sys::cuMemAlloc_v2(dptr, bytesize) as c_int },
+        )
     })
 }
 
@@ -58,18 +66,10 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: us
 /// As CUDA's `cuMemFree_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
-    guard(UNKNOWN, || {
-        if let Some(s) = shim()
-            && dptr != 0
-            && s.alloc.owns(dptr)
-        {
-            return s.free(dptr).map_or_else(|e| cuda_status(&e), |()| 0);
-        }
-        if let Some(s) = shim() {
-            bump(&s.counters.passed_frees);
-        }
+    guard(UNKNOWN, || match owner_of(dptr) {
+        Some(s) => status(s.free(dptr)),
         // SAFETY: the real function, with the caller's argument.
-        unsafe { sys::cuMemFree_v2(dptr) as c_int }
+        None => unsafe { sys::cuMemFree_v2(dptr) as c_int },
     })
 }
 
@@ -80,18 +80,15 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
 /// As CUDA's `cuMemAllocAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: usize, stream: sys::CUstream) -> c_int {
-    guard(UNKNOWN, || match (shim(), primary_device()) {
-        (Some(s), Some(dev)) if !dptr.is_null() => {
-            bump(&s.counters.cu_mem_alloc_async);
-            alloc_into(dptr, s.malloc(bytesize, dev, stream as usize))
-        }
-        (s, _) => {
-            if let Some(s) = s {
-                bump(&s.counters.passed_allocs);
-            }
-            // SAFETY: the real function, with the caller's arguments.
-            unsafe { sys::cuMemAllocAsync(dptr, bytesize, stream) as c_int }
-        }
+    guard(UNKNOWN, || {
+        // SAFETY: the real function, with the caller's arguments.
+        allocate(
+            dptr,
+            bytesize,
+            stream,
+            |s| &s.counters.cu_mem_alloc_async,
+            || unsafe { sys::cuMemAllocAsync(dptr, bytesize, stream) as c_int },
+        )
     })
 }
 
@@ -102,18 +99,10 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: 
 /// As CUDA's `cuMemFreeAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> c_int {
-    guard(UNKNOWN, || {
-        if let Some(s) = shim()
-            && dptr != 0
-            && s.alloc.owns(dptr)
-        {
-            return s.free_async(dptr, stream as usize).map_or_else(|e| cuda_status(&e), |()| 0);
-        }
-        if let Some(s) = shim() {
-            bump(&s.counters.passed_frees);
-        }
+    guard(UNKNOWN, || match owner_of(dptr) {
+        Some(s) => status(s.free_async(dptr, stream as usize)),
         // SAFETY: the real function, with the caller's arguments.
-        unsafe { sys::cuMemFreeAsync(dptr, stream) as c_int }
+        None => unsafe { sys::cuMemFreeAsync(dptr, stream) as c_int },
     })
 }
 

@@ -4,7 +4,7 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::shim::{bump, cuda_status, guard, shim};
+use crate::shim::{guard, owner_of, shim, status};
 
 /// `cudaErrorUnknown`: the real function could not be found.
 const UNKNOWN: c_int = 999;
@@ -48,23 +48,14 @@ fn runtime_device() -> i32 {
 /// As CUDA's `cudaMalloc`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
-    guard(UNKNOWN, || {
-        let Some(s) = shim() else {
-            // SAFETY: the real function, with the caller's arguments.
-            return real!(c"cudaMalloc", MallocFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size) });
-        };
-        if dev_ptr.is_null() {
-            return 1;
+    guard(UNKNOWN, || match shim() {
+        // SAFETY (out): checked non-null; the caller passes a writable `void *`.
+        Some(s) if !dev_ptr.is_null() => {
+            s.serve(&s.counters.cuda_malloc, size, runtime_device(), 0, |p| unsafe { *dev_ptr = p as *mut c_void })
         }
-        bump(&s.counters.cuda_malloc);
-        match s.malloc(size, runtime_device(), 0) {
-            Ok(p) => {
-                // SAFETY: checked non-null; the caller passes a writable `void *`.
-                unsafe { *dev_ptr = p as *mut c_void };
-                0
-            }
-            Err(e) => cuda_status(&e),
-        }
+        Some(_) => 1, // cudaErrorInvalidValue
+        // SAFETY: the real function, with the caller's arguments.
+        None => real!(c"cudaMalloc", MallocFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size) }),
     })
 }
 
@@ -76,18 +67,10 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
 /// As CUDA's `cudaFree`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
-    guard(UNKNOWN, || {
-        if let Some(s) = shim()
-            && !dev_ptr.is_null()
-            && s.alloc.owns(dev_ptr as u64)
-        {
-            return s.free(dev_ptr as u64).map_or_else(|e| cuda_status(&e), |()| 0);
-        }
-        if let Some(s) = shim() {
-            bump(&s.counters.passed_frees);
-        }
+    guard(UNKNOWN, || match owner_of(dev_ptr as u64) {
+        Some(s) => status(s.free(dev_ptr as u64)),
         // SAFETY: the real function, with the caller's arguments.
-        real!(c"cudaFree", FreeFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr) })
+        None => real!(c"cudaFree", FreeFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr) }),
     })
 }
 
@@ -98,23 +81,16 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 /// As CUDA's `cudaMallocAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize, stream: *mut c_void) -> c_int {
-    guard(UNKNOWN, || {
-        let Some(s) = shim() else {
-            // SAFETY: the real function, with the caller's arguments.
-            return real!(c"cudaMallocAsync", MallocAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size, stream) });
-        };
-        if dev_ptr.is_null() {
-            return 1;
+    guard(UNKNOWN, || match shim() {
+        // SAFETY (out): checked non-null; the caller passes a writable `void *`.
+        Some(s) if !dev_ptr.is_null() => {
+            s.serve(&s.counters.cuda_malloc_async, size, runtime_device(), stream as usize, |p| unsafe {
+                *dev_ptr = p as *mut c_void
+            })
         }
-        bump(&s.counters.cuda_malloc_async);
-        match s.malloc(size, runtime_device(), stream as usize) {
-            Ok(p) => {
-                // SAFETY: checked non-null; the caller passes a writable `void *`.
-                unsafe { *dev_ptr = p as *mut c_void };
-                0
-            }
-            Err(e) => cuda_status(&e),
-        }
+        Some(_) => 1, // cudaErrorInvalidValue
+        // SAFETY: the real function, with the caller's arguments.
+        None => real!(c"cudaMallocAsync", MallocAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size, stream) }),
     })
 }
 
@@ -125,17 +101,9 @@ pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize,
 /// As CUDA's `cudaFreeAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaFreeAsync(dev_ptr: *mut c_void, stream: *mut c_void) -> c_int {
-    guard(UNKNOWN, || {
-        if let Some(s) = shim()
-            && !dev_ptr.is_null()
-            && s.alloc.owns(dev_ptr as u64)
-        {
-            return s.free_async(dev_ptr as u64, stream as usize).map_or_else(|e| cuda_status(&e), |()| 0);
-        }
-        if let Some(s) = shim() {
-            bump(&s.counters.passed_frees);
-        }
+    guard(UNKNOWN, || match owner_of(dev_ptr as u64) {
+        Some(s) => status(s.free_async(dev_ptr as u64, stream as usize)),
         // SAFETY: the real function, with the caller's arguments.
-        real!(c"cudaFreeAsync", FreeAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, stream) })
+        None => real!(c"cudaFreeAsync", FreeAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, stream) }),
     })
 }

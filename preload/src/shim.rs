@@ -20,16 +20,25 @@ pub enum Mode {
     Stream,
 }
 
-/// What the shim did, for `GPUPOOL_PRELOAD_STATS`. Counts of calls.
+/// What the shim did, for `GPUPOOL_PRELOAD_STATS`: counts of calls since the process started,
+/// updated with relaxed atomics from any thread.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// `cudaMalloc` calls served by gpupool.
     pub cuda_malloc: AtomicU64,
+    /// `cudaMallocAsync` calls served by gpupool.
     pub cuda_malloc_async: AtomicU64,
+    /// `cuMemAlloc_v2` calls served by gpupool (directly or through `cuGetProcAddress`).
     pub cu_mem_alloc: AtomicU64,
+    /// `cuMemAllocAsync` calls served by gpupool.
     pub cu_mem_alloc_async: AtomicU64,
+    /// `cudaFree`/`cuMemFree_v2` of gpupool's pointers (deferred in safe mode).
     pub frees: AtomicU64,
+    /// `cudaFreeAsync`/`cuMemFreeAsync` of gpupool's pointers.
     pub async_frees: AtomicU64,
+    /// Driver allocations passed to the real function (another context current).
     pub passed_allocs: AtomicU64,
+    /// Frees passed to the real function (NULL, or pointers that are not gpupool's).
     pub passed_frees: AtomicU64,
     /// Device synchronisations that released deferred frees.
     pub syncs: AtomicU64,
@@ -121,7 +130,44 @@ pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// CUDA's status for the outcome of a free: 0 (success) or [`cuda_status`].
+pub(crate) fn status(r: Result<(), Error>) -> i32 {
+    r.map_or_else(|e| cuda_status(&e), |()| 0)
+}
+
+/// The shim, when the free of `ptr` is gpupool's to take (the pointer is in one of its
+/// segments); `None` when it goes to the real function, counted as passed through if the shim
+/// runs. NULL (0) always goes to the real function (`cudaFree(NULL)` initialises the runtime).
+pub(crate) fn owner_of(ptr: DevicePtr) -> Option<&'static Shim> {
+    let s = shim()?;
+    if ptr != 0 && s.alloc.owns(ptr) {
+        return Some(s);
+    }
+    bump(&s.counters.passed_frees);
+    None
+}
+
 impl Shim {
+    /// An interposed allocation served by gpupool: counted in `counter`, the pointer given to
+    /// `out` on success. Returns CUDA's status.
+    pub fn serve(
+        &self,
+        counter: &AtomicU64,
+        size: usize,
+        device: i32,
+        stream: StreamHandle,
+        out: impl FnOnce(DevicePtr),
+    ) -> i32 {
+        bump(counter);
+        match self.malloc(size, device, stream) {
+            Ok(p) => {
+                out(p);
+                0
+            }
+            Err(e) => cuda_status(&e),
+        }
+    }
+
     /// Allocates on `device` (-1: current) for `stream`; in safe mode, when gpupool is out of
     /// memory and frees are deferred, synchronises, releases them and retries once.
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
