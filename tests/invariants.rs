@@ -14,6 +14,8 @@ use proptest::prelude::*;
 enum Op {
     Malloc { size: usize, stream: usize },
     Free { pick: usize },
+    FreeAfterSync { pick: usize },
+    ReleaseDeferred,
     RecordStream { pick: usize, stream: usize },
     Hold { stream: usize },
     Release { stream: usize },
@@ -34,6 +36,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         8 => (size(), 0usize..3).prop_map(|(size, stream)| Op::Malloc { size, stream }),
         6 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => any::<usize>().prop_map(|pick| Op::FreeAfterSync { pick }),
+        1 => Just(Op::ReleaseDeferred),
         2 => (any::<usize>(), 0usize..3).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
         1 => (0usize..3).prop_map(|stream| Op::Hold { stream }),
         1 => (0usize..3).prop_map(|stream| Op::Release { stream }),
@@ -100,6 +104,9 @@ fn run(ops: Vec<Op>, max_split_size: usize) {
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
     let mut model_peak = currents(&a.stats(0).unwrap());
     let mut cookie = 1u64;
+    // Blocks freed with free_after_device_sync since the last device synchronisation: gpupool
+    // must not hand them out, so their contents stay as they were.
+    let mut deferred: Vec<(u64, usize, u64)> = Vec::new();
     for op in ops {
         let before = (a.stats(0).unwrap().num_alloc_retries, drv.counts());
         let mut simple = true;
@@ -115,6 +122,14 @@ fn run(ops: Vec<Op>, max_split_size: usize) {
                 let (p, size, c) = live.swap_remove(pick % live.len());
                 assert!(stamped(p, size, c), "block {p:#x} was overwritten while live");
                 a.free(p).unwrap();
+            }
+            Op::FreeAfterSync { pick } if !live.is_empty() => {
+                let (p, size, c) = live.swap_remove(pick % live.len());
+                a.free_after_device_sync(p).unwrap();
+                deferred.push((p, size, c));
+            }
+            Op::ReleaseDeferred => {
+                a.release_deferred(0).unwrap();
             }
             Op::RecordStream { pick, stream } if !live.is_empty() => {
                 a.record_stream(live[pick % live.len()].0, streams[stream]).unwrap();
@@ -140,6 +155,13 @@ fn run(ops: Vec<Op>, max_split_size: usize) {
         // its start and end, which PyTorch's peaks count too and this model cannot see: there
         // the peak may only be higher; elsewhere it must be exact.
         let counts = drv.counts();
+        if counts.device_synchronize != before.1.device_synchronize {
+            deferred.clear();
+            simple = false;
+        }
+        for &(p, size, c) in &deferred {
+            assert!(stamped(p, size, c), "block {p:#x} was handed out before the device synchronisation");
+        }
         simple &= s.num_alloc_retries == before.0
             && counts.event_query == before.1.event_query
             && counts.event_synchronize == before.1.event_synchronize;

@@ -423,3 +423,39 @@ fn a_released_segments_address_reused_by_another_stream_is_found_there() {
     }
     eprintln!("address reused in {reused} of 8 rounds");
 }
+
+#[test]
+fn a_free_after_device_sync_waits_for_the_next_synchronisation() {
+    let (a, drv) = sim(1, 64 * MIB);
+    let p = a.malloc(40 * MIB, 0, 1).unwrap();
+    a.record_stream(p, 2).unwrap();
+    assert_eq!(a.free_after_device_sync(p).unwrap(), (0, 40 * MIB));
+    // No event for stream 2: the synchronisation waits for every stream.
+    assert_eq!(drv.counts().event_record, 0);
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.allocation.all.current, s.active.all.current), (0, 1), "freed, but still active");
+    assert_eq!(a.deferred(0).unwrap(), [1, 40 * MIB as i64, 0, 0]);
+    check(&a);
+    // Not handed out again before the synchronisation, and not freed twice.
+    let q = a.malloc(2 * MIB, 0, 1).unwrap();
+    assert!(!(p..p + 40 * MIB as u64).contains(&q));
+    assert!(matches!(a.free_after_device_sync(p), Err(Error::InvalidPointer(m)) if m.contains("double free")));
+    // Out of memory for 40 MiB more: the deferred block is released by one synchronisation
+    // and served from the cache, with no segment given back to the driver.
+    let r = a.malloc(40 * MIB, 0, 1).unwrap();
+    assert_eq!(r, p);
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.num_device_free, s.num_alloc_retries), (0, 0));
+    assert_eq!(drv.counts().device_synchronize, 1);
+    assert_eq!(a.deferred(0).unwrap(), [0, 0, 1, 1]);
+    // release_deferred and empty_cache synchronise only when something waits.
+    a.free_after_device_sync(q).unwrap();
+    assert_eq!(a.release_deferred(-1).unwrap(), 1);
+    assert_eq!(a.release_deferred(0).unwrap(), 0);
+    a.free_after_device_sync(r).unwrap();
+    a.empty_cache(0).unwrap();
+    assert_eq!(drv.counts().device_synchronize, 3);
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.active.all.current, s.reserved_bytes.all.current), (0, 0));
+    check(&a);
+}

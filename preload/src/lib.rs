@@ -23,13 +23,14 @@
 //!
 //! A program may rely on `cudaFree` waiting for the device: memory it frees is not in use by
 //! any kernel or copy issued before. gpupool does not wait at the free, so by default
-//! (`GPUPOOL_PRELOAD_MODE=safe`) a block freed with `cudaFree` or `cuMemFree` is *deferred*:
-//! it stays allocated in gpupool until the shim has synchronised the device
-//! (`cuCtxSynchronize`) after the free, which it does, once for every deferred block, when
-//! the deferred blocks reach `GPUPOOL_PRELOAD_SYNC_BYTES` (default 256 MiB), and when an
-//! allocation fails for want of memory (then it retries once). So a block is never handed out
-//! again while work issued before its free, on any stream, may still use it; gpupool's
-//! `allocated_bytes` includes the deferred blocks until then.
+//! (`GPUPOOL_PRELOAD_MODE=safe`) a block freed with `cudaFree` or `cuMemFree` is *deferred*
+//! (`Allocator::free_after_device_sync`): gpupool hands it out again only after it has
+//! synchronised the device (`cuCtxSynchronize`) after the free, which happens once for every
+//! deferred block, when the device's deferred blocks reach `GPUPOOL_PRELOAD_SYNC_BYTES`
+//! (default 256 MiB), and when an allocation finds the device full (gpupool then retries from
+//! the cache before releasing it). So a block is never handed out again while work issued
+//! before its free, on any stream, may still use it. Until then gpupool counts it as active
+//! and no longer allocated, as PyTorch counts a block awaiting `record_stream` events.
 //!
 //! `GPUPOOL_PRELOAD_MODE=stream` is the faster opt-in for programs that use one stream: a freed
 //! block goes back to gpupool at once and is reused by later allocations in stream order, as

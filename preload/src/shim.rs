@@ -8,8 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpupool::driver::{DevicePtr, StreamHandle};
 use gpupool::{Allocator, Error};
-use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 
 /// When a block freed through `cudaFree`/`cuMemFree` may be reused (see the crate's docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,25 +38,13 @@ pub struct Counters {
     pub passed_allocs: AtomicU64,
     /// Frees passed to the real function (NULL, or pointers that are not gpupool's).
     pub passed_frees: AtomicU64,
-    /// Device synchronisations that released deferred frees.
-    pub syncs: AtomicU64,
-    /// Deferred frees released by them.
-    pub released: AtomicU64,
 }
 
 pub(crate) struct Shim {
     pub alloc: &'static Allocator,
     pub mode: Mode,
     sync_bytes: usize,
-    /// Blocks freed in safe mode and not yet synchronised: pointer to (device, bytes).
-    deferred: Mutex<Deferred>,
     pub counters: Counters,
-}
-
-#[derive(Default)]
-struct Deferred {
-    blocks: FxHashMap<DevicePtr, (i32, usize)>,
-    bytes: usize,
 }
 
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
@@ -105,7 +91,7 @@ fn start() -> Result<Shim, Error> {
         // SAFETY: registers a plain function with no arguments.
         unsafe { libc::atexit(print_stats_at_exit) };
     }
-    Ok(Shim { alloc, mode, sync_bytes, deferred: Mutex::new(Deferred::default()), counters: Counters::default() })
+    Ok(Shim { alloc, mode, sync_bytes, counters: Counters::default() })
 }
 
 /// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
@@ -168,45 +154,29 @@ impl Shim {
         }
     }
 
-    /// Allocates on `device` (-1: current) for `stream`; in safe mode, when gpupool is out of
-    /// memory and frees are deferred, synchronises, releases them and retries once.
+    /// Allocates on `device` (-1: current) for `stream`. When the device is full, gpupool's
+    /// out-of-memory path synchronises the device for the deferred frees, releases them and
+    /// the cache, and retries.
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
-        match self.alloc.malloc(size, device, stream) {
-            Err(Error::OutOfMemory(msg)) => {
-                if self.release_deferred() == 0 {
-                    return Err(Error::OutOfMemory(msg));
-                }
-                self.alloc.malloc(size, device, stream)
-            }
-            r => r,
-        }
+        self.alloc.malloc(size, device, stream)
     }
 
-    /// A free through `cudaFree`/`cuMemFree` of a pointer gpupool owns: deferred in safe mode,
-    /// at once in stream mode.
+    /// A free through `cudaFree`/`cuMemFree` of a pointer gpupool owns: in safe mode the block
+    /// waits for a device synchronisation (`Allocator::free_after_device_sync`), made here once
+    /// the device's deferred bytes reach `GPUPOOL_PRELOAD_SYNC_BYTES`; in stream mode it is
+    /// freed at once.
     ///
-    /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed
-    /// (a deferred block freed twice included).
+    /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
         bump(&self.counters.frees);
         if self.mode == Mode::Stream {
             return self.alloc.free(ptr);
         }
-        let info = self.alloc.block_info(ptr).ok_or_else(|| {
-            Error::InvalidPointer(format!(
-                "pointer {ptr:#x} is not an allocated block (freed twice, or inside a block)"
-            ))
-        })?;
-        let release = {
-            let mut d = self.deferred.lock();
-            if d.blocks.insert(ptr, (info.device, info.size)).is_some() {
-                return Err(Error::InvalidPointer(format!("pointer {ptr:#x} was freed twice")));
-            }
-            d.bytes += info.size;
-            d.bytes >= self.sync_bytes
-        };
-        if release {
-            self.release_deferred();
+        let (device, waiting) = self.alloc.free_after_device_sync(ptr)?;
+        if waiting >= self.sync_bytes
+            && let Err(e) = self.alloc.release_deferred(device)
+        {
+            say(&format!("releasing deferred frees: {e}"));
         }
         Ok(())
     }
@@ -217,47 +187,6 @@ impl Shim {
         self.alloc.record_stream(ptr, stream)?;
         self.alloc.free(ptr)
     }
-
-    /// Synchronises every device with deferred blocks, then frees them into gpupool. Returns
-    /// how many were released. A device that cannot be synchronised keeps its blocks deferred.
-    pub fn release_deferred(&self) -> usize {
-        let taken = std::mem::take(&mut *self.deferred.lock());
-        if taken.blocks.is_empty() {
-            return 0;
-        }
-        let mut devices: Vec<i32> = taken.blocks.values().map(|&(d, _)| d).collect();
-        devices.sort_unstable();
-        devices.dedup();
-        let mut released = 0;
-        for dev in devices {
-            let synced = self.alloc.driver().device_synchronize(dev);
-            if synced.is_ok() {
-                bump(&self.counters.syncs);
-            }
-            for (&ptr, &(d, size)) in taken.blocks.iter().filter(|(_, (d, _))| *d == dev) {
-                match synced {
-                    Ok(()) => {
-                        if let Err(e) = self.alloc.free(ptr) {
-                            say(&format!("releasing a deferred free: {e}"));
-                        }
-                        released += 1;
-                    }
-                    Err(_) => {
-                        let mut back = self.deferred.lock();
-                        back.blocks.insert(ptr, (d, size));
-                        back.bytes += size;
-                    }
-                }
-            }
-        }
-        self.counters.released.fetch_add(released as u64, Ordering::Relaxed);
-        released
-    }
-
-    fn deferred_now(&self) -> (usize, usize) {
-        let d = self.deferred.lock();
-        (d.blocks.len(), d.bytes)
-    }
 }
 
 extern "C" fn print_stats_at_exit() {
@@ -265,7 +194,13 @@ extern "C" fn print_stats_at_exit() {
         let Some(Some(s)) = SHIM.get() else { return };
         let c = &s.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (waiting, waiting_bytes) = s.deferred_now();
+        // Summed over the devices; counters only, no CUDA call.
+        let mut d = [0i64; 4];
+        for dev in 0..s.alloc.device_count() {
+            if let Ok(x) = s.alloc.deferred(dev) {
+                d.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+            }
+        }
         let mut out = format!(
             "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
              {} frees, {} stream-ordered frees; passed through {} allocations and {} frees; \
@@ -279,10 +214,10 @@ extern "C" fn print_stats_at_exit() {
             n(&c.async_frees),
             n(&c.passed_allocs),
             n(&c.passed_frees),
-            n(&c.syncs),
-            n(&c.released),
-            waiting,
-            waiting_bytes,
+            d[2],
+            d[3],
+            d[0],
+            d[1],
         );
         for dev in 0..s.alloc.device_count() {
             // Reads counters only: no CUDA call (CUDA may have shut down already).

@@ -180,6 +180,51 @@ impl Allocator {
         })
     }
 
+    /// Frees like [`Allocator::free`], but the block is handed out again only after gpupool has
+    /// synchronised its whole device (`cuCtxSynchronize`) after this call: work queued before
+    /// the free on any stream may still use it, as a program that calls `cudaFree` may assume
+    /// (`cudaFree` waits for the device). Until then the block counts as active, not allocated,
+    /// like one awaiting `record_stream` events. The synchronisation happens at
+    /// [`Allocator::release_deferred`], and in `empty_cache` and the out-of-memory path before
+    /// they release the cache. Not a PyTorch rule: the LD_PRELOAD shim's safe `cudaFree`.
+    ///
+    /// Returns the device ordinal and its bytes now awaiting a synchronisation.
+    ///
+    /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
+    /// every pool as it was.
+    pub fn free_after_device_sync(&self, ptr: DevicePtr) -> Result<(i32, usize), Error> {
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(Error::InvalidPointer(format!("gpupool_free: pointer {ptr:#x} was not allocated by gpupool"))),
+            Some(e) => Ok((e.device, self.device_of(e.device)?.free_after_sync(&e.shard, ptr, e.base)?)),
+        })
+    }
+
+    /// Synchronises `device` (-1: every device in use) if blocks freed with
+    /// [`Allocator::free_after_device_sync`] await it, and returns them to their pools. Returns
+    /// how many were released. Blocks the calling thread until the device is idle.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`] (the
+    /// synchronisation failed; the blocks stay deferred).
+    pub fn release_deferred(&self, device: i32) -> Result<usize, Error> {
+        if device == -1 {
+            let mut n = 0;
+            for dev in self.devices.iter().filter_map(|d| d.get()) {
+                n += dev.release_deferred()?;
+            }
+            return Ok(n);
+        }
+        self.device(device)?.release_deferred()
+    }
+
+    /// What awaits a device synchronisation on `device`: `[blocks, bytes, synchronisations
+    /// that released some so far, blocks they released]`. For a device ordinal (not -1) it
+    /// reads counters only, with no driver call, so it is safe at process exit.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range).
+    pub fn deferred(&self, device: i32) -> Result<[i64; 4], Error> {
+        Ok(self.device(device)?.deferred())
+    }
+
     /// Marks the block at `ptr` as used on `stream` (PyTorch `recordStream`).
     ///
     /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block.

@@ -23,6 +23,9 @@ pub enum BlockState {
     /// Freed by the caller, but streams recorded with `record_stream` may still use it: it
     /// goes back to its pool when the last of its events has completed.
     AwaitingEvents,
+    /// Freed with [`crate::Allocator::free_after_device_sync`]: goes back to its pool after
+    /// gpupool's next synchronisation of the whole device (what `cudaFree` waits for).
+    AwaitingSync,
 }
 
 /// One block (PyTorch `Block`). Sizes in bytes.

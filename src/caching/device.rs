@@ -81,8 +81,10 @@ impl DeviceAllocator {
 
     /// PyTorch `DeviceCachingAllocator::malloc`: events first (`process_events`), then the best
     /// cached fit, then a new segment; on out-of-memory, oversize segments of this stream
-    /// (`release_available_cached_blocks`), then every cached segment of the device after
-    /// waiting for all events (`release_cached_blocks`) and one retry (`num_alloc_retries`).
+    /// (`release_available_cached_blocks`), then (gpupool's addition) the blocks awaiting a
+    /// device synchronisation and a retry from the cache, then every cached segment of the
+    /// device after waiting for all events (`release_cached_blocks`) and one retry
+    /// (`num_alloc_retries`).
     ///
     /// The hit path takes the shard's lock once and makes no driver call when no event is
     /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
@@ -96,6 +98,15 @@ impl DeviceAllocator {
             return Ok(self.finish(st, ptr));
         }
         drop(st);
+        // Blocks awaiting a device synchronisation are cache that a synchronisation frees:
+        // try them before giving the whole cache back to the driver (not in PyTorch, which
+        // has no such blocks).
+        if self.release_deferred()? > 0 {
+            let mut st = shard.lock();
+            if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+                return Ok(self.finish(st, ptr));
+            }
+        }
         self.release_cached_blocks()?;
         DeviceCounters::bump(&self.counters.num_alloc_retries);
         let mut st = shard.lock();
@@ -156,6 +167,59 @@ impl DeviceAllocator {
         Ok(())
     }
 
+    /// A free that waits for the next device synchronisation (see
+    /// [`crate::Allocator::free_after_device_sync`]). Returns the device's deferred bytes.
+    pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
+        let env = self.env(shard);
+        let mut st = shard.lock();
+        // SeqCst with the epoch's increment in `release_deferred`: a free that read epoch `e`
+        // came before a synchronisation that moved the epoch past `e`.
+        let epoch = self.counters.sync_epoch.load(Ordering::SeqCst);
+        let size = st.free_after_sync(&env, ptr, segment, epoch)?;
+        self.counters.deferred_blocks.fetch_add(1, Ordering::Relaxed);
+        let bytes = self.counters.deferred_bytes.fetch_add(size as i64, Ordering::Relaxed) + size as i64;
+        self.finish(st, ());
+        Ok(bytes as usize)
+    }
+
+    /// Synchronises the device (`cuCtxSynchronize`) if any block awaits it, then returns every
+    /// block freed before the synchronisation began to its pool. Returns how many.
+    ///
+    /// Errors: [`Error::Cuda`] when the synchronisation fails; the blocks stay deferred.
+    pub fn release_deferred(&self) -> Result<usize, Error> {
+        if self.counters.deferred_blocks.load(Ordering::Relaxed) == 0 {
+            return Ok(0);
+        }
+        let epoch = self.counters.sync_epoch.fetch_add(1, Ordering::SeqCst);
+        self.driver
+            .device_synchronize(self.device)
+            .map_err(|e| Error::driver(e, "synchronising the device for blocks freed with free_after_device_sync"))?;
+        let mut released = 0;
+        for shard in self.shard_list() {
+            let mut st = shard.lock();
+            let (blocks, bytes) = st.release_synced(epoch);
+            if blocks > 0 {
+                self.counters.deferred_blocks.fetch_sub(blocks as i64, Ordering::Relaxed);
+                self.counters.deferred_bytes.fetch_sub(bytes as i64, Ordering::Relaxed);
+                released += blocks;
+            }
+            self.finish(st, ());
+        }
+        if released > 0 {
+            DeviceCounters::bump(&self.counters.num_deferred_syncs);
+            self.counters.num_deferred_released.fetch_add(released as i64, Ordering::Relaxed);
+        }
+        Ok(released)
+    }
+
+    /// (blocks, bytes) awaiting a device synchronisation; (synchronisations that released
+    /// some, blocks they released). Counters only: no driver call.
+    pub fn deferred(&self) -> [i64; 4] {
+        let c = &self.counters;
+        [&c.deferred_blocks, &c.deferred_bytes, &c.num_deferred_syncs, &c.num_deferred_released]
+            .map(|a| a.load(Ordering::Relaxed))
+    }
+
     /// PyTorch `recordStream` on the block at `ptr` of `shard`'s segment at `segment`.
     pub fn record_stream(
         &self,
@@ -168,13 +232,15 @@ impl DeviceAllocator {
     }
 
     /// PyTorch `release_cached_blocks` (`empty_cache`, and the OOM path): waits for every
-    /// outstanding event of the device (`num_sync_all_streams`), then returns every wholly free
-    /// cached segment of every stream to the driver.
+    /// outstanding event of the device (`num_sync_all_streams`), and for the device if blocks
+    /// await its synchronisation (gpupool's addition, see `release_deferred`), then returns
+    /// every wholly free cached segment of every stream to the driver.
     ///
     /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
     /// done, and the rest stays cached.
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
         DeviceCounters::bump(&self.counters.num_sync_all_streams);
+        self.release_deferred()?;
         for shard in self.shard_list() {
             let env = self.env(&shard);
             let mut st = shard.lock();

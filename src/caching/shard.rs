@@ -86,6 +86,9 @@ pub(crate) struct ShardState {
     /// `cuda_events`, keyed by stream).
     pending: Vec<(StreamHandle, VecDeque<(EventHandle, BlockId)>)>,
     pending_count: usize,
+    /// Blocks awaiting a device synchronisation, with the device's synchronisation epoch when
+    /// they were freed: a synchronisation that began in a later epoch covers them.
+    deferred: Vec<(BlockId, u64)>,
     /// Completed events kept for reuse (PyTorch `EventPool`).
     spare_events: Vec<EventHandle>,
     pub counters: ShardCounters,
@@ -398,6 +401,48 @@ impl ShardState {
         Ok(())
     }
 
+    /// A free whose block waits for the next device synchronisation instead of events: it stops
+    /// being allocated now and stays active until [`ShardState::release_synced`] (a device
+    /// synchronisation waits for every stream, so streams named by `record_stream` need no
+    /// event). Returns the block's size in bytes.
+    ///
+    /// Errors: [`Error::InvalidPointer`] as [`ShardState::free`], nothing changed.
+    pub fn free_after_sync(
+        &mut self,
+        env: &Env,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        epoch: u64,
+    ) -> Result<usize, Error> {
+        let Some(id) = self.live.remove(&ptr) else {
+            return Err(self.diagnose(ptr, segment, "gpupool_free"));
+        };
+        self.count_free(id, env.max_split_size);
+        let b = &mut self.blocks[id];
+        b.stream_uses.clear();
+        b.state = BlockState::AwaitingSync;
+        self.deferred.push((id, epoch));
+        Ok(self.blocks[id].size)
+    }
+
+    /// Returns to their pools the blocks freed in epochs up to `epoch`, which a device
+    /// synchronisation has covered. Returns (blocks, bytes) released.
+    pub fn release_synced(&mut self, epoch: u64) -> (usize, usize) {
+        let (mut blocks, mut bytes) = (0, 0);
+        let mut keep = Vec::new();
+        for (id, e) in std::mem::take(&mut self.deferred) {
+            if e <= epoch {
+                blocks += 1;
+                bytes += self.blocks[id].size;
+                self.free_block(id);
+            } else {
+                keep.push((id, e));
+            }
+        }
+        self.deferred = keep;
+        (blocks, bytes)
+    }
+
     /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at
     /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
     pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {
@@ -518,6 +563,7 @@ impl ShardState {
         };
         let mut oversize = [0i64; 2];
         let (mut free_blocks, mut awaiting) = (0usize, FxHashMap::<BlockId, u32>::default());
+        let mut deferred_blocks = 0usize;
         for (&base, seg) in &self.segments {
             let head = &self.blocks[seg.head];
             if head.addr != base || head.prev != NIL {
@@ -557,6 +603,15 @@ impl ShardState {
                     BlockState::AwaitingEvents => {
                         awaiting.insert(id, b.event_count);
                     }
+                    BlockState::AwaitingSync => {
+                        if !self.deferred.iter().any(|&(d, _)| d == id) {
+                            return Err(format!(
+                                "block {:#x} awaits a device synchronisation but is not listed",
+                                b.addr
+                            ));
+                        }
+                        deferred_blocks += 1;
+                    }
                 }
                 if b.state != BlockState::Free {
                     add(Metric::Active, pool, 1);
@@ -577,6 +632,9 @@ impl ShardState {
                 "stream {owner:#x}: {} blocks in the pools but {free_blocks} free blocks in segments",
                 self.small.len() + self.large.len()
             ));
+        }
+        if deferred_blocks != self.deferred.len() {
+            return Err(format!("stream {owner:#x}: blocks listed as awaiting a device synchronisation are not"));
         }
         if self.live.len() != recount[Metric::Allocation as usize][0] as usize {
             return Err(format!("stream {owner:#x}: the live map holds blocks that are not allocated"));

@@ -9,7 +9,7 @@
 pub mod peaks;
 pub mod summary;
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::caching::rules::PoolKind;
 
@@ -221,6 +221,15 @@ pub(crate) struct DeviceCounters {
     /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`, from
     /// `set_per_process_memory_fraction`); `i64::MAX` when no fraction is set.
     pub limit: AtomicI64,
+    /// Blocks and bytes freed with `free_after_device_sync` and not yet released.
+    pub deferred_blocks: AtomicI64,
+    pub deferred_bytes: AtomicI64,
+    /// Device synchronisations that released deferred blocks, and the blocks they released.
+    pub num_deferred_syncs: AtomicI64,
+    pub num_deferred_released: AtomicI64,
+    /// Synchronisation epoch: a block freed in epoch `e` is covered by a synchronisation that
+    /// began after the epoch moved past `e`.
+    pub sync_epoch: AtomicU64,
 }
 
 impl Default for DeviceCounters {
@@ -234,6 +243,11 @@ impl Default for DeviceCounters {
             num_peak_settles: AtomicI64::new(0),
             reserved: AtomicI64::new(0),
             limit: AtomicI64::new(i64::MAX),
+            deferred_blocks: AtomicI64::new(0),
+            deferred_bytes: AtomicI64::new(0),
+            num_deferred_syncs: AtomicI64::new(0),
+            num_deferred_released: AtomicI64::new(0),
+            sync_epoch: AtomicU64::new(0),
         }
     }
 }

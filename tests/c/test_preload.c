@@ -80,7 +80,9 @@ int main(int argc, char **argv) {
     CHECK(stats().allocation.all.current == 1);
   } else {
     CHECK(q != p);
-    CHECK(stats().allocation.all.current == 2); /* p is still deferred */
+    /* p is still held: no longer allocated, but active until a device synchronisation */
+    CHECK(stats().allocation.all.current == 1);
+    CHECK(stats().active.all.current == 2);
   }
   CHECK(cuda_free(q) == 0);
   CHECK(cuda_free(q) == 1); /* a second free of the same block is refused */
