@@ -2,7 +2,7 @@
 //!
 //! Layout:
 //! - [`ffi`]: the C boundary (`include/gpupool.h` is generated from it by cbindgen).
-//! - [`caching`]: the allocator core, PyTorch's rules over a driver trait; no GPU needed.
+//! - `caching`: the allocator core, PyTorch's rules over a driver trait; no GPU needed.
 //! - [`driver`]: the CUDA driver (through cudarc) and the simulated device.
 //! - [`stats`]: statistics in PyTorch's terms, and the memory summary.
 //! - [`config`]: the `GPUPOOL_*` options.
@@ -19,12 +19,13 @@
 //! assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 2 << 20);
 //! ```
 
-pub mod caching;
+mod caching;
 pub mod config;
 pub mod driver;
 pub mod error;
 pub mod ffi;
 pub mod stats;
 
-pub use caching::allocator::Allocator;
+pub use caching::allocator::{Allocator, BlockInfo};
+pub use caching::deferred::DeferredStats;
 pub use error::Error;

@@ -3,10 +3,10 @@
 mod common;
 
 use common::{MIB, check, sim, sim_with};
-use gpupool::Error;
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SimDriver, SimOp};
+use gpupool::{DeferredStats, Error};
 
 #[test]
 fn small_requests_round_to_512_and_share_a_2mib_segment() {
@@ -434,7 +434,7 @@ fn a_free_after_device_sync_waits_for_the_next_synchronisation() {
     assert_eq!(drv.counts().event_record, 0);
     let s = a.stats(0).unwrap();
     assert_eq!((s.allocation.all.current, s.active.all.current), (0, 1), "freed, but still active");
-    assert_eq!(a.deferred(0).unwrap(), [1, 40 * MIB as i64, 0, 0]);
+    assert_eq!(a.deferred(0).unwrap(), DeferredStats { blocks: 1, bytes: 40 * MIB as i64, syncs: 0, released: 0 });
     check(&a);
     // Not handed out again before the synchronisation, and not freed twice.
     let q = a.malloc(2 * MIB, 0, 1).unwrap();
@@ -447,7 +447,7 @@ fn a_free_after_device_sync_waits_for_the_next_synchronisation() {
     let s = a.stats(0).unwrap();
     assert_eq!((s.num_device_free, s.num_alloc_retries), (0, 0));
     assert_eq!(drv.counts().device_synchronize, 1);
-    assert_eq!(a.deferred(0).unwrap(), [0, 0, 1, 1]);
+    assert_eq!(a.deferred(0).unwrap(), DeferredStats { blocks: 0, bytes: 0, syncs: 1, released: 1 });
     // release_deferred and empty_cache synchronise only when something waits.
     a.free_after_device_sync(q).unwrap();
     assert_eq!(a.release_deferred(-1).unwrap(), 1);

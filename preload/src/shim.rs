@@ -195,10 +195,13 @@ extern "C" fn print_stats_at_exit() {
         let c = &s.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         // Summed over the devices; counters only, no CUDA call.
-        let mut d = [0i64; 4];
+        let mut d = gpupool::DeferredStats::default();
         for dev in 0..s.alloc.device_count() {
             if let Ok(x) = s.alloc.deferred(dev) {
-                d.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+                d.blocks += x.blocks;
+                d.bytes += x.bytes;
+                d.syncs += x.syncs;
+                d.released += x.released;
             }
         }
         let mut out = format!(
@@ -214,10 +217,10 @@ extern "C" fn print_stats_at_exit() {
             n(&c.async_frees),
             n(&c.passed_allocs),
             n(&c.passed_frees),
-            d[2],
-            d[3],
-            d[0],
-            d[1],
+            d.syncs,
+            d.released,
+            d.blocks,
+            d.bytes,
         );
         for dev in 0..s.alloc.device_count() {
             // Reads counters only: no CUDA call (CUDA may have shut down already).

@@ -4,6 +4,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use super::deferred::DeferredStats;
 use super::device::DeviceAllocator;
 use super::segment_index::SegmentIndex;
 use super::shard::Shard;
@@ -35,8 +36,8 @@ pub struct BlockInfo {
 pub struct Allocator {
     id: u64,
     driver: Arc<dyn Driver>,
-    config: Config,
-    index: Arc<SegmentIndex>,
+    max_split_size: usize,
+    index: Arc<SegmentIndex<Arc<Shard>>>,
     devices: Box<[OnceLock<DeviceAllocator>]>,
 }
 
@@ -62,14 +63,15 @@ thread_local! {
 }
 
 impl Allocator {
-    /// An allocator over `driver`. `config.driver` and the `sim_*` fields are not used here
-    /// (they choose the driver in [`Allocator::from_config`]).
+    /// An allocator over `driver` with the allocation options of `config`. `config.driver` and
+    /// the `sim_*` fields are not used here (they choose the driver in
+    /// [`Allocator::from_config`]).
     pub fn new(driver: Arc<dyn Driver>, config: Config) -> Allocator {
         let count = driver.device_count().max(0) as usize;
         Allocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             driver,
-            config,
+            max_split_size: config.max_split_size,
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
         }
@@ -97,17 +99,13 @@ impl Allocator {
         &self.driver
     }
 
-    /// The options in force.
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
     /// Number of devices.
     pub fn device_count(&self) -> i32 {
         self.devices.len() as i32
     }
 
-    fn device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+    /// The device `device` names (-1: the calling thread's current one), started on first use.
+    fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         let d = if device == -1 {
             self.driver.current_device().map_err(|e| Error::driver(e, "reading the current device"))?
         } else {
@@ -120,9 +118,7 @@ impl Allocator {
                 self.devices.len()
             ))
         })?;
-        Ok(slot.get_or_init(|| {
-            DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)
-        }))
+        Ok(slot.get_or_init(|| DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.max_split_size)))
     }
 
     #[inline]
@@ -159,7 +155,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
     /// [`Error::OutOfMemory`] (after releasing the cache and retrying once), [`Error::Cuda`].
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
-        let dev = self.device(device)?;
+        let dev = self.device_or_init(device)?;
         if size == 0 {
             return Ok(0);
         }
@@ -175,8 +171,8 @@ impl Allocator {
             return Ok(());
         }
         self.index.with_segment(ptr, |seg| match seg {
-            None => Err(Error::InvalidPointer(format!("gpupool_free: pointer {ptr:#x} was not allocated by gpupool"))),
-            Some(e) => self.device_of(e.device)?.free(&e.shard, ptr, e.base),
+            None => Err(not_allocated(ptr)),
+            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
         })
     }
 
@@ -194,8 +190,8 @@ impl Allocator {
     /// every pool as it was.
     pub fn free_after_device_sync(&self, ptr: DevicePtr) -> Result<(i32, usize), Error> {
         self.index.with_segment(ptr, |seg| match seg {
-            None => Err(Error::InvalidPointer(format!("gpupool_free: pointer {ptr:#x} was not allocated by gpupool"))),
-            Some(e) => Ok((e.device, self.device_of(e.device)?.free_after_sync(&e.shard, ptr, e.base)?)),
+            None => Err(not_allocated(ptr)),
+            Some(e) => Ok((e.device, self.used_device(e.device)?.free_after_sync(&e.owner, ptr, e.base)?)),
         })
     }
 
@@ -213,16 +209,16 @@ impl Allocator {
             }
             return Ok(n);
         }
-        self.device(device)?.release_deferred()
+        self.device_or_init(device)?.release_deferred()
     }
 
-    /// What awaits a device synchronisation on `device`: `[blocks, bytes, synchronisations
-    /// that released some so far, blocks they released]`. For a device ordinal (not -1) it
-    /// reads counters only, with no driver call, so it is safe at process exit.
+    /// What awaits a device synchronisation on `device`, and what synchronisations released so
+    /// far. For a device ordinal (not -1) it reads counters only, with no driver call, so it is
+    /// safe at process exit.
     ///
     /// Errors: [`Error::InvalidValue`] (device out of range).
-    pub fn deferred(&self, device: i32) -> Result<[i64; 4], Error> {
-        Ok(self.device(device)?.deferred())
+    pub fn deferred(&self, device: i32) -> Result<DeferredStats, Error> {
+        Ok(self.device_or_init(device)?.deferred())
     }
 
     /// Marks the block at `ptr` as used on `stream` (PyTorch `recordStream`).
@@ -230,14 +226,13 @@ impl Allocator {
     /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
         self.index.with_segment(ptr, |seg| match seg {
-            None => Err(Error::InvalidPointer(format!(
-                "gpupool_record_stream: pointer {ptr:#x} was not allocated by gpupool"
-            ))),
-            Some(e) => self.device_of(e.device)?.record_stream(&e.shard, ptr, e.base, stream),
+            None => Err(not_allocated(ptr)),
+            Some(e) => self.used_device(e.device)?.record_stream(&e.owner, ptr, e.base, stream),
         })
     }
 
-    fn device_of(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+    /// The device of a segment: started already, since it has segments.
+    fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         self.devices[device as usize]
             .get()
             .ok_or_else(|| Error::Internal(format!("a segment names device {device}, which was never used")))
@@ -254,7 +249,7 @@ impl Allocator {
             }
             return Ok(());
         }
-        self.device(device)?.release_cached_blocks()
+        self.device_or_init(device)?.release_cached_blocks()
     }
 
     /// The statistics of `device` (-1: current), as `torch.cuda.memory_stats` reports them:
@@ -263,7 +258,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`] (reading the
     /// current device for -1).
     pub fn stats(&self, device: i32) -> Result<DeviceStats, Error> {
-        Ok(self.device(device)?.stats())
+        Ok(self.device_or_init(device)?.stats())
     }
 
     /// Limits `device` (-1: current) to reserving at most `fraction` of its total memory
@@ -280,7 +275,7 @@ impl Allocator {
                 "memory fraction {fraction} is not valid: expected a value from 0 to 1"
             )));
         }
-        self.device(device)?.set_memory_fraction(fraction)
+        self.device_or_init(device)?.set_memory_fraction(fraction)
     }
 
     /// Whether `ptr` lies in a segment of this allocator (allocated, cached or awaiting
@@ -297,8 +292,8 @@ impl Allocator {
     pub fn block_info(&self, ptr: DevicePtr) -> Option<BlockInfo> {
         self.index.with_segment(ptr, |seg| {
             let e = seg?;
-            let size = e.shard.lock().allocated_size(ptr)?;
-            Some(BlockInfo { device: e.device, stream: e.shard.stream, size })
+            let size = e.owner.lock().allocated_size(ptr)?;
+            Some(BlockInfo { device: e.device, stream: e.owner.stream, size })
         })
     }
 
@@ -307,17 +302,17 @@ impl Allocator {
     ///
     /// Errors: as [`Allocator::stats`].
     pub fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
-        self.device(device)?.reset_peak_stats();
+        self.device_or_init(device)?.reset_peak_stats();
         Ok(())
     }
 
     /// How many calls on `device` had to lock every stream's shard to settle the peak
-    /// statistics (see `src/stats/peaks.rs`): a diagnostic of the cost of exact peaks, not a
+    /// statistics (see `src/caching/peaks.rs`): a diagnostic of the cost of exact peaks, not a
     /// PyTorch statistic. In a steady state it stays flat.
     ///
     /// Errors: as [`Allocator::stats`].
     pub fn peak_settles(&self, device: i32) -> Result<i64, Error> {
-        Ok(self.device(device)?.peak_settles())
+        Ok(self.device_or_init(device)?.peak_settles())
     }
 
     /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,
@@ -325,7 +320,7 @@ impl Allocator {
     ///
     /// Errors: as [`Allocator::stats`].
     pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
-        let dev = self.device(device)?;
+        let dev = self.device_or_init(device)?;
         Ok(memory_summary(dev.device, self.driver.name(), &dev.stats()))
     }
 
@@ -357,4 +352,8 @@ impl Allocator {
         }
         Ok(())
     }
+}
+
+fn not_allocated(ptr: DevicePtr) -> Error {
+    Error::InvalidPointer(format!("pointer {ptr:#x} was not allocated by gpupool"))
 }

@@ -9,13 +9,13 @@ use super::rules::PoolKind;
 use crate::driver::{DevicePtr, StreamHandle};
 
 /// Index of a block in its shard's [`Arena`].
-pub type BlockId = u32;
+pub(crate) type BlockId = u32;
 /// "No block": the end of a segment's list.
-pub const NIL: BlockId = u32::MAX;
+pub(crate) const NIL: BlockId = u32::MAX;
 
 /// Where a block is in its life (PyTorch tracks this with `allocated` and `event_count`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockState {
+pub(crate) enum BlockState {
     /// In its pool's free list, available to a request on the owning stream.
     Free,
     /// Handed to a caller by malloc.
@@ -30,7 +30,7 @@ pub enum BlockState {
 
 /// One block (PyTorch `Block`). Sizes in bytes.
 #[derive(Debug)]
-pub struct Block {
+pub(crate) struct Block {
     pub addr: DevicePtr,
     pub size: usize,
     /// The size the caller asked for, before rounding (PyTorch `requested_size`).
@@ -54,7 +54,7 @@ impl Block {
 
 /// Storage for a shard's blocks with stable ids and slot reuse.
 #[derive(Default, Debug)]
-pub struct Arena {
+pub(crate) struct Arena {
     slots: Vec<Block>,
     vacant: Vec<BlockId>,
 }

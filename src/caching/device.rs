@@ -11,12 +11,16 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
+use super::counters::{self, CELLS, DeviceCounters, Metric, ShardCounters, StatType, bump, cell};
+use super::deferred::{DeferredFrees, DeferredStats};
+use super::limit::MemoryLimit;
+use super::oom;
+use super::peaks::{self, SpareCredit};
 use super::segment_index::SegmentIndex;
-use super::shard::{Env, Request, Shard, ShardState};
+use super::shard::{Request, Shard, ShardCtx, ShardState};
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
-use crate::stats::summary::format_size;
-use crate::stats::{self, CELLS, DeviceCounters, DeviceStats, ShardCounters, peaks};
+use crate::stats::DeviceStats;
 
 #[derive(Default)]
 struct ShardTable {
@@ -27,17 +31,24 @@ struct ShardTable {
 pub(crate) struct DeviceAllocator {
     pub device: i32,
     driver: Arc<dyn Driver>,
-    index: Arc<SegmentIndex>,
+    index: Arc<SegmentIndex<Arc<Shard>>>,
     pub max_split_size: usize,
     shards: Mutex<ShardTable>,
     peaks: Mutex<[i64; CELLS]>,
-    /// Credit towards the peaks that no shard holds (see `stats::peaks`).
-    reserve: peaks::Reserve,
+    /// Credit towards the peaks that no shard holds (see `peaks`).
+    spare: SpareCredit,
     counters: DeviceCounters,
+    limit: MemoryLimit,
+    deferred: DeferredFrees,
 }
 
 impl DeviceAllocator {
-    pub fn new(device: i32, driver: Arc<dyn Driver>, index: Arc<SegmentIndex>, max_split_size: usize) -> Self {
+    pub fn new(
+        device: i32,
+        driver: Arc<dyn Driver>,
+        index: Arc<SegmentIndex<Arc<Shard>>>,
+        max_split_size: usize,
+    ) -> Self {
         DeviceAllocator {
             device,
             driver,
@@ -45,18 +56,21 @@ impl DeviceAllocator {
             max_split_size,
             shards: Mutex::new(ShardTable::default()),
             peaks: Mutex::new([0; CELLS]),
-            reserve: std::array::from_fn(|_| AtomicI64::new(0)),
+            spare: std::array::from_fn(|_| AtomicI64::new(0)),
             counters: DeviceCounters::default(),
+            limit: MemoryLimit::default(),
+            deferred: DeferredFrees::default(),
         }
     }
 
-    fn env<'a>(&'a self, shard: &'a Arc<Shard>) -> Env<'a> {
-        Env {
+    fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
+        ShardCtx {
             driver: &*self.driver,
             device: self.device,
             max_split_size: self.max_split_size,
             index: &self.index,
             shard,
+            limit: &self.limit,
             counters: &self.counters,
         }
     }
@@ -91,10 +105,10 @@ impl DeviceAllocator {
     /// stream's callers.
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize) -> Result<DevicePtr, Error> {
         let req = Request::new(size)?;
-        let env = self.env(shard);
+        let ctx = self.ctx(shard);
         let mut st = shard.lock();
-        st.process_events(&env)?;
-        if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+        st.process_events(&ctx)?;
+        if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
             return Ok(self.finish(st, ptr));
         }
         drop(st);
@@ -103,14 +117,14 @@ impl DeviceAllocator {
         // has no such blocks).
         if self.release_deferred()? > 0 {
             let mut st = shard.lock();
-            if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+            if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
                 return Ok(self.finish(st, ptr));
             }
         }
         self.release_cached_blocks()?;
-        DeviceCounters::bump(&self.counters.num_alloc_retries);
+        bump(&self.counters.num_alloc_retries);
         let mut st = shard.lock();
-        if let Some(ptr) = self.serve(&mut st, &env, &req)? {
+        if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
             return Ok(self.finish(st, ptr));
         }
         drop(st);
@@ -120,16 +134,16 @@ impl DeviceAllocator {
     /// A block for `req` from the cache or a new segment; `Ok(None)` when the device is out of
     /// memory for it.
     #[inline]
-    fn serve(&self, st: &mut ShardState, env: &Env, req: &Request) -> Result<Option<DevicePtr>, Error> {
+    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
         let id = match st.take_cached(req, self.max_split_size) {
             Some(id) => id,
-            None => match st.new_segment(env, req) {
+            None => match st.new_segment(ctx, req) {
                 Ok(id) => id,
                 Err(DriverError::OutOfMemory) => {
-                    if !st.release_available(env, req)? {
+                    if !st.release_available(ctx, req)? {
                         return Ok(None);
                     }
-                    match st.new_segment(env, req) {
+                    match st.new_segment(ctx, req) {
                         Ok(id) => id,
                         Err(DriverError::OutOfMemory) => return Ok(None),
                         Err(e) => return Err(Error::driver(e, "allocating a segment")),
@@ -141,28 +155,28 @@ impl DeviceAllocator {
         Ok(Some(st.hand_out(id, req, self.max_split_size)))
     }
 
-    /// Ends a call on a shard: gives surplus credit back to the reserve, covers a shortfall
-    /// from it, unlocks, and settles the device peaks only if the reserve could not cover.
+    /// Ends a call on a shard: gives surplus credit back to the spare credit, covers a
+    /// shortfall from it, unlocks, and settles the device peaks only if the spare credit could not cover.
     #[inline]
     fn finish<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T) -> T {
         let c = &mut st.counters;
         if c.has_surplus {
-            peaks::give_back(c, &self.reserve);
+            peaks::give_back(c, &self.spare);
         }
-        let settle = c.needs_settle && !peaks::borrow(c, &self.reserve);
+        let settle = c.needs_settle && !peaks::borrow(c, &self.spare);
         drop(st);
         if settle {
-            DeviceCounters::bump(&self.counters.num_peak_settles);
-            self.with_all_shards(|p, shards| peaks::settle(p, shards, &self.reserve));
+            bump(&self.counters.num_peak_settles);
+            self.with_all_shards(|p, shards| peaks::settle(p, shards, &self.spare));
         }
         value
     }
 
     /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
-        let env = self.env(shard);
+        let ctx = self.ctx(shard);
         let mut st = shard.lock();
-        st.free(&env, ptr, segment)?;
+        st.free(&ctx, ptr, segment)?;
         self.finish(st, ());
         Ok(())
     }
@@ -170,16 +184,12 @@ impl DeviceAllocator {
     /// A free that waits for the next device synchronisation (see
     /// [`crate::Allocator::free_after_device_sync`]). Returns the device's deferred bytes.
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
-        let env = self.env(shard);
+        let ctx = self.ctx(shard);
         let mut st = shard.lock();
-        // SeqCst with the epoch's increment in `release_deferred`: a free that read epoch `e`
-        // came before a synchronisation that moved the epoch past `e`.
-        let epoch = self.counters.sync_epoch.load(Ordering::SeqCst);
-        let size = st.free_after_sync(&env, ptr, segment, epoch)?;
-        self.counters.deferred_blocks.fetch_add(1, Ordering::Relaxed);
-        let bytes = self.counters.deferred_bytes.fetch_add(size as i64, Ordering::Relaxed) + size as i64;
+        let size = st.free_after_sync(&ctx, ptr, segment, self.deferred.epoch())?;
+        let bytes = self.deferred.add(size);
         self.finish(st, ());
-        Ok(bytes as usize)
+        Ok(bytes)
     }
 
     /// Synchronises the device (`cuCtxSynchronize`) if any block awaits it, then returns every
@@ -187,10 +197,9 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::Cuda`] when the synchronisation fails; the blocks stay deferred.
     pub fn release_deferred(&self) -> Result<usize, Error> {
-        if self.counters.deferred_blocks.load(Ordering::Relaxed) == 0 {
+        let Some(epoch) = self.deferred.begin_sync() else {
             return Ok(0);
-        }
-        let epoch = self.counters.sync_epoch.fetch_add(1, Ordering::SeqCst);
+        };
         self.driver
             .device_synchronize(self.device)
             .map_err(|e| Error::driver(e, "synchronising the device for blocks freed with free_after_device_sync"))?;
@@ -198,26 +207,17 @@ impl DeviceAllocator {
         for shard in self.shard_list() {
             let mut st = shard.lock();
             let (blocks, bytes) = st.release_synced(epoch);
-            if blocks > 0 {
-                self.counters.deferred_blocks.fetch_sub(blocks as i64, Ordering::Relaxed);
-                self.counters.deferred_bytes.fetch_sub(bytes as i64, Ordering::Relaxed);
-                released += blocks;
-            }
+            self.deferred.release(blocks, bytes);
+            released += blocks;
             self.finish(st, ());
         }
-        if released > 0 {
-            DeviceCounters::bump(&self.counters.num_deferred_syncs);
-            self.counters.num_deferred_released.fetch_add(released as i64, Ordering::Relaxed);
-        }
+        self.deferred.finish_sync(released);
         Ok(released)
     }
 
-    /// (blocks, bytes) awaiting a device synchronisation; (synchronisations that released
-    /// some, blocks they released). Counters only: no driver call.
-    pub fn deferred(&self) -> [i64; 4] {
-        let c = &self.counters;
-        [&c.deferred_blocks, &c.deferred_bytes, &c.num_deferred_syncs, &c.num_deferred_released]
-            .map(|a| a.load(Ordering::Relaxed))
+    /// What awaits a device synchronisation. Counters only: no driver call.
+    pub fn deferred(&self) -> DeferredStats {
+        self.deferred.stats()
     }
 
     /// PyTorch `recordStream` on the block at `ptr` of `shard`'s segment at `segment`.
@@ -239,13 +239,13 @@ impl DeviceAllocator {
     /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
     /// done, and the rest stays cached.
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
-        DeviceCounters::bump(&self.counters.num_sync_all_streams);
+        bump(&self.counters.num_sync_all_streams);
         self.release_deferred()?;
         for shard in self.shard_list() {
-            let env = self.env(&shard);
+            let ctx = self.ctx(&shard);
             let mut st = shard.lock();
-            st.synchronize_events(&env)?;
-            st.release_cached(&env)?;
+            st.synchronize_events(&ctx)?;
+            st.release_cached(&ctx)?;
             self.finish(st, ());
         }
         Ok(())
@@ -260,40 +260,14 @@ impl DeviceAllocator {
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
         let info =
             self.driver.mem_info(self.device).map_err(|e| Error::driver(e, "reading the device's total memory"))?;
-        let limit = (fraction * info.total as f64) as i64;
-        self.counters.limit.store(limit, Ordering::Relaxed);
+        self.limit.set((fraction * info.total as f64) as i64);
         Ok(())
     }
 
-    /// PyTorch's out-of-memory message, with the device's figures.
+    /// PyTorch's out-of-memory error, with the device's figures; counted in `num_ooms`.
     fn out_of_memory(&self, req: &Request) -> Error {
-        DeviceCounters::bump(&self.counters.num_ooms);
-        let s = self.stats();
-        let (allocated, reserved) = (s.allocated_bytes.all.current as u64, s.reserved_bytes.all.current as u64);
-        let capacity = match self.driver.mem_info(self.device) {
-            Ok(info) => format!(
-                "GPU {} has a total capacity of {} of which {} is free",
-                self.device,
-                format_size(info.total as u64),
-                format_size(info.free as u64)
-            ),
-            Err(e) => format!("GPU {}'s free memory could not be read ({e})", self.device),
-        };
-        let limit = self.counters.limit.load(Ordering::Relaxed);
-        let fraction = if limit == i64::MAX {
-            String::new()
-        } else {
-            format!(" The memory fraction set for this device allows gpupool {} in all.", format_size(limit as u64))
-        };
-        Error::OutOfMemory(format!(
-            "CUDA out of memory. Tried to allocate {} (for a request of {} bytes). {capacity}. \
-             Of the allocated memory {} is allocated by gpupool, and {} is reserved by gpupool but unallocated.{fraction} \
-             If reserved but unallocated memory is large, the cache is fragmented: see gpupool_memory_summary.",
-            format_size(req.segment as u64),
-            req.size,
-            format_size(allocated),
-            format_size(reserved - allocated),
-        ))
+        bump(&self.counters.num_ooms);
+        oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
     /// Runs `f` with the peak lock and every shard of the device locked.
@@ -313,15 +287,15 @@ impl DeviceAllocator {
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
         self.with_all_shards(|peaks, shards| {
-            peaks::settle(peaks, shards, &self.reserve);
+            peaks::settle(peaks, shards, &self.spare);
             let view: Vec<&ShardCounters> = shards.iter().map(|s| &**s).collect();
-            stats::collect(peaks, &view, &self.counters, self.max_split_size)
+            counters::collect(peaks, &view, &self.counters, self.max_split_size)
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.with_all_shards(|p, shards| peaks::reset(p, shards, &self.reserve));
+        self.with_all_shards(|p, shards| peaks::reset(p, shards, &self.spare));
     }
 
     /// The consistency check of every shard, and of the peak credit.
@@ -332,22 +306,23 @@ impl DeviceAllocator {
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
         }
-        let reserved: i64 = guards.iter().map(|g| g.counters.cells[stats::RESERVED_BYTES_ALL].current).sum();
-        if reserved != self.counters.reserved.load(Ordering::Relaxed) {
+        let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
+        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
+        if reserved != self.limit.reserved() {
             return Err(format!(
                 "device {}: reserved bytes {reserved}, but the limit check counts {}",
                 self.device,
-                self.counters.reserved.load(Ordering::Relaxed)
+                self.limit.reserved()
             ));
         }
         let settled = guards.iter().all(|g| !g.counters.needs_settle);
-        for (cell, &peak) in peaks.iter().enumerate() {
-            let current: i64 = guards.iter().map(|g| g.counters.cells[cell].current).sum();
-            let credit: i64 = guards.iter().map(|g| g.counters.cells[cell].headroom).sum::<i64>()
-                + peaks::reserved_credit(&self.reserve, cell);
+        for (i, &peak) in peaks.iter().enumerate() {
+            let current: i64 = guards.iter().map(|g| g.counters.cells[i].current).sum();
+            let credit: i64 =
+                guards.iter().map(|g| g.counters.cells[i].headroom).sum::<i64>() + peaks::spare_credit(&self.spare, i);
             if peak != current + credit || (settled && peak < current) {
                 return Err(format!(
-                    "device {}: peak of statistic cell {cell} is {peak} with current {current} and credit {credit}",
+                    "device {}: peak of statistic cell {i} is {peak} with current {current} and credit {credit}",
                     self.device
                 ));
             }

@@ -1,17 +1,26 @@
 //! The allocator core: PyTorch's caching rules over any [`crate::driver::Driver`], testable
-//! with no GPU.
+//! with no GPU. Nothing here is C API; the Rust API is [`crate::Allocator`].
 //!
-//! - [`rules`]: the size rules (rounding, pools, segment sizes, splitting).
-//! - `block`, `pool`: blocks and the free lists they sit in.
-//! - `shard`: one stream of one device, behind its own lock.
+//! - `allocator`: the front door, over every device.
 //! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics.
+//! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
+//! - `block`, `pool`: blocks and the free lists they sit in; `rules`: the size rules.
+//! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
+//!   synchronisation.
+//! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
+//!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message.
 //! - `segment_index`: from an address to the shard that owns it.
-//! - [`allocator`]: the front door, over every device.
 
-pub mod allocator;
+pub(crate) mod allocator;
 mod block;
+pub(crate) mod counters;
+pub(crate) mod deferred;
 mod device;
+mod events;
+mod limit;
+mod oom;
+mod peaks;
 mod pool;
-pub mod rules;
+pub(crate) mod rules;
 mod segment_index;
 mod shard;

@@ -29,7 +29,7 @@ struct Bin {
 }
 
 #[derive(Default, Debug)]
-pub struct FreePool {
+pub(crate) struct FreePool {
     bins: FxHashMap<usize, Bin>,
     /// Every size with a non-empty bin, and perhaps some emptied since.
     sizes: BTreeSet<usize>,

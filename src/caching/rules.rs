@@ -4,21 +4,21 @@
 //! check the figures against PyTorch line by line. Every size here is in bytes.
 
 /// Requests are rounded up to a multiple of this (PyTorch `kMinBlockSize`).
-pub const MIN_BLOCK_SIZE: usize = 512;
+pub(crate) const MIN_BLOCK_SIZE: usize = 512;
 /// Requests of at most this size come from the small pool (PyTorch `kSmallSize`, 1 MiB).
-pub const SMALL_SIZE: usize = 1 << 20;
+pub(crate) const SMALL_SIZE: usize = 1 << 20;
 /// Segment size of the small pool (PyTorch `kSmallBuffer`, 2 MiB).
-pub const SMALL_BUFFER: usize = 2 << 20;
+pub(crate) const SMALL_BUFFER: usize = 2 << 20;
 /// Segment size for large requests under [`MIN_LARGE_ALLOC`] (PyTorch `kLargeBuffer`, 20 MiB).
-pub const LARGE_BUFFER: usize = 20 << 20;
+pub(crate) const LARGE_BUFFER: usize = 20 << 20;
 /// Large requests from this size on get a segment of their own size (PyTorch `kMinLargeAlloc`).
-pub const MIN_LARGE_ALLOC: usize = 10 << 20;
+pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
 /// Large segments are rounded up to a multiple of this (PyTorch `kRoundLarge`, 2 MiB).
-pub const ROUND_LARGE: usize = 2 << 20;
+pub(crate) const ROUND_LARGE: usize = 2 << 20;
 
 /// Which of a stream's two pools a block belongs to (PyTorch `BlockPool::is_small`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PoolKind {
+pub(crate) enum PoolKind {
     /// Blocks of at most [`SMALL_SIZE`] bytes, carved from [`SMALL_BUFFER`] segments.
     Small,
     /// Everything larger.
@@ -32,19 +32,19 @@ fn round_up(size: usize, multiple: usize) -> Option<usize> {
 /// Rounds a request up to the block size that will serve it (PyTorch `round_size`, with
 /// `roundup_power2_divisions` unset): at least 512 bytes, in multiples of 512.
 /// `None` when the rounding overflows `usize`.
-pub fn round_size(size: usize) -> Option<usize> {
+pub(crate) fn round_size(size: usize) -> Option<usize> {
     if size < MIN_BLOCK_SIZE { Some(MIN_BLOCK_SIZE) } else { round_up(size, MIN_BLOCK_SIZE) }
 }
 
 /// The pool a rounded size is served from (PyTorch `get_pool`: `size <= kSmallSize`).
-pub fn pool_for(rounded: usize) -> PoolKind {
+pub(crate) fn pool_for(rounded: usize) -> PoolKind {
     if rounded <= SMALL_SIZE { PoolKind::Small } else { PoolKind::Large }
 }
 
 /// The size of the segment asked of the driver when no cached block fits (PyTorch
 /// `get_allocation_size`): 2 MiB for the small pool, 20 MiB below 10 MiB, else the request
 /// rounded up to 2 MiB. `None` when that rounding overflows.
-pub fn segment_size(rounded: usize) -> Option<usize> {
+pub(crate) fn segment_size(rounded: usize) -> Option<usize> {
     if rounded <= SMALL_SIZE {
         Some(SMALL_BUFFER)
     } else if rounded < MIN_LARGE_ALLOC {
@@ -58,7 +58,7 @@ pub fn segment_size(rounded: usize) -> Option<usize> {
 /// the rest going back to the pool (PyTorch `should_split`): in the small pool when at least
 /// 512 bytes remain; in the large pool when more than 1 MiB remains and the request is under
 /// `max_split_size`.
-pub fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_size: usize) -> bool {
+pub(crate) fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_size: usize) -> bool {
     let remaining = block_size - size;
     match pool {
         PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
@@ -70,7 +70,7 @@ pub fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_si
 /// `get_free_block`: an oversize block (`>= max_split_size`) never serves a request under
 /// `max_split_size`, and serves a larger request only if it wastes less than 20 MiB.
 /// With `max_split_size` unset (`usize::MAX`, PyTorch's default) every fitting block may serve.
-pub fn fits_oversize_rules(block_size: usize, size: usize, max_split_size: usize) -> bool {
+pub(crate) fn fits_oversize_rules(block_size: usize, size: usize, max_split_size: usize) -> bool {
     if size < max_split_size { block_size < max_split_size } else { block_size < size.saturating_add(LARGE_BUFFER) }
 }
 

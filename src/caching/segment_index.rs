@@ -6,43 +6,51 @@
 //! copy the snapshot, change it and publish the copy. Threads freeing on different streams so
 //! never touch a common cache line here.
 
+//!
+//! Generic over the owner it maps to (the allocator stores its shards), so that the index does
+//! not depend on what owns the segments.
+
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
-use super::shard::Shard;
 use crate::driver::DevicePtr;
 
-/// One segment and the shard (stream) it belongs to.
+/// One segment and its owner.
 #[derive(Clone)]
-pub(crate) struct SegmentEntry {
+pub(crate) struct SegmentEntry<T> {
     pub base: DevicePtr,
     pub size: usize,
     pub device: i32,
-    pub shard: Arc<Shard>,
+    pub owner: T,
 }
 
-#[derive(Default)]
-pub(crate) struct SegmentIndex {
-    snapshot: ArcSwap<Vec<SegmentEntry>>,
+pub(crate) struct SegmentIndex<T> {
+    snapshot: ArcSwap<Vec<SegmentEntry<T>>>,
     writer: Mutex<()>,
 }
 
-impl SegmentIndex {
+impl<T> Default for SegmentIndex<T> {
+    fn default() -> Self {
+        SegmentIndex { snapshot: ArcSwap::from_pointee(Vec::new()), writer: Mutex::new(()) }
+    }
+}
+
+impl<T: Clone> SegmentIndex<T> {
     /// Calls `f` with the segment that contains `ptr`, if any.
     #[inline]
-    pub fn with_segment<R>(&self, ptr: DevicePtr, f: impl FnOnce(Option<&SegmentEntry>) -> R) -> R {
+    pub fn with_segment<R>(&self, ptr: DevicePtr, f: impl FnOnce(Option<&SegmentEntry<T>>) -> R) -> R {
         let snap = self.snapshot.load();
         let i = snap.partition_point(|e| e.base <= ptr);
         let hit = i.checked_sub(1).map(|i| &snap[i]).filter(|e| ptr - e.base < e.size as u64);
         f(hit)
     }
 
-    pub fn insert(&self, entry: SegmentEntry) {
+    pub fn insert(&self, entry: SegmentEntry<T>) {
         let _w = self.writer.lock();
         let old = self.snapshot.load();
-        let mut next: Vec<SegmentEntry> = Vec::with_capacity(old.len() + 1);
+        let mut next: Vec<SegmentEntry<T>> = Vec::with_capacity(old.len() + 1);
         let at = old.partition_point(|e| e.base < entry.base);
         next.extend(old[..at].iter().cloned());
         next.push(entry);
@@ -56,7 +64,7 @@ impl SegmentIndex {
     pub fn remove(&self, base: DevicePtr) {
         let _w = self.writer.lock();
         let old = self.snapshot.load();
-        let next: Vec<SegmentEntry> = old.iter().filter(|e| e.base != base).cloned().collect();
+        let next: Vec<SegmentEntry<T>> = old.iter().filter(|e| e.base != base).cloned().collect();
         self.snapshot.store(Arc::new(next));
     }
 

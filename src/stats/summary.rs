@@ -19,37 +19,30 @@ pub fn format_size(size: u64) -> String {
     }
 }
 
-/// PyTorch `memory_summary`'s `_format_size`: scaled while the row's reference value is at
-/// least 768 of the unit.
-fn table_size(mut value: i64, reference: i64) -> String {
+/// A table value scaled as PyTorch's `memory_summary` does: divided by `base` and given the
+/// next unit while the row's reference value is at least `threshold` (768 KiB for sizes in
+/// `_format_size`, 750 K for counts in `_format_count`).
+fn scaled<'u>(mut value: i64, reference: i64, units: &[&'u str], base: i64, threshold: f64) -> (i64, &'u str) {
     let mut reference = reference as f64;
-    let units = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut unit = units[0];
-    for next in &units[1..] {
-        if reference < 768.0 * 1024.0 {
-            break;
-        }
-        unit = next;
-        value /= 1024;
-        reference /= 1024.0;
+    let mut unit = 0;
+    while unit + 1 < units.len() && reference >= threshold {
+        unit += 1;
+        value /= base;
+        reference /= base as f64;
     }
-    format!("{value:6} {unit}")
+    (value, units[unit])
 }
 
-/// PyTorch `memory_summary`'s `_format_count`: scaled by 1000 while at least 750 K.
-fn table_count(mut value: i64, reference: i64) -> String {
-    let mut reference = reference as f64;
-    let units = [" ", "K", "M"];
-    let mut unit = units[0];
-    for next in &units[1..] {
-        if reference < 750.0 * 1000.0 {
-            break;
-        }
-        unit = next;
-        value /= 1000;
-        reference /= 1000.0;
-    }
-    format!("{value:7} {unit} ")
+/// PyTorch `memory_summary`'s `_format_size`.
+fn table_size(value: i64, reference: i64) -> String {
+    let (v, unit) = scaled(value, reference, &["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"], 1024, 768.0 * 1024.0);
+    format!("{v:6} {unit}")
+}
+
+/// PyTorch `memory_summary`'s `_format_count`.
+fn table_count(value: i64, reference: i64) -> String {
+    let (v, unit) = scaled(value, reference, &[" ", "K", "M"], 1000, 750.0 * 1000.0);
+    format!("{v:7} {unit} ")
 }
 
 const WIDTH: usize = 75;

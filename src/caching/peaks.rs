@@ -3,7 +3,7 @@
 //! PyTorch keeps one `DeviceStats` per device under the device's one mutex, so every call of
 //! every stream serialises on it. gpupool gives each stream a shard with its own lock and
 //! keeps the device peak `P` of each statistic exact with *credit*: each shard `j` holds
-//! `h_j >= 0`, the device holds a reserve `R >= 0` (an atomic), and the invariant is
+//! `h_j >= 0`, the device holds spare credit `R >= 0` (an atomic), and the invariant is
 //!
 //! ```text
 //!     P = G + sum(h_j) + R        (G: the device's current value, the sum over shards)
@@ -11,30 +11,29 @@
 //!
 //! A free of `n` on shard `j` lowers `G` by `n` and raises `h_j` by `n`; an allocation spends
 //! the shard's own credit. When a shard runs out (`h_j < 0`) the call that did it, still
-//! holding only its own lock, borrows from the reserve ([`borrow`], one compare-and-swap per
-//! statistic). Only when the reserve cannot cover it — the device may be at a new peak — does
+//! holding only its own lock, borrows from the spare credit ([`borrow`], one compare-and-swap per
+//! statistic). Only when the spare credit cannot cover it — the device may be at a new peak — does
 //! the call settle the device ([`settle`]): with every shard of the device locked it recounts
 //! `G`, sets `P` to the highest value `G` reached and deals the credit `P - G` out again. A
 //! shard keeps the most it had to borrow at once; holding several times that
-//! (`SURPLUS_FACTOR`), it gives the rest back to the reserve ([`give_back`]), so credit flows
+//! (`SURPLUS_FACTOR`), it gives the rest back to the spare credit ([`give_back`]), so credit flows
 //! from shrinking streams to growing ones without any lock. A settle also resets to zero what
 //! a shard that was quiet since the last settle keeps, so that credit does not stay with a
-//! stream that has stopped. (Resetting every shard that was not short, active or not, made
-//! the settles cascade on the H100: at 16 threads each settle sent 15 streams back to the
-//! reserve at once, and throughput fell from 13-19 to 3-4 M ops/s.)
+//! stream that has stopped; an active shard keeps its credit, or every active stream would
+//! come back for credit at once after each settle.
 //!
 //! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
 //! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and 1 in
-//! 3,000 at 16 (1 in 80 when credit moved only at settles), and the reserve touched in 0.8% of
-//! calls; streams that trade memory in lock-step (`tests/rules.rs`), 1 in 95 (1 in 21 while
-//! quiet shards kept their credit); the recorded two-stream trace `pipeline_streams` replayed
-//! warm (`examples/replay.rs`), 28 settles in 1,957 events (80 before).
+//! 3,000 at 16, and the spare credit touched in 0.8% of
+//! calls; streams that trade memory in lock-step (`tests/rules.rs`), 1 in 95; the recorded
+//! two-stream trace `pipeline_streams` replayed warm (`examples/replay.rs`), 28 settles in
+//! 1,957 events.
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
 //! block, - 1). PyTorch's peak counts that moment, so each cell also keeps `low`, the lowest
 //! headroom since the last settle or borrow: the shard's value was then `h - low` above what it
-//! is now. A borrow succeeds only if the reserve covers `-low`, the whole excursion; a settle
+//! is now. A borrow succeeds only if the spare credit covers `-low`, the whole excursion; a settle
 //! takes `G + max(h_j - low_j)` as the highest value reached.
 //!
 //! Exactness: every history of calls that do not overlap in time gets PyTorch's peak exactly,
@@ -44,17 +43,17 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::{CELLS, ShardCounters};
+use super::counters::{CELLS, ShardCounters};
 
-/// The device's credit not held by any shard, one atomic per statistic.
-pub(crate) type Reserve = [AtomicI64; CELLS];
+/// The device's credit not held by any shard (`R` above), one atomic per statistic.
+pub(crate) type SpareCredit = [AtomicI64; CELLS];
 
-/// Covers every cell that ran out of credit from the reserve; returns false (having borrowed
+/// Covers every cell that ran out of credit from the spare credit; returns false (having borrowed
 /// nothing for the cells it could not cover) when some cell needs a full settle. Called with
 /// the shard's lock held.
-pub(crate) fn borrow(shard: &mut ShardCounters, reserve: &Reserve) -> bool {
+pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     let mut all = true;
-    for (c, r) in shard.cells.iter_mut().zip(reserve) {
+    for (c, r) in shard.cells.iter_mut().zip(spare) {
         if c.low >= 0 {
             continue;
         }
@@ -85,10 +84,10 @@ pub(crate) fn borrow(shard: &mut ShardCounters, reserve: &Reserve) -> bool {
     all
 }
 
-/// Gives credit above what each cell keeps back to the reserve. Called with the shard's lock
+/// Gives credit above what each cell keeps back to the spare. Called with the shard's lock
 /// held.
-pub(crate) fn give_back(shard: &mut ShardCounters, reserve: &Reserve) {
-    for (c, r) in shard.cells.iter_mut().zip(reserve) {
+pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit) {
+    for (c, r) in shard.cells.iter_mut().zip(spare) {
         if c.headroom > c.keep && c.low >= 0 {
             let surplus = c.headroom - c.keep;
             c.headroom -= surplus;
@@ -100,12 +99,12 @@ pub(crate) fn give_back(shard: &mut ShardCounters, reserve: &Reserve) {
 }
 
 /// Settles every cell: raises each peak to the highest value reached, then deals the credit
-/// out again: each shard keeps what it held up to what it keeps, the rest goes to the reserve.
+/// out again: each shard keeps what it held up to what it keeps, the rest goes to the spare.
 /// `shards` must be every shard of the device, locked.
-pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], reserve: &Reserve) {
+pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
     for (cell, peak) in peaks.iter_mut().enumerate() {
         let current: i64 = shards.iter().map(|s| s.cells[cell].current).sum();
-        let held = reserve[cell].swap(0, Ordering::Relaxed);
+        let held = spare[cell].swap(0, Ordering::Relaxed);
         debug_assert_eq!(
             *peak,
             current + held + shards.iter().map(|s| s.cells[cell].headroom).sum::<i64>(),
@@ -124,9 +123,9 @@ pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters]
                 c.keep = c.keep.max(-c.low);
             } else if moved == c.moved_at_settle {
                 // A shard whose value did not move since the last settle (a quiet stream)
-                // keeps no credit: what it held goes to the reserve, where the stream that ran
+                // keeps no credit: what it held goes to the spare credit, where the stream that ran
                 // short can borrow it. Active shards keep theirs, or they would all come back
-                // to the reserve at once.
+                // to the spare credit at once.
                 c.keep = 0;
             }
             c.moved_at_settle = moved;
@@ -135,7 +134,7 @@ pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters]
             c.low = kept;
             credit -= kept;
         }
-        reserve[cell].store(credit, Ordering::Relaxed);
+        spare[cell].store(credit, Ordering::Relaxed);
     }
     for s in shards.iter_mut() {
         s.needs_settle = false;
@@ -144,10 +143,10 @@ pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters]
 }
 
 /// PyTorch `reset_peak_stats`: every peak becomes the current value, and no credit is left.
-pub(crate) fn reset(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], reserve: &Reserve) {
+pub(crate) fn reset(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
     for (cell, peak) in peaks.iter_mut().enumerate() {
         *peak = shards.iter().map(|s| s.cells[cell].current).sum();
-        reserve[cell].store(0, Ordering::Relaxed);
+        spare[cell].store(0, Ordering::Relaxed);
         for s in shards.iter_mut() {
             s.cells[cell].headroom = 0;
             s.cells[cell].low = 0;
@@ -159,25 +158,25 @@ pub(crate) fn reset(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters],
     }
 }
 
-/// The credit the reserve holds for `cell` (for the consistency check).
-pub(crate) fn reserved_credit(reserve: &Reserve, cell: usize) -> i64 {
-    reserve[cell].load(Ordering::Relaxed)
+/// The credit the spare credit holds for `cell` (for the consistency check).
+pub(crate) fn spare_credit(spare: &SpareCredit, cell: usize) -> i64 {
+    spare[cell].load(Ordering::Relaxed)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::caching::counters::{Metric, StatType, cell};
     use crate::caching::rules::PoolKind;
-    use crate::stats::Metric;
 
-    const BYTES: usize = Metric::AllocatedBytes as usize * 3;
+    const BYTES: usize = cell(Metric::AllocatedBytes, StatType::All);
 
-    fn reserve() -> Reserve {
+    fn spare() -> SpareCredit {
         std::array::from_fn(|_| AtomicI64::new(0))
     }
 
     /// What a device does at the end of a call on shard `i`.
-    fn finish(peaks: &mut [i64; CELLS], shards: &mut [ShardCounters], i: usize, r: &Reserve) -> bool {
+    fn finish(peaks: &mut [i64; CELLS], shards: &mut [ShardCounters], i: usize, r: &SpareCredit) -> bool {
         if shards[i].has_surplus {
             give_back(&mut shards[i], r);
         }
@@ -190,15 +189,15 @@ mod tests {
     }
 
     #[test]
-    fn credit_moves_between_shards_through_the_reserve_without_a_settle() {
-        let (mut peaks, r) = ([0; CELLS], reserve());
+    fn credit_moves_between_shards_through_the_spare_credit_without_a_settle() {
+        let (mut peaks, r) = ([0; CELLS], spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 0, &r), "a new peak needs a settle");
         assert_eq!(peaks[BYTES], 100);
         s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 100);
         finish(&mut peaks, &mut s, 0, &r);
-        assert_eq!(reserved_credit(&r, BYTES), 0, "shard 0 keeps what it once had to borrow");
+        assert_eq!(spare_credit(&r, BYTES), 0, "shard 0 keeps what it once had to borrow");
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 1, &r), "the credit sits with shard 0: settle");
         assert_eq!(peaks[BYTES], 100, "moving bytes to another stream is no new peak");
@@ -214,8 +213,8 @@ mod tests {
     }
 
     #[test]
-    fn a_surplus_returns_to_the_reserve_and_is_borrowed_without_a_settle() {
-        let (mut peaks, r) = ([0; CELLS], reserve());
+    fn a_surplus_returns_to_the_spare_credit_and_is_borrowed_without_a_settle() {
+        let (mut peaks, r) = ([0; CELLS], spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         for _ in 0..9 {
             s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
@@ -226,9 +225,9 @@ mod tests {
         // it gives the other 800 back.
         s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 900);
         assert!(!finish(&mut peaks, &mut s, 0, &r));
-        assert_eq!(reserved_credit(&r, BYTES), 800);
+        assert_eq!(spare_credit(&r, BYTES), 800);
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 200);
-        assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed from the reserve, no settle");
+        assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed from the spare credit, no settle");
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 600);
         assert!(!finish(&mut peaks, &mut s, 1, &r), "800 in all: still under the peak");
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
@@ -241,7 +240,7 @@ mod tests {
 
     #[test]
     fn a_settle_takes_back_what_a_quiet_shard_keeps_but_not_an_active_one() {
-        let (mut peaks, r) = ([0; CELLS], reserve());
+        let (mut peaks, r) = ([0; CELLS], spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 0, &r));
@@ -251,11 +250,11 @@ mod tests {
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 50);
         assert!(finish(&mut peaks, &mut s, 1, &r));
         assert_eq!(s[0].cells[BYTES].headroom, 50, "active: keeps what the peak leaves");
-        // Shard 0 has been quiet since: the next settle moves its credit to the reserve, so
+        // Shard 0 has been quiet since: the next settle moves its credit to the spare credit, so
         // shard 1 borrows it afterwards instead of settling again.
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 40);
         assert!(finish(&mut peaks, &mut s, 1, &r));
-        assert_eq!((s[0].cells[BYTES].headroom, reserved_credit(&r, BYTES)), (0, 10));
+        assert_eq!((s[0].cells[BYTES].headroom, spare_credit(&r, BYTES)), (0, 10));
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 10);
         assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed what shard 0 no longer keeps");
         assert_eq!(peaks[BYTES], 100);
@@ -263,18 +262,18 @@ mod tests {
 
     #[test]
     fn a_rise_and_fall_within_one_call_is_a_peak() {
-        let (mut peaks, r) = ([0; CELLS], reserve());
+        let (mut peaks, r) = ([0; CELLS], spare());
         let mut s = [ShardCounters::default()];
         s[0].increase(Metric::InactiveSplit, PoolKind::Small, 1);
         s[0].decrease(Metric::InactiveSplit, PoolKind::Small, 1);
         assert!(finish(&mut peaks, &mut s, 0, &r));
-        assert_eq!(peaks[Metric::InactiveSplit as usize * 3], 1);
-        assert_eq!(peaks[Metric::InactiveSplit as usize * 3 + 1], 1);
+        assert_eq!(peaks[cell(Metric::InactiveSplit, StatType::All)], 1);
+        assert_eq!(peaks[cell(Metric::InactiveSplit, StatType::Pool(PoolKind::Small))], 1);
     }
 
     #[test]
     fn reusing_own_credit_needs_no_settle() {
-        let (mut peaks, r) = ([0; CELLS], reserve());
+        let (mut peaks, r) = ([0; CELLS], spare());
         let mut s = [ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Small, 512);
         finish(&mut peaks, &mut s, 0, &r);

@@ -1,0 +1,106 @@
+//! The device's byte limit: PyTorch's `set_per_process_memory_fraction`, checked against the
+//! bytes the device has reserved from the driver.
+//!
+//! Each shard counts its own segments; this keeps their sum in one atomic as well, so that a
+//! new segment can be checked against the limit without locking every shard (PyTorch checks
+//! `total_allocated_memory + size > allowed_memory_maximum` in `alloc_block`, under its one
+//! device mutex).
+
+use std::sync::atomic::{AtomicI64, Ordering};
+
+/// Reserved bytes of one device and the most it may reserve.
+#[derive(Debug)]
+pub(crate) struct MemoryLimit {
+    /// Bytes of every segment of the device (PyTorch `total_allocated_memory`), counted before
+    /// the driver is asked, so that two streams cannot both pass the limit at once.
+    reserved: AtomicI64,
+    /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`); `i64::MAX`
+    /// when no fraction is set.
+    limit: AtomicI64,
+}
+
+impl Default for MemoryLimit {
+    fn default() -> Self {
+        MemoryLimit { reserved: AtomicI64::new(0), limit: AtomicI64::new(i64::MAX) }
+    }
+}
+
+/// Bytes counted against the limit for a segment the driver has not yet given. Dropped
+/// without [`Charge::commit`] (the driver failed, or its call unwound), it gives the bytes
+/// back: every exit path leaves the count right.
+#[must_use]
+pub(crate) struct Charge<'a> {
+    limit: &'a MemoryLimit,
+    size: i64,
+}
+
+impl Charge<'_> {
+    /// The segment exists: its bytes stay counted until [`MemoryLimit::uncharge`].
+    pub fn commit(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Charge<'_> {
+    fn drop(&mut self) {
+        self.limit.reserved.fetch_sub(self.size, Ordering::Relaxed);
+    }
+}
+
+impl MemoryLimit {
+    /// Counts `size` more bytes reserved, unless that would pass the limit (PyTorch's check in
+    /// `alloc_block`). `None` when it would: the caller treats that as out of memory.
+    pub fn try_charge(&self, size: usize) -> Option<Charge<'_>> {
+        let size = size as i64;
+        let limit = self.limit.load(Ordering::Relaxed);
+        let before = self.reserved.fetch_add(size, Ordering::Relaxed);
+        let charge = Charge { limit: self, size };
+        if limit != i64::MAX && before + size > limit {
+            return None; // `charge` drops here and gives the bytes back.
+        }
+        Some(charge)
+    }
+
+    /// Counts `size` bytes no longer reserved (a segment went back to the driver).
+    pub fn uncharge(&self, size: usize) {
+        self.reserved.fetch_sub(size as i64, Ordering::Relaxed);
+    }
+
+    /// Sets the most bytes the device may reserve.
+    pub fn set(&self, bytes: i64) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The limit in bytes, or `None` when no fraction is set.
+    pub fn get(&self) -> Option<i64> {
+        Some(self.limit.load(Ordering::Relaxed)).filter(|&l| l != i64::MAX)
+    }
+
+    /// The bytes counted as reserved (for the consistency check).
+    pub fn reserved(&self) -> i64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_charge_not_committed_is_given_back_even_when_unwinding() {
+        let l = MemoryLimit::default();
+        l.set(100);
+        let r = std::panic::catch_unwind(|| {
+            let _c = l.try_charge(60).unwrap();
+            panic!("the driver call panicked");
+        });
+        assert!(r.is_err());
+        assert_eq!(l.reserved(), 0);
+        assert!(l.try_charge(60).is_some_and(|c| {
+            c.commit();
+            true
+        }));
+        assert!(l.try_charge(60).is_none(), "60 + 60 passes the limit of 100");
+        assert_eq!(l.reserved(), 60);
+    }
+}

@@ -1,0 +1,118 @@
+//! Splitting a block for a request and merging a freed block with its free neighbours, with
+//! PyTorch's `inactive_split` bookkeeping.
+
+use super::ShardState;
+use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::counters::Metric;
+use crate::caching::rules;
+
+impl ShardState {
+    /// PyTorch `malloc`'s split (`should_split`): the block `id`, taken from its pool, keeps
+    /// `rounded` bytes and the rest becomes a free block in the pool. Returns the bytes the
+    /// block keeps. Counts PyTorch's `inactive_split` changes: a whole block that is split adds
+    /// an inactive split block; an inactive split block shrinks, or becomes active whole.
+    pub(super) fn split(&mut self, id: BlockId, rounded: usize, max_split_size: usize) -> usize {
+        let b = &self.blocks[id];
+        let (addr, size, pool, next) = (b.addr, b.size, b.pool, b.next);
+        let already_split = b.is_split();
+        if !rules::should_split(pool, size, rounded, max_split_size) {
+            if already_split {
+                self.counters.decrease(Metric::InactiveSplitBytes, pool, size as i64);
+                self.counters.decrease(Metric::InactiveSplit, pool, 1);
+            }
+            return size;
+        }
+        let rest_size = size - rounded;
+        let rest_addr = addr + rounded as u64;
+        let rest = self.blocks.insert(Block {
+            addr: rest_addr,
+            size: rest_size,
+            requested: 0,
+            prev: id,
+            next,
+            state: BlockState::Free,
+            pool,
+            event_count: 0,
+            stream_uses: Vec::new(),
+        });
+        if next != NIL {
+            self.blocks[next].prev = rest;
+        }
+        let b = &mut self.blocks[id];
+        b.size = rounded;
+        b.next = rest;
+        self.pool(pool).insert(rest_size, rest_addr, rest);
+        if already_split {
+            self.counters.decrease(Metric::InactiveSplitBytes, pool, rounded as i64);
+        } else {
+            self.counters.increase(Metric::InactiveSplitBytes, pool, rest_size as i64);
+            self.counters.increase(Metric::InactiveSplit, pool, 1);
+        }
+        rounded
+    }
+
+    /// PyTorch `free_block`: back to the pool, merged with free neighbours
+    /// (`try_merge_blocks`), with PyTorch's net `inactive_split` change.
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (orig_size, requested, pool) = (b.size, b.requested, b.pool);
+        let mut net_blocks = 0i64;
+        let mut net_bytes = 0i64;
+        let mut id = id;
+        let prev = self.blocks[id].prev;
+        if let Some(merged) = self.take_if_free(prev) {
+            self.absorb_next(prev);
+            id = prev;
+            net_blocks -= 1;
+            net_bytes -= merged as i64;
+        }
+        let next = self.blocks[id].next;
+        if let Some(merged) = self.take_if_free(next) {
+            self.absorb_next(id);
+            net_blocks -= 1;
+            net_bytes -= merged as i64;
+        }
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Free;
+        b.requested = 0;
+        let (size, addr, split) = (b.size, b.addr, b.is_split());
+        self.pool(pool).insert(size, addr, id);
+        if split {
+            net_blocks += 1;
+            net_bytes += size as i64;
+        }
+        let c = &mut self.counters;
+        c.change(Metric::InactiveSplit, pool, net_blocks);
+        c.change(Metric::InactiveSplitBytes, pool, net_bytes);
+        c.decrease(Metric::Active, pool, 1);
+        c.decrease(Metric::ActiveBytes, pool, orig_size as i64);
+        c.decrease(Metric::RequestedBytes, pool, requested as i64);
+    }
+
+    /// One merge step of `try_merge_blocks`, first half: if the neighbour `other` of a block
+    /// being freed is free, takes it out of its pool and returns its size; the caller then
+    /// merges the upper of the two blocks into the lower ([`ShardState::absorb_next`]).
+    fn take_if_free(&mut self, other: BlockId) -> Option<usize> {
+        if other == NIL || self.blocks[other].state != BlockState::Free {
+            return None;
+        }
+        let o = &self.blocks[other];
+        let (size, addr, pool) = (o.size, o.addr, o.pool);
+        self.pool(pool).remove(size, addr, other);
+        Some(size)
+    }
+
+    /// Merges the block after `id` into `id` (the lower block survives, so a segment's head
+    /// keeps its id).
+    fn absorb_next(&mut self, id: BlockId) {
+        let next = self.blocks[id].next;
+        let (nsize, nnext) = (self.blocks[next].size, self.blocks[next].next);
+        let b = &mut self.blocks[id];
+        b.size += nsize;
+        b.next = nnext;
+        if nnext != NIL {
+            self.blocks[nnext].prev = id;
+        }
+        self.blocks.remove(next);
+    }
+}

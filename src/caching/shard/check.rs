@@ -1,0 +1,153 @@
+//! The consistency check of a shard, and what to tell a caller whose pointer is not an
+//! allocated block.
+
+use rustc_hash::FxHashMap;
+
+use super::ShardState;
+use crate::caching::block::{BlockId, BlockState, NIL};
+use crate::caching::counters::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
+use crate::caching::rules::PoolKind;
+use crate::driver::{DevicePtr, StreamHandle};
+use crate::error::Error;
+
+impl ShardState {
+    /// Says what is wrong with a pointer that is not an allocated block of this shard
+    /// (`segment`: the base of the segment that contains it, if any): a double free, a
+    /// pointer into the middle of an allocated block, or one into memory gpupool holds but
+    /// handed to nobody.
+    pub(super) fn diagnose(&self, ptr: DevicePtr, segment: DevicePtr) -> Error {
+        let not_ours = || Error::InvalidPointer(format!("pointer {ptr:#x} was not allocated by gpupool"));
+        let Some(seg) = self.segments.get(&segment) else {
+            return not_ours();
+        };
+        let mut id = seg.head;
+        while id != NIL {
+            let b = &self.blocks[id];
+            if ptr >= b.addr && ptr - b.addr < b.size as u64 {
+                let inside = ptr - b.addr;
+                let msg = match (b.state, inside) {
+                    (BlockState::Allocated, _) => format!(
+                        "pointer {ptr:#x} is {inside} bytes inside the block at {:#x}, which is allocated: pass the \
+                         pointer the allocation returned",
+                        b.addr
+                    ),
+                    (BlockState::Free, 0) | (BlockState::AwaitingEvents | BlockState::AwaitingSync, 0) => {
+                        format!("pointer {ptr:#x} is not allocated (double free, or used after it was freed)")
+                    }
+                    (BlockState::AwaitingEvents | BlockState::AwaitingSync, _) => format!(
+                        "pointer {ptr:#x} is {inside} bytes inside the block at {:#x}, which was already freed",
+                        b.addr
+                    ),
+                    (BlockState::Free, _) => format!(
+                        "pointer {ptr:#x} is not allocated: it lies in memory gpupool caches but has not handed out \
+                         (never returned by an allocation, or freed)"
+                    ),
+                };
+                return Error::InvalidPointer(msg);
+            }
+            id = b.next;
+        }
+        not_ours()
+    }
+
+    /// The consistency check of this shard (see [`crate::Allocator::check_invariants`]):
+    /// segment lists, pools, the live map, pending events and a recount of every statistic.
+    pub fn check(&self, owner: StreamHandle, max_split_size: usize) -> Result<(), String> {
+        let mut recount = [0i64; CELLS];
+        let mut add = |m: Metric, pool: PoolKind, n: i64| {
+            recount[cell(m, StatType::All)] += n;
+            recount[cell(m, StatType::Pool(pool))] += n;
+        };
+        let mut oversize = [0i64; 2];
+        let (mut free_blocks, mut awaiting) = (0usize, FxHashMap::<BlockId, u32>::default());
+        let mut deferred_blocks = 0usize;
+        for (&base, seg) in &self.segments {
+            let head = &self.blocks[seg.head];
+            if head.addr != base || head.prev != NIL {
+                return Err(format!("stream {owner:#x}: segment {base:#x} does not start with its head block"));
+            }
+            let pool = head.pool;
+            add(Metric::Segment, pool, 1);
+            add(Metric::ReservedBytes, pool, seg.size as i64);
+            oversize[1] += (seg.size >= max_split_size) as i64;
+            let (mut id, mut prev, mut at) = (seg.head, NIL, base);
+            while id != NIL {
+                let b = &self.blocks[id];
+                if b.addr != at || b.prev != prev || b.pool != pool || b.size == 0 {
+                    return Err(format!("stream {owner:#x}: block list of segment {base:#x} is broken at {at:#x}"));
+                }
+                match b.state {
+                    BlockState::Allocated => {
+                        if self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!("allocated block {:#x} is missing from the live map", b.addr));
+                        }
+                        add(Metric::Allocation, pool, 1);
+                        add(Metric::AllocatedBytes, pool, b.size as i64);
+                        oversize[0] += (b.size >= max_split_size) as i64;
+                    }
+                    BlockState::Free => {
+                        free_blocks += 1;
+                        if !self.pool_ref(pool).iter().any(|e| e == (b.size, b.addr, id)) {
+                            return Err(format!("free block {:#x} is missing from its pool", b.addr));
+                        }
+                        if prev != NIL && self.blocks[prev].state == BlockState::Free {
+                            return Err(format!("free blocks {:#x} and its predecessor were not coalesced", b.addr));
+                        }
+                        if b.is_split() {
+                            add(Metric::InactiveSplit, pool, 1);
+                            add(Metric::InactiveSplitBytes, pool, b.size as i64);
+                        }
+                    }
+                    BlockState::AwaitingEvents => {
+                        awaiting.insert(id, b.event_count);
+                    }
+                    BlockState::AwaitingSync => {
+                        if !self.deferred.contains(id) {
+                            return Err(format!(
+                                "block {:#x} awaits a device synchronisation but is not listed",
+                                b.addr
+                            ));
+                        }
+                        deferred_blocks += 1;
+                    }
+                }
+                if b.state != BlockState::Free {
+                    add(Metric::Active, pool, 1);
+                    add(Metric::ActiveBytes, pool, b.size as i64);
+                    add(Metric::RequestedBytes, pool, b.requested as i64);
+                }
+                at += b.size as u64;
+                prev = id;
+                id = b.next;
+            }
+            if at != base + seg.size as u64 {
+                return Err(format!("blocks of segment {base:#x} do not cover it exactly"));
+            }
+        }
+        recount[OVERSIZE_ALLOCATIONS] = oversize[0];
+        recount[OVERSIZE_SEGMENTS] = oversize[1];
+        if free_blocks != self.small.len() + self.large.len() {
+            return Err(format!(
+                "stream {owner:#x}: {} blocks in the pools but {free_blocks} free blocks in segments",
+                self.small.len() + self.large.len()
+            ));
+        }
+        if deferred_blocks != self.deferred.len() {
+            return Err(format!("stream {owner:#x}: blocks listed as awaiting a device synchronisation are not"));
+        }
+        if self.live.len() != recount[cell(Metric::Allocation, StatType::All)] as usize {
+            return Err(format!("stream {owner:#x}: the live map holds blocks that are not allocated"));
+        }
+        let (queued, pending) = self.events.per_block();
+        if queued != awaiting || pending != queued.values().sum::<u32>() as usize {
+            return Err(format!("stream {owner:#x}: pending events do not match the blocks awaiting them"));
+        }
+        for (i, &want) in recount.iter().enumerate() {
+            let have = self.counters.cells[i].current;
+            if have != want {
+                return Err(format!("stream {owner:#x}: statistic cell {i} is {have}, recount {want}"));
+            }
+        }
+        Ok(())
+    }
+}

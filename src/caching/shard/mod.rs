@@ -1,0 +1,295 @@
+//! One stream's share of a device: its segments, its small and large pools, its blocks awaiting
+//! events or a device synchronisation, and its statistics, all behind one lock.
+//!
+//! PyTorch keeps every stream of a device in one `DeviceCachingAllocator` under one mutex, and
+//! a free block is only ever reused by the stream it was allocated on (its pools are ordered by
+//! stream first). A segment's blocks therefore always belong to one stream, and gpupool gives
+//! each stream its own shard: threads on different streams share no lock. The rules inside a
+//! shard are PyTorch's, function for function; each method names the one it mirrors.
+//!
+//! - this file: the shard, a request, and the calls a device makes on it;
+//! - [`blocks`]: splitting and merging blocks;
+//! - [`segments`]: segments from and back to the driver;
+//! - [`check`]: the consistency check and the diagnosis of a bad pointer.
+
+mod blocks;
+mod check;
+mod segments;
+
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+
+use super::block::{Arena, BlockId, BlockState};
+use super::counters::{DeviceCounters, Metric, OVERSIZE_ALLOCATIONS, ShardCounters};
+use super::deferred::DeferredList;
+use super::events::StreamEvents;
+use super::limit::MemoryLimit;
+use super::pool::FreePool;
+use super::rules::{self, PoolKind};
+use super::segment_index::SegmentIndex;
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::Error;
+
+/// A shard: the state of one (device, stream) pair behind its own lock.
+pub(crate) struct Shard {
+    pub stream: StreamHandle,
+    state: Mutex<ShardState>,
+}
+
+impl Shard {
+    pub fn new(stream: StreamHandle) -> Shard {
+        Shard { stream, state: Mutex::new(ShardState::default()) }
+    }
+
+    #[inline]
+    pub fn lock(&self) -> MutexGuard<'_, ShardState> {
+        self.state.lock()
+    }
+}
+
+/// What a shard's operations need from its device: the driver, the device's settings and
+/// shared state, and the shard itself (to index its new segments).
+pub(crate) struct ShardCtx<'a> {
+    pub driver: &'a dyn Driver,
+    pub device: i32,
+    pub max_split_size: usize,
+    pub index: &'a SegmentIndex<Arc<Shard>>,
+    pub shard: &'a Arc<Shard>,
+    pub limit: &'a MemoryLimit,
+    pub counters: &'a DeviceCounters,
+}
+
+/// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
+/// and the segment size to ask the driver for if nothing cached fits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    pub size: usize,
+    pub rounded: usize,
+    pub pool: PoolKind,
+    pub segment: usize,
+}
+
+impl Request {
+    /// Errors: [`Error::InvalidValue`] when rounding the size overflows.
+    pub fn new(size: usize) -> Result<Request, Error> {
+        let overflow = || Error::InvalidValue(format!("size {size} bytes overflows when rounded to a block size"));
+        let rounded = rules::round_size(size).ok_or_else(overflow)?;
+        let segment = rules::segment_size(rounded).ok_or_else(overflow)?;
+        Ok(Request { size, rounded, pool: rules::pool_for(rounded), segment })
+    }
+}
+
+struct SegmentInfo {
+    head: BlockId,
+    size: usize,
+}
+
+/// The state behind a shard's lock.
+#[derive(Default)]
+pub(crate) struct ShardState {
+    blocks: Arena,
+    small: FreePool,
+    large: FreePool,
+    /// Allocated blocks by address (PyTorch `allocated_blocks`).
+    live: FxHashMap<DevicePtr, BlockId>,
+    segments: FxHashMap<DevicePtr, SegmentInfo>,
+    events: StreamEvents,
+    deferred: DeferredList,
+    pub counters: ShardCounters,
+}
+
+impl ShardState {
+    fn pool(&mut self, kind: PoolKind) -> &mut FreePool {
+        match kind {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
+    }
+
+    fn pool_ref(&self, kind: PoolKind) -> &FreePool {
+        match kind {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
+    }
+
+    /// PyTorch `get_free_block`: the best fit in the request's pool, within the
+    /// `max_split_size` rules, taken out of the pool.
+    #[inline]
+    pub fn take_cached(&mut self, req: &Request, max_split_size: usize) -> Option<BlockId> {
+        let rounded = req.rounded;
+        let fits = |size| rules::fits_oversize_rules(size, rounded, max_split_size);
+        self.pool(req.pool).take_best_fit(rounded, fits).map(|(_, _, id)| id)
+    }
+
+    /// The rest of PyTorch `malloc` once a block is found: split off what is not needed
+    /// (`should_split`), mark it allocated and count it. Returns the block's address.
+    #[inline]
+    pub fn hand_out(&mut self, id: BlockId, req: &Request, max_split_size: usize) -> DevicePtr {
+        let kept = self.split(id, req.rounded, max_split_size);
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = req.size;
+        let (addr, pool) = (b.addr, b.pool);
+        let c = &mut self.counters;
+        c.increase(Metric::Allocation, pool, 1);
+        c.increase(Metric::AllocatedBytes, pool, kept as i64);
+        c.increase(Metric::Active, pool, 1);
+        c.increase(Metric::ActiveBytes, pool, kept as i64);
+        c.increase(Metric::RequestedBytes, pool, req.size as i64);
+        if kept >= max_split_size {
+            c.increase_single(OVERSIZE_ALLOCATIONS);
+        }
+        self.live.insert(addr, id);
+        addr
+    }
+
+    /// PyTorch `free`: the block stops being allocated; if other streams used it
+    /// (`record_stream`), one event per such stream is recorded and the block waits for them
+    /// (PyTorch `insert_events`), else it goes back to its pool at once (`free_block`).
+    ///
+    /// Errors: [`Error::InvalidPointer`] for a pointer that is not an allocated block of this
+    /// shard (`segment` is the base of the segment that contains it); [`Error::Cuda`] or
+    /// [`Error::OutOfMemory`] if an event cannot be created or recorded, in which case the
+    /// block stays allocated and nothing changed.
+    pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+        let Some(id) = self.live.remove(&ptr) else {
+            return Err(self.diagnose(ptr, segment));
+        };
+        if self.blocks[id].stream_uses.is_empty() {
+            self.count_free(id, ctx.max_split_size);
+            self.free_block(id);
+            return Ok(());
+        }
+        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
+        let mut recorded = Vec::with_capacity(uses.len());
+        for &stream in &uses {
+            match self.events.record(ctx.driver, ctx.device, stream) {
+                Ok(ev) => recorded.push((stream, ev)),
+                Err(e) => {
+                    // Undo: the block stays allocated, as it was.
+                    self.events.unused(recorded.iter().map(|r| r.1));
+                    self.blocks[id].stream_uses = uses;
+                    self.live.insert(ptr, id);
+                    return Err(Error::driver(e, "recording the event of a stream named by record_stream"));
+                }
+            }
+        }
+        self.count_free(id, ctx.max_split_size);
+        let b = &mut self.blocks[id];
+        b.state = BlockState::AwaitingEvents;
+        b.event_count = recorded.len() as u32;
+        for (stream, ev) in recorded {
+            self.events.push(stream, ev, id);
+        }
+        Ok(())
+    }
+
+    /// The statistics of a block that stops being allocated (it stays active until
+    /// `free_block`).
+    fn count_free(&mut self, id: BlockId, max_split_size: usize) {
+        let b = &self.blocks[id];
+        let (size, pool) = (b.size, b.pool);
+        self.counters.decrease(Metric::Allocation, pool, 1);
+        self.counters.decrease(Metric::AllocatedBytes, pool, size as i64);
+        if size >= max_split_size {
+            self.counters.decrease_single(OVERSIZE_ALLOCATIONS);
+        }
+    }
+
+    /// PyTorch `process_events`: returns to their pools the blocks whose events have all
+    /// completed. Never blocks; no driver call when nothing is pending.
+    ///
+    /// Errors: [`Error::Cuda`] when a query fails; that event stays pending.
+    #[inline]
+    pub fn process_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
+        if self.events.is_empty() {
+            return Ok(());
+        }
+        self.drain_events(ctx, false)
+    }
+
+    /// PyTorch `synchronize_and_free_events`: waits for every pending event of this shard and
+    /// returns the blocks to their pools.
+    pub fn synchronize_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
+        self.drain_events(ctx, true)
+    }
+
+    fn drain_events(&mut self, ctx: &ShardCtx, wait: bool) -> Result<(), Error> {
+        let mut done = Vec::new();
+        let result = self.events.drain(ctx.driver, wait, &mut done);
+        for id in done {
+            let b = &mut self.blocks[id];
+            b.event_count -= 1;
+            if b.event_count == 0 {
+                self.free_block(id);
+            }
+        }
+        result.map_err(|e| Error::driver(e, "waiting for the events of freed blocks"))
+    }
+
+    /// PyTorch `recordStream`: the block at `ptr` is in use on `stream` as well; when freed it
+    /// waits for the work issued there so far. Uses on the owning stream need no event.
+    ///
+    /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block of this shard.
+    pub fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        owner: StreamHandle,
+        stream: StreamHandle,
+    ) -> Result<(), Error> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(self.diagnose(ptr, segment));
+        };
+        let uses = &mut self.blocks[id].stream_uses;
+        if stream != owner && !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// A free whose block waits for the next device synchronisation instead of events (see
+    /// `deferred`): it stops being allocated now and stays active until
+    /// [`ShardState::release_synced`] (a device synchronisation waits for every stream, so
+    /// streams named by `record_stream` need no event). Returns the block's size in bytes.
+    ///
+    /// Errors: [`Error::InvalidPointer`] as [`ShardState::free`], nothing changed.
+    pub fn free_after_sync(
+        &mut self,
+        ctx: &ShardCtx,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        epoch: u64,
+    ) -> Result<usize, Error> {
+        let Some(id) = self.live.remove(&ptr) else {
+            return Err(self.diagnose(ptr, segment));
+        };
+        self.count_free(id, ctx.max_split_size);
+        let b = &mut self.blocks[id];
+        b.stream_uses.clear();
+        b.state = BlockState::AwaitingSync;
+        self.deferred.push(id, epoch);
+        Ok(self.blocks[id].size)
+    }
+
+    /// Returns to their pools the blocks freed in epochs up to `epoch`, which a device
+    /// synchronisation has covered. Returns (blocks, bytes) released.
+    pub fn release_synced(&mut self, epoch: u64) -> (usize, usize) {
+        let synced = self.deferred.take_synced(epoch);
+        let mut bytes = 0;
+        for &id in &synced {
+            bytes += self.blocks[id].size;
+            self.free_block(id);
+        }
+        (synced.len(), bytes)
+    }
+
+    /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at
+    /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
+    pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {
+        self.live.get(&ptr).map(|&id| self.blocks[id].size)
+    }
+}

@@ -1,0 +1,120 @@
+//! Segments: obtained from the driver when nothing cached fits, and given back when wholly
+//! free (`empty_cache`, the out-of-memory path).
+
+use super::{Request, SegmentInfo, ShardCtx, ShardState};
+use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS, bump};
+use crate::caching::segment_index::SegmentEntry;
+use crate::driver::DriverError;
+use crate::error::Error;
+
+impl ShardState {
+    /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
+    /// pool: the caller hands it out at once).
+    ///
+    /// A device with a memory fraction set refuses a segment that would take its reserved
+    /// bytes past the limit, as out of memory (PyTorch `alloc_block` with `set_fraction`).
+    /// The bytes are counted against the limit before the driver is asked, and given back if
+    /// it fails or its call unwinds.
+    pub fn new_segment(&mut self, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
+        let size = req.segment;
+        let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
+        let addr = ctx.driver.mem_alloc(ctx.device, size)?;
+        charge.commit();
+        let id = self.blocks.insert(Block {
+            addr,
+            size,
+            requested: 0,
+            prev: NIL,
+            next: NIL,
+            state: BlockState::Free,
+            pool: req.pool,
+            event_count: 0,
+            stream_uses: Vec::new(),
+        });
+        self.segments.insert(addr, SegmentInfo { head: id, size });
+        ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
+        self.counters.increase(Metric::Segment, req.pool, 1);
+        self.counters.increase(Metric::ReservedBytes, req.pool, size as i64);
+        if size >= ctx.max_split_size {
+            self.counters.increase_single(OVERSIZE_SEGMENTS);
+        }
+        bump(&ctx.counters.num_device_alloc);
+        Ok(id)
+    }
+
+    /// PyTorch `release_block`: a whole free segment goes back to the driver.
+    fn release_segment(&mut self, ctx: &ShardCtx, id: BlockId) -> Result<(), Error> {
+        let b = &self.blocks[id];
+        debug_assert!(b.state == BlockState::Free && !b.is_split());
+        let (addr, size, pool) = (b.addr, b.size, b.pool);
+        // Out of the index first: once the driver has the memory back, another stream's new
+        // segment may start at the same address.
+        ctx.index.remove(addr);
+        if let Err(e) = ctx.driver.mem_free(ctx.device, addr) {
+            ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
+            return Err(Error::driver(e, "returning a cached segment to the driver"));
+        }
+        self.pool(pool).remove(size, addr, id);
+        self.segments.remove(&addr);
+        self.blocks.remove(id);
+        self.counters.decrease(Metric::Segment, pool, 1);
+        self.counters.decrease(Metric::ReservedBytes, pool, size as i64);
+        if size >= ctx.max_split_size {
+            self.counters.decrease_single(OVERSIZE_SEGMENTS);
+        }
+        ctx.limit.uncharge(size);
+        bump(&ctx.counters.num_device_free);
+        Ok(())
+    }
+
+    /// PyTorch `release_blocks` over both pools: every cached segment that is wholly free goes
+    /// back to the driver. Split segments stay. The idle events are destroyed too (see
+    /// `events`).
+    pub fn release_cached(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
+        self.events.destroy_idle(ctx.driver, ctx.device);
+        let whole: Vec<BlockId> = self
+            .small
+            .iter()
+            .chain(self.large.iter())
+            .map(|(_, _, id)| id)
+            .filter(|&id| !self.blocks[id].is_split())
+            .collect();
+        for id in whole {
+            self.release_segment(ctx, id)?;
+        }
+        Ok(())
+    }
+
+    /// PyTorch `release_available_cached_blocks`: with `max_split_size` set, release oversize
+    /// cached segments of the request's pool, the smallest that is big enough or else the
+    /// largest ones until enough is released. Returns whether enough was.
+    pub fn release_available(&mut self, ctx: &ShardCtx, req: &Request) -> Result<bool, Error> {
+        let max = ctx.max_split_size;
+        if max == usize::MAX {
+            return Ok(false);
+        }
+        let want = req.rounded.max(max);
+        let pool = self.pool(req.pool);
+        if let Some((_, _, id)) = pool.best_fit(want) {
+            if self.blocks[id].is_split() {
+                return Ok(false);
+            }
+            self.release_segment(ctx, id)?;
+            return Ok(true);
+        }
+        let candidates: Vec<(usize, BlockId)> =
+            pool.iter_largest_first().take_while(|&(size, _, _)| size >= max).map(|(s, _, id)| (s, id)).collect();
+        let mut released = 0;
+        for (size, id) in candidates {
+            if released >= want {
+                break;
+            }
+            if !self.blocks[id].is_split() {
+                self.release_segment(ctx, id)?;
+                released += size;
+            }
+        }
+        Ok(released >= want)
+    }
+}
