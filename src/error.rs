@@ -44,6 +44,20 @@ impl Error {
     }
 }
 
+impl Error {
+    /// Wraps the failure of a driver call that allocates nothing for the caller (an event
+    /// query or wait): the driver running out of memory there is a CUDA error, not the
+    /// caller's request failing, so it is never [`Error::OutOfMemory`].
+    pub(crate) fn driver_call(e: DriverError, doing: &str) -> Error {
+        match e {
+            DriverError::OutOfMemory => {
+                Error::Cuda(format!("a driver call failed with CUDA_ERROR_OUT_OF_MEMORY while {doing}"))
+            }
+            e => Error::driver(e, doing),
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.message())

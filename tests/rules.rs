@@ -319,10 +319,32 @@ fn driver_failures_are_reported_and_undone() {
     let p = a.malloc(MIB, 0, 0).unwrap();
     a.record_stream(p, 5).unwrap();
     drv.inject_fault(SimOp::EventRecord, 0, cuda("cuEventRecord"));
-    assert!(matches!(a.free(p), Err(Error::Cuda(_))));
-    assert_eq!(a.stats(0).unwrap().allocation.all.current, 1, "the block stays allocated");
+    // Without its event the block waits for a device synchronisation instead: the free
+    // succeeds, and the block is not reused before the device has been synchronised.
     a.free(p).unwrap();
-    assert_eq!(drv.counts().event_record, 2, "the retried free recorded its event");
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.allocation.all.current, s.active.all.current), (0, 1), "freed, but held back");
+    assert_eq!(a.deferred(0).unwrap().blocks, 1);
+    let q = a.malloc(MIB, 0, 0).unwrap();
+    assert_ne!(q, p, "not reused before the synchronisation");
+    a.free(q).unwrap();
+    assert_eq!(a.release_deferred(0).unwrap(), 1);
+    assert_eq!(drv.counts().device_synchronize, 1);
+    // An event that cannot be created for lack of memory is no out-of-memory for the free.
+    let p = a.malloc(MIB, 0, 0).unwrap();
+    a.record_stream(p, 5).unwrap();
+    drv.inject_fault(SimOp::EventCreate, 0, DriverError::OutOfMemory);
+    a.free(p).unwrap();
+    assert_eq!(a.stats(0).unwrap().num_ooms, 0);
+    a.release_deferred(0).unwrap();
+    // A query that fails is a CUDA error of malloc, not out of memory, and is not counted as one.
+    let p = a.malloc(MIB, 0, 0).unwrap();
+    a.record_stream(p, 5).unwrap();
+    a.free(p).unwrap();
+    drv.inject_fault(SimOp::EventQuery, 0, DriverError::OutOfMemory);
+    assert!(matches!(a.malloc(MIB, 0, 0), Err(Error::Cuda(m)) if m.contains("CUDA_ERROR_OUT_OF_MEMORY")));
+    assert_eq!(a.stats(0).unwrap().num_ooms, 0);
+    a.malloc(MIB, 0, 0).map(|p| a.free(p)).unwrap().unwrap();
     // A failing cuMemFree keeps the segment cached.
     drv.inject_fault(SimOp::MemFree, 0, cuda("cuMemFree"));
     assert!(matches!(a.empty_cache(0), Err(Error::Cuda(_))));

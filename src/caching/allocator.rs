@@ -68,6 +68,7 @@ impl Allocator {
     /// [`Allocator::from_config`]).
     pub fn new(driver: Arc<dyn Driver>, config: Config) -> Allocator {
         let count = driver.device_count().max(0) as usize;
+        super::fork::watch();
         Allocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             driver,
@@ -106,6 +107,7 @@ impl Allocator {
 
     /// The device `device` names (-1: the calling thread's current one), started on first use.
     fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        super::fork::check()?;
         let d = if device == -1 {
             self.driver.current_device().map_err(|e| Error::driver(e, "reading the current device"))?
         } else {
@@ -133,6 +135,10 @@ impl Allocator {
                 .iter()
                 .flatten()
                 .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)?;
+            // A retired shard (see `shard_table`) is refetched below, and replaces this slot.
+            if slot.shard.is_retired() {
+                return None;
+            }
             Some((f.take().expect("called once"))(&slot.shard))
         });
         if let Ok(Some(r)) = hit {
@@ -141,8 +147,14 @@ impl Allocator {
         let shard = dev.shard(stream);
         let _ = SHARD_CACHE.try_with(|cache| {
             let mut cache = cache.borrow_mut();
-            let slot = cache.next;
-            cache.next = (slot + 1) % SHARD_CACHE_SLOTS;
+            let stale = cache.slots.iter().position(|c| {
+                c.as_ref().is_some_and(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)
+            });
+            let slot = stale.unwrap_or_else(|| {
+                let next = cache.next;
+                cache.next = (next + 1) % SHARD_CACHE_SLOTS;
+                next
+            });
             cache.slots[slot] =
                 Some(CachedShard { allocator: self.id, device: dev.device, stream, shard: shard.clone() });
         });
@@ -202,6 +214,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`] (the
     /// synchronisation failed; the blocks stay deferred).
     pub fn release_deferred(&self, device: i32) -> Result<usize, Error> {
+        super::fork::check()?;
         if device == -1 {
             let mut n = 0;
             for dev in self.devices.iter().filter_map(|d| d.get()) {
@@ -233,6 +246,7 @@ impl Allocator {
 
     /// The device of a segment: started already, since it has segments.
     fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        super::fork::check()?;
         self.devices[device as usize]
             .get()
             .ok_or_else(|| Error::Internal(format!("a segment names device {device}, which was never used")))
@@ -243,6 +257,7 @@ impl Allocator {
     ///
     /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`].
     pub fn empty_cache(&self, device: i32) -> Result<(), Error> {
+        super::fork::check()?;
         if device == -1 {
             for dev in self.devices.iter().filter_map(|d| d.get()) {
                 dev.release_cached_blocks()?;
@@ -290,6 +305,7 @@ impl Allocator {
     /// the start of an allocated block (never allocated, freed, or inside a block). Takes the
     /// block's shard lock.
     pub fn block_info(&self, ptr: DevicePtr) -> Option<BlockInfo> {
+        super::fork::check().ok()?;
         self.index.with_segment(ptr, |seg| {
             let e = seg?;
             let size = e.owner.lock().allocated_size(ptr)?;
@@ -313,6 +329,15 @@ impl Allocator {
     /// Errors: as [`Allocator::stats`].
     pub fn peak_settles(&self, device: i32) -> Result<i64, Error> {
         Ok(self.device_or_init(device)?.peak_settles())
+    }
+
+    /// How many streams of `device` have state in gpupool: those holding memory (blocks,
+    /// cached segments, events) and those used since the last `empty_cache`, which reclaims
+    /// the state of streams that hold nothing. A diagnostic, not a PyTorch statistic.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    pub fn stream_count(&self, device: i32) -> Result<usize, Error> {
+        Ok(self.device_or_init(device)?.shard_count())
     }
 
     /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,

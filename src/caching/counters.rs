@@ -1,11 +1,13 @@
 //! The counting cells behind PyTorch's statistics: each shard counts its own blocks here under
-//! its lock, and [`collect`] adds the shards up into the [`DeviceStats`] that `stats/` reports.
+//! its lock; the device's totals (`peaks::Totals`) add them up, and [`collect`] turns those
+//! into the [`DeviceStats`] that `stats/` reports.
 //!
 //! A statistic with a `StatArray` in PyTorch has three cells (all pools, small pool, large
 //! pool); [`cell`] is the one place that says where each lives.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
+use super::peaks::Totals;
 use super::rules::PoolKind;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
@@ -32,15 +34,26 @@ pub(crate) enum StatType {
     Pool(PoolKind),
 }
 
-const METRICS: usize = 9;
+/// Every metric with a `StatArray`.
+pub(crate) const METRICS: [Metric; 9] = [
+    Metric::Allocation,
+    Metric::Segment,
+    Metric::Active,
+    Metric::InactiveSplit,
+    Metric::AllocatedBytes,
+    Metric::ReservedBytes,
+    Metric::ActiveBytes,
+    Metric::InactiveSplitBytes,
+    Metric::RequestedBytes,
+];
 /// Cells per metric: all, small pool, large pool.
 const TYPES: usize = 3;
 /// Cell of `oversize_allocations` (aggregate only, as in PyTorch).
-pub(crate) const OVERSIZE_ALLOCATIONS: usize = METRICS * TYPES;
+pub(crate) const OVERSIZE_ALLOCATIONS: usize = METRICS.len() * TYPES;
 /// Cell of `oversize_segments`.
-pub(crate) const OVERSIZE_SEGMENTS: usize = METRICS * TYPES + 1;
+pub(crate) const OVERSIZE_SEGMENTS: usize = METRICS.len() * TYPES + 1;
 /// Number of statistics with a peak.
-pub(crate) const CELLS: usize = METRICS * TYPES + 2;
+pub(crate) const CELLS: usize = METRICS.len() * TYPES + 2;
 
 /// The index of a metric's cell: the one place that knows the layout.
 #[inline]
@@ -53,8 +66,9 @@ pub(crate) const fn cell(metric: Metric, t: StatType) -> usize {
         }
 }
 
-/// One shard's share of a statistic. `headroom`, `low`, `keep` and `moved_at_settle` are its
-/// credit towards the device peak (see [`super::peaks`]).
+/// One shard's share of a statistic. `headroom`, `low` and `keep` are its credit towards the
+/// device peak, the `seen_*` fields what the device's totals hold of it (see
+/// [`super::peaks`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Cell {
     pub current: i64,
@@ -69,9 +83,13 @@ pub(crate) struct Cell {
     /// holds `SURPLUS_FACTOR` times this). A settle resets it to zero for a shard that was
     /// quiet since the settle before.
     pub keep: i64,
-    /// `allocated + freed` at the last settle: unchanged at the next one means the shard was
-    /// quiet in between.
-    pub moved_at_settle: i64,
+    /// `current`, `allocated`, `freed` and `headroom` when a settle last visited the shard:
+    /// the device's totals hold these; `allocated + freed` unchanged at the next visit means
+    /// the shard was quiet in between.
+    pub seen_current: i64,
+    pub seen_allocated: i64,
+    pub seen_freed: i64,
+    pub seen_headroom: i64,
 }
 
 /// A shard gives credit back to the device's spare credit only once it holds this many times
@@ -174,23 +192,13 @@ pub(crate) fn bump(counter: &AtomicI64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Builds PyTorch's `DeviceStats` from the device peaks and every shard's counters (taken
-/// while the peaks were settled, so current and peak agree).
-pub(crate) fn collect(
-    peaks: &[i64; CELLS],
-    shards: &[&ShardCounters],
-    counters: &DeviceCounters,
-    max_split_size: usize,
-) -> DeviceStats {
-    let stat = |cell: usize| {
-        let mut s = Stat { peak: peaks[cell], ..Stat::default() };
-        for sh in shards {
-            let c = &sh.cells[cell];
-            s.current += c.current;
-            s.allocated += c.allocated;
-            s.freed += c.freed;
-        }
-        s
+/// Builds PyTorch's `DeviceStats` from the device's totals, just settled.
+pub(crate) fn collect(t: &Totals, counters: &DeviceCounters, max_split_size: usize) -> DeviceStats {
+    let stat = |cell: usize| Stat {
+        current: t.current[cell],
+        peak: t.peak[cell],
+        allocated: t.allocated[cell],
+        freed: t.freed[cell],
     };
     let array = |m: Metric| StatArray {
         all: stat(cell(m, StatType::All)),

@@ -9,23 +9,24 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
-use rustc_hash::FxHashMap;
 
-use super::counters::{self, CELLS, DeviceCounters, Metric, ShardCounters, StatType, bump, cell};
+use super::counters::{self, DeviceCounters, Metric, ShardCounters, StatType, bump, cell};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
-use super::peaks::{self, SpareCredit};
+use super::peaks::{self, SpareCredit, Totals};
 use super::segment_index::SegmentIndex;
 use super::shard::{Request, Shard, ShardCtx, ShardState};
+use super::shard_table::ShardTable;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::stats::DeviceStats;
 
+/// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
-struct ShardTable {
-    list: Vec<Arc<Shard>>,
-    by_stream: FxHashMap<StreamHandle, Arc<Shard>>,
+struct PeakState {
+    totals: Totals,
+    holders: Vec<Arc<Shard>>,
 }
 
 pub(crate) struct DeviceAllocator {
@@ -33,8 +34,8 @@ pub(crate) struct DeviceAllocator {
     driver: Arc<dyn Driver>,
     index: Arc<SegmentIndex<Arc<Shard>>>,
     pub max_split_size: usize,
-    shards: Mutex<ShardTable>,
-    peaks: Mutex<[i64; CELLS]>,
+    shards: ShardTable,
+    peaks: Mutex<PeakState>,
     /// Credit towards the peaks that no shard holds (see `peaks`).
     spare: SpareCredit,
     counters: DeviceCounters,
@@ -54,8 +55,8 @@ impl DeviceAllocator {
             driver,
             index,
             max_split_size,
-            shards: Mutex::new(ShardTable::default()),
-            peaks: Mutex::new([0; CELLS]),
+            shards: ShardTable::default(),
+            peaks: Mutex::default(),
             spare: std::array::from_fn(|_| AtomicI64::new(0)),
             counters: DeviceCounters::default(),
             limit: MemoryLimit::default(),
@@ -72,25 +73,19 @@ impl DeviceAllocator {
             shard,
             limit: &self.limit,
             counters: &self.counters,
+            deferred: &self.deferred,
         }
     }
 
     /// The shard of `stream`, created on first use.
     pub fn shard(&self, stream: StreamHandle) -> Arc<Shard> {
-        let mut t = self.shards.lock();
-        let ShardTable { list, by_stream } = &mut *t;
-        by_stream
-            .entry(stream)
-            .or_insert_with(|| {
-                let s = Arc::new(Shard::new(stream));
-                list.push(s.clone());
-                s
-            })
-            .clone()
+        self.shards.get_or_create(stream)
     }
 
-    fn shard_list(&self) -> Vec<Arc<Shard>> {
-        self.shards.lock().list.clone()
+    /// Shards in the device's table: streams that hold memory or were used since the last
+    /// `empty_cache` (a diagnostic).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
     }
 
     /// PyTorch `DeviceCachingAllocator::malloc`: events first (`process_events`), then the best
@@ -105,30 +100,54 @@ impl DeviceAllocator {
     /// stream's callers.
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize) -> Result<DevicePtr, Error> {
         let req = Request::new(size)?;
-        let ctx = self.ctx(shard);
-        let mut st = shard.lock();
-        st.process_events(&ctx)?;
-        if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
-            return Ok(self.finish(st, ptr));
-        }
-        drop(st);
-        // Blocks awaiting a device synchronisation are cache that a synchronisation frees:
-        // try them before giving the whole cache back to the driver (not in PyTorch, which
-        // has no such blocks).
-        if self.release_deferred()? > 0 {
-            let mut st = shard.lock();
+        let mut st = self.shards.lock_for_change(shard);
+        if !shard.is_retired() {
+            let ctx = self.ctx(shard);
+            st.process_events(&ctx)?;
             if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
                 return Ok(self.finish(st, ptr));
             }
+            drop(st);
+            return self.malloc_after_oom(shard.stream, &req);
+        }
+        drop(st);
+        match self.serve_stream(shard.stream, &req)? {
+            Some(ptr) => Ok(ptr),
+            None => self.malloc_after_oom(shard.stream, &req),
+        }
+    }
+
+    /// The out-of-memory path of `malloc`: blocks awaiting a device synchronisation are cache
+    /// that a synchronisation frees, so they are tried before the whole cache goes back to the
+    /// driver (not in PyTorch, which has no such blocks); then `release_cached_blocks` and one
+    /// retry.
+    fn malloc_after_oom(&self, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
+        if self.release_deferred()? > 0
+            && let Some(ptr) = self.serve_stream(stream, req)?
+        {
+            return Ok(ptr);
         }
         self.release_cached_blocks()?;
         bump(&self.counters.num_alloc_retries);
-        let mut st = shard.lock();
-        if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
-            return Ok(self.finish(st, ptr));
+        match self.serve_stream(stream, req)? {
+            Some(ptr) => Ok(ptr),
+            None => Err(self.out_of_memory(req)),
         }
-        drop(st);
-        Err(self.out_of_memory(&req))
+    }
+
+    /// [`DeviceAllocator::serve`] on the current shard of `stream` (its shard may have been
+    /// retired by `empty_cache` meanwhile).
+    fn serve_stream(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+        loop {
+            let shard = self.shards.get_or_create(stream);
+            let mut st = self.shards.lock_for_change(&shard);
+            if shard.is_retired() {
+                continue;
+            }
+            let ctx = self.ctx(&shard);
+            st.process_events(&ctx)?;
+            return Ok(self.serve(&mut st, &ctx, req)?.map(|ptr| self.finish(st, ptr)));
+        }
     }
 
     /// A block for `req` from the cache or a new segment; `Ok(None)` when the device is out of
@@ -156,7 +175,8 @@ impl DeviceAllocator {
     }
 
     /// Ends a call on a shard: gives surplus credit back to the spare credit, covers a
-    /// shortfall from it, unlocks, and settles the device peaks only if the spare credit could not cover.
+    /// shortfall from it, unlocks, and settles the device peaks only if the spare credit could
+    /// not cover.
     #[inline]
     fn finish<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T) -> T {
         let c = &mut st.counters;
@@ -167,7 +187,7 @@ impl DeviceAllocator {
         drop(st);
         if settle {
             bump(&self.counters.num_peak_settles);
-            self.with_all_shards(|p, shards| peaks::settle(p, shards, &self.spare));
+            self.visit(|t, shards| (peaks::settle(t, shards, &self.spare), ()));
         }
         value
     }
@@ -175,7 +195,7 @@ impl DeviceAllocator {
     /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let ctx = self.ctx(shard);
-        let mut st = shard.lock();
+        let mut st = self.shards.lock_for_change(shard);
         st.free(&ctx, ptr, segment)?;
         self.finish(st, ());
         Ok(())
@@ -185,9 +205,8 @@ impl DeviceAllocator {
     /// [`crate::Allocator::free_after_device_sync`]). Returns the device's deferred bytes.
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
         let ctx = self.ctx(shard);
-        let mut st = shard.lock();
-        let size = st.free_after_sync(&ctx, ptr, segment, self.deferred.epoch())?;
-        let bytes = self.deferred.add(size);
+        let mut st = self.shards.lock_for_change(shard);
+        let bytes = st.free_after_sync(&ctx, ptr, segment)?;
         self.finish(st, ());
         Ok(bytes)
     }
@@ -204,8 +223,8 @@ impl DeviceAllocator {
             .device_synchronize(self.device)
             .map_err(|e| Error::driver(e, "synchronising the device for blocks freed with free_after_device_sync"))?;
         let mut released = 0;
-        for shard in self.shard_list() {
-            let mut st = shard.lock();
+        for shard in self.shards.all() {
+            let mut st = self.shards.lock_for_change(&shard);
             let (blocks, bytes) = st.release_synced(epoch);
             self.deferred.release(blocks, bytes);
             released += blocks;
@@ -241,14 +260,37 @@ impl DeviceAllocator {
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
         bump(&self.counters.num_sync_all_streams);
         self.release_deferred()?;
-        for shard in self.shard_list() {
+        for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
-            let mut st = shard.lock();
+            let mut st = self.shards.lock_for_change(&shard);
             st.synchronize_events(&ctx)?;
             st.release_cached(&ctx)?;
             self.finish(st, ());
         }
+        self.retire_idle_shards();
         Ok(())
+    }
+
+    /// Takes the shards that hold nothing out of the table (see `shard_table`), after a
+    /// settle has counted what they did; credit one still holds goes to the spare credit.
+    fn retire_idle_shards(&self) {
+        let mut ps = self.peaks.lock();
+        self.settle_locked(&mut ps);
+        let PeakState { totals, holders } = &mut *ps;
+        self.shards.retire_idle(|st, _| {
+            if !st.is_idle() {
+                return false;
+            }
+            for (i, c) in st.counters.cells.iter_mut().enumerate() {
+                self.spare[i].fetch_add(c.headroom, Ordering::Relaxed);
+                totals.held[i] -= c.headroom;
+                c.headroom = 0;
+                c.seen_headroom = 0;
+                c.low = 0;
+            }
+            true
+        });
+        holders.retain(|s| !s.is_retired());
     }
 
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its
@@ -270,13 +312,34 @@ impl DeviceAllocator {
         oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
-    /// Runs `f` with the peak lock and every shard of the device locked.
-    fn with_all_shards<R>(&self, f: impl FnOnce(&mut [i64; CELLS], &mut [&mut ShardCounters]) -> R) -> R {
-        let mut peaks = self.peaks.lock();
-        let list = self.shard_list();
-        let mut guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+    /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
+    /// the dirty list and those holding credit; see `peaks::settle`); `f` returns, per shard,
+    /// whether it holds credit afterwards.
+    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters]) -> (Vec<bool>, R)) -> R {
+        let mut ps = self.peaks.lock();
+        self.visit_locked(&mut ps, f)
+    }
+
+    fn visit_locked<R>(
+        &self,
+        ps: &mut PeakState,
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters]) -> (Vec<bool>, R),
+    ) -> R {
+        let mut visit = self.shards.take_dirty();
+        visit.append(&mut ps.holders);
+        visit.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
+        visit.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        let mut guards: Vec<MutexGuard<'_, ShardState>> = visit.iter().map(|s| s.lock()).collect();
         let mut counters: Vec<&mut ShardCounters> = guards.iter_mut().map(|g| &mut g.counters).collect();
-        f(&mut peaks, &mut counters)
+        let (holds, r) = f(&mut ps.totals, &mut counters);
+        drop(counters);
+        drop(guards);
+        ps.holders = visit.into_iter().zip(holds).filter_map(|(s, h)| h.then_some(s)).collect();
+        r
+    }
+
+    fn settle_locked(&self, ps: &mut PeakState) {
+        self.visit_locked(ps, |t, shards| (peaks::settle(t, shards, &self.spare), ()));
     }
 
     /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
@@ -286,47 +349,72 @@ impl DeviceAllocator {
 
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.with_all_shards(|peaks, shards| {
-            peaks::settle(peaks, shards, &self.spare);
-            let view: Vec<&ShardCounters> = shards.iter().map(|s| &**s).collect();
-            counters::collect(peaks, &view, &self.counters, self.max_split_size)
+        self.visit(|t, shards| {
+            let holds = peaks::settle(t, shards, &self.spare);
+            (holds, counters::collect(t, &self.counters, self.max_split_size))
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.with_all_shards(|p, shards| peaks::reset(p, shards, &self.spare));
+        self.visit(|t, shards| {
+            peaks::reset(t, shards, &self.spare);
+            (vec![false; shards.len()], ())
+        });
     }
 
-    /// The consistency check of every shard, and of the peak credit.
+    /// The consistency check of every shard, of the device's totals and of the peak credit.
     pub fn check(&self) -> Result<(), String> {
-        let peaks = self.peaks.lock();
-        let list = self.shard_list();
+        let ps = self.peaks.lock();
+        let list = self.shards.all();
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        let fail = |what: String| Err(format!("device {}: {what}", self.device));
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
         }
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
         let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
         if reserved != self.limit.reserved() {
-            return Err(format!(
-                "device {}: reserved bytes {reserved}, but the limit check counts {}",
-                self.device,
-                self.limit.reserved()
-            ));
+            return fail(format!("reserved bytes {reserved}, but the limit check counts {}", self.limit.reserved()));
         }
-        let settled = guards.iter().all(|g| !g.counters.needs_settle);
-        for (i, &peak) in peaks.iter().enumerate() {
-            let current: i64 = guards.iter().map(|g| g.counters.cells[i].current).sum();
-            let credit: i64 =
-                guards.iter().map(|g| g.counters.cells[i].headroom).sum::<i64>() + peaks::spare_credit(&self.spare, i);
-            if peak != current + credit || (settled && peak < current) {
-                return Err(format!(
-                    "device {}: peak of statistic cell {i} is {peak} with current {current} and credit {credit}",
-                    self.device
+        // Retired shards are out of the table: idle, with nothing unseen and no credit, they
+        // add nothing below but their seen allocated/freed, which only the totals keep.
+        let t = &ps.totals;
+        for i in 0..t.peak.len() {
+            let sum = |f: fn(&counters::Cell) -> i64| guards.iter().map(|g| f(&g.counters.cells[i])).sum::<i64>();
+            let (current, headroom) = (sum(|c| c.current), sum(|c| c.headroom));
+            let credit = headroom + peaks::spare_credit(&self.spare, i);
+            if t.peak[i] != current + credit {
+                return fail(format!("peak of cell {i} is {}, with current {current} and credit {credit}", t.peak[i]));
+            }
+            if t.current[i] != sum(|c| c.seen_current) || t.held[i] != sum(|c| c.seen_headroom) {
+                return fail(format!("the totals of cell {i} differ from what the settles saw of the shards"));
+            }
+        }
+        let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
+        for (shard, g) in list.iter().zip(&guards) {
+            let unseen = g.counters.cells.iter().any(|c| c.current != c.seen_current || c.headroom != c.seen_headroom);
+            let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
+            let dirty = g.dirty_epoch == self.shards.epoch();
+            if (unseen && !dirty) || (credit && !dirty && !on_list.contains(&Arc::as_ptr(shard))) {
+                return fail(format!(
+                    "stream {:#x} changed or holds credit, but no settle would visit it",
+                    shard.stream
                 ));
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for DeviceAllocator {
+    /// Gives back to the driver what is free: cached segments and idle events, after waiting
+    /// for the pending events of freed blocks and for blocks awaiting a device synchronisation
+    /// (as `empty_cache`). Live blocks, and the segments holding them, stay allocated until
+    /// the process exits: gpupool cannot know whether the program still uses them.
+    fn drop(&mut self) {
+        if super::fork::check().is_ok() {
+            let _ = self.release_cached_blocks();
+        }
     }
 }

@@ -27,6 +27,11 @@ impl StreamEvents {
         self.count == 0
     }
 
+    /// Whether no event is pending or kept idle: nothing to give back to the driver.
+    pub fn is_unused(&self) -> bool {
+        self.count == 0 && self.idle.is_empty()
+    }
+
     /// An event recorded on `stream` now, reusing an idle one when there is one (PyTorch
     /// `create_event_internal` and `cudaEventRecord`). On failure the event, if any, goes
     /// back to the idle ones.

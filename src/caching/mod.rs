@@ -9,7 +9,9 @@
 //!   synchronisation.
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
 //!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message.
-//! - `segment_index`: from an address to the shard that owns it.
+//! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
+//! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
+//!   a forked child.
 
 pub(crate) mod allocator;
 mod block;
@@ -17,6 +19,7 @@ pub(crate) mod counters;
 pub(crate) mod deferred;
 mod device;
 mod events;
+pub(crate) mod fork;
 mod limit;
 mod oom;
 mod peaks;
@@ -24,3 +27,4 @@ mod pool;
 pub(crate) mod rules;
 mod segment_index;
 mod shard;
+mod shard_table;

@@ -43,7 +43,8 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::counters::{CELLS, ShardCounters};
+use super::counters::{CELLS, METRICS, ShardCounters, StatType, cell};
+use super::rules::PoolKind;
 
 /// The device's credit not held by any shard (`R` above), one atomic per statistic.
 pub(crate) type SpareCredit = [AtomicI64; CELLS];
@@ -98,63 +99,128 @@ pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit) {
     shard.has_surplus = false;
 }
 
-/// Settles every cell: raises each peak to the highest value reached, then deals the credit
-/// out again: each shard keeps what it held up to what it keeps, the rest goes to the spare.
-/// `shards` must be every shard of the device, locked.
-pub(crate) fn settle(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
-    for (cell, peak) in peaks.iter_mut().enumerate() {
-        let current: i64 = shards.iter().map(|s| s.cells[cell].current).sum();
-        let held = spare[cell].swap(0, Ordering::Relaxed);
-        debug_assert_eq!(
-            *peak,
-            current + held + shards.iter().map(|s| s.cells[cell].headroom).sum::<i64>(),
-            "peak credit invariant broken for cell {cell}"
-        );
+/// What the device knows of its shards as of the last settle: per cell, the peak `P` and the
+/// sums over every shard (retired ones included) of what each had when a settle last visited
+/// it. Guarded by the device's peak lock.
+pub(crate) struct Totals {
+    pub peak: [i64; CELLS],
+    pub current: [i64; CELLS],
+    pub allocated: [i64; CELLS],
+    pub freed: [i64; CELLS],
+    /// Credit the shards held (`sum(h_j)`), all of it in shards a settle visits.
+    pub held: [i64; CELLS],
+}
+
+impl Default for Totals {
+    fn default() -> Self {
+        Totals { peak: [0; CELLS], current: [0; CELLS], allocated: [0; CELLS], freed: [0; CELLS], held: [0; CELLS] }
+    }
+}
+
+/// Adds what `shards` changed since their last visit to the totals, and marks it seen.
+fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
+    for s in shards.iter_mut() {
+        for (i, c) in s.cells.iter_mut().enumerate() {
+            t.current[i] += c.current - c.seen_current;
+            t.allocated[i] += c.allocated - c.seen_allocated;
+            t.freed[i] += c.freed - c.seen_freed;
+            t.held[i] += c.headroom - c.seen_headroom;
+            c.seen_current = c.current;
+        }
+    }
+}
+
+/// Settles every cell: raises each peak to the highest value reached, keeps the peaks of a
+/// metric consistent with each other, then deals the credit out again: each shard keeps what
+/// it held up to what it keeps, the rest goes to the spare.
+///
+/// `shards` must hold, locked, every shard that changed since a settle last visited it (the
+/// device's dirty list) and every shard that still held credit after the last settle; a
+/// shard in neither has no credit and counts as it was seen, so a settle costs what moved
+/// since the last one, not the number of streams. Returns, per shard in `shards`, whether it
+/// still holds credit (and so must be visited by the next settle).
+pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit) -> Vec<bool> {
+    absorb(t, shards);
+    let mut credit = [0i64; CELLS];
+    for (i, peak) in t.peak.iter_mut().enumerate() {
+        let current = t.current[i];
+        let loose = spare[i].swap(0, Ordering::Relaxed);
+        debug_assert_eq!(*peak, current + loose + t.held[i], "peak credit invariant broken for cell {i}");
         // Only a shard that went past its credit can have taken G above P; calls settle before
         // they return, so while it did, no other shard moved.
         let excursion =
-            shards.iter().map(|s| &s.cells[cell]).filter(|c| c.low < 0).map(|c| c.headroom - c.low).max().unwrap_or(0);
+            shards.iter().map(|s| &s.cells[i]).filter(|c| c.low < 0).map(|c| c.headroom - c.low).max().unwrap_or(0);
         *peak = (*peak).max(current + excursion);
-        let mut credit = *peak - current;
-        for s in shards.iter_mut() {
-            let c = &mut s.cells[cell];
+    }
+    consistent_pools(&mut t.peak, &t.current);
+    for (i, peak) in t.peak.iter().enumerate() {
+        credit[i] = peak - t.current[i];
+    }
+    let mut holds = vec![false; shards.len()];
+    for (s, holds) in shards.iter_mut().zip(&mut holds) {
+        for (i, c) in s.cells.iter_mut().enumerate() {
             let moved = c.allocated + c.freed;
             if c.low < 0 {
                 c.keep = c.keep.max(-c.low);
-            } else if moved == c.moved_at_settle {
+            } else if moved == c.seen_allocated + c.seen_freed {
                 // A shard whose value did not move since the last settle (a quiet stream)
-                // keeps no credit: what it held goes to the spare credit, where the stream that ran
-                // short can borrow it. Active shards keep theirs, or they would all come back
-                // to the spare credit at once.
+                // keeps no credit: what it held goes to the spare credit, where the stream that
+                // ran short can borrow it. Active shards keep theirs, or they would all come
+                // back to the spare credit at once.
                 c.keep = 0;
             }
-            c.moved_at_settle = moved;
-            let kept = c.headroom.clamp(0, c.keep.min(credit));
+            c.seen_allocated = c.allocated;
+            c.seen_freed = c.freed;
+            let kept = c.headroom.clamp(0, c.keep.min(credit[i]));
             c.headroom = kept;
+            c.seen_headroom = kept;
             c.low = kept;
-            credit -= kept;
+            credit[i] -= kept;
+            *holds |= kept != 0;
         }
-        spare[cell].store(credit, Ordering::Relaxed);
-    }
-    for s in shards.iter_mut() {
         s.needs_settle = false;
         s.has_surplus = false;
+    }
+    for (i, r) in spare.iter().enumerate() {
+        t.held[i] = t.peak[i] - t.current[i] - credit[i];
+        r.store(credit[i], Ordering::Relaxed);
+    }
+    holds
+}
+
+/// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
+/// small pool's plus the large pool's, and at least either. Exact peaks already are; when
+/// calls on several streams overlap, each cell's peak can be overstated by what other streams
+/// moved meanwhile, by a different amount per cell, and this bounds the aggregate by the
+/// pools. `current` is at most each bound, so every peak stays at or above its current value.
+fn consistent_pools(peak: &mut [i64; CELLS], current: &[i64; CELLS]) {
+    for m in METRICS {
+        let all = cell(m, StatType::All);
+        let small = peak[cell(m, StatType::Pool(PoolKind::Small))];
+        let large = peak[cell(m, StatType::Pool(PoolKind::Large))];
+        peak[all] = peak[all].min(small + large).max(small).max(large).max(current[all]);
     }
 }
 
 /// PyTorch `reset_peak_stats`: every peak becomes the current value, and no credit is left.
-pub(crate) fn reset(peaks: &mut [i64; CELLS], shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
-    for (cell, peak) in peaks.iter_mut().enumerate() {
-        *peak = shards.iter().map(|s| s.cells[cell].current).sum();
-        spare[cell].store(0, Ordering::Relaxed);
-        for s in shards.iter_mut() {
-            s.cells[cell].headroom = 0;
-            s.cells[cell].low = 0;
-        }
-    }
+/// `shards` as for [`settle`]; afterwards no shard holds credit.
+pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
+    absorb(t, shards);
     for s in shards.iter_mut() {
+        for c in s.cells.iter_mut() {
+            c.seen_allocated = c.allocated;
+            c.seen_freed = c.freed;
+            c.headroom = 0;
+            c.seen_headroom = 0;
+            c.low = 0;
+        }
         s.needs_settle = false;
         s.has_surplus = false;
+    }
+    t.peak = t.current;
+    t.held = [0; CELLS];
+    for r in spare {
+        r.store(0, Ordering::Relaxed);
     }
 }
 
@@ -166,8 +232,7 @@ pub(crate) fn spare_credit(spare: &SpareCredit, cell: usize) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::caching::counters::{Metric, StatType, cell};
-    use crate::caching::rules::PoolKind;
+    use crate::caching::counters::Metric;
 
     const BYTES: usize = cell(Metric::AllocatedBytes, StatType::All);
 
@@ -176,7 +241,7 @@ mod tests {
     }
 
     /// What a device does at the end of a call on shard `i`.
-    fn finish(peaks: &mut [i64; CELLS], shards: &mut [ShardCounters], i: usize, r: &SpareCredit) -> bool {
+    fn finish(peaks: &mut Totals, shards: &mut [ShardCounters], i: usize, r: &SpareCredit) -> bool {
         if shards[i].has_surplus {
             give_back(&mut shards[i], r);
         }
@@ -190,17 +255,17 @@ mod tests {
 
     #[test]
     fn credit_moves_between_shards_through_the_spare_credit_without_a_settle() {
-        let (mut peaks, r) = ([0; CELLS], spare());
+        let (mut peaks, r) = (Totals::default(), spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 0, &r), "a new peak needs a settle");
-        assert_eq!(peaks[BYTES], 100);
+        assert_eq!(peaks.peak[BYTES], 100);
         s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 100);
         finish(&mut peaks, &mut s, 0, &r);
         assert_eq!(spare_credit(&r, BYTES), 0, "shard 0 keeps what it once had to borrow");
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 1, &r), "the credit sits with shard 0: settle");
-        assert_eq!(peaks[BYTES], 100, "moving bytes to another stream is no new peak");
+        assert_eq!(peaks.peak[BYTES], 100, "moving bytes to another stream is no new peak");
         s[1].decrease(Metric::AllocatedBytes, PoolKind::Large, 100);
         finish(&mut peaks, &mut s, 1, &r);
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 50);
@@ -209,18 +274,18 @@ mod tests {
         // Shard 1 now holds 100 and keeps 100: nothing to give back; shard 0 holds 100.
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 101);
         assert!(finish(&mut peaks, &mut s, 1, &r));
-        assert_eq!(peaks[BYTES], 101);
+        assert_eq!(peaks.peak[BYTES], 101);
     }
 
     #[test]
     fn a_surplus_returns_to_the_spare_credit_and_is_borrowed_without_a_settle() {
-        let (mut peaks, r) = ([0; CELLS], spare());
+        let (mut peaks, r) = (Totals::default(), spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         for _ in 0..9 {
             s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
             assert!(finish(&mut peaks, &mut s, 0, &r), "each step is a new peak");
         }
-        assert_eq!(peaks[BYTES], 900);
+        assert_eq!(peaks.peak[BYTES], 900);
         // Shard 0 grew in steps of 100, so it keeps 100; holding 900, more than 8 times that,
         // it gives the other 800 back.
         s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 900);
@@ -232,15 +297,15 @@ mod tests {
         assert!(!finish(&mut peaks, &mut s, 1, &r), "800 in all: still under the peak");
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(!finish(&mut peaks, &mut s, 0, &r), "shard 0 spends what it kept");
-        assert_eq!(peaks[BYTES], 900);
+        assert_eq!(peaks.peak[BYTES], 900);
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 1);
         assert!(finish(&mut peaks, &mut s, 0, &r), "past the peak: settle");
-        assert_eq!(peaks[BYTES], 901);
+        assert_eq!(peaks.peak[BYTES], 901);
     }
 
     #[test]
     fn a_settle_takes_back_what_a_quiet_shard_keeps_but_not_an_active_one() {
-        let (mut peaks, r) = ([0; CELLS], spare());
+        let (mut peaks, r) = (Totals::default(), spare());
         let mut s = [ShardCounters::default(), ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
         assert!(finish(&mut peaks, &mut s, 0, &r));
@@ -257,23 +322,23 @@ mod tests {
         assert_eq!((s[0].cells[BYTES].headroom, spare_credit(&r, BYTES)), (0, 10));
         s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 10);
         assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed what shard 0 no longer keeps");
-        assert_eq!(peaks[BYTES], 100);
+        assert_eq!(peaks.peak[BYTES], 100);
     }
 
     #[test]
     fn a_rise_and_fall_within_one_call_is_a_peak() {
-        let (mut peaks, r) = ([0; CELLS], spare());
+        let (mut peaks, r) = (Totals::default(), spare());
         let mut s = [ShardCounters::default()];
         s[0].increase(Metric::InactiveSplit, PoolKind::Small, 1);
         s[0].decrease(Metric::InactiveSplit, PoolKind::Small, 1);
         assert!(finish(&mut peaks, &mut s, 0, &r));
-        assert_eq!(peaks[cell(Metric::InactiveSplit, StatType::All)], 1);
-        assert_eq!(peaks[cell(Metric::InactiveSplit, StatType::Pool(PoolKind::Small))], 1);
+        assert_eq!(peaks.peak[cell(Metric::InactiveSplit, StatType::All)], 1);
+        assert_eq!(peaks.peak[cell(Metric::InactiveSplit, StatType::Pool(PoolKind::Small))], 1);
     }
 
     #[test]
     fn reusing_own_credit_needs_no_settle() {
-        let (mut peaks, r) = ([0; CELLS], spare());
+        let (mut peaks, r) = (Totals::default(), spare());
         let mut s = [ShardCounters::default()];
         s[0].increase(Metric::AllocatedBytes, PoolKind::Small, 512);
         finish(&mut peaks, &mut s, 0, &r);
@@ -284,6 +349,6 @@ mod tests {
         }
         let mut refs: Vec<&mut ShardCounters> = s.iter_mut().collect();
         reset(&mut peaks, &mut refs, &r);
-        assert_eq!(peaks[BYTES], 512);
+        assert_eq!(peaks.peak[BYTES], 512);
     }
 }

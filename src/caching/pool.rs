@@ -7,8 +7,11 @@
 //!
 //! The set is split for speed: blocks sit in bins of one exact size, each sorted by address,
 //! found through a hash map; a B-tree of the sizes is consulted only when no block of the
-//! exact size is free. A bin that empties stays listed until a search passes it, so a request
-//! that is served and freed again (the cache-hit path) touches only its bin.
+//! exact size is free. A bin that empties stays until a search passes it, so a request
+//! that is served and freed again (the cache-hit path) touches only its bin. Empty bins are
+//! dropped in a sweep once there are more of them than blocks in the pool (and at least
+//! [`EMPTY_BINS_KEPT`]), and at `empty_cache`: the host memory a pool takes follows the blocks
+//! it holds, not every size it has ever seen, at an amortised cost of O(1) per emptied bin.
 
 use std::collections::BTreeSet;
 
@@ -17,36 +20,72 @@ use rustc_hash::FxHashMap;
 use super::block::BlockId;
 use crate::driver::DevicePtr;
 
-/// Empty bins a search may pass before it unlists them.
-const UNLIST_AFTER: usize = 8;
+/// Empty bins a search may pass before it drops them.
+const DROP_AFTER: usize = 8;
+/// Empty bins a pool keeps however few blocks it holds: a stream cycling through a few sizes
+/// never sweeps.
+const EMPTY_BINS_KEPT: usize = 64;
 
+/// The free blocks of one size: (address, block), ascending by address.
 #[derive(Default, Debug)]
 struct Bin {
-    /// (address, block), ascending by address.
     blocks: Vec<(DevicePtr, BlockId)>,
-    /// Whether the size is in `FreePool::sizes`.
-    listed: bool,
 }
 
 #[derive(Default, Debug)]
 pub(crate) struct FreePool {
     bins: FxHashMap<usize, Bin>,
-    /// Every size with a non-empty bin, and perhaps some emptied since.
+    /// The size of every bin (some of them empty).
     sizes: BTreeSet<usize>,
     len: usize,
+    /// Bins with no block.
+    empty_bins: usize,
 }
 
 impl FreePool {
     pub fn insert(&mut self, size: usize, addr: DevicePtr, id: BlockId) {
-        let bin = self.bins.entry(size).or_default();
+        let sizes = &mut self.sizes;
+        let mut new = false;
+        let bin = self.bins.entry(size).or_insert_with(|| {
+            sizes.insert(size);
+            new = true;
+            Bin::default()
+        });
+        if bin.blocks.is_empty() && !new {
+            self.empty_bins -= 1;
+        }
         let at = bin.blocks.partition_point(|&(a, _)| a < addr);
         debug_assert!(bin.blocks.get(at).is_none_or(|&(a, _)| a != addr), "block {id} inserted into its pool twice");
         bin.blocks.insert(at, (addr, id));
-        if !bin.listed {
-            bin.listed = true;
-            self.sizes.insert(size);
-        }
         self.len += 1;
+    }
+
+    /// Counts a bin that was just emptied, and sweeps when there are too many.
+    #[inline]
+    fn emptied(&mut self) {
+        self.empty_bins += 1;
+        if self.empty_bins > EMPTY_BINS_KEPT && self.empty_bins > self.len {
+            self.sweep();
+        }
+    }
+
+    /// Drops every empty bin.
+    pub fn sweep(&mut self) {
+        let sizes = &mut self.sizes;
+        self.bins.retain(|size, bin| {
+            if bin.blocks.is_empty() {
+                sizes.remove(size);
+                return false;
+            }
+            true
+        });
+        self.empty_bins = 0;
+    }
+
+    /// Bins held, empty or not (for tests of host memory).
+    #[cfg(test)]
+    pub fn bin_count(&self) -> usize {
+        self.bins.len()
     }
 
     pub fn remove(&mut self, size: usize, addr: DevicePtr, id: BlockId) {
@@ -55,6 +94,9 @@ impl FreePool {
         debug_assert_eq!(bin.blocks.get(at), Some(&(addr, id)), "block {id} missing from its pool");
         bin.blocks.remove(at);
         self.len -= 1;
+        if bin.blocks.is_empty() {
+            self.emptied();
+        }
     }
 
     /// Removes and returns the best-fitting block of at least `size` bytes, if `accept` takes
@@ -73,6 +115,9 @@ impl FreePool {
             }
             bin.blocks.remove(0);
             self.len -= 1;
+            if bin.blocks.is_empty() {
+                self.emptied();
+            }
             return Some((size, addr, id));
         }
         let (found, addr, id) = self.scan_above(size)?;
@@ -95,10 +140,10 @@ impl FreePool {
     /// The best fit among sizes of at least `size`, by the B-tree of sizes (the exact size
     /// having been tried).
     fn scan_above(&mut self, size: usize) -> Option<(usize, DevicePtr, BlockId)> {
-        // Empty bins met on the way stay listed (a size that was free once tends to be again:
-        // unlisting and relisting it would cost two tree writes per hit); only when a search
-        // had to pass many are they dropped.
-        let mut skipped = [0usize; UNLIST_AFTER];
+        // Empty bins met on the way stay (a size that was free once tends to be again: dropping
+        // and re-creating its bin would cost two tree writes per hit); only when a search had
+        // to pass many are they dropped.
+        let mut skipped = [0usize; DROP_AFTER];
         let mut n = 0;
         let mut found = None;
         for &s in self.sizes.range(size..) {
@@ -107,17 +152,18 @@ impl FreePool {
                     found = Some((s, addr, id));
                     break;
                 }
-                None if n < UNLIST_AFTER => {
+                None if n < DROP_AFTER => {
                     skipped[n] = s;
                     n += 1;
                 }
                 None => {}
             }
         }
-        if n == UNLIST_AFTER {
+        if n == DROP_AFTER {
             for s in skipped {
                 self.sizes.remove(&s);
-                self.bins.get_mut(&s).expect("listed size has a bin").listed = false;
+                self.bins.remove(&s);
+                self.empty_bins -= 1;
             }
         }
         found
@@ -161,5 +207,29 @@ mod tests {
         assert_eq!(order, [3, 2, 4]);
         let order: Vec<_> = p.iter_largest_first().map(|e| e.2).collect();
         assert_eq!(order, [4, 3, 2]);
+    }
+
+    #[test]
+    fn empty_bins_do_not_accumulate() {
+        let mut p = FreePool::default();
+        // A long-running server sees ever new sizes: each served and freed once.
+        for i in 0..1_000_000usize {
+            let size = 512 * (1 + i % 200_000);
+            p.insert(size, 0x1000, 1);
+            assert_eq!(p.take_best_fit(size, |_| true), Some((size, 0x1000, 1)));
+        }
+        assert!(p.bin_count() <= EMPTY_BINS_KEPT + 1, "{} bins kept for an empty pool", p.bin_count());
+        // A pool holding blocks keeps at most about as many empty bins as blocks.
+        for i in 0..1000 {
+            p.insert(512 * (1 + i), 0x1000 * i as u64, i as BlockId);
+        }
+        for i in 0..1000 {
+            p.insert(1 << 30, 0x1000_0000 + 0x1000 * i as u64, 5000 + i as BlockId);
+            p.remove(512 * (1 + i), 0x1000 * i as u64, i as BlockId);
+        }
+        assert!(p.bin_count() <= 1000 + 1, "{} bins for 1000 blocks of one size", p.bin_count());
+        p.sweep();
+        assert_eq!(p.bin_count(), 1);
+        assert_eq!(p.iter().count(), 1000);
     }
 }

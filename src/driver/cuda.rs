@@ -5,8 +5,10 @@
 //! call and popped after, so the caller's current context is left as it was and pointers are
 //! valid for code that uses the runtime API (which also uses primary contexts).
 //!
-//! cudarc panics when its library is missing; [`CudaDriver::new`] checks for the library first
-//! and returns [`DriverError::Unavailable`] instead, printing nothing.
+//! cudarc panics when its library is missing, or when a function it is asked for is missing
+//! from it (a partial stub, as some containers ship); [`CudaDriver::new`] checks for the
+//! library and for every function gpupool calls first, and returns
+//! [`DriverError::Unavailable`] naming what is missing instead, printing nothing.
 
 use std::ffi::{CStr, c_char};
 use std::sync::OnceLock;
@@ -14,6 +16,38 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 
 use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, StreamHandle};
+
+/// Every driver function gpupool calls: checked at start, so that a library lacking one is
+/// refused with its name instead of panicking inside cudarc at the first call.
+const REQUIRED: [&str; 18] = [
+    "cuInit",
+    "cuGetErrorName",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxGetCurrent",
+    "cuCtxGetDevice",
+    "cuCtxSynchronize",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemGetInfo_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+];
+
+/// The first function of [`REQUIRED`] that the loaded driver library lacks.
+fn missing_function() -> Option<&'static str> {
+    REQUIRED.into_iter().find(|name| {
+        let symbol = format!("{name}\0");
+        // SAFETY: looks a symbol up without calling it; the library is present (checked first).
+        unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_err()
+    })
+}
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), DriverError> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -44,8 +78,8 @@ pub struct CudaDriver {
 impl CudaDriver {
     /// Loads `libcuda.so.1`, initialises the driver and counts the devices.
     ///
-    /// Errors: [`DriverError::Unavailable`] when the library is missing, `cuInit` fails or no
-    /// device is present; [`DriverError::Cuda`] for other failures.
+    /// Errors: [`DriverError::Unavailable`] when the library is missing or lacks a function
+    /// gpupool calls (named in the message), `cuInit` fails or no device is present; [`DriverError::Cuda`] for other failures.
     pub fn new() -> Result<CudaDriver, DriverError> {
         // SAFETY: only tries to open the library; nothing is called through it.
         if !unsafe { sys::is_culib_present() } {
@@ -54,6 +88,12 @@ impl CudaDriver {
                  set GPUPOOL_DRIVER=sim to use the simulated device"
                     .into(),
             ));
+        }
+        if let Some(name) = missing_function() {
+            return Err(DriverError::Unavailable(format!(
+                "the CUDA driver library (libcuda.so.1) lacks {name}, which gpupool needs: the driver is incomplete \
+                 or too old; set GPUPOOL_DRIVER=sim to use the simulated device"
+            )));
         }
         // SAFETY: the library is present; cuInit takes flags 0.
         check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| {

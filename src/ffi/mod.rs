@@ -57,6 +57,8 @@ pub fn process_allocator() -> Result<&'static Allocator, Error> {
 
 /// The process-wide allocator, started on first use from the `GPUPOOL_*` variables.
 pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
+    // Before the first lock: in a forked child, the parent's start may be half done.
+    crate::caching::fork::check()?;
     let rt = RUNTIME.get_or_init(|| {
         let config = Config::from_env()?;
         let (allocator, sim) = Allocator::from_config(config)?;

@@ -17,13 +17,14 @@ mod check;
 mod segments;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::block::{Arena, BlockId, BlockState};
 use super::counters::{DeviceCounters, Metric, OVERSIZE_ALLOCATIONS, ShardCounters};
-use super::deferred::DeferredList;
+use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::limit::MemoryLimit;
 use super::pool::FreePool;
@@ -35,17 +36,37 @@ use crate::error::Error;
 /// A shard: the state of one (device, stream) pair behind its own lock.
 pub(crate) struct Shard {
     pub stream: StreamHandle,
+    /// Set, under the lock, when the shard is taken out of its device's table (see
+    /// `shard_table`); a thread that kept it in its cache of recent shards then fetches the
+    /// stream's new shard.
+    retired: AtomicBool,
     state: Mutex<ShardState>,
 }
 
 impl Shard {
     pub fn new(stream: StreamHandle) -> Shard {
-        Shard { stream, state: Mutex::new(ShardState::default()) }
+        Shard { stream, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
     }
 
     #[inline]
     pub fn lock(&self) -> MutexGuard<'_, ShardState> {
         self.state.lock()
+    }
+
+    pub fn state_try_lock(&self) -> Option<MutexGuard<'_, ShardState>> {
+        self.state.try_lock()
+    }
+
+    /// Whether the shard was retired; exact when read with its lock held.
+    #[inline]
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+
+    /// Flags the shard retired; `st` is its locked state.
+    pub fn retire(&self, st: &mut ShardState) {
+        debug_assert!(st.is_idle());
+        self.retired.store(true, Ordering::Relaxed);
     }
 }
 
@@ -59,6 +80,7 @@ pub(crate) struct ShardCtx<'a> {
     pub shard: &'a Arc<Shard>,
     pub limit: &'a MemoryLimit,
     pub counters: &'a DeviceCounters,
+    pub deferred: &'a DeferredFrees,
 }
 
 /// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
@@ -98,6 +120,8 @@ pub(crate) struct ShardState {
     events: StreamEvents,
     deferred: DeferredList,
     pub counters: ShardCounters,
+    /// The settle epoch in which the shard last joined its device's dirty list.
+    pub dirty_epoch: u64,
 }
 
 impl ShardState {
@@ -150,10 +174,14 @@ impl ShardState {
     /// (`record_stream`), one event per such stream is recorded and the block waits for them
     /// (PyTorch `insert_events`), else it goes back to its pool at once (`free_block`).
     ///
+    /// If an event cannot be created or recorded (the driver is out of memory for it, say),
+    /// the block waits for gpupool's next device synchronisation instead (see `deferred`),
+    /// which `empty_cache` and the out-of-memory path make: the free succeeds, and the block is
+    /// not reused while work queued before the free may still use it. Not in PyTorch, whose
+    /// free fails then.
+    ///
     /// Errors: [`Error::InvalidPointer`] for a pointer that is not an allocated block of this
-    /// shard (`segment` is the base of the segment that contains it); [`Error::Cuda`] or
-    /// [`Error::OutOfMemory`] if an event cannot be created or recorded, in which case the
-    /// block stays allocated and nothing changed.
+    /// shard (`segment` is the base of the segment that contains it); nothing changed.
     pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let Some(id) = self.live.remove(&ptr) else {
             return Err(self.diagnose(ptr, segment));
@@ -168,12 +196,10 @@ impl ShardState {
         for &stream in &uses {
             match self.events.record(ctx.driver, ctx.device, stream) {
                 Ok(ev) => recorded.push((stream, ev)),
-                Err(e) => {
-                    // Undo: the block stays allocated, as it was.
+                Err(_) => {
                     self.events.unused(recorded.iter().map(|r| r.1));
-                    self.blocks[id].stream_uses = uses;
-                    self.live.insert(ptr, id);
-                    return Err(Error::driver(e, "recording the event of a stream named by record_stream"));
+                    self.defer(ctx, id);
+                    return Ok(());
                 }
             }
         }
@@ -202,7 +228,8 @@ impl ShardState {
     /// PyTorch `process_events`: returns to their pools the blocks whose events have all
     /// completed. Never blocks; no driver call when nothing is pending.
     ///
-    /// Errors: [`Error::Cuda`] when a query fails; that event stays pending.
+    /// Errors: [`Error::Cuda`] when a query fails (even for lack of memory: it is no
+    /// allocation); that event stays pending.
     #[inline]
     pub fn process_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
         if self.events.is_empty() {
@@ -227,7 +254,7 @@ impl ShardState {
                 self.free_block(id);
             }
         }
-        result.map_err(|e| Error::driver(e, "waiting for the events of freed blocks"))
+        result.map_err(|e| Error::driver_call(e, "waiting for the events of freed blocks"))
     }
 
     /// PyTorch `recordStream`: the block at `ptr` is in use on `stream` as well; when freed it
@@ -254,25 +281,26 @@ impl ShardState {
     /// A free whose block waits for the next device synchronisation instead of events (see
     /// `deferred`): it stops being allocated now and stays active until
     /// [`ShardState::release_synced`] (a device synchronisation waits for every stream, so
-    /// streams named by `record_stream` need no event). Returns the block's size in bytes.
+    /// streams named by `record_stream` need no event). Returns the device's deferred bytes.
     ///
     /// Errors: [`Error::InvalidPointer`] as [`ShardState::free`], nothing changed.
-    pub fn free_after_sync(
-        &mut self,
-        ctx: &ShardCtx,
-        ptr: DevicePtr,
-        segment: DevicePtr,
-        epoch: u64,
-    ) -> Result<usize, Error> {
+    pub fn free_after_sync(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
         let Some(id) = self.live.remove(&ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        Ok(self.defer(ctx, id))
+    }
+
+    /// Frees the allocated block `id`, out of the live map already, to wait for the device's
+    /// next synchronisation. Returns the device's deferred bytes.
+    fn defer(&mut self, ctx: &ShardCtx, id: BlockId) -> usize {
         self.count_free(id, ctx.max_split_size);
         let b = &mut self.blocks[id];
         b.stream_uses.clear();
         b.state = BlockState::AwaitingSync;
-        self.deferred.push(id, epoch);
-        Ok(self.blocks[id].size)
+        let size = b.size;
+        self.deferred.push(id, ctx.deferred.epoch());
+        ctx.deferred.add(size)
     }
 
     /// Returns to their pools the blocks freed in epochs up to `epoch`, which a device
@@ -285,6 +313,12 @@ impl ShardState {
             self.free_block(id);
         }
         (synced.len(), bytes)
+    }
+
+    /// Whether the shard holds nothing: no segment (so no block), no event, no deferred free.
+    /// Its counters' current values are then all zero.
+    pub fn is_idle(&self) -> bool {
+        self.segments.is_empty() && self.events.is_unused() && self.deferred.len() == 0
     }
 
     /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at

@@ -83,6 +83,8 @@ impl ShardState {
         for id in whole {
             self.release_segment(ctx, id)?;
         }
+        self.small.sweep();
+        self.large.sweep();
         Ok(())
     }
 

@@ -1,0 +1,95 @@
+//! A device's shards by stream, and which of them changed since the last peak settle (the
+//! dirty list), so that a settle visits what moved instead of every stream that ever existed.
+//!
+//! A shard joins the dirty list once per settle epoch, at the first call that locks it for a
+//! change ([`ShardTable::lock_for_change`]): one relaxed load and a comparison on the hit path.
+//! A settle moves the epoch on and takes the list, under the device's peak lock; a call that
+//! read the old epoch holds the shard's lock, so the settle, which locks every shard it
+//! visits, sees its change; a call that reads the new epoch joins the new list.
+//!
+//! An idle shard (no segment, no block, no event, no credit) is retired by `empty_cache`
+//! ([`ShardTable::retire_idle`]): out of the table, flagged, and dropped once no thread's cache
+//! of recent shards holds it; a later call on its stream gets a new shard.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+
+use super::shard::{Shard, ShardState};
+use crate::driver::StreamHandle;
+
+pub(crate) struct ShardTable {
+    by_stream: Mutex<FxHashMap<StreamHandle, Arc<Shard>>>,
+    /// Starts at 1: a new shard's `dirty_epoch` is 0, so its first call puts it on the list.
+    epoch: AtomicU64,
+    dirty: Mutex<Vec<Arc<Shard>>>,
+}
+
+impl Default for ShardTable {
+    fn default() -> Self {
+        ShardTable { by_stream: Mutex::default(), epoch: AtomicU64::new(1), dirty: Mutex::default() }
+    }
+}
+
+impl ShardTable {
+    /// The shard of `stream`, created on first use (or after its last one was retired).
+    pub fn get_or_create(&self, stream: StreamHandle) -> Arc<Shard> {
+        self.by_stream.lock().entry(stream).or_insert_with(|| Arc::new(Shard::new(stream))).clone()
+    }
+
+    /// Every shard in the table (for the slow paths that visit them all).
+    pub fn all(&self) -> Vec<Arc<Shard>> {
+        self.by_stream.lock().values().cloned().collect()
+    }
+
+    /// Shards in the table.
+    pub fn len(&self) -> usize {
+        self.by_stream.lock().len()
+    }
+
+    /// Locks `shard` for a call that may change its counters, and puts it on the dirty list
+    /// if it is not on it yet.
+    #[inline]
+    pub fn lock_for_change<'a>(&self, shard: &'a Arc<Shard>) -> MutexGuard<'a, ShardState> {
+        let mut st = shard.lock();
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        if st.dirty_epoch != epoch {
+            st.dirty_epoch = epoch;
+            self.dirty.lock().push(shard.clone());
+        }
+        st
+    }
+
+    /// The current settle epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Moves the epoch on and takes the shards that changed in the last one. Call with the
+    /// device's peak lock held.
+    pub fn take_dirty(&self) -> Vec<Arc<Shard>> {
+        let mut d = self.dirty.lock();
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        std::mem::take(&mut *d)
+    }
+
+    /// Takes out of the table every shard for which `idle` (called with its lock held, and
+    /// given the current epoch) says so, flagging it retired. Call with the device's peak lock
+    /// held, after a settle. Returns how many were retired.
+    pub fn retire_idle(&self, mut idle: impl FnMut(&mut ShardState, u64) -> bool) -> usize {
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let mut table = self.by_stream.lock();
+        let before = table.len();
+        table.retain(|_, shard| {
+            let Some(mut st) = shard.state_try_lock() else { return true };
+            if st.dirty_epoch == epoch || !idle(&mut st, epoch) {
+                return true;
+            }
+            shard.retire(&mut st);
+            false
+        });
+        before - table.len()
+    }
+}
