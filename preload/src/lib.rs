@@ -19,6 +19,12 @@
 //! gpupool is valid in the device's primary context, so a driver-API allocation made while a
 //! context the program created itself (`cuCtxCreate`) is current goes to the real driver.
 //!
+//! Its options are `GPUPOOL_PRELOAD_MODE`, `GPUPOOL_PRELOAD_SYNC_BYTES` and
+//! `GPUPOOL_PRELOAD_STATS`, read with gpupool's own options by the one reader of
+//! `gpupool::config`, whose list gives their syntax and defaults. A value that does not parse
+//! stops gpupool from starting: every call then passes through to CUDA, and the reason is
+//! written to stderr once.
+//!
 //! ## When a freed block is reused
 //!
 //! A program may rely on `cudaFree` waiting for the device: memory it frees is not in use by
@@ -61,5 +67,3 @@
 mod driver_api;
 mod runtime_api;
 mod shim;
-
-pub use shim::{Counters, Mode};

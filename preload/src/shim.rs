@@ -1,27 +1,21 @@
-//! The shim's state: gpupool's process-wide allocator, the reuse mode, the deferred frees and
-//! the counters printed at exit.
+//! The shim's state: gpupool's process-wide allocator, the deferred frees and the counters
+//! printed at exit. The shim's options (`GPUPOOL_PRELOAD_*`) are fields of gpupool's `Config`,
+//! read with every other option by gpupool's one reader (`gpupool::config`); the shim parses
+//! no variable itself.
 
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use gpupool::config::PreloadMode;
 use gpupool::driver::{DevicePtr, StreamHandle};
 use gpupool::{Allocator, Error};
-
-/// When a block freed through `cudaFree`/`cuMemFree` may be reused (see the crate's docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// After a device synchronisation that follows the free (the default).
-    Safe,
-    /// At once, in stream order (one-stream programs).
-    Stream,
-}
 
 /// What the shim did, for `GPUPOOL_PRELOAD_STATS`: counts of calls since the process started,
 /// updated with relaxed atomics from any thread.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// `cudaMalloc` calls served by gpupool.
     pub cuda_malloc: AtomicU64,
     /// `cudaMallocAsync` calls served by gpupool.
@@ -41,9 +35,8 @@ pub struct Counters {
 }
 
 pub(crate) struct Shim {
+    /// gpupool's process-wide allocator; its `config()` holds the shim's options too.
     pub alloc: &'static Allocator,
-    pub mode: Mode,
-    sync_bytes: usize,
     pub counters: Counters,
 }
 
@@ -66,32 +59,15 @@ pub(crate) fn shim() -> Option<&'static Shim> {
     .as_ref()
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
+/// Starts gpupool's process-wide allocator, which reads every option, the shim's too, through
+/// gpupool's one options table (`gpupool::config`).
 fn start() -> Result<Shim, Error> {
-    let mode = match env("GPUPOOL_PRELOAD_MODE").as_deref().map(str::trim) {
-        None | Some("safe") => Mode::Safe,
-        Some("stream") => Mode::Stream,
-        Some(v) => {
-            return Err(Error::InvalidValue(format!(
-                "GPUPOOL_PRELOAD_MODE={v:?} is not valid: expected safe or stream"
-            )));
-        }
-    };
-    let sync_bytes = match env("GPUPOOL_PRELOAD_SYNC_BYTES") {
-        None => 256 << 20,
-        Some(v) => v.trim().parse::<usize>().map_err(|_| {
-            Error::InvalidValue(format!("GPUPOOL_PRELOAD_SYNC_BYTES={v:?} is not valid: expected a number of bytes"))
-        })?,
-    };
     let alloc = gpupool::ffi::process_allocator()?;
-    if env("GPUPOOL_PRELOAD_STATS").as_deref() == Some("1") {
+    if alloc.config().preload_stats {
         // SAFETY: registers a plain function with no arguments.
         unsafe { libc::atexit(print_stats_at_exit) };
     }
-    Ok(Shim { alloc, mode, sync_bytes, counters: Counters::default() })
+    Ok(Shim { alloc, counters: Counters::default() })
 }
 
 /// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
@@ -169,11 +145,12 @@ impl Shim {
     /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
         bump(&self.counters.frees);
-        if self.mode == Mode::Stream {
+        let config = self.alloc.config();
+        if config.preload_mode == PreloadMode::Stream {
             return self.alloc.free(ptr);
         }
         let (device, waiting) = self.alloc.free_after_device_sync(ptr)?;
-        if waiting >= self.sync_bytes
+        if waiting >= config.preload_sync_bytes
             && let Err(e) = self.alloc.release_deferred(device)
         {
             say(&format!("releasing deferred frees: {e}"));
@@ -205,7 +182,7 @@ extern "C" fn print_stats_at_exit() {
             "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
              {} frees, {} stream-ordered frees; passed through {} allocations and {} frees; \
              {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit\n",
-            s.mode,
+            s.alloc.config().preload_mode,
             n(&c.cuda_malloc),
             n(&c.cuda_malloc_async),
             n(&c.cu_mem_alloc),
