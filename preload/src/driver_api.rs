@@ -7,10 +7,7 @@ use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
 
-use crate::shim::{Shim, bump, guard, owner_of, shim, status};
-
-/// `CUDA_ERROR_UNKNOWN`.
-const UNKNOWN: c_int = 999;
+use crate::shim::{Shim, UNKNOWN, bump, guard, owner_of, shim, status};
 
 /// The device whose primary context is current, when gpupool should serve the call.
 fn primary_device() -> Option<i32> {

@@ -4,10 +4,7 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::shim::{guard, owner_of, shim, status};
-
-/// `cudaErrorUnknown`: the real function could not be found.
-const UNKNOWN: c_int = 999;
+use crate::shim::{INVALID_VALUE, UNKNOWN, guard, owner_of, shim, status};
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -53,7 +50,7 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
         Some(s) if !dev_ptr.is_null() => {
             s.serve(&s.counters.cuda_malloc, size, runtime_device(), 0, |p| unsafe { *dev_ptr = p as *mut c_void })
         }
-        Some(_) => 1, // cudaErrorInvalidValue
+        Some(_) => INVALID_VALUE,
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaMalloc", MallocFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size) }),
     })
@@ -88,7 +85,7 @@ pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize,
                 *dev_ptr = p as *mut c_void
             })
         }
-        Some(_) => 1, // cudaErrorInvalidValue
+        Some(_) => INVALID_VALUE,
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaMallocAsync", MallocAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size, stream) }),
     })

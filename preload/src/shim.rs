@@ -3,6 +3,7 @@
 //! read with every other option by gpupool's one reader (`gpupool::config`); the shim parses
 //! no variable itself.
 
+use std::ffi::c_int;
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
@@ -78,13 +79,23 @@ pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
     })
 }
 
-/// CUDA's status for a gpupool error: the runtime's `cudaError_t` and the driver's `CUresult`
-/// agree on these values.
-pub(crate) fn cuda_status(e: &Error) -> i32 {
+// The CUDA statuses the shim returns itself. The runtime's `cudaError_t` and the driver's
+// `CUresult` agree on these values, so both halves of the shim use them.
+
+/// `cudaErrorInvalidValue`, `CUDA_ERROR_INVALID_VALUE`.
+pub(crate) const INVALID_VALUE: c_int = 1;
+/// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
+pub(crate) const OUT_OF_MEMORY: c_int = 2;
+/// `cudaErrorUnknown`, `CUDA_ERROR_UNKNOWN`: a panic caught in the shim, or a real function
+/// that could not be found.
+pub(crate) const UNKNOWN: c_int = 999;
+
+/// CUDA's status for a gpupool error.
+pub(crate) fn cuda_status(e: &Error) -> c_int {
     match e {
-        Error::InvalidValue(_) | Error::InvalidPointer(_) => 1, // cudaErrorInvalidValue
-        Error::OutOfMemory(_) => 2,                             // cudaErrorMemoryAllocation
-        _ => 999,                                               // cudaErrorUnknown
+        Error::InvalidValue(_) | Error::InvalidPointer(_) => INVALID_VALUE,
+        Error::OutOfMemory(_) => OUT_OF_MEMORY,
+        _ => UNKNOWN,
     }
 }
 
@@ -93,7 +104,7 @@ pub(crate) fn bump(c: &AtomicU64) {
 }
 
 /// CUDA's status for the outcome of a free: 0 (success) or [`cuda_status`].
-pub(crate) fn status(r: Result<(), Error>) -> i32 {
+pub(crate) fn status(r: Result<(), Error>) -> c_int {
     r.map_or_else(|e| cuda_status(&e), |()| 0)
 }
 
@@ -110,8 +121,10 @@ pub(crate) fn owner_of(ptr: DevicePtr) -> Option<&'static Shim> {
 }
 
 impl Shim {
-    /// An interposed allocation served by gpupool: counted in `counter`, the pointer given to
-    /// `out` on success. Returns CUDA's status.
+    /// An interposed allocation served by gpupool on `device` (-1: current) for `stream`:
+    /// counted in `counter`, the pointer given to `out` on success. Returns CUDA's status. When
+    /// the device is full, gpupool's out-of-memory path synchronises the device for the
+    /// deferred frees, releases them and the cache, and retries.
     pub fn serve(
         &self,
         counter: &AtomicU64,
@@ -119,22 +132,15 @@ impl Shim {
         device: i32,
         stream: StreamHandle,
         out: impl FnOnce(DevicePtr),
-    ) -> i32 {
+    ) -> c_int {
         bump(counter);
-        match self.malloc(size, device, stream) {
+        match self.alloc.malloc(size, device, stream) {
             Ok(p) => {
                 out(p);
                 0
             }
             Err(e) => cuda_status(&e),
         }
-    }
-
-    /// Allocates on `device` (-1: current) for `stream`. When the device is full, gpupool's
-    /// out-of-memory path synchronises the device for the deferred frees, releases them and
-    /// the cache, and retries.
-    pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
-        self.alloc.malloc(size, device, stream)
     }
 
     /// A free through `cudaFree`/`cuMemFree` of a pointer gpupool owns: in safe mode the block
