@@ -15,7 +15,10 @@
 //! | `cudaFree`, `cudaFreeAsync`, `cuMemFree_v2`, `cuMemFreeAsync` | the pointer is gpupool's | the real function |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the four driver symbols above | - |
 //!
-//! Everything else is the real library's: the shim defines nothing else. Memory from
+//! Everything else is the real library's: the shim defines nothing else. On a machine without
+//! `libcuda.so` (the simulated device, `GPUPOOL_DRIVER=sim`), a driver call that would go to the
+//! real function returns `CUDA_ERROR_NOT_INITIALIZED` (3), as the driver does before `cuInit`
+//! has succeeded, and prints nothing. Memory from
 //! gpupool is valid in the device's primary context, so a driver-API allocation made while a
 //! context the program created itself (`cuCtxCreate`) is current goes to the real driver.
 //!

@@ -86,6 +86,9 @@ pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
 pub(crate) const INVALID_VALUE: c_int = 1;
 /// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
 pub(crate) const OUT_OF_MEMORY: c_int = 2;
+/// `CUDA_ERROR_NOT_INITIALIZED` (the runtime's `cudaErrorInitializationError`): the driver
+/// API's answer before `cuInit` has succeeded, so the shim's answer without `libcuda.so`.
+pub(crate) const NOT_INITIALIZED: c_int = 3;
 /// `cudaErrorUnknown`, `CUDA_ERROR_UNKNOWN`: a panic caught in the shim, or a real function
 /// that could not be found.
 pub(crate) const UNKNOWN: c_int = 999;

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpupool.h"
 
@@ -29,12 +30,37 @@ typedef int (*malloc_async_fn)(void **, size_t, void *);
 typedef int (*free_async_fn)(void *, void *);
 typedef int (*cu_alloc_fn)(uint64_t *, size_t);
 typedef int (*cu_free_fn)(uint64_t);
+typedef int (*cu_free_async_fn)(uint64_t, void *);
+typedef int (*cu_get_proc_fn)(const char *, void **, int, uint64_t, int *);
 typedef gpupool_status (*stats_fn)(int, gpupool_stats_t *);
 
 static stats_fn get_stats;
 
 /* dlsym's object pointer into a function pointer, the way POSIX allows under -Wpedantic. */
 #define LOOKUP(fn, name) (*(void **)(&(fn)) = dlsym(RTLD_DEFAULT, name))
+
+/* stderr goes to a temporary file from capture_begin to capture_end, which returns how many
+ * bytes were written to it: the shim must print nothing where CUDA would print nothing. */
+static FILE *captured;
+static int saved_stderr = -1;
+
+static void capture_begin(void) {
+  fflush(stderr);
+  captured = tmpfile();
+  saved_stderr = dup(2);
+  if (captured) dup2(fileno(captured), 2);
+}
+
+static long capture_end(void) {
+  fflush(stderr);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  if (!captured) return -1;
+  fseek(captured, 0, SEEK_END);
+  long n = ftell(captured);
+  fclose(captured);
+  return n;
+}
 
 static gpupool_stats_t stats(void) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
@@ -50,14 +76,19 @@ int main(int argc, char **argv) {
   free_async_fn cuda_free_async = NULL;
   cu_alloc_fn cu_alloc = NULL;
   cu_free_fn cu_free = NULL;
+  cu_free_async_fn cu_free_async = NULL;
+  cu_get_proc_fn cu_get_proc = NULL;
   LOOKUP(cuda_malloc, "cudaMalloc");
   LOOKUP(cuda_free, "cudaFree");
   LOOKUP(cuda_malloc_async, "cudaMallocAsync");
   LOOKUP(cuda_free_async, "cudaFreeAsync");
   LOOKUP(cu_alloc, "cuMemAlloc_v2");
   LOOKUP(cu_free, "cuMemFree_v2");
+  LOOKUP(cu_free_async, "cuMemFreeAsync");
+  LOOKUP(cu_get_proc, "cuGetProcAddress_v2");
   LOOKUP(get_stats, "gpupool_stats");
-  if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free || !get_stats) {
+  if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free ||
+      !cu_free_async || !cu_get_proc || !get_stats) {
     printf("test_preload: skipped: libgpupool_preload.so is not preloaded\n");
     return 77;
   }
@@ -116,5 +147,31 @@ int main(int argc, char **argv) {
   CHECK(cuda_free((void *)0x1234) == 999);
   CHECK(cuda_free(NULL) == 999);
   CHECK(stats().allocation.all.current == before.allocation.all.current);
+
+  /* Without libcuda, a driver call the shim does not serve has no driver to go to: the shim
+   * answers CUDA_ERROR_NOT_INITIALIZED (3), as the driver does before cuInit has succeeded,
+   * and prints nothing. On a machine with libcuda these calls reach the real driver. */
+  void *libcuda = dlopen("libcuda.so.1", RTLD_LAZY);
+  if (libcuda == NULL) {
+    before = stats();
+    capture_begin();
+    int null_free = cu_free(0);
+    int foreign_free = cu_free(0x1234);
+    int foreign_free_async = cu_free_async(0x1234, NULL);
+    void *fn = NULL;
+    int found = 0;
+    int lookup = cu_get_proc("cuMemAlloc", &fn, 12080, 0, &found);
+    long printed = capture_end();
+    CHECK(null_free == 3);
+    CHECK(foreign_free == 3);
+    CHECK(foreign_free_async == 3);
+    CHECK(lookup == 3);
+    CHECK(fn == NULL);
+    CHECK(printed == 0);
+    CHECK(stats().allocation.all.current == before.allocation.all.current);
+  } else {
+    dlclose(libcuda);
+    printf("test_preload: libcuda.so.1 is present: the checks without a driver are skipped\n");
+  }
   return checks_report(stream_mode ? "test_preload (stream)" : "test_preload (safe)");
 }
