@@ -13,6 +13,7 @@
 //! | `cudaMalloc`, `cudaMallocAsync` | always (gpupool started) | the real function |
 //! | `cuMemAlloc_v2`, `cuMemAllocAsync` | a primary context is current (the runtime API's) | the real function |
 //! | `cudaFree`, `cudaFreeAsync`, `cuMemFree_v2`, `cuMemFreeAsync` | the pointer is gpupool's | the real function |
+//! | `cudaFree(NULL)` | on the simulated device: success, as CUDA's no-op | the real function (it initialises the runtime) |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the four driver symbols above | - |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without

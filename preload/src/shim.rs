@@ -82,6 +82,8 @@ pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
 // The CUDA statuses the shim returns itself. The runtime's `cudaError_t` and the driver's
 // `CUresult` agree on these values, so both halves of the shim use them.
 
+/// `cudaSuccess`, `CUDA_SUCCESS`.
+pub(crate) const SUCCESS: c_int = 0;
 /// `cudaErrorInvalidValue`, `CUDA_ERROR_INVALID_VALUE`.
 pub(crate) const INVALID_VALUE: c_int = 1;
 /// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
@@ -108,12 +110,13 @@ pub(crate) fn bump(c: &AtomicU64) {
 
 /// CUDA's status for the outcome of a free: 0 (success) or [`cuda_status`].
 pub(crate) fn status(r: Result<(), Error>) -> c_int {
-    r.map_or_else(|e| cuda_status(&e), |()| 0)
+    r.map_or_else(|e| cuda_status(&e), |()| SUCCESS)
 }
 
 /// The shim, when the free of `ptr` is gpupool's to take (the pointer is in one of its
 /// segments); `None` when it goes to the real function, counted as passed through if the shim
-/// runs. NULL (0) always goes to the real function (`cudaFree(NULL)` initialises the runtime).
+/// runs. NULL (0) is never gpupool's: it goes to the real function (`cudaFree` answers NULL
+/// itself on the simulated device).
 pub(crate) fn owner_of(ptr: DevicePtr) -> Option<&'static Shim> {
     let s = shim()?;
     if ptr != 0 && s.alloc.owns(ptr) {
