@@ -64,9 +64,12 @@
 //!
 //! ## Statistics at exit
 //!
-//! `GPUPOOL_PRELOAD_STATS=1` writes what the shim intercepted and gpupool's memory summary of
-//! each device it used to stderr when the program exits. It reads gpupool's counters only and
-//! calls nothing in CUDA, which may have shut down by then.
+//! `GPUPOOL_PRELOAD_STATS=1` writes to stderr, when the program exits, what the shim served,
+//! refused (frees gpupool answered with an error: a pointer inside one of its blocks, or one
+//! freed already; they are not counted as frees) and passed through, the deferred frees, every
+//! option with its value (`Config::options_text`), and gpupool's memory summary of each device
+//! it used. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
+//! down by then.
 
 mod driver_api;
 mod runtime_api;

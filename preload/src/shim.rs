@@ -25,10 +25,16 @@ pub(crate) struct Counters {
     pub cu_mem_alloc: AtomicU64,
     /// `cuMemAllocAsync` calls served by gpupool.
     pub cu_mem_alloc_async: AtomicU64,
-    /// `cudaFree`/`cuMemFree_v2` of gpupool's pointers (deferred in safe mode).
+    /// `cudaFree`/`cuMemFree_v2` of gpupool's pointers that gpupool took (deferred in safe
+    /// mode).
     pub frees: AtomicU64,
-    /// `cudaFreeAsync`/`cuMemFreeAsync` of gpupool's pointers.
+    /// `cudaFreeAsync`/`cuMemFreeAsync` of gpupool's pointers that gpupool took.
     pub async_frees: AtomicU64,
+    /// `cudaFree`/`cuMemFree_v2` that gpupool refused (a pointer inside its memory that is not
+    /// an allocation's start, or one freed already): the call returned an error.
+    pub refused_frees: AtomicU64,
+    /// `cudaFreeAsync`/`cuMemFreeAsync` that gpupool refused, as `refused_frees`.
+    pub refused_async_frees: AtomicU64,
     /// Driver allocations passed to the real function (another context current).
     pub passed_allocs: AtomicU64,
     /// Frees passed to the real function (NULL, or pointers that are not gpupool's).
@@ -143,7 +149,7 @@ impl Shim {
         match self.alloc.malloc(size, device, stream) {
             Ok(p) => {
                 out(p);
-                0
+                SUCCESS
             }
             Err(e) => cuda_status(&e),
         }
@@ -154,9 +160,17 @@ impl Shim {
     /// the device's deferred bytes reach `GPUPOOL_PRELOAD_SYNC_BYTES`; in stream mode it is
     /// freed at once.
     ///
+    /// Counted in `frees` when gpupool took it, else in `refused_frees`.
+    ///
     /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
-        bump(&self.counters.frees);
+        let r = self.free_uncounted(ptr);
+        let c = &self.counters;
+        bump(if r.is_ok() { &c.frees } else { &c.refused_frees });
+        r
+    }
+
+    fn free_uncounted(&self, ptr: DevicePtr) -> Result<(), Error> {
         let config = self.alloc.config();
         if config.preload_mode == PreloadMode::Stream {
             return self.alloc.free(ptr);
@@ -170,37 +184,56 @@ impl Shim {
         Ok(())
     }
 
-    /// A stream-ordered free (`cudaFreeAsync`, `cuMemFreeAsync`) of a pointer gpupool owns.
+    /// A stream-ordered free (`cudaFreeAsync`, `cuMemFreeAsync`) of a pointer gpupool owns,
+    /// counted in `async_frees` when gpupool took it, else in `refused_async_frees`.
+    ///
+    /// Errors: as [`Shim::free`].
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
-        bump(&self.counters.async_frees);
-        self.alloc.record_stream(ptr, stream)?;
-        self.alloc.free(ptr)
+        let r = self.alloc.record_stream(ptr, stream).and_then(|()| self.alloc.free(ptr));
+        let c = &self.counters;
+        bump(if r.is_ok() { &c.async_frees } else { &c.refused_async_frees });
+        r
     }
 }
 
 extern "C" fn print_stats_at_exit() {
     guard((), || {
-        let Some(Some(s)) = SHIM.get() else { return };
-        let c = &s.counters;
+        if let Some(Some(s)) = SHIM.get() {
+            let _ = std::io::stderr().write_all(s.report().as_bytes());
+        }
+    })
+}
+
+impl Shim {
+    /// The exit report (`GPUPOOL_PRELOAD_STATS`): what the shim served, refused and passed
+    /// through, the deferred frees, the options in force, and the memory summary of each
+    /// device gpupool allocated on. Reads counters only and calls nothing in CUDA, which may
+    /// have shut down by the time `atexit` handlers run.
+    fn report(&self) -> String {
+        let c = &self.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        // Summed over the devices; counters only, no CUDA call.
+        // Summed over the devices.
         let mut d = [0i64; 4];
-        for dev in 0..s.alloc.device_count() {
-            if let Ok(x) = s.alloc.deferred(dev) {
+        for dev in 0..self.alloc.device_count() {
+            if let Ok(x) = self.alloc.deferred(dev) {
                 d.iter_mut().zip(x).for_each(|(a, b)| *a += b);
             }
         }
+        let config = self.alloc.config();
         let mut out = format!(
             "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
-             {} frees, {} stream-ordered frees; passed through {} allocations and {} frees; \
+             {} frees, {} stream-ordered frees; refused {} frees and {} stream-ordered frees; \
+             passed through {} allocations and {} frees; \
              {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit\n",
-            s.alloc.config().preload_mode,
+            config.preload_mode,
             n(&c.cuda_malloc),
             n(&c.cuda_malloc_async),
             n(&c.cu_mem_alloc),
             n(&c.cu_mem_alloc_async),
             n(&c.frees),
             n(&c.async_frees),
+            n(&c.refused_frees),
+            n(&c.refused_async_frees),
             n(&c.passed_allocs),
             n(&c.passed_frees),
             d[2],
@@ -208,11 +241,15 @@ extern "C" fn print_stats_at_exit() {
             d[0],
             d[1],
         );
-        for dev in 0..s.alloc.device_count() {
-            // Reads counters only: no CUDA call (CUDA may have shut down already).
-            match s.alloc.stats(dev) {
+        for line in config.options_text().lines() {
+            out.push_str("gpupool_preload: option ");
+            out.push_str(line);
+            out.push('\n');
+        }
+        for dev in 0..self.alloc.device_count() {
+            match self.alloc.stats(dev) {
                 Ok(st) if st.num_device_alloc > 0 => {
-                    if let Ok(text) = s.alloc.memory_summary(dev) {
+                    if let Ok(text) = self.alloc.memory_summary(dev) {
                         out.push_str(&text);
                         out.push('\n');
                     }
@@ -220,6 +257,41 @@ extern "C" fn print_stats_at_exit() {
                 _ => {}
             }
         }
-        let _ = std::io::stderr().write_all(out.as_bytes());
-    })
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use gpupool::config::{Config, DriverKind};
+    use gpupool::driver::sim::SimDriver;
+
+    use super::*;
+
+    fn sim_shim(mode: PreloadMode) -> Shim {
+        let config = Config { driver: DriverKind::Sim, preload_mode: mode, ..Config::default() };
+        let alloc = Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config);
+        Shim { alloc: Box::leak(Box::new(alloc)), counters: Counters::default() }
+    }
+
+    #[test]
+    fn a_refused_free_is_counted_as_refused_not_as_a_free() {
+        for mode in [PreloadMode::Safe, PreloadMode::Stream] {
+            let s = sim_shim(mode);
+            let p = s.alloc.malloc(1000, 0, 0).unwrap();
+            assert!(s.free(p + 512).is_err(), "an interior pointer");
+            assert!(s.free(p).is_ok());
+            assert!(s.free(p).is_err(), "a second free");
+            let a = s.alloc.malloc(1 << 20, 0, 0x10).unwrap();
+            assert!(s.free_async(a, 0x20).is_ok());
+            assert!(s.free_async(a, 0x20).is_err());
+            let r = s.report();
+            assert!(r.contains("1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees"), "{r}");
+            assert!(r.contains(&format!("mode {mode:?};")), "{r}");
+            assert!(r.contains("gpupool_preload: option GPUPOOL_DRIVER=sim\n"), "{r}");
+            assert!(r.contains("gpupool memory summary, device ID 0"), "{r}");
+        }
+    }
 }

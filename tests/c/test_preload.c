@@ -3,12 +3,15 @@
  * and gets the shim's. Run as
  *   LD_PRELOAD=libgpupool_preload.so GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
  *     GPUPOOL_PRELOAD_MODE=safe|stream ./test_preload safe|stream
- * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. */
+ * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. It runs
+ * itself once more, as `test_preload report`, to read the shim's exit report. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "gpupool.h"
@@ -62,6 +65,56 @@ static long capture_end(void) {
   return n;
 }
 
+/* The frees of `test_preload report`, run by check_exit_report in a child process with
+ * GPUPOOL_PRELOAD_STATS=on: one taken and two refused by cudaFree, one taken and one refused by
+ * cudaFreeAsync. Its exit report goes to stderr, which the parent reads. */
+static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_fn cuda_malloc_async,
+                        free_async_fn cuda_free_async) {
+  void *p = NULL, *a = NULL;
+  CHECK(cuda_malloc(&p, 1000) == 0);
+  CHECK(cuda_free((char *)p + 512) == 1); /* inside the block: refused */
+  CHECK(cuda_free(p) == 0);
+  CHECK(cuda_free(p) == 1); /* freed already: refused */
+  CHECK(cuda_malloc_async(&a, 1 << 20, (void *)0x10) == 0);
+  CHECK(cuda_free_async(a, (void *)0x20) == 0);
+  CHECK(cuda_free_async(a, (void *)0x20) == 1);
+  return checks_report("test_preload (exit report child)");
+}
+
+/* Runs this program as `test_preload report` under the same LD_PRELOAD with
+ * GPUPOOL_PRELOAD_STATS=on, and checks its exit report: a free is counted only when gpupool
+ * took it, a refused one apart. */
+static void check_exit_report(void) {
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    close(fds[1]);
+    setenv("GPUPOOL_PRELOAD_STATS", "on", 1);
+    execl("/proc/self/exe", "test_preload", "report", (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  static char report[1 << 16];
+  size_t n = 0;
+  ssize_t got;
+  while (n < sizeof report - 1 && (got = read(fds[0], report + n, sizeof report - 1 - n)) > 0) n += (size_t)got;
+  report[n] = '\0';
+  close(fds[0]);
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  int before = checks_failed;
+  CHECK(strstr(report, "served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync; "
+                       "1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees;") != NULL);
+  CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
+  CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
+  if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
+}
+
 static gpupool_stats_t stats(void) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
   CHECK(get_stats(0, &s) == GPUPOOL_SUCCESS);
@@ -92,6 +145,8 @@ int main(int argc, char **argv) {
     printf("test_preload: skipped: libgpupool_preload.so is not preloaded\n");
     return 77;
   }
+  if (argc > 1 && strcmp(argv[1], "report") == 0)
+    return report_child(cuda_malloc, cuda_free, cuda_malloc_async, cuda_free_async);
 
   /* cudaMalloc is served by gpupool: the memory is the simulated device's (host memory). */
   void *p = NULL;
@@ -177,5 +232,7 @@ int main(int argc, char **argv) {
     dlclose(libcuda);
     printf("test_preload: libcuda.so.1 is present: the checks without a driver are skipped\n");
   }
+
+  check_exit_report();
   return checks_report(stream_mode ? "test_preload (stream)" : "test_preload (safe)");
 }
