@@ -1,16 +1,63 @@
 //! The driver API's allocation functions (`cuda.h`) and `cuGetProcAddress`, interposed. The
-//! real ones are called through cudarc, which opens `libcuda.so` itself and so always reaches
-//! the driver's definitions, never these.
+//! real ones are looked up in cudarc's handle of `libcuda.so`, which cudarc opens itself and
+//! so always reaches the driver's definitions, never these.
+//!
+//! Without `libcuda.so` there is no driver for a call the shim does not serve (a pointer that
+//! is not gpupool's, NULL, an allocation outside a primary context, `cuGetProcAddress`): it
+//! returns `CUDA_ERROR_NOT_INITIALIZED`, which is what the driver answers to every call until
+//! `cuInit` has succeeded, and `cuInit` cannot succeed without the library. Nothing is printed
+//! and cudarc's handle is never touched: it panics when the library is missing.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
 
-use crate::shim::{Shim, bump, guard, owner_of, shim, status};
+use crate::shim::{NOT_INITIALIZED, Shim, UNKNOWN, bump, guard, owner_of, shim, status};
 
-/// `CUDA_ERROR_UNKNOWN`.
-const UNKNOWN: c_int = 999;
+type AllocFn = unsafe extern "C" fn(*mut sys::CUdeviceptr, usize) -> c_int;
+type FreeFn = unsafe extern "C" fn(sys::CUdeviceptr) -> c_int;
+type AllocAsyncFn = unsafe extern "C" fn(*mut sys::CUdeviceptr, usize, sys::CUstream) -> c_int;
+type FreeAsyncFn = unsafe extern "C" fn(sys::CUdeviceptr, sys::CUstream) -> c_int;
+/// `cuGetProcAddress` as CUDA 11.3 to 11.8 declare it; the driver still exports it.
+type GetProcFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, sys::cuuint64_t) -> c_int;
+/// `cuGetProcAddress_v2`, CUDA 12's `cuGetProcAddress`.
+type GetProcV2Fn = unsafe extern "C" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    sys::cuuint64_t,
+    *mut sys::CUdriverProcAddressQueryResult,
+) -> c_int;
+
+/// Whether `libcuda.so` can be opened (as cudarc looks for it), checked once.
+fn have_libcuda() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only opens and closes the library; nothing is called through it.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Calls the real driver's `$name` (declared by CUDA as `$ty`) with `$args`, or returns
+/// `CUDA_ERROR_NOT_INITIALIZED` without `libcuda.so` and `CUDA_ERROR_UNKNOWN` when the
+/// driver lacks the symbol (one older than the function).
+macro_rules! call_real {
+    ($name:literal, $ty:ty, $($arg:expr),*) => {{
+        static SLOT: OnceLock<Option<$ty>> = OnceLock::new();
+        if !have_libcuda() {
+            NOT_INITIALIZED
+        } else {
+            // SAFETY: the library is present, so cudarc's handle opens it without panicking; a
+            // symbol of this name has CUDA's signature `$ty`.
+            let f = *SLOT.get_or_init(|| unsafe { sys::culib().get::<$ty>($name).ok().map(|f| *f) });
+            match f {
+                // SAFETY: the real function, with the caller's arguments.
+                Some(f) => unsafe { f($($arg),*) },
+                None => UNKNOWN,
+            }
+        }
+    }};
+}
 
 /// The device whose primary context is current, when gpupool should serve the call.
 fn primary_device() -> Option<i32> {
@@ -48,13 +95,12 @@ fn allocate(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> c_int {
     guard(UNKNOWN, || {
-        // SAFETY: the real function, with the caller's arguments.
         allocate(
             dptr,
             bytesize,
             std::ptr::null_mut(),
             |s| &s.counters.cu_mem_alloc,
-            || unsafe { sys::cuMemAlloc_v2(dptr, bytesize) as c_int },
+            || call_real!(b"cuMemAlloc_v2", AllocFn, dptr, bytesize),
         )
     })
 }
@@ -68,8 +114,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: us
 pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
     guard(UNKNOWN, || match owner_of(dptr) {
         Some(s) => status(s.free(dptr)),
-        // SAFETY: the real function, with the caller's argument.
-        None => unsafe { sys::cuMemFree_v2(dptr) as c_int },
+        None => call_real!(b"cuMemFree_v2", FreeFn, dptr),
     })
 }
 
@@ -81,13 +126,12 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: usize, stream: sys::CUstream) -> c_int {
     guard(UNKNOWN, || {
-        // SAFETY: the real function, with the caller's arguments.
         allocate(
             dptr,
             bytesize,
             stream,
             |s| &s.counters.cu_mem_alloc_async,
-            || unsafe { sys::cuMemAllocAsync(dptr, bytesize, stream) as c_int },
+            || call_real!(b"cuMemAllocAsync", AllocAsyncFn, dptr, bytesize, stream),
         )
     })
 }
@@ -101,8 +145,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: 
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> c_int {
     guard(UNKNOWN, || match owner_of(dptr) {
         Some(s) => status(s.free_async(dptr, stream as usize)),
-        // SAFETY: the real function, with the caller's arguments.
-        None => unsafe { sys::cuMemFreeAsync(dptr, stream) as c_int },
+        None => call_real!(b"cuMemFreeAsync", FreeAsyncFn, dptr, stream),
     })
 }
 
@@ -153,14 +196,9 @@ pub unsafe extern "C" fn cuGetProcAddress(
     flags: sys::cuuint64_t,
 ) -> c_int {
     guard(UNKNOWN, || {
-        // SAFETY: the real function, with the caller's arguments; then as `substitute`'s.
-        unsafe {
-            // cudarc declares only the CUDA 12 signature; the driver still exports this one.
-            type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, sys::cuuint64_t) -> c_int;
-            let Ok(real) = sys::culib().get::<V1>(b"cuGetProcAddress") else { return UNKNOWN };
-            let r = real(symbol, pfn, cuda_version, flags);
-            substitute(r, symbol, pfn, cuda_version)
-        }
+        let r = call_real!(b"cuGetProcAddress", GetProcFn, symbol, pfn, cuda_version, flags);
+        // SAFETY: as the caller of cuGetProcAddress promised.
+        unsafe { substitute(r, symbol, pfn, cuda_version) }
     })
 }
 
@@ -179,11 +217,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     status: *mut sys::CUdriverProcAddressQueryResult,
 ) -> c_int {
     guard(UNKNOWN, || {
-        // SAFETY: the real function, with the caller's arguments; then as `substitute`'s.
-        unsafe {
-            let r = sys::cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, status) as c_int;
-            substitute(r, symbol, pfn, cuda_version)
-        }
+        let r = call_real!(b"cuGetProcAddress_v2", GetProcV2Fn, symbol, pfn, cuda_version, flags, status);
+        // SAFETY: as the caller of cuGetProcAddress promised.
+        unsafe { substitute(r, symbol, pfn, cuda_version) }
     })
 }
 

@@ -13,11 +13,21 @@
 //! | `cudaMalloc`, `cudaMallocAsync` | always (gpupool started) | the real function |
 //! | `cuMemAlloc_v2`, `cuMemAllocAsync` | a primary context is current (the runtime API's) | the real function |
 //! | `cudaFree`, `cudaFreeAsync`, `cuMemFree_v2`, `cuMemFreeAsync` | the pointer is gpupool's | the real function |
+//! | `cudaFree(NULL)` | on the simulated device: success, as CUDA's no-op | the real function (it initialises the runtime) |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the four driver symbols above | - |
 //!
-//! Everything else is the real library's: the shim defines nothing else. Memory from
+//! Everything else is the real library's: the shim defines nothing else. On a machine without
+//! `libcuda.so` (the simulated device, `GPUPOOL_DRIVER=sim`), a driver call that would go to the
+//! real function returns `CUDA_ERROR_NOT_INITIALIZED` (3), as the driver does before `cuInit`
+//! has succeeded, and prints nothing. Memory from
 //! gpupool is valid in the device's primary context, so a driver-API allocation made while a
 //! context the program created itself (`cuCtxCreate`) is current goes to the real driver.
+//!
+//! Its options are `GPUPOOL_PRELOAD_MODE`, `GPUPOOL_PRELOAD_SYNC_BYTES` and
+//! `GPUPOOL_PRELOAD_STATS`, read with gpupool's own options by the one reader of
+//! `gpupool::config`, whose list gives their syntax and defaults. A value that does not parse
+//! stops gpupool from starting: every call then passes through to CUDA, and the reason is
+//! written to stderr once.
 //!
 //! ## When a freed block is reused
 //!
@@ -54,12 +64,13 @@
 //!
 //! ## Statistics at exit
 //!
-//! `GPUPOOL_PRELOAD_STATS=1` writes what the shim intercepted and gpupool's memory summary of
-//! each device it used to stderr when the program exits. It reads gpupool's counters only and
-//! calls nothing in CUDA, which may have shut down by then.
+//! `GPUPOOL_PRELOAD_STATS=1` writes to stderr, when the program exits, what the shim served,
+//! refused (frees gpupool answered with an error: a pointer inside one of its blocks, or one
+//! freed already; they are not counted as frees) and passed through, the deferred frees, every
+//! option with its value (`Config::options_text`), and gpupool's memory summary of each device
+//! it used. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
+//! down by then.
 
 mod driver_api;
 mod runtime_api;
 mod shim;
-
-pub use shim::{Counters, Mode};

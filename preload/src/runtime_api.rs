@@ -4,10 +4,9 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::shim::{guard, owner_of, shim, status};
+use gpupool::config::DriverKind;
 
-/// `cudaErrorUnknown`: the real function could not be found.
-const UNKNOWN: c_int = 999;
+use crate::shim::{INVALID_VALUE, SUCCESS, UNKNOWN, bump, guard, owner_of, shim, status};
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -53,25 +52,52 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
         Some(s) if !dev_ptr.is_null() => {
             s.serve(&s.counters.cuda_malloc, size, runtime_device(), 0, |p| unsafe { *dev_ptr = p as *mut c_void })
         }
-        Some(_) => 1, // cudaErrorInvalidValue
+        Some(_) => INVALID_VALUE,
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaMalloc", MallocFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size) }),
     })
 }
 
 /// `cudaError_t cudaFree(void *devPtr)`: a gpupool pointer goes back to gpupool (deferred
-/// until a device synchronisation in the default safe mode); NULL and every other pointer go
-/// to the real `cudaFree`.
+/// until a device synchronisation in the default safe mode); every other pointer goes to the
+/// real `cudaFree`. NULL: see [`free_null`].
 ///
 /// # Safety
 /// As CUDA's `cudaFree`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
-    guard(UNKNOWN, || match owner_of(dev_ptr as u64) {
-        Some(s) => status(s.free(dev_ptr as u64)),
-        // SAFETY: the real function, with the caller's arguments.
-        None => real!(c"cudaFree", FreeFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr) }),
+    guard(UNKNOWN, || {
+        if dev_ptr.is_null() {
+            return free_null();
+        }
+        match owner_of(dev_ptr as u64) {
+            Some(s) => status(s.free(dev_ptr as u64)),
+            // SAFETY: the real function, with the caller's arguments.
+            None => real!(c"cudaFree", FreeFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr) }),
+        }
     })
+}
+
+/// `cudaFree(NULL)`: CUDA performs no operation and returns success, and programs call it to
+/// make the runtime initialise. On the simulated device gpupool answers success itself: the
+/// simulated device stands in for the GPU, so there is nothing for a runtime to initialise, and
+/// the program may have none. Otherwise the real `cudaFree(NULL)` runs, so that the runtime
+/// initialises as the program expects, and its status is returned; without a real one,
+/// success if gpupool runs, else `cudaErrorUnknown` (no CUDA at all).
+fn free_null() -> c_int {
+    let started = shim();
+    if let Some(s) = started {
+        if s.alloc.config().driver == DriverKind::Sim {
+            return SUCCESS;
+        }
+        bump(&s.counters.passed_frees);
+    }
+    match real!(c"cudaFree", FreeFn) {
+        // SAFETY: the real function, with the caller's (NULL) argument.
+        Some(f) => unsafe { f(std::ptr::null_mut()) },
+        None if started.is_some() => SUCCESS,
+        None => UNKNOWN,
+    }
 }
 
 /// `cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream)`, served by
@@ -88,7 +114,7 @@ pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize,
                 *dev_ptr = p as *mut c_void
             })
         }
-        Some(_) => 1, // cudaErrorInvalidValue
+        Some(_) => INVALID_VALUE,
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaMallocAsync", MallocAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, size, stream) }),
     })

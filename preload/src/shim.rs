@@ -1,27 +1,22 @@
-//! The shim's state: gpupool's process-wide allocator, the reuse mode, the deferred frees and
-//! the counters printed at exit.
+//! The shim's state: gpupool's process-wide allocator, the deferred frees and the counters
+//! printed at exit. The shim's options (`GPUPOOL_PRELOAD_*`) are fields of gpupool's `Config`,
+//! read with every other option by gpupool's one reader (`gpupool::config`); the shim parses
+//! no variable itself.
 
+use std::ffi::c_int;
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use gpupool::config::PreloadMode;
 use gpupool::driver::{DevicePtr, StreamHandle};
 use gpupool::{Allocator, Error};
-
-/// When a block freed through `cudaFree`/`cuMemFree` may be reused (see the crate's docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// After a device synchronisation that follows the free (the default).
-    Safe,
-    /// At once, in stream order (one-stream programs).
-    Stream,
-}
 
 /// What the shim did, for `GPUPOOL_PRELOAD_STATS`: counts of calls since the process started,
 /// updated with relaxed atomics from any thread.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// `cudaMalloc` calls served by gpupool.
     pub cuda_malloc: AtomicU64,
     /// `cudaMallocAsync` calls served by gpupool.
@@ -30,10 +25,16 @@ pub struct Counters {
     pub cu_mem_alloc: AtomicU64,
     /// `cuMemAllocAsync` calls served by gpupool.
     pub cu_mem_alloc_async: AtomicU64,
-    /// `cudaFree`/`cuMemFree_v2` of gpupool's pointers (deferred in safe mode).
+    /// `cudaFree`/`cuMemFree_v2` of gpupool's pointers that gpupool took (deferred in safe
+    /// mode).
     pub frees: AtomicU64,
-    /// `cudaFreeAsync`/`cuMemFreeAsync` of gpupool's pointers.
+    /// `cudaFreeAsync`/`cuMemFreeAsync` of gpupool's pointers that gpupool took.
     pub async_frees: AtomicU64,
+    /// `cudaFree`/`cuMemFree_v2` that gpupool refused (a pointer inside its memory that is not
+    /// an allocation's start, or one freed already): the call returned an error.
+    pub refused_frees: AtomicU64,
+    /// `cudaFreeAsync`/`cuMemFreeAsync` that gpupool refused, as `refused_frees`.
+    pub refused_async_frees: AtomicU64,
     /// Driver allocations passed to the real function (another context current).
     pub passed_allocs: AtomicU64,
     /// Frees passed to the real function (NULL, or pointers that are not gpupool's).
@@ -41,9 +42,8 @@ pub struct Counters {
 }
 
 pub(crate) struct Shim {
+    /// gpupool's process-wide allocator; its `config()` holds the shim's options too.
     pub alloc: &'static Allocator,
-    pub mode: Mode,
-    sync_bytes: usize,
     pub counters: Counters,
 }
 
@@ -66,32 +66,15 @@ pub(crate) fn shim() -> Option<&'static Shim> {
     .as_ref()
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
+/// Starts gpupool's process-wide allocator, which reads every option, the shim's too, through
+/// gpupool's one options table (`gpupool::config`).
 fn start() -> Result<Shim, Error> {
-    let mode = match env("GPUPOOL_PRELOAD_MODE").as_deref().map(str::trim) {
-        None | Some("safe") => Mode::Safe,
-        Some("stream") => Mode::Stream,
-        Some(v) => {
-            return Err(Error::InvalidValue(format!(
-                "GPUPOOL_PRELOAD_MODE={v:?} is not valid: expected safe or stream"
-            )));
-        }
-    };
-    let sync_bytes = match env("GPUPOOL_PRELOAD_SYNC_BYTES") {
-        None => 256 << 20,
-        Some(v) => v.trim().parse::<usize>().map_err(|_| {
-            Error::InvalidValue(format!("GPUPOOL_PRELOAD_SYNC_BYTES={v:?} is not valid: expected a number of bytes"))
-        })?,
-    };
     let alloc = gpupool::ffi::process_allocator()?;
-    if env("GPUPOOL_PRELOAD_STATS").as_deref() == Some("1") {
+    if alloc.config().preload_stats {
         // SAFETY: registers a plain function with no arguments.
         unsafe { libc::atexit(print_stats_at_exit) };
     }
-    Ok(Shim { alloc, mode, sync_bytes, counters: Counters::default() })
+    Ok(Shim { alloc, counters: Counters::default() })
 }
 
 /// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
@@ -102,13 +85,28 @@ pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
     })
 }
 
-/// CUDA's status for a gpupool error: the runtime's `cudaError_t` and the driver's `CUresult`
-/// agree on these values.
-pub(crate) fn cuda_status(e: &Error) -> i32 {
+// The CUDA statuses the shim returns itself. The runtime's `cudaError_t` and the driver's
+// `CUresult` agree on these values, so both halves of the shim use them.
+
+/// `cudaSuccess`, `CUDA_SUCCESS`.
+pub(crate) const SUCCESS: c_int = 0;
+/// `cudaErrorInvalidValue`, `CUDA_ERROR_INVALID_VALUE`.
+pub(crate) const INVALID_VALUE: c_int = 1;
+/// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
+pub(crate) const OUT_OF_MEMORY: c_int = 2;
+/// `CUDA_ERROR_NOT_INITIALIZED` (the runtime's `cudaErrorInitializationError`): the driver
+/// API's answer before `cuInit` has succeeded, so the shim's answer without `libcuda.so`.
+pub(crate) const NOT_INITIALIZED: c_int = 3;
+/// `cudaErrorUnknown`, `CUDA_ERROR_UNKNOWN`: a panic caught in the shim, or a real function
+/// that could not be found.
+pub(crate) const UNKNOWN: c_int = 999;
+
+/// CUDA's status for a gpupool error.
+pub(crate) fn cuda_status(e: &Error) -> c_int {
     match e {
-        Error::InvalidValue(_) | Error::InvalidPointer(_) => 1, // cudaErrorInvalidValue
-        Error::OutOfMemory(_) => 2,                             // cudaErrorMemoryAllocation
-        _ => 999,                                               // cudaErrorUnknown
+        Error::InvalidValue(_) | Error::InvalidPointer(_) => INVALID_VALUE,
+        Error::OutOfMemory(_) => OUT_OF_MEMORY,
+        _ => UNKNOWN,
     }
 }
 
@@ -117,13 +115,14 @@ pub(crate) fn bump(c: &AtomicU64) {
 }
 
 /// CUDA's status for the outcome of a free: 0 (success) or [`cuda_status`].
-pub(crate) fn status(r: Result<(), Error>) -> i32 {
-    r.map_or_else(|e| cuda_status(&e), |()| 0)
+pub(crate) fn status(r: Result<(), Error>) -> c_int {
+    r.map_or_else(|e| cuda_status(&e), |()| SUCCESS)
 }
 
 /// The shim, when the free of `ptr` is gpupool's to take (the pointer is in one of its
 /// segments); `None` when it goes to the real function, counted as passed through if the shim
-/// runs. NULL (0) always goes to the real function (`cudaFree(NULL)` initialises the runtime).
+/// runs. NULL (0) is never gpupool's: it goes to the real function (`cudaFree` answers NULL
+/// itself on the simulated device).
 pub(crate) fn owner_of(ptr: DevicePtr) -> Option<&'static Shim> {
     let s = shim()?;
     if ptr != 0 && s.alloc.owns(ptr) {
@@ -134,8 +133,10 @@ pub(crate) fn owner_of(ptr: DevicePtr) -> Option<&'static Shim> {
 }
 
 impl Shim {
-    /// An interposed allocation served by gpupool: counted in `counter`, the pointer given to
-    /// `out` on success. Returns CUDA's status.
+    /// An interposed allocation served by gpupool on `device` (-1: current) for `stream`:
+    /// counted in `counter`, the pointer given to `out` on success. Returns CUDA's status. When
+    /// the device is full, gpupool's out-of-memory path synchronises the device for the
+    /// deferred frees, releases them and the cache, and retries.
     pub fn serve(
         &self,
         counter: &AtomicU64,
@@ -143,22 +144,15 @@ impl Shim {
         device: i32,
         stream: StreamHandle,
         out: impl FnOnce(DevicePtr),
-    ) -> i32 {
+    ) -> c_int {
         bump(counter);
-        match self.malloc(size, device, stream) {
+        match self.alloc.malloc(size, device, stream) {
             Ok(p) => {
                 out(p);
-                0
+                SUCCESS
             }
             Err(e) => cuda_status(&e),
         }
-    }
-
-    /// Allocates on `device` (-1: current) for `stream`. When the device is full, gpupool's
-    /// out-of-memory path synchronises the device for the deferred frees, releases them and
-    /// the cache, and retries.
-    pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
-        self.alloc.malloc(size, device, stream)
     }
 
     /// A free through `cudaFree`/`cuMemFree` of a pointer gpupool owns: in safe mode the block
@@ -166,14 +160,23 @@ impl Shim {
     /// the device's deferred bytes reach `GPUPOOL_PRELOAD_SYNC_BYTES`; in stream mode it is
     /// freed at once.
     ///
+    /// Counted in `frees` when gpupool took it, else in `refused_frees`.
+    ///
     /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
-        bump(&self.counters.frees);
-        if self.mode == Mode::Stream {
+        let r = self.free_uncounted(ptr);
+        let c = &self.counters;
+        bump(if r.is_ok() { &c.frees } else { &c.refused_frees });
+        r
+    }
+
+    fn free_uncounted(&self, ptr: DevicePtr) -> Result<(), Error> {
+        let config = self.alloc.config();
+        if config.preload_mode == PreloadMode::Stream {
             return self.alloc.free(ptr);
         }
         let (device, waiting) = self.alloc.free_after_device_sync(ptr)?;
-        if waiting >= self.sync_bytes
+        if waiting >= config.preload_sync_bytes
             && let Err(e) = self.alloc.release_deferred(device)
         {
             say(&format!("releasing deferred frees: {e}"));
@@ -181,40 +184,59 @@ impl Shim {
         Ok(())
     }
 
-    /// A stream-ordered free (`cudaFreeAsync`, `cuMemFreeAsync`) of a pointer gpupool owns.
+    /// A stream-ordered free (`cudaFreeAsync`, `cuMemFreeAsync`) of a pointer gpupool owns,
+    /// counted in `async_frees` when gpupool took it, else in `refused_async_frees`.
+    ///
+    /// Errors: as [`Shim::free`].
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
-        bump(&self.counters.async_frees);
-        self.alloc.record_stream(ptr, stream)?;
-        self.alloc.free(ptr)
+        let r = self.alloc.record_stream(ptr, stream).and_then(|()| self.alloc.free(ptr));
+        let c = &self.counters;
+        bump(if r.is_ok() { &c.async_frees } else { &c.refused_async_frees });
+        r
     }
 }
 
 extern "C" fn print_stats_at_exit() {
     guard((), || {
-        let Some(Some(s)) = SHIM.get() else { return };
-        let c = &s.counters;
+        if let Some(Some(s)) = SHIM.get() {
+            let _ = std::io::stderr().write_all(s.report().as_bytes());
+        }
+    })
+}
+
+impl Shim {
+    /// The exit report (`GPUPOOL_PRELOAD_STATS`): what the shim served, refused and passed
+    /// through, the deferred frees, the options in force, and the memory summary of each
+    /// device gpupool allocated on. Reads counters only and calls nothing in CUDA, which may
+    /// have shut down by the time `atexit` handlers run.
+    fn report(&self) -> String {
+        let c = &self.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         // Summed over the devices; counters only, no CUDA call.
         let mut d = gpupool::DeferredStats::default();
-        for dev in 0..s.alloc.device_count() {
-            if let Ok(x) = s.alloc.deferred(dev) {
+        for dev in 0..self.alloc.device_count() {
+            if let Ok(x) = self.alloc.deferred(dev) {
                 d.blocks += x.blocks;
                 d.bytes += x.bytes;
                 d.syncs += x.syncs;
                 d.released += x.released;
             }
         }
+        let config = self.alloc.config();
         let mut out = format!(
             "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
-             {} frees, {} stream-ordered frees; passed through {} allocations and {} frees; \
+             {} frees, {} stream-ordered frees; refused {} frees and {} stream-ordered frees; \
+             passed through {} allocations and {} frees; \
              {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit\n",
-            s.mode,
+            config.preload_mode,
             n(&c.cuda_malloc),
             n(&c.cuda_malloc_async),
             n(&c.cu_mem_alloc),
             n(&c.cu_mem_alloc_async),
             n(&c.frees),
             n(&c.async_frees),
+            n(&c.refused_frees),
+            n(&c.refused_async_frees),
             n(&c.passed_allocs),
             n(&c.passed_frees),
             d.syncs,
@@ -222,11 +244,15 @@ extern "C" fn print_stats_at_exit() {
             d.blocks,
             d.bytes,
         );
-        for dev in 0..s.alloc.device_count() {
-            // Reads counters only: no CUDA call (CUDA may have shut down already).
-            match s.alloc.stats(dev) {
+        for line in config.options_text().lines() {
+            out.push_str("gpupool_preload: option ");
+            out.push_str(line);
+            out.push('\n');
+        }
+        for dev in 0..self.alloc.device_count() {
+            match self.alloc.stats(dev) {
                 Ok(st) if st.num_device_alloc > 0 => {
-                    if let Ok(text) = s.alloc.memory_summary(dev) {
+                    if let Ok(text) = self.alloc.memory_summary(dev) {
                         out.push_str(&text);
                         out.push('\n');
                     }
@@ -234,6 +260,41 @@ extern "C" fn print_stats_at_exit() {
                 _ => {}
             }
         }
-        let _ = std::io::stderr().write_all(out.as_bytes());
-    })
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use gpupool::config::{Config, DriverKind};
+    use gpupool::driver::sim::SimDriver;
+
+    use super::*;
+
+    fn sim_shim(mode: PreloadMode) -> Shim {
+        let config = Config { driver: DriverKind::Sim, preload_mode: mode, ..Config::default() };
+        let alloc = Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config);
+        Shim { alloc: Box::leak(Box::new(alloc)), counters: Counters::default() }
+    }
+
+    #[test]
+    fn a_refused_free_is_counted_as_refused_not_as_a_free() {
+        for mode in [PreloadMode::Safe, PreloadMode::Stream] {
+            let s = sim_shim(mode);
+            let p = s.alloc.malloc(1000, 0, 0).unwrap();
+            assert!(s.free(p + 512).is_err(), "an interior pointer");
+            assert!(s.free(p).is_ok());
+            assert!(s.free(p).is_err(), "a second free");
+            let a = s.alloc.malloc(1 << 20, 0, 0x10).unwrap();
+            assert!(s.free_async(a, 0x20).is_ok());
+            assert!(s.free_async(a, 0x20).is_err());
+            let r = s.report();
+            assert!(r.contains("1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees"), "{r}");
+            assert!(r.contains(&format!("mode {mode:?};")), "{r}");
+            assert!(r.contains("gpupool_preload: option GPUPOOL_DRIVER=sim\n"), "{r}");
+            assert!(r.contains("gpupool memory summary, device ID 0"), "{r}");
+        }
+    }
 }

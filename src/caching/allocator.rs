@@ -36,7 +36,7 @@ pub struct BlockInfo {
 pub struct Allocator {
     id: u64,
     driver: Arc<dyn Driver>,
-    max_split_size: usize,
+    config: Config,
     index: Arc<SegmentIndex<Arc<Shard>>>,
     devices: Box<[OnceLock<DeviceAllocator>]>,
 }
@@ -72,7 +72,7 @@ impl Allocator {
         Allocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             driver,
-            max_split_size: config.max_split_size,
+            config,
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
         }
@@ -100,6 +100,12 @@ impl Allocator {
         &self.driver
     }
 
+    /// The options it was made with (the process-wide allocator's: every `GPUPOOL_*` option,
+    /// as the LD_PRELOAD shim reads them).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// Number of devices.
     pub fn device_count(&self) -> i32 {
         self.devices.len() as i32
@@ -120,7 +126,7 @@ impl Allocator {
                 self.devices.len()
             ))
         })?;
-        Ok(slot.get_or_init(|| DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.max_split_size)))
+        Ok(slot.get_or_init(|| DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)))
     }
 
     #[inline]

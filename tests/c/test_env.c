@@ -47,6 +47,11 @@ int main(int argc, char **argv) {
   CHECK(p == NULL);
   CHECK(strstr(message, no_driver ? "GPUPOOL_DRIVER=sim" : "GPUPOOL_DRIVER") != NULL);
   CHECK(printed == 0);
+  if (!no_driver) {
+    /* The options' one reader names the value and what it must be, too. */
+    CHECK(strstr(message, "\"opencl\"") != NULL);
+    CHECK(strstr(message, "expected cuda or sim") != NULL);
+  }
   printf("message: %s\n", message);
   return checks_report(argv[1]);
 }

@@ -3,12 +3,16 @@
  * and gets the shim's. Run as
  *   LD_PRELOAD=libgpupool_preload.so GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
  *     GPUPOOL_PRELOAD_MODE=safe|stream ./test_preload safe|stream
- * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. */
+ * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. It runs
+ * itself once more, as `test_preload report`, to read the shim's exit report. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "gpupool.h"
 
@@ -29,12 +33,87 @@ typedef int (*malloc_async_fn)(void **, size_t, void *);
 typedef int (*free_async_fn)(void *, void *);
 typedef int (*cu_alloc_fn)(uint64_t *, size_t);
 typedef int (*cu_free_fn)(uint64_t);
+typedef int (*cu_free_async_fn)(uint64_t, void *);
+typedef int (*cu_get_proc_fn)(const char *, void **, int, uint64_t, int *);
 typedef gpupool_status (*stats_fn)(int, gpupool_stats_t *);
 
 static stats_fn get_stats;
 
 /* dlsym's object pointer into a function pointer, the way POSIX allows under -Wpedantic. */
 #define LOOKUP(fn, name) (*(void **)(&(fn)) = dlsym(RTLD_DEFAULT, name))
+
+/* stderr goes to a temporary file from capture_begin to capture_end, which returns how many
+ * bytes were written to it: the shim must print nothing where CUDA would print nothing. */
+static FILE *captured;
+static int saved_stderr = -1;
+
+static void capture_begin(void) {
+  fflush(stderr);
+  captured = tmpfile();
+  saved_stderr = dup(2);
+  if (captured) dup2(fileno(captured), 2);
+}
+
+static long capture_end(void) {
+  fflush(stderr);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  if (!captured) return -1;
+  fseek(captured, 0, SEEK_END);
+  long n = ftell(captured);
+  fclose(captured);
+  return n;
+}
+
+/* The frees of `test_preload report`, run by check_exit_report in a child process with
+ * GPUPOOL_PRELOAD_STATS=on: one taken and two refused by cudaFree, one taken and one refused by
+ * cudaFreeAsync. Its exit report goes to stderr, which the parent reads. */
+static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_fn cuda_malloc_async,
+                        free_async_fn cuda_free_async) {
+  void *p = NULL, *a = NULL;
+  CHECK(cuda_malloc(&p, 1000) == 0);
+  CHECK(cuda_free((char *)p + 512) == 1); /* inside the block: refused */
+  CHECK(cuda_free(p) == 0);
+  CHECK(cuda_free(p) == 1); /* freed already: refused */
+  CHECK(cuda_malloc_async(&a, 1 << 20, (void *)0x10) == 0);
+  CHECK(cuda_free_async(a, (void *)0x20) == 0);
+  CHECK(cuda_free_async(a, (void *)0x20) == 1);
+  return checks_report("test_preload (exit report child)");
+}
+
+/* Runs this program as `test_preload report` under the same LD_PRELOAD with
+ * GPUPOOL_PRELOAD_STATS=on, and checks its exit report: a free is counted only when gpupool
+ * took it, a refused one apart. */
+static void check_exit_report(void) {
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    close(fds[1]);
+    setenv("GPUPOOL_PRELOAD_STATS", "on", 1);
+    execl("/proc/self/exe", "test_preload", "report", (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  static char report[1 << 16];
+  size_t n = 0;
+  ssize_t got;
+  while (n < sizeof report - 1 && (got = read(fds[0], report + n, sizeof report - 1 - n)) > 0) n += (size_t)got;
+  report[n] = '\0';
+  close(fds[0]);
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  int before = checks_failed;
+  CHECK(strstr(report, "served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync; "
+                       "1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees;") != NULL);
+  CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
+  CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
+  if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
+}
 
 static gpupool_stats_t stats(void) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
@@ -50,17 +129,24 @@ int main(int argc, char **argv) {
   free_async_fn cuda_free_async = NULL;
   cu_alloc_fn cu_alloc = NULL;
   cu_free_fn cu_free = NULL;
+  cu_free_async_fn cu_free_async = NULL;
+  cu_get_proc_fn cu_get_proc = NULL;
   LOOKUP(cuda_malloc, "cudaMalloc");
   LOOKUP(cuda_free, "cudaFree");
   LOOKUP(cuda_malloc_async, "cudaMallocAsync");
   LOOKUP(cuda_free_async, "cudaFreeAsync");
   LOOKUP(cu_alloc, "cuMemAlloc_v2");
   LOOKUP(cu_free, "cuMemFree_v2");
+  LOOKUP(cu_free_async, "cuMemFreeAsync");
+  LOOKUP(cu_get_proc, "cuGetProcAddress_v2");
   LOOKUP(get_stats, "gpupool_stats");
-  if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free || !get_stats) {
+  if (!cuda_malloc || !cuda_free || !cuda_malloc_async || !cuda_free_async || !cu_alloc || !cu_free ||
+      !cu_free_async || !cu_get_proc || !get_stats) {
     printf("test_preload: skipped: libgpupool_preload.so is not preloaded\n");
     return 77;
   }
+  if (argc > 1 && strcmp(argv[1], "report") == 0)
+    return report_child(cuda_malloc, cuda_free, cuda_malloc_async, cuda_free_async);
 
   /* cudaMalloc is served by gpupool: the memory is the simulated device's (host memory). */
   void *p = NULL;
@@ -114,7 +200,39 @@ int main(int argc, char **argv) {
    * cudaErrorUnknown, and gpupool is untouched. */
   before = stats();
   CHECK(cuda_free((void *)0x1234) == 999);
-  CHECK(cuda_free(NULL) == 999);
   CHECK(stats().allocation.all.current == before.allocation.all.current);
+
+  /* cudaFree(NULL) does nothing and succeeds, as CUDA's does; on the simulated device the
+   * shim answers it without a runtime. */
+  CHECK(cuda_free(NULL) == 0);
+  CHECK(stats().allocation.all.current == before.allocation.all.current);
+
+  /* Without libcuda, a driver call the shim does not serve has no driver to go to: the shim
+   * answers CUDA_ERROR_NOT_INITIALIZED (3), as the driver does before cuInit has succeeded,
+   * and prints nothing. On a machine with libcuda these calls reach the real driver. */
+  void *libcuda = dlopen("libcuda.so.1", RTLD_LAZY);
+  if (libcuda == NULL) {
+    before = stats();
+    capture_begin();
+    int null_free = cu_free(0);
+    int foreign_free = cu_free(0x1234);
+    int foreign_free_async = cu_free_async(0x1234, NULL);
+    void *fn = NULL;
+    int found = 0;
+    int lookup = cu_get_proc("cuMemAlloc", &fn, 12080, 0, &found);
+    long printed = capture_end();
+    CHECK(null_free == 3);
+    CHECK(foreign_free == 3);
+    CHECK(foreign_free_async == 3);
+    CHECK(lookup == 3);
+    CHECK(fn == NULL);
+    CHECK(printed == 0);
+    CHECK(stats().allocation.all.current == before.allocation.all.current);
+  } else {
+    dlclose(libcuda);
+    printf("test_preload: libcuda.so.1 is present: the checks without a driver are skipped\n");
+  }
+
+  check_exit_report();
   return checks_report(stream_mode ? "test_preload (stream)" : "test_preload (safe)");
 }
