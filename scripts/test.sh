@@ -33,4 +33,10 @@ echo "== installed package, pkg-config"
 PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -Wall -Wextra -Werror examples/c/hello.c -o build/hello_pc \
   $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
 GPUPOOL_DRIVER=sim ./build/hello_pc >/dev/null
+# The three installed headers, together and beside a program's own names.
+PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -std=c11 -Wall -Wextra -Wpedantic -Werror \
+  tests/c/test_header_names.c -o build/header_names_pc \
+  $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
+./build/header_names_pc
+sh tests/c/header_names.sh build/install/include/gpupool*.h
 echo "test.sh: all tests passed"

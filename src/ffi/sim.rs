@@ -1,4 +1,5 @@
 //! Control of the simulated device (`GPUPOOL_DRIVER=sim`), for tests written in C.
+//! `include/gpupool_testing.h` is generated from this file alone (cbindgen-testing.toml).
 
 use std::ffi::c_int;
 

@@ -4,7 +4,8 @@
 //! PyTorch's hooks return nothing, so a failure cannot be returned: each of these functions
 //! writes gpupool's message to stderr (prefixed `gpupool:`) and leaves it for
 //! `gpupool_last_error_message` on the calling thread. `examples/python/gpupool_torch.py`
-//! wires them all.
+//! wires them all. `include/gpupool_torch.h` is generated from this file alone
+//! (cbindgen-torch.toml).
 
 use std::ffi::{c_int, c_void};
 use std::io::Write;

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "gpupool.h"
+#include "gpupool_testing.h"
+#include "gpupool_torch.h"
 #include "check.h"
 
 #define MIB ((size_t)1 << 20)
