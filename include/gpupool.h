@@ -375,8 +375,9 @@ gpupool_status gpupool_reset_peak_stats(int device);
 gpupool_status gpupool_memory_summary(int device, char *buf, size_t len, size_t *needed);
 
 /**
- * The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`, or ""
- * if there was none. Successful calls leave it as it was.
+ * The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
+ * `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
+ * was.
  *
  * Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
  * call on the same thread; copy it to keep it. Thread-safe: each thread has its own.

@@ -10,11 +10,11 @@
 //!
 //! Rules every export follows (after rustls-ffi):
 //! - Every call returns a `gpupool_status` (but the three that return strings, and PyTorch's
-//!   hooks, whose signatures are PyTorch's); outputs go through out-pointers and are written
-//!   only on success.
-//! - The body runs inside [`status::boundary`], which turns an error into its status and a
-//!   thread-local message (`gpupool_last_error_message`) and a panic into
-//!   `GPUPOOL_ERROR_INTERNAL`: no panic crosses into C.
+//!   hooks, whose signatures are PyTorch's); outputs go through out-pointers, checked by
+//!   `status::out_ptr`, and are written only on success.
+//! - The body runs inside `status::boundary`, which turns an error into its status and a
+//!   thread-local message (`gpupool_last_error_message`) that starts with the export's name,
+//!   and a panic into `GPUPOOL_ERROR_INTERNAL`: no panic crosses into C.
 //! - The process-wide allocator starts on the first call that needs it, with the driver
 //!   `GPUPOOL_DRIVER` names; if that fails, every such call returns the same status and
 //!   message.
