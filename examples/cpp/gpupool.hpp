@@ -89,11 +89,18 @@ inline gpupool_stats_t stats(int device = -1) {
   return s;
 }
 
+// snprintf's idiom: ask for the size, then fill; gpupool writes `needed` even when the buffer
+// is too small, so a table that grew between the calls (a new digit) is asked for again.
 inline std::string summary(int device = -1) {
   std::size_t needed = 0;
   check(gpupool_memory_summary(device, nullptr, 0, &needed));
-  std::string text(needed + 256, '\0');
-  check(gpupool_memory_summary(device, text.data(), text.size(), &needed));
+  std::string text;
+  gpupool_status status;
+  do {
+    text.assign(needed, '\0');
+    status = gpupool_memory_summary(device, text.data(), text.size(), &needed);
+  } while (status == GPUPOOL_ERROR_INVALID_VALUE && needed > text.size());
+  check(status);
   text.resize(needed - 1);
   return text;
 }

@@ -199,12 +199,15 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
 /// - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
 /// - `needed`: if not NULL, receives the bytes the text needs, NUL included.
 ///
-/// With `buf` NULL: writes `*needed` and succeeds. With a buffer of at least `*needed` bytes:
-/// writes the NUL-terminated text and `*needed`. The table can grow between two calls (a new
-/// digit); allocate a little more than asked, or retry.
+/// snprintf's two-call idiom: call with `buf` NULL (or a buffer that may be too small), allocate
+/// `*needed` bytes, call again. With a buffer of at least `*needed` bytes: writes the
+/// NUL-terminated text and `*needed`, and succeeds. With a buffer too small: writes `*needed`,
+/// leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this is the one
+/// exception to "outputs are written only on success". The table can grow between two calls
+/// (a new digit); allocate a little more than asked, or call again while the error persists.
 ///
-/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL, `len` too small: the
-/// message gives the size needed, and nothing is written; device out of range);
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
+/// message gives the size needed; device out of range, nothing written);
 /// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
 ///
 /// # Safety
@@ -217,11 +220,16 @@ pub unsafe extern "C" fn gpupool_memory_summary(
     needed: *mut usize,
 ) -> gpupool_status {
     boundary("gpupool_memory_summary", || {
+        // Both are optional, but a call with neither has nowhere to put its answer.
         if buf.is_null() && needed.is_null() {
             return Err(Error::InvalidValue("buf and needed are both NULL".into()));
         }
         let text = runtime()?.allocator.memory_summary(device)?;
         let n = text.len() + 1;
+        if !needed.is_null() {
+            // SAFETY: non-NULL, caller-owned. Written before the length check, on purpose.
+            unsafe { *needed = n };
+        }
         if !buf.is_null() {
             if len < n {
                 return Err(Error::InvalidValue(format!("the buffer has {len} bytes but the summary needs {n}")));
@@ -231,10 +239,6 @@ pub unsafe extern "C" fn gpupool_memory_summary(
                 std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
                 *buf.add(text.len()) = 0;
             }
-        }
-        if !needed.is_null() {
-            // SAFETY: non-NULL, caller-owned.
-            unsafe { *needed = n };
         }
         Ok(())
     })

@@ -11,7 +11,8 @@ use std::ptr::NonNull;
 use crate::error::Error;
 
 /// What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
-/// `gpupool_last_error_message()` says what went wrong, and no output was written.
+/// `gpupool_last_error_message()` says what went wrong, and no output was written (the one
+/// exception: `gpupool_memory_summary` writes `*needed` when the buffer is too small).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(non_camel_case_types)]

@@ -155,9 +155,27 @@ static void test_summary(void) {
   CHECK_OK(gpupool_memory_summary(0, NULL, 0, &needed));
   CHECK(needed > 1000);
   char small[16];
-  CHECK(gpupool_memory_summary(0, small, sizeof small, &needed) == GPUPOOL_ERROR_INVALID_VALUE);
+  memset(small, 'x', sizeof small);
+  size_t small_needed = 0;
+  CHECK(gpupool_memory_summary(0, small, sizeof small, &small_needed) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "needs") != NULL);
   CHECK(message_from("gpupool_memory_summary"));
+  /* The one output written on failure: the size, as snprintf returns it. */
+  CHECK(small_needed == needed);
+  CHECK(small[0] == 'x' && small[sizeof small - 1] == 'x'); /* the buffer is untouched */
+  /* snprintf's two-call idiom: a buffer too small, then one of the size asked for. */
+  size_t want = 0;
+  char one[1] = {'x'};
+  CHECK(gpupool_memory_summary(0, one, sizeof one, &want) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(one[0] == 'x');
+  char *exact = malloc(want);
+  CHECK(exact != NULL);
+  if (exact != NULL) {
+    size_t again = 0;
+    CHECK_OK(gpupool_memory_summary(0, exact, want, &again));
+    CHECK(again == want && strlen(exact) + 1 == want);
+    free(exact);
+  }
   char *buf = malloc(needed + 256);
   CHECK_OK(gpupool_memory_summary(0, buf, needed + 256, &needed));
   CHECK(strstr(buf, "Allocated memory") != NULL);
