@@ -382,10 +382,13 @@ gpupool_status gpupool_memory_summary(int device, char *buf, size_t len, size_t 
 /**
  * The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
  * `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
- * was.
+ * was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends
+ * with "...".
  *
  * Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
- * call on the same thread; copy it to keep it. Thread-safe: each thread has its own.
+ * call on the same thread, or the thread's exit; copy it to keep it. Thread-safe: each
+ * thread has its own, which costs no allocation and no exit handler, so gpupool may be
+ * called from any thread at any time, including from pthread-key destructors.
  */
 const char *gpupool_last_error_message(void);
 

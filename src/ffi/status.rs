@@ -4,7 +4,7 @@
 //! name in front of it: the core's errors say what went wrong, not which export was called.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CStr, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::NonNull;
 
@@ -81,14 +81,45 @@ impl gpupool_status {
     }
 }
 
+/// Bytes kept of a message, its NUL included; `gpupool_last_error_message`'s doc states it.
+/// PyTorch's out-of-memory text, the longest gpupool writes, is about 600 bytes.
+const MESSAGE_CAPACITY: usize = 1024;
+const TRUNCATED: &str = "...";
+
 thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    // A byte array, initialised at compile time: it needs no destructor, so the first failing
+    // call of a thread registers nothing and allocates nothing. A `CString` here registered a
+    // TLS destructor on first use, and leaked when that use came from a pthread-key destructor,
+    // which glibc runs after the thread's TLS destructors.
+    static LAST_ERROR: RefCell<[u8; MESSAGE_CAPACITY]> = const { RefCell::new([0; MESSAGE_CAPACITY]) };
 }
 
-/// Stores `parts`, concatenated, as this thread's message; NUL bytes become spaces.
+/// Stores `parts`, concatenated, as this thread's message: NUL bytes become spaces, and a
+/// message longer than `MESSAGE_CAPACITY - 1` bytes is cut at a character boundary and ends
+/// with "...".
 fn set_last_error(parts: &[&str]) {
-    let c = CString::new(parts.concat().replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let room = MESSAGE_CAPACITY - 1;
+    let budget = if total > room { room - TRUNCATED.len() } else { total };
+    LAST_ERROR.with_borrow_mut(|buf| {
+        let mut len = 0;
+        for part in parts {
+            let mut take = part.len().min(budget - len);
+            while !part.is_char_boundary(take) {
+                take -= 1;
+            }
+            for (dst, &src) in buf[len..len + take].iter_mut().zip(part.as_bytes()) {
+                *dst = if src == 0 { b' ' } else { src };
+            }
+            len += take;
+            if take < part.len() {
+                buf[len..len + TRUNCATED.len()].copy_from_slice(TRUNCATED.as_bytes());
+                len += TRUNCATED.len();
+                break;
+            }
+        }
+        buf[len] = 0;
+    });
 }
 
 /// Runs the body of the export `call`: an error becomes its status and this thread's last
@@ -144,13 +175,16 @@ pub(crate) fn out_ptr<T>(ptr: *mut T, arg: &str) -> Result<Out<T>, Error> {
 
 /// The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
 /// `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
-/// was.
+/// was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends
+/// with "...".
 ///
 /// Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
-/// call on the same thread; copy it to keep it. Thread-safe: each thread has its own.
+/// call on the same thread, or the thread's exit; copy it to keep it. Thread-safe: each
+/// thread has its own, which costs no allocation and no exit handler, so gpupool may be
+/// called from any thread at any time, including from pthread-key destructors.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_last_error_message() -> *const c_char {
-    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"(no message: this thread is exiting)".as_ptr())
+    LAST_ERROR.with(|e| e.as_ptr().cast())
 }
 
 /// A short description of a status ("success", "out of memory", ...), for any value:
@@ -213,5 +247,24 @@ mod tests {
         let s = boundary("gpupool_test", || panic!("broken invariant"));
         assert_eq!(s, gpupool_status::GPUPOOL_ERROR_INTERNAL);
         assert!(last().starts_with("gpupool_test: internal error: gpupool panicked (broken invariant)"));
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        // 'é' is two bytes: an odd prefix puts every cut position inside a character once.
+        for pad in 0..2 {
+            let long = format!("{}{}", "x".repeat(pad), "é".repeat(MESSAGE_CAPACITY));
+            set_last_error(&["gpupool_test", ": ", &long]);
+            let m = last();
+            assert!(m.len() < MESSAGE_CAPACITY);
+            assert!(m.len() >= MESSAGE_CAPACITY - 1 - TRUNCATED.len() - 1);
+            assert!(m.starts_with("gpupool_test: "));
+            assert!(m.ends_with("é..."), "{m}");
+        }
+        let exact = "y".repeat(MESSAGE_CAPACITY - 1);
+        set_last_error(&[&exact]);
+        assert_eq!(last(), exact, "a message that fits is kept whole");
+        set_last_error(&["a\0b"]);
+        assert_eq!(last(), "a b");
     }
 }
