@@ -52,43 +52,57 @@ echo "== Rust tests (simulated device)"
 for t in "$dir"/bin/*; do "$t" --quiet >>"$out/rust-tests.log" 2>&1 || status=1; done
 grep -E "test result" "$out/rust-tests.log" || true
 
+# Configures the CMake project in $1 against the installed gpupool into $2, with the further
+# arguments given, and builds it. The caller sends the output to a log.
+build_against_prefix() {
+  local source=$1 build=$2
+  shift 2
+  cmake -S "$source" -B "$build" -DCMAKE_PREFIX_PATH="$prefix" "$@" && cmake --build "$build" -j
+}
+
 echo "== C tests with GPUPOOL_DRIVER=cuda"
-cmake -S tests/c -B build-gpu/c -DCMAKE_PREFIX_PATH="$prefix" -DGPUPOOL_TEST_DRIVER=cuda >"$out/c-tests.log" 2>&1
-cmake --build build-gpu/c -j >>"$out/c-tests.log" 2>&1
+build_against_prefix tests/c build-gpu/c -DGPUPOOL_TEST_DRIVER=cuda >"$out/c-tests.log" 2>&1
 ctest --test-dir build-gpu/c --output-on-failure -E c_no_driver >>"$out/c-tests.log" 2>&1 || status=1
 grep -E "tests passed|Failed|passed," "$out/c-tests.log" || true
 
 echo "== GPU tests"
-cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests.log" 2>&1
-cmake --build build-gpu/gpu -j >>"$out/gpu-tests.log" 2>&1
+build_against_prefix tests/gpu build-gpu/gpu >"$out/gpu-tests.log" 2>&1
 ./build-gpu/gpu/test_gpu 2>&1 | tee -a "$out/gpu-tests.log" || status=1
 
 echo "== examples"
 torch_dir=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
-if ! { cmake -S examples/c -B build-gpu/examples -DCMAKE_PREFIX_PATH="$prefix" -DGPUPOOL_TORCH_DIR="$torch_dir" &&
-       cmake --build build-gpu/examples -j; } >"$out/examples-build.log" 2>&1; then
+if ! build_against_prefix examples/c build-gpu/examples -DGPUPOOL_TORCH_DIR="$torch_dir" \
+  >"$out/examples-build.log" 2>&1; then
   echo "bench with PyTorch did not build (see examples-build.log); building it without"
   rm -rf build-gpu/examples
-  cmake -S examples/c -B build-gpu/examples -DCMAKE_PREFIX_PATH="$prefix" >>"$out/examples-build.log" 2>&1
-  cmake --build build-gpu/examples -j >>"$out/examples-build.log" 2>&1
+  build_against_prefix examples/c build-gpu/examples >>"$out/examples-build.log" 2>&1
 fi
 ./build-gpu/examples/hello >"$out/hello.log" 2>&1 || status=1
 head -3 "$out/hello.log"; tail -1 "$out/hello.log"
-{ cmake -S examples/cpp -B build-gpu/cpp -DCMAKE_PREFIX_PATH="$prefix" && cmake --build build-gpu/cpp -j; } \
-  >"$out/cpp-build.log" 2>&1 || { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
+build_against_prefix examples/cpp build-gpu/cpp >"$out/cpp-build.log" 2>&1 ||
+  { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
 ./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
 ./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
 
 echo "== LD_PRELOAD shim"
 preload="$prefix/lib/libgpupool_preload.so"
 p=build-gpu/preload
-if { cmake -S tests/preload -B $p -DCMAKE_PREFIX_PATH="$prefix" && cmake --build $p -j; } >"$out/preload-build.log" 2>&1; then
+# Runs $p/$1 as it is (output in $out/$2-native.txt) and under the shim with its statistics
+# at exit ($out/$2-shim.txt, and its stderr in $out/$2-shim.err); a failed run sets status=1.
+run_without_and_with_shim() {
+  ./$p/$1 >"$out/$2-native.txt" 2>&1 || status=1
+  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/$1 >"$out/$2-shim.txt" 2>"$out/$2-shim.err" || status=1
+}
+# The same, and the program must print the same under the shim.
+compare_without_and_with_shim() {
+  run_without_and_with_shim "$1" "$2"
+  cmp -s "$out/$2-native.txt" "$out/$2-shim.txt" && echo "$1: identical output under the shim" ||
+    { echo "$1: output differs under the shim"; status=1; }
+}
+if build_against_prefix tests/preload $p >"$out/preload-build.log" 2>&1; then
   # An unmodified runtime-API program (-cudart shared): the same output, and its traffic in
   # gpupool's statistics (60 rounds of 3 cudaMalloc).
-  ./$p/app >"$out/app-native.txt" 2>&1 || status=1
-  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/app >"$out/app-shim.txt" 2>"$out/app-shim.err" || status=1
-  cmp -s "$out/app-native.txt" "$out/app-shim.txt" && echo "app: identical output under the shim" ||
-    { echo "app: output differs under the shim"; status=1; }
+  compare_without_and_with_shim app app
   grep -q "served 180 cudaMalloc" "$out/app-shim.err" || { echo "app: the shim did not serve its cudaMalloc"; status=1; }
   grep "served" "$out/app-shim.err" || true
   # The opt-in stream mode is documented as wrong for this program (it relies on cudaFree
@@ -96,15 +110,11 @@ if { cmake -S tests/preload -B $p -DCMAKE_PREFIX_PATH="$prefix" && cmake --build
   LD_PRELOAD="$preload" GPUPOOL_PRELOAD_MODE=stream ./$p/app >"$out/app-stream-mode.txt" 2>&1 &&
     echo "app, stream mode: no wrong sum this time" || echo "app, stream mode: $(tail -1 "$out/app-stream-mode.txt")"
   # The runtime linked statically: what the shim catches of it.
-  ./$p/app_static >"$out/app-static-native.txt" 2>&1 || status=1
-  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/app_static >"$out/app-static-shim.txt" 2>"$out/app-static-shim.err" || status=1
-  cmp -s "$out/app-static-native.txt" "$out/app-static-shim.txt" && echo "app_static: identical output under the shim" ||
-    { echo "app_static: output differs under the shim"; status=1; }
+  compare_without_and_with_shim app_static app-static
   echo "app_static: $(grep -o "served [^;]*" "$out/app-static-shim.err" || echo "the shim never started")"
   # The driver API: two cuMemAlloc (direct, and through cuGetProcAddress) and one
   # cuMemAllocAsync served; the allocation in the program's own context passed through.
-  ./$p/driver_app >"$out/driver-native.txt" 2>&1 || status=1
-  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/driver_app >"$out/driver-shim.txt" 2>"$out/driver-shim.err" || status=1
+  run_without_and_with_shim driver_app driver
   cat "$out/driver-shim.txt"
   grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
     grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||

@@ -53,7 +53,7 @@ static double now_ns(void) {
 static void *gp_alloc(size_t n, cudaStream_t s) {
   void *p = NULL;
   if (gpupool_malloc(&p, n, 0, (gpupool_stream_t)s) != GPUPOOL_SUCCESS) {
-    fprintf(stderr, "gpupool_malloc(%zu): %s\n", n, gpupool_last_error_message());
+    fprintf(stderr, "%s (%zu bytes)\n", gpupool_last_error_message(), n);
     exit(1);
   }
   return p;

@@ -28,10 +28,10 @@ class error : public std::runtime_error {
   gpupool_status status_;
 };
 
-inline void check(gpupool_status status, const char *call) {
+// what(): "<status>: <function>: <why>"; gpupool's message names the function that failed.
+inline void check(gpupool_status status) {
   if (status != GPUPOOL_SUCCESS) {
-    throw error(status, std::string(call) + ": " + gpupool_status_string(status) + ": " +
-                            gpupool_last_error_message());
+    throw error(status, std::string(gpupool_status_string(status)) + ": " + gpupool_last_error_message());
   }
 }
 
@@ -40,7 +40,7 @@ class buffer {
  public:
   buffer() noexcept = default;
   buffer(std::size_t bytes, gpupool_stream_t stream, int device = -1) : size_(bytes), stream_(stream) {
-    check(gpupool_malloc(&ptr_, bytes, device, stream), "gpupool_malloc");
+    check(gpupool_malloc(&ptr_, bytes, device, stream));
   }
   buffer(const buffer &) = delete;
   buffer &operator=(const buffer &) = delete;
@@ -62,7 +62,7 @@ class buffer {
   explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
   // The block is also used by work queued on `other` (PyTorch's Tensor.record_stream).
-  void record_stream(gpupool_stream_t other) { check(gpupool_record_stream(ptr_, other), "gpupool_record_stream"); }
+  void record_stream(gpupool_stream_t other) { check(gpupool_record_stream(ptr_, other)); }
 
   // Frees the block now. A failure here can only be a gpupool bug; it is not thrown from a
   // destructor.
@@ -85,19 +85,26 @@ class buffer {
 
 inline gpupool_stats_t stats(int device = -1) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
-  check(gpupool_stats(device, &s), "gpupool_stats");
+  check(gpupool_stats(device, &s));
   return s;
 }
 
+// snprintf's idiom: ask for the size, then fill; gpupool writes `needed` even when the buffer
+// is too small, so a table that grew between the calls (a new digit) is asked for again.
 inline std::string summary(int device = -1) {
   std::size_t needed = 0;
-  check(gpupool_memory_summary(device, nullptr, 0, &needed), "gpupool_memory_summary");
-  std::string text(needed + 256, '\0');
-  check(gpupool_memory_summary(device, text.data(), text.size(), &needed), "gpupool_memory_summary");
+  check(gpupool_memory_summary(device, nullptr, 0, &needed));
+  std::string text;
+  gpupool_status status;
+  do {
+    text.assign(needed, '\0');
+    status = gpupool_memory_summary(device, text.data(), text.size(), &needed);
+  } while (status == GPUPOOL_ERROR_INVALID_VALUE && needed > text.size());
+  check(status);
   text.resize(needed - 1);
   return text;
 }
 
-inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device), "gpupool_empty_cache"); }
+inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
 
 }  // namespace gpupool

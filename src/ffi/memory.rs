@@ -2,7 +2,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::status::{boundary, gpupool_status};
+use super::status::{boundary, gpupool_status, out_ptr};
 use super::{gpupool_stream_t, runtime};
 use crate::error::Error;
 
@@ -41,12 +41,10 @@ pub unsafe extern "C" fn gpupool_malloc(
     stream: gpupool_stream_t,
 ) -> gpupool_status {
     boundary("gpupool_malloc", || {
-        if ptr.is_null() {
-            return Err(Error::InvalidValue("gpupool_malloc: ptr (the out-pointer) is NULL".into()));
-        }
-        let p = runtime()?.allocator.malloc(size, device, stream as usize)?;
-        // SAFETY: checked non-NULL; the caller passes a writable `void *`.
-        unsafe { *ptr = p as *mut c_void };
+        let ptr = out_ptr(ptr, "ptr")?;
+        let p = malloc(size, device, stream)?;
+        // SAFETY: the caller passes storage for one `void *`.
+        unsafe { ptr.write(p) };
         Ok(())
     })
 }
@@ -73,12 +71,7 @@ pub unsafe extern "C" fn gpupool_malloc(
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
-    boundary("gpupool_free", || {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        runtime()?.allocator.free(ptr as u64)
-    })
+    boundary("gpupool_free", || free(ptr))
 }
 
 /// Says that the block at `ptr` is also used by work on `stream`, so that after
@@ -98,12 +91,7 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
-    boundary("gpupool_record_stream", || {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        runtime()?.allocator.record_stream(ptr as u64, stream as usize)
-    })
+    boundary("gpupool_record_stream", || record_stream(ptr, stream))
 }
 
 /// Returns every cached segment that is wholly free to the driver (`cuMemFree`), after waiting
@@ -121,7 +109,7 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 /// Thread-safe; blocks the calling thread while it waits for events.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
-    boundary("gpupool_empty_cache", || runtime()?.allocator.empty_cache(device))
+    boundary("gpupool_empty_cache", || empty_cache(device))
 }
 
 /// Writes the number of devices of the driver in use to `*count` (`cudaGetDeviceCount`;
@@ -135,12 +123,10 @@ pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
     boundary("gpupool_device_count", || {
-        if count.is_null() {
-            return Err(Error::InvalidValue("gpupool_device_count: count is NULL".into()));
-        }
+        let count = out_ptr(count, "count")?;
         let n = runtime()?.allocator.device_count();
-        // SAFETY: checked non-NULL; caller-owned.
-        unsafe { *count = n };
+        // SAFETY: the caller passes storage for one `int`.
+        unsafe { count.write(n) };
         Ok(())
     })
 }
@@ -161,5 +147,34 @@ pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_stat
 /// Thread-safe; allocations already in flight on other threads may still pass the old limit.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
-    boundary("gpupool_set_memory_fraction", || runtime()?.allocator.set_memory_fraction(fraction, device))
+    boundary("gpupool_set_memory_fraction", || set_memory_fraction(fraction, device))
+}
+
+// The bodies of the exports above, shared with the PyTorch hooks (`torch.rs`), which report
+// their errors under their own names.
+
+pub(super) fn malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> Result<*mut c_void, Error> {
+    Ok(runtime()?.allocator.malloc(size, device, stream as usize)? as *mut c_void)
+}
+
+pub(super) fn free(ptr: *mut c_void) -> Result<(), Error> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    runtime()?.allocator.free(ptr as u64)
+}
+
+pub(super) fn record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> Result<(), Error> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    runtime()?.allocator.record_stream(ptr as u64, stream as usize)
+}
+
+pub(super) fn empty_cache(device: c_int) -> Result<(), Error> {
+    runtime()?.allocator.empty_cache(device)
+}
+
+pub(super) fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), Error> {
+    runtime()?.allocator.set_memory_fraction(fraction, device)
 }

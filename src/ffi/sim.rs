@@ -1,4 +1,5 @@
 //! Control of the simulated device (`GPUPOOL_DRIVER=sim`), for tests written in C.
+//! `include/gpupool_testing.h` is generated from this file alone (cbindgen-testing.toml).
 
 use std::ffi::c_int;
 
@@ -7,11 +8,12 @@ use super::{Runtime, gpupool_stream_t, runtime};
 use crate::driver::sim::SimDriver;
 use crate::error::Error;
 
-fn sim(call: &str) -> Result<(&'static Runtime, &'static SimDriver), Error> {
+fn sim() -> Result<(&'static Runtime, &'static SimDriver), Error> {
     let rt = runtime()?;
-    let sim = rt.sim.as_deref().ok_or_else(|| {
-        Error::InvalidValue(format!("{call}: the simulated device is not in use (set GPUPOOL_DRIVER=sim)"))
-    })?;
+    let sim = rt
+        .sim
+        .as_deref()
+        .ok_or_else(|| Error::InvalidValue("the simulated device is not in use (set GPUPOOL_DRIVER=sim)".into()))?;
     Ok((rt, sim))
 }
 
@@ -24,7 +26,7 @@ fn sim(call: &str) -> Result<(&'static Runtime, &'static SimDriver), Error> {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_hold_stream", || {
-        sim("gpupool_sim_hold_stream")?.1.hold_stream(stream as usize);
+        sim()?.1.hold_stream(stream as usize);
         Ok(())
     })
 }
@@ -36,7 +38,7 @@ pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_s
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_release_stream", || {
-        sim("gpupool_sim_release_stream")?.1.release_stream(stream as usize);
+        sim()?.1.release_stream(stream as usize);
         Ok(())
     })
 }
@@ -49,12 +51,10 @@ pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupoo
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
     boundary("gpupool_sim_set_device", || {
-        let (rt, _) = sim("gpupool_sim_set_device")?;
+        let (rt, _) = sim()?;
         let count = rt.allocator.device_count();
         if !(0..count).contains(&device) {
-            return Err(Error::InvalidValue(format!(
-                "gpupool_sim_set_device: device {device} is out of range: {count} simulated device(s)"
-            )));
+            return Err(Error::InvalidValue(format!("device {device} is out of range: {count} simulated device(s)")));
         }
         SimDriver::set_current_device(device);
         Ok(())

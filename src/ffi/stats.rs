@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_int};
 
 use super::runtime;
-use super::status::{boundary, gpupool_status};
+use super::status::{boundary, gpupool_status, out_ptr};
 use crate::error::Error;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
@@ -85,36 +85,60 @@ pub struct gpupool_stats_t {
     pub max_split_size: i64,
 }
 
+// Each conversion names every field of both sides, with no `..`: a field added to the core's
+// statistics or to the C struct alone fails to compile here.
+
 fn stat(s: &Stat) -> gpupool_stat_t {
-    gpupool_stat_t { current: s.current, peak: s.peak, allocated: s.allocated, freed: s.freed }
+    let Stat { current, peak, allocated, freed } = *s;
+    gpupool_stat_t { current, peak, allocated, freed }
 }
 
 fn array(a: &StatArray) -> gpupool_stat_array_t {
-    gpupool_stat_array_t { all: stat(&a.all), small_pool: stat(&a.small_pool), large_pool: stat(&a.large_pool) }
+    let StatArray { all, small_pool, large_pool } = a;
+    gpupool_stat_array_t { all: stat(all), small_pool: stat(small_pool), large_pool: stat(large_pool) }
 }
 
 impl From<&DeviceStats> for gpupool_stats_t {
     fn from(s: &DeviceStats) -> Self {
+        let DeviceStats {
+            allocation,
+            segment,
+            active,
+            inactive_split,
+            allocated_bytes,
+            reserved_bytes,
+            active_bytes,
+            inactive_split_bytes,
+            requested_bytes,
+            oversize_allocations,
+            oversize_segments,
+            num_alloc_retries,
+            num_ooms,
+            num_sync_all_streams,
+            num_device_alloc,
+            num_device_free,
+            max_split_size,
+        } = *s;
         gpupool_stats_t {
             size: size_of::<gpupool_stats_t>() as u32,
             version: GPUPOOL_STATS_VERSION,
-            allocation: array(&s.allocation),
-            segment: array(&s.segment),
-            active: array(&s.active),
-            inactive_split: array(&s.inactive_split),
-            allocated_bytes: array(&s.allocated_bytes),
-            reserved_bytes: array(&s.reserved_bytes),
-            active_bytes: array(&s.active_bytes),
-            inactive_split_bytes: array(&s.inactive_split_bytes),
-            requested_bytes: array(&s.requested_bytes),
-            oversize_allocations: stat(&s.oversize_allocations),
-            oversize_segments: stat(&s.oversize_segments),
-            num_alloc_retries: s.num_alloc_retries,
-            num_ooms: s.num_ooms,
-            num_sync_all_streams: s.num_sync_all_streams,
-            num_device_alloc: s.num_device_alloc,
-            num_device_free: s.num_device_free,
-            max_split_size: s.max_split_size,
+            allocation: array(&allocation),
+            segment: array(&segment),
+            active: array(&active),
+            inactive_split: array(&inactive_split),
+            allocated_bytes: array(&allocated_bytes),
+            reserved_bytes: array(&reserved_bytes),
+            active_bytes: array(&active_bytes),
+            inactive_split_bytes: array(&inactive_split_bytes),
+            requested_bytes: array(&requested_bytes),
+            oversize_allocations: stat(&oversize_allocations),
+            oversize_segments: stat(&oversize_segments),
+            num_alloc_retries,
+            num_ooms,
+            num_sync_all_streams,
+            num_device_alloc,
+            num_device_free,
+            max_split_size,
         }
     }
 }
@@ -141,14 +165,12 @@ const HEADER: usize = 8;
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_stats(device: c_int, out: *mut gpupool_stats_t) -> gpupool_status {
     boundary("gpupool_stats", || {
-        if out.is_null() {
-            return Err(Error::InvalidValue("gpupool_stats: out is NULL".into()));
-        }
+        let out = out_ptr(out, "out")?.as_ptr();
         // SAFETY: `out` is non-NULL and points to at least the 4-byte `size` field.
         let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
         if caller_size < HEADER {
             return Err(Error::InvalidValue(format!(
-                "gpupool_stats: out->size is {caller_size}; set it to sizeof(gpupool_stats_t) first"
+                "out->size is {caller_size}; set it to sizeof(gpupool_stats_t) first"
             )));
         }
         let mut full = gpupool_stats_t::from(&runtime()?.allocator.stats(device)?);
@@ -177,12 +199,15 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
 /// - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
 /// - `needed`: if not NULL, receives the bytes the text needs, NUL included.
 ///
-/// With `buf` NULL: writes `*needed` and succeeds. With a buffer of at least `*needed` bytes:
-/// writes the NUL-terminated text and `*needed`. The table can grow between two calls (a new
-/// digit); allocate a little more than asked, or retry.
+/// snprintf's two-call idiom: call with `buf` NULL (or a buffer that may be too small), allocate
+/// `*needed` bytes, call again. With a buffer of at least `*needed` bytes: writes the
+/// NUL-terminated text and `*needed`, and succeeds. With a buffer too small: writes `*needed`,
+/// leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this is the one
+/// exception to "outputs are written only on success". The table can grow between two calls
+/// (a new digit); allocate a little more than asked, or call again while the error persists.
 ///
-/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL, `len` too small: the
-/// message gives the size needed, and nothing is written; device out of range);
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
+/// message gives the size needed; device out of range, nothing written);
 /// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
 ///
 /// # Safety
@@ -195,26 +220,25 @@ pub unsafe extern "C" fn gpupool_memory_summary(
     needed: *mut usize,
 ) -> gpupool_status {
     boundary("gpupool_memory_summary", || {
+        // Both are optional, but a call with neither has nowhere to put its answer.
         if buf.is_null() && needed.is_null() {
-            return Err(Error::InvalidValue("gpupool_memory_summary: buf and needed are both NULL".into()));
+            return Err(Error::InvalidValue("buf and needed are both NULL".into()));
         }
         let text = runtime()?.allocator.memory_summary(device)?;
         let n = text.len() + 1;
+        if !needed.is_null() {
+            // SAFETY: non-NULL, caller-owned. Written before the length check, on purpose.
+            unsafe { *needed = n };
+        }
         if !buf.is_null() {
             if len < n {
-                return Err(Error::InvalidValue(format!(
-                    "gpupool_memory_summary: the buffer has {len} bytes but the summary needs {n}"
-                )));
+                return Err(Error::InvalidValue(format!("the buffer has {len} bytes but the summary needs {n}")));
             }
             // SAFETY: the caller's buffer holds `len >= n` bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
                 *buf.add(text.len()) = 0;
             }
-        }
-        if !needed.is_null() {
-            // SAFETY: non-NULL, caller-owned.
-            unsafe { *needed = n };
         }
         Ok(())
     })

@@ -1,13 +1,18 @@
-//! Status codes, the thread-local error message, and the panic boundary.
+//! Status codes, the thread-local error message, the panic boundary and the out-pointer check.
+//!
+//! Only this module writes the message a C caller reads, and it alone puts the C function's
+//! name in front of it: the core's errors say what went wrong, not which export was called.
 
 use std::cell::RefCell;
-use std::ffi::{CString, c_char};
+use std::ffi::{CStr, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr::NonNull;
 
 use crate::error::Error;
 
 /// What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
-/// `gpupool_last_error_message()` says what went wrong, and no output was written.
+/// `gpupool_last_error_message()` says what went wrong, and no output was written (the one
+/// exception: `gpupool_memory_summary` writes `*needed` when the buffer is too small).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
@@ -33,6 +38,37 @@ pub enum gpupool_status {
 }
 
 impl gpupool_status {
+    /// Every status, for [`gpupool_status::from_u32`]; the test below checks it against the
+    /// variants' values.
+    const ALL: [gpupool_status; 7] = [
+        gpupool_status::GPUPOOL_SUCCESS,
+        gpupool_status::GPUPOOL_ERROR_INVALID_VALUE,
+        gpupool_status::GPUPOOL_ERROR_OUT_OF_MEMORY,
+        gpupool_status::GPUPOOL_ERROR_INVALID_POINTER,
+        gpupool_status::GPUPOOL_ERROR_DRIVER_UNAVAILABLE,
+        gpupool_status::GPUPOOL_ERROR_CUDA,
+        gpupool_status::GPUPOOL_ERROR_INTERNAL,
+    ];
+
+    /// The status whose value is `value`, if there is one: C passes any `uint32_t`, and a
+    /// Rust enum must never hold a value outside its variants.
+    pub fn from_u32(value: u32) -> Option<gpupool_status> {
+        Self::ALL.into_iter().find(|s| *s as u32 == value)
+    }
+
+    /// What [`gpupool_status_string`] says of this status.
+    pub fn description(self) -> &'static CStr {
+        match self {
+            gpupool_status::GPUPOOL_SUCCESS => c"success",
+            gpupool_status::GPUPOOL_ERROR_INVALID_VALUE => c"invalid value",
+            gpupool_status::GPUPOOL_ERROR_OUT_OF_MEMORY => c"out of memory",
+            gpupool_status::GPUPOOL_ERROR_INVALID_POINTER => c"invalid pointer",
+            gpupool_status::GPUPOOL_ERROR_DRIVER_UNAVAILABLE => c"driver unavailable",
+            gpupool_status::GPUPOOL_ERROR_CUDA => c"CUDA error",
+            gpupool_status::GPUPOOL_ERROR_INTERNAL => c"internal error",
+        }
+    }
+
     fn of(e: &Error) -> gpupool_status {
         match e {
             Error::InvalidValue(_) => gpupool_status::GPUPOOL_ERROR_INVALID_VALUE,
@@ -45,44 +81,110 @@ impl gpupool_status {
     }
 }
 
+/// Bytes kept of a message, its NUL included; `gpupool_last_error_message`'s doc states it.
+/// PyTorch's out-of-memory text, the longest gpupool writes, is about 600 bytes.
+const MESSAGE_CAPACITY: usize = 1024;
+const TRUNCATED: &str = "...";
+
 thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    // A byte array, initialised at compile time: it needs no destructor, so the first failing
+    // call of a thread registers nothing and allocates nothing. A `CString` here registered a
+    // TLS destructor on first use, and leaked when that use came from a pthread-key destructor,
+    // which glibc runs after the thread's TLS destructors.
+    static LAST_ERROR: RefCell<[u8; MESSAGE_CAPACITY]> = const { RefCell::new([0; MESSAGE_CAPACITY]) };
 }
 
-fn set_last_error(message: &str) {
-    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
+/// Stores `parts`, concatenated, as this thread's message: NUL bytes become spaces, and a
+/// message longer than `MESSAGE_CAPACITY - 1` bytes is cut at a character boundary and ends
+/// with "...".
+fn set_last_error(parts: &[&str]) {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let room = MESSAGE_CAPACITY - 1;
+    let budget = if total > room { room - TRUNCATED.len() } else { total };
+    LAST_ERROR.with_borrow_mut(|buf| {
+        let mut len = 0;
+        for part in parts {
+            let mut take = part.len().min(budget - len);
+            while !part.is_char_boundary(take) {
+                take -= 1;
+            }
+            for (dst, &src) in buf[len..len + take].iter_mut().zip(part.as_bytes()) {
+                *dst = if src == 0 { b' ' } else { src };
+            }
+            len += take;
+            if take < part.len() {
+                buf[len..len + TRUNCATED.len()].copy_from_slice(TRUNCATED.as_bytes());
+                len += TRUNCATED.len();
+                break;
+            }
+        }
+        buf[len] = 0;
+    });
 }
 
-/// Runs the body of an export: an error becomes its status and this thread's last message; a
-/// panic becomes `GPUPOOL_ERROR_INTERNAL`.
+/// Runs the body of the export `call`: an error becomes its status and this thread's last
+/// message, `"{call}: {what went wrong}"`; a panic becomes `GPUPOOL_ERROR_INTERNAL`. No panic
+/// leaves this function, so none crosses into C.
 pub(crate) fn boundary(call: &str, body: impl FnOnce() -> Result<(), Error>) -> gpupool_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => gpupool_status::GPUPOOL_SUCCESS,
         Ok(Err(e)) => {
-            set_last_error(e.message());
+            set_last_error(&[call, ": ", e.message()]);
             gpupool_status::of(&e)
         }
         Err(payload) => {
             let what = payload
                 .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "no message".into());
-            set_last_error(&format!("{call}: internal error: gpupool panicked ({what}); please report this"));
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("no message");
+            set_last_error(&[call, ": internal error: gpupool panicked (", what, "); please report this"]);
             gpupool_status::GPUPOOL_ERROR_INTERNAL
         }
     }
 }
 
-/// The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`, or ""
-/// if there was none. Successful calls leave it as it was.
+/// A caller's out-pointer that [`out_ptr`] found non-NULL.
+pub(crate) struct Out<T>(NonNull<T>);
+
+impl<T> Out<T> {
+    /// Writes `value` through the caller's pointer.
+    ///
+    /// # Safety
+    /// The pointer must be valid for a write of one aligned `T`, as every export that takes an
+    /// out-pointer requires of its caller.
+    pub(crate) unsafe fn write(self, value: T) {
+        // SAFETY: non-NULL (checked by `out_ptr`) and writable per this function's contract.
+        unsafe { self.0.as_ptr().write(value) }
+    }
+
+    /// The pointer, for an export that reads its argument before writing it.
+    pub(crate) fn as_ptr(&self) -> *mut T {
+        self.0.as_ptr()
+    }
+}
+
+/// Checks the out-pointer argument `arg` of an export: NULL is `InvalidValue`, naming `arg`
+/// (the boundary adds the export's name). Checked before anything else, so that a NULL
+/// changes nothing.
+pub(crate) fn out_ptr<T>(ptr: *mut T, arg: &str) -> Result<Out<T>, Error> {
+    NonNull::new(ptr)
+        .map(Out)
+        .ok_or_else(|| Error::InvalidValue(format!("{arg} is NULL; it must point to storage for the result")))
+}
+
+/// The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
+/// `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
+/// was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends
+/// with "...".
 ///
 /// Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
-/// call on the same thread; copy it to keep it. Thread-safe: each thread has its own.
+/// call on the same thread, or the thread's exit; copy it to keep it. Thread-safe: each
+/// thread has its own, which costs no allocation and no exit handler, so gpupool may be
+/// called from any thread at any time, including from pthread-key destructors.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_last_error_message() -> *const c_char {
-    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"(no message: this thread is exiting)".as_ptr())
+    LAST_ERROR.with(|e| e.as_ptr().cast())
 }
 
 /// A short description of a status ("success", "out of memory", ...), for any value:
@@ -92,17 +194,7 @@ pub extern "C" fn gpupool_last_error_message() -> *const c_char {
 /// Ownership: a static string; never free it. Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_status_string(status: u32) -> *const c_char {
-    let s = match status {
-        0 => c"success",
-        1 => c"invalid value",
-        2 => c"out of memory",
-        3 => c"invalid pointer",
-        4 => c"driver unavailable",
-        5 => c"CUDA error",
-        6 => c"internal error",
-        _ => c"unknown gpupool_status",
-    };
-    s.as_ptr()
+    gpupool_status::from_u32(status).map_or(c"unknown gpupool_status", gpupool_status::description).as_ptr()
 }
 
 /// The library's version, "MAJOR.MINOR.PATCH".
@@ -111,4 +203,68 @@ pub extern "C" fn gpupool_status_string(status: u32) -> *const c_char {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: the buffer is always NUL-terminated.
+        unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn from_u32_knows_every_status_and_nothing_else() {
+        for (i, s) in gpupool_status::ALL.into_iter().enumerate() {
+            assert_eq!(s as u32, i as u32, "ALL is in value order, without gaps");
+            assert_eq!(gpupool_status::from_u32(i as u32), Some(s));
+        }
+        let next = gpupool_status::ALL.len() as u32;
+        assert_eq!(gpupool_status::from_u32(next), None);
+        assert_eq!(gpupool_status::from_u32(u32::MAX), None);
+        // A variant missing from ALL would make `of` return a status that from_u32 cannot name.
+        for e in [
+            Error::InvalidValue(String::new()),
+            Error::OutOfMemory(String::new()),
+            Error::InvalidPointer(String::new()),
+            Error::DriverUnavailable(String::new()),
+            Error::Cuda(String::new()),
+            Error::Internal(String::new()),
+        ] {
+            let s = gpupool_status::of(&e);
+            assert_eq!(gpupool_status::from_u32(s as u32), Some(s));
+        }
+    }
+
+    #[test]
+    fn boundary_names_the_call() {
+        let s = boundary("gpupool_test", || Err(Error::InvalidPointer("pointer 0x10 is not ours".into())));
+        assert_eq!(s, gpupool_status::GPUPOOL_ERROR_INVALID_POINTER);
+        assert_eq!(last(), "gpupool_test: pointer 0x10 is not ours");
+        assert_eq!(boundary("gpupool_test", || Ok(())), gpupool_status::GPUPOOL_SUCCESS);
+        assert_eq!(last(), "gpupool_test: pointer 0x10 is not ours", "success leaves the message");
+        let s = boundary("gpupool_test", || panic!("broken invariant"));
+        assert_eq!(s, gpupool_status::GPUPOOL_ERROR_INTERNAL);
+        assert!(last().starts_with("gpupool_test: internal error: gpupool panicked (broken invariant)"));
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        // 'é' is two bytes: an odd prefix puts every cut position inside a character once.
+        for pad in 0..2 {
+            let long = format!("{}{}", "x".repeat(pad), "é".repeat(MESSAGE_CAPACITY));
+            set_last_error(&["gpupool_test", ": ", &long]);
+            let m = last();
+            assert!(m.len() < MESSAGE_CAPACITY);
+            assert!(m.len() >= MESSAGE_CAPACITY - 1 - TRUNCATED.len() - 1);
+            assert!(m.starts_with("gpupool_test: "));
+            assert!(m.ends_with("é..."), "{m}");
+        }
+        let exact = "y".repeat(MESSAGE_CAPACITY - 1);
+        set_last_error(&[&exact]);
+        assert_eq!(last(), exact, "a message that fits is kept whole");
+        set_last_error(&["a\0b"]);
+        assert_eq!(last(), "a b");
+    }
 }

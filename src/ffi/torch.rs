@@ -4,27 +4,24 @@
 //! PyTorch's hooks return nothing, so a failure cannot be returned: each of these functions
 //! writes gpupool's message to stderr (prefixed `gpupool:`) and leaves it for
 //! `gpupool_last_error_message` on the calling thread. `examples/python/gpupool_torch.py`
-//! wires them all.
+//! wires them all. `include/gpupool_torch.h` is generated from this file alone
+//! (cbindgen-torch.toml).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{CStr, c_int, c_void};
 use std::io::Write;
 
-use super::memory::{gpupool_empty_cache, gpupool_free, gpupool_record_stream};
-use super::status::{boundary, gpupool_last_error_message, gpupool_status, gpupool_status_string};
+use super::memory::{empty_cache, free, malloc, record_stream, set_memory_fraction};
+use super::status::{boundary, gpupool_last_error_message, gpupool_status};
 use super::{gpupool_stream_t, runtime};
 
-fn report(call: &str, status: gpupool_status) {
+/// Writes a failure to stderr as `gpupool: <status>: <function>: <what went wrong>`.
+fn report(status: gpupool_status) {
     if status != gpupool_status::GPUPOOL_SUCCESS {
-        // SAFETY: both return NUL-terminated strings that live at least until the next failing
-        // call on this thread.
-        let (what, msg) = unsafe {
-            (
-                std::ffi::CStr::from_ptr(gpupool_status_string(status as u32)).to_string_lossy(),
-                std::ffi::CStr::from_ptr(gpupool_last_error_message()).to_string_lossy(),
-            )
-        };
+        // SAFETY: a NUL-terminated string that lives until the next failing call on this thread.
+        let msg = unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy();
+        let what = status.description().to_string_lossy();
         // Not eprintln!, which panics when stderr is closed.
-        let _ = writeln!(std::io::stderr(), "gpupool: {call}: {what}: {msg}");
+        let _ = writeln!(std::io::stderr(), "gpupool: {what}: {msg}");
     }
 }
 
@@ -40,13 +37,12 @@ fn report(call: &str, status: gpupool_status) {
 /// Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> *mut c_void {
-    let mut ptr = 0;
-    let status = boundary("gpupool_torch_malloc", || {
-        ptr = runtime()?.allocator.malloc(size, device, stream as usize)?;
+    let mut ptr = std::ptr::null_mut();
+    report(boundary("gpupool_torch_malloc", || {
+        ptr = malloc(size, device, stream)?;
         Ok(())
-    });
-    report("gpupool_torch_malloc", status);
-    ptr as *mut c_void
+    }));
+    ptr
 }
 
 /// PyTorch's `free_fn`: `void free(void *ptr, size_t size, int device, cudaStream_t stream)`;
@@ -61,8 +57,7 @@ pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupo
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: gpupool_stream_t) {
     let _ = (size, device, stream);
-    // SAFETY: as this function's contract.
-    report("gpupool_torch_free", unsafe { gpupool_free(ptr) });
+    report(boundary("gpupool_torch_free", || free(ptr)));
 }
 
 /// PyTorch's `record_stream_fn` (`set_record_stream_fn`): `void record_stream(void *ptr,
@@ -74,8 +69,7 @@ pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, devic
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) {
-    // SAFETY: as this function's contract.
-    report("gpupool_torch_record_stream", unsafe { gpupool_record_stream(ptr, stream) });
+    report(boundary("gpupool_torch_record_stream", || record_stream(ptr, stream)));
 }
 
 /// PyTorch's `reset_fn` (`set_reset_fn`): `void reset(void)`, called by
@@ -84,7 +78,7 @@ pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: g
 /// Thread-safe; waits for the pending events of freed blocks.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_torch_empty_cache() {
-    report("gpupool_torch_empty_cache", gpupool_empty_cache(-1));
+    report(boundary("gpupool_torch_empty_cache", || empty_cache(-1)));
 }
 
 /// PyTorch's `memory_fraction_fn` (`set_memory_fraction_fn`): `void set_fraction(double
@@ -94,7 +88,7 @@ pub extern "C" fn gpupool_torch_empty_cache() {
 /// Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int) {
-    report("gpupool_torch_set_memory_fraction", super::memory::gpupool_set_memory_fraction(fraction, device));
+    report(boundary("gpupool_torch_set_memory_fraction", || set_memory_fraction(fraction, device)));
 }
 
 /// PyTorch's `init_fn` (`set_init_fn`): `void init(int device_count)`, called once when
@@ -105,7 +99,7 @@ pub extern "C" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int
 /// Thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_torch_init(device_count: c_int) {
-    let status = boundary("gpupool_torch_init", || {
+    report(boundary("gpupool_torch_init", || {
         let ours = runtime()?.allocator.device_count();
         if ours != device_count {
             let _ = writeln!(
@@ -114,6 +108,5 @@ pub extern "C" fn gpupool_torch_init(device_count: c_int) {
             );
         }
         Ok(())
-    });
-    report("gpupool_torch_init", status);
+    }));
 }

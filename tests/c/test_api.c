@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "gpupool.h"
+#include "gpupool_testing.h"
+#include "gpupool_torch.h"
 #include "check.h"
 
 #define MIB ((size_t)1 << 20)
@@ -18,10 +20,27 @@ static gpupool_stats_t stats(int device) {
   return s;
 }
 
+static int starts_with(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
+
+/* Every message names the function that failed. */
+static int message_from(const char *call) {
+  const char *msg = gpupool_last_error_message();
+  size_t n = strlen(call);
+  return strncmp(msg, call, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ';
+}
+
 static void test_strings(void) {
   CHECK(strcmp(gpupool_status_string(GPUPOOL_SUCCESS), "success") == 0);
   CHECK(strcmp(gpupool_status_string(GPUPOOL_ERROR_OUT_OF_MEMORY), "out of memory") == 0);
   CHECK(strcmp(gpupool_status_string(12345), "unknown gpupool_status") == 0);
+  /* Each status has its own description; the value after the last is unknown. */
+  for (uint32_t a = GPUPOOL_SUCCESS; a <= GPUPOOL_ERROR_INTERNAL; a++) {
+    CHECK(strcmp(gpupool_status_string(a), "unknown gpupool_status") != 0);
+    for (uint32_t b = GPUPOOL_SUCCESS; b < a; b++) {
+      CHECK(strcmp(gpupool_status_string(a), gpupool_status_string(b)) != 0);
+    }
+  }
+  CHECK(strcmp(gpupool_status_string(GPUPOOL_ERROR_INTERNAL + 1), "unknown gpupool_status") == 0);
   CHECK(strlen(gpupool_version()) >= 5);
 }
 
@@ -52,9 +71,11 @@ static void test_size_zero_and_null_out(void) {
   CHECK(p == NULL);
   CHECK(gpupool_malloc(NULL, 64, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "NULL") != NULL);
+  CHECK(starts_with(gpupool_last_error_message(), "gpupool_malloc: ptr is NULL"));
   p = (void *)0x1;
   CHECK(gpupool_malloc(&p, SIZE_MAX - 7, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "overflows") != NULL);
+  CHECK(message_from("gpupool_malloc"));
   CHECK(p == (void *)0x1); /* outputs are written only on success */
 }
 
@@ -67,11 +88,13 @@ static void test_bad_pointers(void) {
   gpupool_stats_t before = stats(0);
   CHECK(gpupool_free(&local) == GPUPOOL_ERROR_INVALID_POINTER);
   CHECK(strstr(gpupool_last_error_message(), "not allocated by gpupool") != NULL);
+  CHECK(message_from("gpupool_free"));
   CHECK(gpupool_free((char *)p + 8) == GPUPOOL_ERROR_INVALID_POINTER);
   CHECK(strstr(gpupool_last_error_message(), "8 bytes inside the block") != NULL);
   CHECK(gpupool_free(q) == GPUPOOL_ERROR_INVALID_POINTER);
   CHECK(strstr(gpupool_last_error_message(), "double free") != NULL);
   CHECK(gpupool_record_stream(q, NULL) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(message_from("gpupool_record_stream"));
   gpupool_stats_t after = stats(0);
   CHECK(memcmp(&before.allocation, &after.allocation, sizeof before.allocation) == 0);
   CHECK(memcmp(&before.inactive_split, &after.inactive_split, sizeof before.inactive_split) == 0);
@@ -83,6 +106,7 @@ static void test_devices(void) {
   CHECK_OK(gpupool_device_count(&count));
   CHECK(count >= 1);
   CHECK(gpupool_device_count(NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(starts_with(gpupool_last_error_message(), "gpupool_device_count: count is NULL"));
   void *p = NULL;
   CHECK(gpupool_malloc(&p, 64, count, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "out of range") != NULL);
@@ -101,6 +125,7 @@ static void test_devices(void) {
   if (sim) {
     CHECK_OK(gpupool_sim_set_device(0));
     CHECK(gpupool_sim_set_device(count) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(message_from("gpupool_sim_set_device"));
   }
 }
 
@@ -110,6 +135,7 @@ static void test_stats_struct(void) {
   s.size = 4;
   CHECK(gpupool_stats(0, &s) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(gpupool_stats(0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(starts_with(gpupool_last_error_message(), "gpupool_stats: out is NULL"));
   /* An older caller that knows only the header and `allocation`. */
   memset(&s, 0xab, sizeof s);
   s.size = (uint32_t)(offsetof(gpupool_stats_t, segment));
@@ -129,8 +155,27 @@ static void test_summary(void) {
   CHECK_OK(gpupool_memory_summary(0, NULL, 0, &needed));
   CHECK(needed > 1000);
   char small[16];
-  CHECK(gpupool_memory_summary(0, small, sizeof small, &needed) == GPUPOOL_ERROR_INVALID_VALUE);
+  memset(small, 'x', sizeof small);
+  size_t small_needed = 0;
+  CHECK(gpupool_memory_summary(0, small, sizeof small, &small_needed) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "needs") != NULL);
+  CHECK(message_from("gpupool_memory_summary"));
+  /* The one output written on failure: the size, as snprintf returns it. */
+  CHECK(small_needed == needed);
+  CHECK(small[0] == 'x' && small[sizeof small - 1] == 'x'); /* the buffer is untouched */
+  /* snprintf's two-call idiom: a buffer too small, then one of the size asked for. */
+  size_t want = 0;
+  char one[1] = {'x'};
+  CHECK(gpupool_memory_summary(0, one, sizeof one, &want) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(one[0] == 'x');
+  char *exact = malloc(want);
+  CHECK(exact != NULL);
+  if (exact != NULL) {
+    size_t again = 0;
+    CHECK_OK(gpupool_memory_summary(0, exact, want, &again));
+    CHECK(again == want && strlen(exact) + 1 == want);
+    free(exact);
+  }
   char *buf = malloc(needed + 256);
   CHECK_OK(gpupool_memory_summary(0, buf, needed + 256, &needed));
   CHECK(strstr(buf, "Allocated memory") != NULL);
@@ -138,6 +183,7 @@ static void test_summary(void) {
   CHECK(strlen(buf) + 1 == needed);
   free(buf);
   CHECK(gpupool_memory_summary(0, NULL, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(message_from("gpupool_memory_summary"));
 }
 
 static void test_record_stream_sim(void) {
@@ -162,7 +208,7 @@ static void test_out_of_memory(void) {
   int64_t ooms = stats(0).num_ooms;
   CHECK(gpupool_malloc(&p, (size_t)1 << 50, 0, NULL) == GPUPOOL_ERROR_OUT_OF_MEMORY);
   const char *msg = gpupool_last_error_message();
-  CHECK(strncmp(msg, "CUDA out of memory. Tried to allocate", 37) == 0);
+  CHECK(starts_with(msg, "gpupool_malloc: CUDA out of memory. Tried to allocate"));
   CHECK(strstr(msg, "total capacity of") != NULL);
   CHECK(strstr(msg, "reserved by gpupool but unallocated") != NULL);
   CHECK(p == (void *)0x1);
@@ -200,6 +246,7 @@ static void test_torch_hooks(void) {
   /* A failure cannot be returned: it goes to stderr and to the last error message. */
   gpupool_torch_free((void *)0x10, 16, 0, NULL);
   CHECK(strstr(gpupool_last_error_message(), "not allocated by gpupool") != NULL);
+  CHECK(message_from("gpupool_torch_free"));
   gpupool_torch_set_memory_fraction(1.0, 0);
   gpupool_torch_empty_cache();
   CHECK(stats(0).reserved_bytes.all.current == 0);

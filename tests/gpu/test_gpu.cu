@@ -103,7 +103,7 @@ static void test_out_of_memory() {
   void *impossible = nullptr;
   CHECK(gpupool_malloc(&impossible, size_t(1) << 50, 0, nullptr) == GPUPOOL_ERROR_OUT_OF_MEMORY);
   printf("out-of-memory: %s\n", gpupool_last_error_message());
-  CHECK(strncmp(gpupool_last_error_message(), "CUDA out of memory. Tried to allocate", 37) == 0);
+  CHECK(strncmp(gpupool_last_error_message(), "gpupool_malloc: CUDA out of memory. Tried to allocate", 53) == 0);
 }
 
 static void test_devices() {
