@@ -126,7 +126,9 @@ impl Allocator {
                 self.devices.len()
             ))
         })?;
-        Ok(slot.get_or_init(|| DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)))
+        Ok(slot.get_or_init(|| {
+            DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)
+        }))
     }
 
     #[inline]
