@@ -56,19 +56,25 @@ fn settles_do_not_grow_with_the_streams_in_rotation() {
     let rate = |n: usize| {
         let (a, _) = sim(1, 64 << 30);
         let mut live: Vec<u64> = (0..n).map(|s| a.malloc(512, 0, s + 1).unwrap()).collect();
-        let before = a.peak_settles(0).unwrap();
-        let calls = 40_000;
-        for i in 0..calls / 2 {
+        let mut pair = |i: usize| {
             let s = i % n;
             a.free(live[s]).unwrap();
             live[s] = a.malloc(512 * (1 + (i / n) % 2), 0, s + 1).unwrap();
-        }
+        };
+        // The first round of 1 KiB blocks takes the device to new peaks, one settle each.
+        let warm = 2 * n;
+        (0..warm).for_each(&mut pair);
+        let before = a.peak_settles(0).unwrap();
+        let calls = 40_000;
+        (warm..warm + calls / 2).for_each(&mut pair);
         let settles = a.peak_settles(0).unwrap() - before;
         check(&a);
         settles as f64 / calls as f64
     };
+    // Past the first round the device never passes its peak: no call needs a settle (a
+    // quarter of them did when credit stayed with the streams that freed it).
     let (few, many) = (rate(10), rate(2_000));
-    assert!(many <= few.max(0.01) * 2.0, "settle rate {few} at 10 streams, {many} at 2,000");
+    assert!(few < 0.001 && many < 0.001, "settle rate {few} at 10 streams, {many} at 2,000");
 }
 
 #[test]

@@ -132,7 +132,9 @@ impl Allocator {
     }
 
     #[inline]
-    fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>) -> R) -> R {
+    /// Calls `f` with the shard of `stream` and whether this thread used it lately (it was in
+    /// the thread's cache of recent shards: the stream is hot here, see `peaks`).
+    fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>, bool) -> R) -> R {
         let mut f = Some(f);
         // The hit: this thread used the shard lately; call in place, with no reference count
         // taken (two atomic operations saved).
@@ -147,7 +149,7 @@ impl Allocator {
             if slot.shard.is_retired() {
                 return None;
             }
-            Some((f.take().expect("called once"))(&slot.shard))
+            Some((f.take().expect("called once"))(&slot.shard, true))
         });
         if let Ok(Some(r)) = hit {
             return r;
@@ -166,7 +168,15 @@ impl Allocator {
             cache.slots[slot] =
                 Some(CachedShard { allocator: self.id, device: dev.device, stream, shard: shard.clone() });
         });
-        (f.take().expect("called once"))(&shard)
+        (f.take().expect("called once"))(&shard, false)
+    }
+
+    /// Whether `shard` is in this thread's cache of recent shards.
+    #[inline]
+    fn is_recent(shard: &Arc<Shard>) -> bool {
+        SHARD_CACHE
+            .try_with(|cache| cache.borrow().slots.iter().flatten().any(|c| Arc::ptr_eq(&c.shard, shard)))
+            .unwrap_or(false)
     }
 
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
@@ -179,7 +189,7 @@ impl Allocator {
         if size == 0 {
             return Ok(0);
         }
-        self.with_shard(dev, stream, |shard| dev.malloc(shard, size))
+        self.with_shard(dev, stream, |shard, hot| dev.malloc(shard, size, hot))
     }
 
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
@@ -192,7 +202,7 @@ impl Allocator {
         }
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
-            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
+            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base, Self::is_recent(&e.owner)),
         })
     }
 

@@ -27,6 +27,9 @@ use crate::stats::DeviceStats;
 struct PeakState {
     totals: Totals,
     holders: Vec<Arc<Shard>>,
+    /// Reused by each settle for the shards it visits (no allocation once warm).
+    visit: Vec<Arc<Shard>>,
+    holds: Vec<bool>,
 }
 
 pub(crate) struct DeviceAllocator {
@@ -98,14 +101,17 @@ impl DeviceAllocator {
     /// The hit path takes the shard's lock once and makes no driver call when no event is
     /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
     /// stream's callers.
-    pub fn malloc(&self, shard: &Arc<Shard>, size: usize) -> Result<DevicePtr, Error> {
+    ///
+    /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
+    /// keeps no credit past the call).
+    pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size)?;
         let mut st = self.shards.lock_for_change(shard);
         if !shard.is_retired() {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
             if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
-                return Ok(self.finish(st, ptr));
+                return Ok(self.finish_call(st, ptr, hot));
             }
             drop(st);
             return self.malloc_after_oom(shard.stream, &req);
@@ -174,30 +180,44 @@ impl DeviceAllocator {
         Ok(Some(st.hand_out(id, req, self.max_split_size)))
     }
 
+    /// Ends a call on a shard the calling thread uses repeatedly (or a slow path).
+    #[inline]
+    fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
+        self.finish_call(st, value, true)
+    }
+
     /// Ends a call on a shard: gives surplus credit back to the spare credit, covers a
     /// shortfall from it, unlocks, and settles the device peaks only if the spare credit could
-    /// not cover.
+    /// not cover. A shard that is not `hot` for the calling thread keeps no credit past the
+    /// call (see `peaks`).
     #[inline]
-    fn finish<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T) -> T {
+    fn finish_call<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T, hot: bool) -> T {
         let c = &mut st.counters;
-        if c.has_surplus {
-            peaks::give_back(c, &self.spare);
+        if c.has_surplus && hot {
+            peaks::give_back(c, &self.spare, false);
         }
         let settle = c.needs_settle && !peaks::borrow(c, &self.spare);
-        drop(st);
         if settle {
-            bump(&self.counters.num_peak_settles);
-            self.visit(|t, shards| (peaks::settle(t, shards, &self.spare), ()));
+            // Unlocked meanwhile: the settle locks every shard it visits, this one included.
+            MutexGuard::unlocked(&mut st, || {
+                bump(&self.counters.num_peak_settles);
+                self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
+            });
         }
+        if !hot {
+            peaks::give_back(&mut st.counters, &self.spare, true);
+        }
+        drop(st);
         value
     }
 
     /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
-    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+    /// `hot` as for [`DeviceAllocator::malloc`].
+    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr, hot: bool) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
         st.free(&ctx, ptr, segment)?;
-        self.finish(st, ());
+        self.finish_call(st, (), hot);
         Ok(())
     }
 
@@ -276,7 +296,7 @@ impl DeviceAllocator {
     fn retire_idle_shards(&self) {
         let mut ps = self.peaks.lock();
         self.settle_locked(&mut ps);
-        let PeakState { totals, holders } = &mut *ps;
+        let PeakState { totals, holders, .. } = &mut *ps;
         self.shards.retire_idle(|st, _| {
             if !st.is_idle() {
                 return false;
@@ -313,9 +333,9 @@ impl DeviceAllocator {
     }
 
     /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
-    /// the dirty list and those holding credit; see `peaks::settle`); `f` returns, per shard,
+    /// the dirty list and those holding credit; see `peaks::settle`); `f` sets, per shard,
     /// whether it holds credit afterwards.
-    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters]) -> (Vec<bool>, R)) -> R {
+    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R) -> R {
         let mut ps = self.peaks.lock();
         self.visit_locked(&mut ps, f)
     }
@@ -323,23 +343,36 @@ impl DeviceAllocator {
     fn visit_locked<R>(
         &self,
         ps: &mut PeakState,
-        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters]) -> (Vec<bool>, R),
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R,
     ) -> R {
-        let mut visit = self.shards.take_dirty();
+        let mut visit = std::mem::take(&mut ps.visit);
+        self.shards.take_dirty(&mut visit);
         visit.append(&mut ps.holders);
+        if ps.holders.capacity() == 0 {
+            ps.holders.reserve(visit.len());
+        }
         visit.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
         visit.dedup_by(|a, b| Arc::ptr_eq(a, b));
         let mut guards: Vec<MutexGuard<'_, ShardState>> = visit.iter().map(|s| s.lock()).collect();
         let mut counters: Vec<&mut ShardCounters> = guards.iter_mut().map(|g| &mut g.counters).collect();
-        let (holds, r) = f(&mut ps.totals, &mut counters);
+        let mut holds = std::mem::take(&mut ps.holds);
+        holds.clear();
+        holds.resize(visit.len(), false);
+        let r = f(&mut ps.totals, &mut counters, &mut holds);
         drop(counters);
         drop(guards);
-        ps.holders = visit.into_iter().zip(holds).filter_map(|(s, h)| h.then_some(s)).collect();
+        for (s, &h) in visit.drain(..).zip(&holds) {
+            if h {
+                ps.holders.push(s);
+            }
+        }
+        ps.visit = visit;
+        ps.holds = holds;
         r
     }
 
     fn settle_locked(&self, ps: &mut PeakState) {
-        self.visit_locked(ps, |t, shards| (peaks::settle(t, shards, &self.spare), ()));
+        self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
     }
 
     /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
@@ -349,18 +382,15 @@ impl DeviceAllocator {
 
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.visit(|t, shards| {
-            let holds = peaks::settle(t, shards, &self.spare);
-            (holds, counters::collect(t, &self.counters, self.max_split_size))
+        self.visit(|t, shards, holds| {
+            peaks::settle(t, shards, &self.spare, holds);
+            counters::collect(t, &self.counters, self.max_split_size)
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.visit(|t, shards| {
-            peaks::reset(t, shards, &self.spare);
-            (vec![false; shards.len()], ())
-        });
+        self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
     }
 
     /// The consistency check of every shard, of the device's totals and of the peak credit.

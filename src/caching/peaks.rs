@@ -11,23 +11,34 @@
 //!
 //! A free of `n` on shard `j` lowers `G` by `n` and raises `h_j` by `n`; an allocation spends
 //! the shard's own credit. When a shard runs out (`h_j < 0`) the call that did it, still
-//! holding only its own lock, borrows from the spare credit ([`borrow`], one compare-and-swap per
-//! statistic). Only when the spare credit cannot cover it — the device may be at a new peak — does
-//! the call settle the device ([`settle`]): with every shard of the device locked it recounts
-//! `G`, sets `P` to the highest value `G` reached and deals the credit `P - G` out again. A
-//! shard keeps the most it had to borrow at once; holding several times that
-//! (`SURPLUS_FACTOR`), it gives the rest back to the spare credit ([`give_back`]), so credit flows
-//! from shrinking streams to growing ones without any lock. A settle also resets to zero what
-//! a shard that was quiet since the last settle keeps, so that credit does not stay with a
-//! stream that has stopped; an active shard keeps its credit, or every active stream would
-//! come back for credit at once after each settle.
+//! holding only its own lock, borrows what it needs from the spare credit ([`borrow`], one
+//! compare-and-swap per statistic). Only when the spare credit cannot cover it (the device
+//! may be at a new peak, or the credit sits with other streams) does the call settle the
+//! device ([`settle`]): it recounts `G`, sets `P` to the highest value `G` reached and deals
+//! the credit `P - G` out again.
+//!
+//! Where credit stays. A stream the calling thread uses again and again (it is in the
+//! thread's cache of recent shards: *hot*) keeps the most it had to borrow at once, and gives
+//! back only what it holds beyond several times that ([`give_back`], `SURPLUS_FACTOR`): threads
+//! that each churn their own stream then touch the shared atomics in under 1% of calls. A
+//! stream that is not hot for the calling thread (a thread serving more streams than it caches,
+//! a stream per request) gives all its credit back at the end of every call: credit left with
+//! a stream that comes back only after thousands of others is credit that every other stream
+//! finds missing, and each shortfall would be a settle. A settle also takes back what a stream
+//! that was quiet since the last settle keeps.
+//!
+//! What a settle costs. The device keeps totals of what settles saw of each shard (`Totals`)
+//! and a dirty list of the shards locked for a change since the last settle (see
+//! `shard_table`). A settle visits those and the shards that still held credit after the last
+//! one; every other shard holds no credit and is as the totals saw it. So a settle, and
+//! `stats()`, cost what moved since the last settle, not the number of streams that exist or
+//! have existed.
 //!
 //! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
-//! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and 1 in
-//! 3,000 at 16, and the spare credit touched in 0.8% of
-//! calls; streams that trade memory in lock-step (`tests/rules.rs`), 1 in 95; the recorded
-//! two-stream trace `pipeline_streams` replayed warm (`examples/replay.rs`), 28 settles in
-//! 1,957 events.
+//! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and about
+//! 1 in 3,000 at 16; N streams each holding a block, freed and allocated again in rotation with
+//! sizes alternating 512 B and 1 KiB (`benches/streams.rs`), no settle after the first round at
+//! any N (a quarter of the calls settled while credit stayed with the stream that freed it).
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
@@ -52,6 +63,10 @@ pub(crate) type SpareCredit = [AtomicI64; CELLS];
 /// Covers every cell that ran out of credit from the spare credit; returns false (having borrowed
 /// nothing for the cells it could not cover) when some cell needs a full settle. Called with
 /// the shard's lock held.
+///
+/// It takes what it needs and no more: credit taken beyond the need sits with one stream while
+/// others that need it find the spare credit short and settle (four streams in rotation on one
+/// thread settled at one call in four when a borrow took twice its need).
 pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     let mut all = true;
     for (c, r) in shard.cells.iter_mut().zip(spare) {
@@ -65,10 +80,8 @@ pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
             if have < excursion {
                 break None;
             }
-            // Take what is needed and as much again, so a growing stream comes back less often.
-            let take = need + (have - need).min(need);
-            match r.compare_exchange_weak(have, have - take, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => break Some(take),
+            match r.compare_exchange_weak(have, have - need, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break Some(need),
                 Err(now) => have = now,
             }
         };
@@ -85,12 +98,13 @@ pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     all
 }
 
-/// Gives credit above what each cell keeps back to the spare. Called with the shard's lock
-/// held.
-pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit) {
+/// Gives credit above what each cell keeps (`all`: all of it) back to the spare. Called with
+/// the shard's lock held.
+pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: bool) {
     for (c, r) in shard.cells.iter_mut().zip(spare) {
-        if c.headroom > c.keep && c.low >= 0 {
-            let surplus = c.headroom - c.keep;
+        let keep = if all { 0 } else { c.keep };
+        if c.headroom > keep && c.low >= 0 {
+            let surplus = c.headroom - keep;
             c.headroom -= surplus;
             c.low = c.low.min(c.headroom);
             r.fetch_add(surplus, Ordering::Relaxed);
@@ -137,9 +151,9 @@ fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
 /// `shards` must hold, locked, every shard that changed since a settle last visited it (the
 /// device's dirty list) and every shard that still held credit after the last settle; a
 /// shard in neither has no credit and counts as it was seen, so a settle costs what moved
-/// since the last one, not the number of streams. Returns, per shard in `shards`, whether it
-/// still holds credit (and so must be visited by the next settle).
-pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit) -> Vec<bool> {
+/// since the last one, not the number of streams. Sets `holds[j]` to whether shard `j` still
+/// holds credit (and so must be visited by the next settle); `holds` starts all false.
+pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit, holds: &mut [bool]) {
     absorb(t, shards);
     let mut credit = [0i64; CELLS];
     for (i, peak) in t.peak.iter_mut().enumerate() {
@@ -156,8 +170,7 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
     for (i, peak) in t.peak.iter().enumerate() {
         credit[i] = peak - t.current[i];
     }
-    let mut holds = vec![false; shards.len()];
-    for (s, holds) in shards.iter_mut().zip(&mut holds) {
+    for (s, holds) in shards.iter_mut().zip(holds.iter_mut()) {
         for (i, c) in s.cells.iter_mut().enumerate() {
             let moved = c.allocated + c.freed;
             if c.low < 0 {
@@ -183,9 +196,12 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
     }
     for (i, r) in spare.iter().enumerate() {
         t.held[i] = t.peak[i] - t.current[i] - credit[i];
-        r.store(credit[i], Ordering::Relaxed);
+        // Added, not stored: a shard this settle does not visit may have given credit back
+        // since the swap above.
+        if credit[i] != 0 {
+            r.fetch_add(credit[i], Ordering::Relaxed);
+        }
     }
-    holds
 }
 
 /// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
@@ -243,11 +259,12 @@ mod tests {
     /// What a device does at the end of a call on shard `i`.
     fn finish(peaks: &mut Totals, shards: &mut [ShardCounters], i: usize, r: &SpareCredit) -> bool {
         if shards[i].has_surplus {
-            give_back(&mut shards[i], r);
+            give_back(&mut shards[i], r, false);
         }
         if shards[i].needs_settle && !borrow(&mut shards[i], r) {
             let mut refs: Vec<&mut ShardCounters> = shards.iter_mut().collect();
-            settle(peaks, &mut refs, r);
+            let mut holds = vec![false; refs.len()];
+            settle(peaks, &mut refs, r, &mut holds);
             return true;
         }
         false

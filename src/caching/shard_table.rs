@@ -67,12 +67,17 @@ impl ShardTable {
         self.epoch.load(Ordering::Relaxed)
     }
 
-    /// Moves the epoch on and takes the shards that changed in the last one. Call with the
+    /// Moves the epoch on and appends the shards that changed in the last one to `into`
+    /// (whose buffer the list keeps, so that neither allocates once warm). Call with the
     /// device's peak lock held.
-    pub fn take_dirty(&self) -> Vec<Arc<Shard>> {
+    pub fn take_dirty(&self, into: &mut Vec<Arc<Shard>>) {
         let mut d = self.dirty.lock();
         self.epoch.fetch_add(1, Ordering::Relaxed);
-        std::mem::take(&mut *d)
+        if into.is_empty() {
+            std::mem::swap(&mut *d, into);
+        } else {
+            into.append(&mut d);
+        }
     }
 
     /// Takes out of the table every shard for which `idle` (called with its lock held, and
