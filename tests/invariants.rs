@@ -2,11 +2,24 @@
 //! operation: live blocks never overlap and keep their contents, every byte of a segment
 //! belongs to one block, statistics (peaks included) equal a recount, reserved equals what the
 //! driver handed out, and after freeing everything and `empty_cache` reserved is 0.
+//!
+//! The same with driver faults: errors and panics (cudarc panics when `libcuda.so.1` lacks a
+//! symbol) injected into random calls of every kind. After each operation, whatever it
+//! returned or however it unwound, the invariants hold and the driver holds exactly what the
+//! allocator counts as reserved; once the faults stop, everything can be freed, the cache
+//! emptied, and the memory fraction's whole allowance allocated again. And an allocator that is
+//! dropped gives the driver back all its memory and events.
 
 mod common;
 
-use common::{MIB, check, sim_with};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Once;
+
+use common::{MIB, check, sim, sim_with};
+use gpupool::Error;
 use gpupool::config::Config;
+use gpupool::driver::DriverError;
+use gpupool::driver::sim::{SIM_PANIC_MARK, SimFault, SimOp};
 use gpupool::stats::{DeviceStats, Stat};
 use proptest::prelude::*;
 
@@ -200,4 +213,328 @@ proptest! {
     fn invariants_hold_with_max_split_size(ops in proptest::collection::vec(op(), 1..160)) {
         run(ops, 24 * MIB);
     }
+}
+
+// ---- Driver faults and panics ------------------------------------------------------------
+
+const CAPACITY: usize = 160 * MIB;
+
+#[derive(Clone, Debug)]
+enum Fault {
+    Cuda,
+    OutOfMemory,
+    MissingSymbol,
+    Panic,
+}
+
+#[derive(Clone, Debug)]
+enum FaultOp {
+    Plain(Op),
+    /// A malloc on the current device (-1), which asks the driver which device is current.
+    MallocCurrent {
+        size: usize,
+    },
+    /// Sets the run's memory fraction again (reads the device's total: `cuMemGetInfo`).
+    SetFraction,
+    Inject {
+        kind: usize,
+        skip: u32,
+        fault: Fault,
+    },
+}
+
+fn fault_op() -> impl Strategy<Value = FaultOp> {
+    let fault = prop_oneof![
+        2 => Just(Fault::Cuda),
+        1 => Just(Fault::OutOfMemory),
+        1 => Just(Fault::MissingSymbol),
+        2 => Just(Fault::Panic),
+    ];
+    prop_oneof![
+        12 => op().prop_map(FaultOp::Plain),
+        1 => size().prop_map(|size| FaultOp::MallocCurrent { size }),
+        1 => Just(FaultOp::SetFraction),
+        3 => (0..SimOp::ALL.len(), 0u32..6, fault).prop_map(|(kind, skip, fault)| FaultOp::Inject { kind, skip, fault }),
+    ]
+}
+
+/// Keeps the default panic hook quiet about the panics the simulated device injects (each is
+/// caught and expected); every other panic is reported as usual.
+fn quiet_injected_panics() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            if !msg.ends_with(SIM_PANIC_MARK) {
+                default(info);
+            }
+        }));
+    });
+}
+
+/// How an allocator call ended: its result, or `None` when it panicked.
+fn guarded<T>(f: impl FnOnce() -> Result<T, Error>) -> Option<Result<T, Error>> {
+    catch_unwind(AssertUnwindSafe(f)).ok()
+}
+
+/// Every statistic's current is at most its peak, and the aggregate peak at most the sum of
+/// the pools' peaks (the aggregate is always the sum of the pools).
+fn peaks_are_consistent(s: &DeviceStats) {
+    for (c, p) in currents(s).iter().zip(peaks(s)) {
+        assert!(*c <= p, "a current value ({c}) is above its peak ({p})");
+    }
+    let p = peaks(s);
+    for k in 0..9 {
+        assert!(
+            p[3 * k] <= p[3 * k + 1] + p[3 * k + 2],
+            "statistic {k}: all.peak {} > small {} + large {}",
+            p[3 * k],
+            p[3 * k + 1],
+            p[3 * k + 2]
+        );
+    }
+}
+
+fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f64>) {
+    quiet_injected_panics();
+    let streams = [0usize, 0x1000, 0x2000];
+    let (a, drv) = sim_with(1, CAPACITY, Config { max_split_size, ..Config::default() });
+    let fraction_or_all = fraction.unwrap_or(1.0);
+    a.set_memory_fraction(fraction_or_all, 0).unwrap();
+    let mut live: Vec<(u64, usize, u64)> = Vec::new();
+    let mut deferred: Vec<(u64, usize, u64)> = Vec::new();
+    let mut cookie = 1u64;
+    for op in ops {
+        match op {
+            FaultOp::Inject { kind, skip, fault } => {
+                let kind = SimOp::ALL[kind];
+                let fault = match fault {
+                    Fault::Cuda => SimFault::Fail(DriverError::Cuda {
+                        call: kind.symbol(),
+                        code: 999,
+                        name: "CUDA_ERROR_UNKNOWN".into(),
+                    }),
+                    Fault::OutOfMemory => SimFault::Fail(DriverError::OutOfMemory),
+                    Fault::MissingSymbol => SimFault::MissingSymbol,
+                    Fault::Panic => SimFault::Panic,
+                };
+                drv.inject(kind, skip, fault);
+            }
+            FaultOp::SetFraction => {
+                let _ = guarded(|| a.set_memory_fraction(fraction_or_all, 0));
+            }
+            FaultOp::MallocCurrent { size } => {
+                if let Some(Ok(p)) = guarded(|| a.malloc(size, -1, 0)) {
+                    cookie += 1;
+                    stamp(p, size, cookie);
+                    live.push((p, size, cookie));
+                }
+            }
+            FaultOp::Plain(op) => match op {
+                Op::Malloc { size, stream } => {
+                    if let Some(Ok(p)) = guarded(|| a.malloc(size, 0, streams[stream])) {
+                        cookie += 1;
+                        stamp(p, size, cookie);
+                        live.push((p, size, cookie));
+                    }
+                }
+                Op::Free { pick } if !live.is_empty() => {
+                    let i = pick % live.len();
+                    let (p, size, c) = live[i];
+                    assert!(stamped(p, size, c), "block {p:#x} was overwritten while live");
+                    match guarded(|| a.free(p)) {
+                        Some(Ok(())) => {
+                            live.swap_remove(i);
+                        }
+                        Some(Err(e)) => {
+                            assert!(a.block_info(p).is_some(), "a free that failed ({e}) freed block {p:#x}");
+                        }
+                        None => {
+                            if a.block_info(p).is_none() {
+                                live.swap_remove(i);
+                            }
+                        }
+                    }
+                }
+                Op::FreeAfterSync { pick } if !live.is_empty() => {
+                    let (p, size, c) = live.swap_remove(pick % live.len());
+                    a.free_after_device_sync(p).unwrap();
+                    deferred.push((p, size, c));
+                }
+                Op::ReleaseDeferred => {
+                    let _ = guarded(|| a.release_deferred(0));
+                }
+                Op::RecordStream { pick, stream } if !live.is_empty() => {
+                    a.record_stream(live[pick % live.len()].0, streams[stream]).unwrap();
+                }
+                Op::Hold { stream } => drv.hold_stream(streams[stream]),
+                Op::Release { stream } => drv.release_stream(streams[stream]),
+                Op::EmptyCache => {
+                    let _ = guarded(|| a.empty_cache(0));
+                }
+                Op::ResetPeaks => a.reset_peak_stats(0).unwrap(),
+                _ => {}
+            },
+        }
+        check(&a);
+        let s = a.stats(0).unwrap();
+        assert_eq!(s.reserved_bytes.all.current as usize, drv.used(0), "reserved differs from what the driver holds");
+        peaks_are_consistent(&s);
+        let [waiting, ..] = a.deferred(0).unwrap();
+        if waiting == 0 {
+            deferred.clear();
+        }
+        assert_eq!(waiting as usize, deferred.len(), "blocks awaiting a device synchronisation");
+        for &(p, size, c) in &deferred {
+            assert!(stamped(p, size, c), "block {p:#x} was handed out before the device synchronisation");
+        }
+    }
+    // The faults stop: everything must come back.
+    drv.clear_faults();
+    for s in streams {
+        drv.release_stream(s);
+    }
+    for (p, size, c) in live.drain(..) {
+        assert!(stamped(p, size, c), "block {p:#x} was overwritten while live");
+        a.free(p).unwrap();
+    }
+    a.release_deferred(0).unwrap();
+    a.empty_cache(0).unwrap();
+    check(&a);
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes.all.current, s.active.all.current, drv.used(0)), (0, 0, 0));
+    // The device is empty: the fraction's whole allowance, in one segment, must fit.
+    let allowance = (fraction_or_all * CAPACITY as f64) as usize / (2 * MIB) * (2 * MIB);
+    let p = a
+        .malloc(allowance, 0, 0)
+        .unwrap_or_else(|e| panic!("{} MiB on an empty device under the memory fraction: {e}", allowance / MIB));
+    a.free(p).unwrap();
+    a.empty_cache(0).unwrap();
+    check(&a);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, max_shrink_iters: 2048, ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_under_driver_faults_and_panics(ops in proptest::collection::vec(fault_op(), 1..160)) {
+        run_with_faults(ops, usize::MAX, None);
+    }
+
+    #[test]
+    fn invariants_hold_under_driver_faults_and_panics_with_a_memory_fraction(
+        ops in proptest::collection::vec(fault_op(), 1..160)
+    ) {
+        run_with_faults(ops, 24 * MIB, Some(0.5));
+    }
+}
+
+/// cudarc panics on the first call of a function that `libcuda.so.1` lacks (an old driver
+/// without `cuMemAlloc_v2`). With a memory fraction set, the bytes the allocator counted
+/// against the limit before calling the driver must be given back, or every later malloc
+/// fails as out of memory on an empty device.
+#[test]
+fn a_panicking_driver_call_gives_back_what_the_memory_fraction_counted() {
+    quiet_injected_panics();
+    let (a, drv) = sim(1, CAPACITY);
+    a.set_memory_fraction(0.5, 0).unwrap();
+    for _ in 0..4 {
+        drv.inject_panic(SimOp::MemAlloc, 0);
+        let r = guarded(|| a.malloc(MIB, 0, 0));
+        assert!(!matches!(r, Some(Ok(_))), "a malloc whose cuMemAlloc panicked returned a block");
+        check(&a);
+    }
+    assert_eq!(drv.pending_faults(), 0);
+    let half = CAPACITY / 2;
+    match a.malloc(half, 0, 0) {
+        Ok(p) => a.free(p).unwrap(),
+        Err(e) => panic!("{} MiB under a limit of {} MiB on an empty device: {e}", half / MIB, half / MIB),
+    }
+    a.empty_cache(0).unwrap();
+    check(&a);
+    assert_eq!(drv.used(0), 0);
+}
+
+/// A driver function missing from `libcuda.so.1`, reported by the driver layer as
+/// unavailable, reaches the caller as `Error::DriverUnavailable` naming the function, and
+/// changes nothing.
+#[test]
+fn a_missing_driver_symbol_is_reported_by_name() {
+    let (a, drv) = sim(1, CAPACITY);
+    a.set_memory_fraction(0.5, 0).unwrap();
+    for kind in [SimOp::MemAlloc, SimOp::CurrentDevice] {
+        drv.inject(kind, 0, SimFault::MissingSymbol);
+        let device = if kind == SimOp::CurrentDevice { -1 } else { 0 };
+        match a.malloc(MIB, device, 0) {
+            Err(Error::DriverUnavailable(m)) => assert!(m.contains(kind.symbol()), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        check(&a);
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, 0);
+    }
+    let p = a.malloc(CAPACITY / 2, 0, 0).unwrap();
+    a.free(p).unwrap();
+    drv.inject(SimOp::MemInfo, 0, SimFault::MissingSymbol);
+    match a.set_memory_fraction(0.25, 0) {
+        Err(Error::DriverUnavailable(m)) => assert!(m.contains("cuMemGetInfo_v2"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    check(&a);
+}
+
+// ---- Dropping an allocator ----------------------------------------------------------------
+
+/// Allocations on several streams, some used on other streams (`record_stream`), all freed:
+/// the cache then holds segments, blocks awaiting events, and events kept for reuse.
+fn fill_and_free(a: &gpupool::Allocator) {
+    let mut ptrs = Vec::new();
+    for (i, size) in [512usize, 4096, 300 << 10, 3 * MIB, 12 * MIB, 30 * MIB].into_iter().enumerate() {
+        for stream in [0usize, 0x10, 0x20] {
+            let p = a.malloc(size + i, 0, stream).unwrap();
+            if size < MIB {
+                a.record_stream(p, 0x30 + stream).unwrap();
+            }
+            ptrs.push(p);
+        }
+    }
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+}
+
+/// PyTorch's allocator lives as long as the process; a gpupool `Allocator` may be dropped
+/// earlier, and must then give the driver back every cached segment and every event.
+#[test]
+fn dropping_an_allocator_gives_the_driver_everything_back() {
+    let (a, drv) = sim(1, 1 << 30);
+    fill_and_free(&a);
+    // One round of event processing, so that completed events are kept for reuse.
+    a.free(a.malloc(512, 0, 0).unwrap()).unwrap();
+    assert!(drv.used(0) > 0 && drv.live_events() > 0, "the test must leave something cached");
+    drop(a);
+    assert_eq!(
+        (drv.used(0), drv.live_allocations(), drv.live_events()),
+        (0, 0, 0),
+        "bytes, allocations and events the dropped allocator left with the driver"
+    );
+}
+
+/// As above, with the freed blocks still awaiting events on a stream whose work has not
+/// completed: the drop waits for them, as `empty_cache` does.
+#[test]
+fn dropping_an_allocator_waits_for_pending_events_and_gives_everything_back() {
+    let (a, drv) = sim(1, 1 << 30);
+    for s in [0x30usize, 0x40, 0x50] {
+        drv.hold_stream(s);
+    }
+    fill_and_free(&a);
+    assert!(a.stats(0).unwrap().active.all.current > 0, "blocks must await events");
+    drop(a);
+    assert_eq!((drv.used(0), drv.live_allocations(), drv.live_events()), (0, 0, 0));
 }

@@ -9,28 +9,104 @@
 //!   ([`SimDriver::hold_stream`]); an event recorded on a held stream stays incomplete until
 //!   the stream is released. `event_synchronize` stands for waiting on the device: it completes
 //!   the stream's work up to the event.
-//! - Faults: [`SimDriver::inject_fault`] makes a chosen later call of one kind fail.
+//! - Faults: [`SimDriver::inject`] makes a chosen later call of one kind fail with an error,
+//!   fail as a driver library lacking the call's symbol would be reported
+//!   ([`SimFault::MissingSymbol`]), or panic as cudarc does when `libcuda.so.1` lacks the
+//!   symbol ([`SimFault::Panic`]): the allocator above must survive each of them.
 //!
 //! Selected with `GPUPOOL_DRIVER=sim`; capacity and device count from `GPUPOOL_SIM_CAPACITY`
 //! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, StreamHandle};
 
-/// The kinds of driver call a fault can be injected into.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The kinds of driver call a fault can be injected into: every call of [`Driver`] but
+/// `name` and `device_count`, which cannot fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SimOp {
     MemAlloc,
     MemFree,
+    MemInfo,
     EventCreate,
     EventRecord,
     EventQuery,
     EventSynchronize,
+    /// `event_destroy` returns nothing: an injected error makes it leave the event alive (as
+    /// a failed `cuEventDestroy` would), a panic panics.
+    EventDestroy,
     DeviceSynchronize,
+    CurrentDevice,
+    CurrentPrimaryDevice,
+}
+
+impl SimOp {
+    /// Every kind, for tests that inject faults into calls of any kind.
+    pub const ALL: [SimOp; 11] = [
+        SimOp::MemAlloc,
+        SimOp::MemFree,
+        SimOp::MemInfo,
+        SimOp::EventCreate,
+        SimOp::EventRecord,
+        SimOp::EventQuery,
+        SimOp::EventSynchronize,
+        SimOp::EventDestroy,
+        SimOp::DeviceSynchronize,
+        SimOp::CurrentDevice,
+        SimOp::CurrentPrimaryDevice,
+    ];
+
+    /// The CUDA driver function that [`super::cuda::CudaDriver`] calls for this kind (the
+    /// symbol cudarc looks up in `libcuda.so.1`).
+    pub fn symbol(self) -> &'static str {
+        match self {
+            SimOp::MemAlloc => "cuMemAlloc_v2",
+            SimOp::MemFree => "cuMemFree_v2",
+            SimOp::MemInfo => "cuMemGetInfo_v2",
+            SimOp::EventCreate => "cuEventCreate",
+            SimOp::EventRecord => "cuEventRecord",
+            SimOp::EventQuery => "cuEventQuery",
+            SimOp::EventSynchronize => "cuEventSynchronize",
+            SimOp::EventDestroy => "cuEventDestroy_v2",
+            SimOp::DeviceSynchronize => "cuCtxSynchronize",
+            SimOp::CurrentDevice => "cuCtxGetCurrent",
+            SimOp::CurrentPrimaryDevice => "cuDevicePrimaryCtxRetain",
+        }
+    }
+}
+
+/// What an injected fault does to the call it fires on. The call changes nothing in the
+/// simulated device (no memory allocated or freed, no event created, recorded or destroyed)
+/// before failing or panicking.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SimFault {
+    /// The call returns this error.
+    Fail(DriverError),
+    /// The call returns [`DriverError::Unavailable`] naming the call's symbol
+    /// ([`SimOp::symbol`]): what the driver layer reports for a function that the installed
+    /// `libcuda.so.1` lacks (an old driver), instead of cudarc's panic.
+    MissingSymbol,
+    /// The call panics with cudarc's message for a symbol missing from `libcuda.so.1`
+    /// (`Missing symbol cuMemAlloc_v2: ...`), which is what cudarc does on the first call of a
+    /// function the installed driver lacks. The message ends with [`SIM_PANIC_MARK`].
+    Panic,
+}
+
+/// The end of the message of every panic injected with [`SimFault::Panic`], so that a test
+/// can tell injected panics from real ones (and keep its panic hook quiet about them).
+pub const SIM_PANIC_MARK: &str = "(panic injected by the simulated device)";
+
+impl SimFault {
+    /// The error of a missing `symbol`, as [`SimFault::MissingSymbol`] returns it.
+    pub fn missing_symbol_error(symbol: &str) -> DriverError {
+        DriverError::Unavailable(format!(
+            "the CUDA driver library (libcuda.so.1) has no function {symbol}: the NVIDIA driver is too old for gpupool"
+        ))
+    }
 }
 
 /// How often each driver call was made, for tests that check what the allocator asked.
@@ -56,7 +132,7 @@ struct SimStream {
 struct Fault {
     op: SimOp,
     skip: u32,
-    error: DriverError,
+    fault: SimFault,
 }
 
 #[derive(Default)]
@@ -71,10 +147,19 @@ struct State {
 }
 
 impl State {
+    /// Fires the next fault injected into `op` if its turn has come. A panic fault panics here,
+    /// with the state's lock held by the caller: parking_lot's mutex is not poisoned, and the
+    /// guard unlocks it as the panic unwinds.
     fn fault(&mut self, op: SimOp) -> Result<(), DriverError> {
         if let Some(i) = self.faults.iter().position(|f| f.op == op) {
             if self.faults[i].skip == 0 {
-                return Err(self.faults.remove(i).error);
+                return match self.faults.remove(i).fault {
+                    SimFault::Fail(e) => Err(e),
+                    SimFault::MissingSymbol => Err(SimFault::missing_symbol_error(op.symbol())),
+                    SimFault::Panic => {
+                        panic!("Missing symbol {0}: libcuda.so.1: undefined symbol: {0} {SIM_PANIC_MARK}", op.symbol())
+                    }
+                };
             }
             self.faults[i].skip -= 1;
         }
@@ -92,6 +177,9 @@ pub struct SimDriver {
     devices: i32,
     capacity: usize,
     state: Mutex<State>,
+    /// Whether any fault was ever injected: until then the calls that take no lock otherwise
+    /// (`current_device`, `current_primary_device`) need not take it to look for one.
+    armed: AtomicBool,
 }
 
 impl SimDriver {
@@ -101,6 +189,7 @@ impl SimDriver {
             devices,
             capacity,
             state: Mutex::new(State { used: vec![0; devices.max(0) as usize], ..State::default() }),
+            armed: AtomicBool::new(false),
         }
     }
 
@@ -123,9 +212,43 @@ impl SimDriver {
     }
 
     /// Makes a later call of kind `op` fail with `error`: the call after `skip` successful ones.
-    /// Faults of one kind fire in the order they were injected.
+    /// Faults of one kind fire in the order they were injected. Same as
+    /// `inject(op, skip, SimFault::Fail(error))`.
     pub fn inject_fault(&self, op: SimOp, skip: u32, error: DriverError) {
-        self.state.lock().faults.push(Fault { op, skip, error });
+        self.inject(op, skip, SimFault::Fail(error));
+    }
+
+    /// Makes a later call of kind `op` do what `fault` says: the call after `skip` calls of that
+    /// kind that went through (counted from the first fault of the kind still waiting: faults
+    /// of one kind fire one after another, in the order they were injected). So
+    /// `inject(op, n - 1, f)` on a fresh driver fires on the `n`th call of kind `op`.
+    pub fn inject(&self, op: SimOp, skip: u32, fault: SimFault) {
+        self.state.lock().faults.push(Fault { op, skip, fault });
+        self.armed.store(true, Ordering::Release);
+    }
+
+    /// The fault check of a call that otherwise takes no lock.
+    fn lock_free_fault(&self, op: SimOp) -> Result<(), DriverError> {
+        if self.armed.load(Ordering::Acquire) { self.state.lock().fault(op) } else { Ok(()) }
+    }
+
+    /// Makes a later call of kind `op` panic as cudarc does for a missing symbol: the call
+    /// after `skip` that went through. Same as `inject(op, skip, SimFault::Panic)`.
+    pub fn inject_panic(&self, op: SimOp, skip: u32) {
+        self.inject(op, skip, SimFault::Panic);
+    }
+
+    /// Drops every fault that has not fired yet; returns how many there were.
+    pub fn clear_faults(&self) -> usize {
+        let mut st = self.state.lock();
+        let n = st.faults.len();
+        st.faults.clear();
+        n
+    }
+
+    /// Faults injected that have not fired yet.
+    pub fn pending_faults(&self) -> usize {
+        self.state.lock().faults.len()
     }
 
     /// How often each call was made so far.
@@ -141,6 +264,11 @@ impl SimDriver {
     /// Events created and not destroyed.
     pub fn live_events(&self) -> usize {
         self.state.lock().events.len()
+    }
+
+    /// Allocations made by `mem_alloc` and not yet freed, on every device.
+    pub fn live_allocations(&self) -> usize {
+        self.state.lock().allocations.len()
     }
 
     fn event_done(st: &State, event: EventHandle) -> Result<bool, DriverError> {
@@ -166,6 +294,7 @@ impl Driver for SimDriver {
     }
 
     fn current_device(&self) -> Result<i32, DriverError> {
+        self.lock_free_fault(SimOp::CurrentDevice)?;
         Ok(CURRENT_DEVICE.with(|c| c.get()))
     }
 
@@ -211,7 +340,8 @@ impl Driver for SimDriver {
     }
 
     fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.fault(SimOp::MemInfo)?;
         Ok(MemInfo { free: self.capacity - st.used[device as usize], total: self.capacity })
     }
 
@@ -265,11 +395,13 @@ impl Driver for SimDriver {
     fn event_destroy(&self, _device: i32, event: EventHandle) {
         let mut st = self.state.lock();
         st.counts.event_destroy += 1;
-        st.events.remove(&event.0);
+        if st.fault(SimOp::EventDestroy).is_ok() {
+            st.events.remove(&event.0);
+        }
     }
 
     /// The simulated device runs no work, so there is nothing to wait for (a held stream stays
-    /// held): counts the call, or fails with an injected fault.
+    /// held): counts the call, or fails or panics with an injected fault.
     fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
         let mut st = self.state.lock();
         st.counts.device_synchronize += 1;
@@ -278,6 +410,7 @@ impl Driver for SimDriver {
     }
 
     fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
+        self.lock_free_fault(SimOp::CurrentPrimaryDevice)?;
         Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
     }
 }
@@ -288,5 +421,51 @@ impl Drop for SimDriver {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_fires_on_the_chosen_call_of_its_kind_only() {
+        let sim = SimDriver::new(1, 1 << 30);
+        sim.inject(SimOp::MemAlloc, 2, SimFault::Fail(DriverError::OutOfMemory));
+        let _ = sim.event_create(0).unwrap();
+        let a = sim.mem_alloc(0, 4096).unwrap();
+        let b = sim.mem_alloc(0, 4096).unwrap();
+        assert_eq!(sim.mem_alloc(0, 4096), Err(DriverError::OutOfMemory), "the third call fails");
+        assert_eq!(sim.pending_faults(), 0);
+        let c = sim.mem_alloc(0, 4096).unwrap();
+        for p in [a, b, c] {
+            sim.mem_free(0, p).unwrap();
+        }
+        assert_eq!((sim.used(0), sim.live_allocations()), (0, 0));
+    }
+
+    #[test]
+    fn a_missing_symbol_is_reported_by_name_and_a_panic_names_it_too() {
+        let sim = SimDriver::new(1, 1 << 30);
+        sim.inject(SimOp::MemInfo, 0, SimFault::MissingSymbol);
+        match sim.mem_info(0) {
+            Err(DriverError::Unavailable(m)) => assert!(m.contains("cuMemGetInfo_v2"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        sim.inject_panic(SimOp::CurrentDevice, 0);
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.current_device())).unwrap_err();
+        let msg = payload.downcast_ref::<String>().unwrap();
+        assert!(msg.starts_with("Missing symbol cuCtxGetCurrent: ") && msg.ends_with(SIM_PANIC_MARK), "{msg}");
+        // The state's lock was released by the unwinding, and nothing changed.
+        assert_eq!(sim.current_device(), Ok(0));
+        sim.inject(SimOp::EventDestroy, 0, SimFault::Fail(DriverError::OutOfMemory));
+        let ev = sim.event_create(0).unwrap();
+        sim.event_destroy(0, ev);
+        assert_eq!(sim.live_events(), 1, "a failed destroy leaves the event alive");
+        sim.event_destroy(0, ev);
+        assert_eq!(sim.live_events(), 0);
+        sim.inject_panic(SimOp::MemAlloc, 5);
+        assert_eq!(sim.clear_faults(), 1);
+        sim.mem_free(0, sim.mem_alloc(0, 512).unwrap()).unwrap();
     }
 }

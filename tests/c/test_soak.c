@@ -1,0 +1,589 @@
+/* A deterministic soak of the C API on the simulated device (GPUPOOL_DRIVER=sim, whose device
+ * memory is host memory: every pointer can be written and read back).
+ *
+ *   test_soak [OPS [THREADS]]         (or GPUPOOL_SOAK_OPS, GPUPOOL_SOAK_THREADS, GPUPOOL_SOAK_SEED)
+ *
+ * OPS operations in all (default 1000000), spread over THREADS worker threads (default 8). Each
+ * worker draws its operations from its own seeded generator, so the sequence of each thread
+ * is the same from run to run (the interleaving is not). A worker allocates on its own three
+ * streams and on four shared side streams, on every simulated device; writes a cookie into
+ * the first and last bytes of every block and checks it when the block is freed; calls
+ * gpupool_record_stream onto other threads' streams, the side streams and the NULL stream;
+ * hands blocks to other threads to free; holds and releases side streams
+ * (gpupool_sim_hold_stream), so that blocks freed after being used there await their events;
+ * frees each block once, and mixes in double frees, frees and record_stream calls of interior
+ * and freed pointers and of a stack address, which must all return
+ * GPUPOOL_ERROR_INVALID_POINTER and change nothing.
+ *
+ * A shared index of address ranges (a sorted array under a mutex) holds every live block and
+ * every freed block whose record_stream events cannot have completed (used on a held side
+ * stream, not yet released): a block handed out that overlaps either is an error.
+ *
+ * A concurrent thread reads gpupool_stats of every device in a loop and checks each snapshot
+ * (current <= peak, allocated - freed == current, all == small + large, all.peak <=
+ * small.peak + large.peak), and calls gpupool_reset_peak_stats, gpupool_memory_summary and
+ * gpupool_empty_cache; the workers take and check a snapshot every 64 operations too.
+ *
+ * At the end: everything freed, the cache emptied, every device's reserved, allocation,
+ * active and requested figures are 0, and every statistic's allocated - freed == current.
+ * Prints "soak: N ops, M threads: E errors" and exits 1 if E > 0 (77, skipped, when another
+ * driver than the simulated one is selected). */
+#define _POSIX_C_SOURCE 200809L
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpupool.h"
+#if defined(__has_include)
+#if __has_include("gpupool_testing.h")
+#include "gpupool_testing.h"
+#endif
+#endif
+
+#define MIB ((size_t)1 << 20)
+#define MAX_THREADS 64
+#define OWN_STREAMS 3
+#define SIDE_STREAMS 4
+#define LIVE_CAP 48
+#define MAILBOX_CAP 64
+#define MAX_USES 4
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+static atomic_long errors;
+
+static void fail(const char *fmt, ...) {
+  long n = atomic_fetch_add(&errors, 1);
+  if (n >= 30) return; /* the first 30 are enough to see what went wrong */
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "soak: error: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  va_end(ap);
+}
+
+#define EXPECT_STATUS(call, want)                                                             \
+  do {                                                                                        \
+    gpupool_status got_ = (call);                                                             \
+    if (got_ != (want))                                                                       \
+      fail("%s:%d: %s returned %s, expected %s (%s)", __FILE__, __LINE__, #call,              \
+           gpupool_status_string(got_), gpupool_status_string(want),                          \
+           gpupool_last_error_message());                                                     \
+  } while (0)
+
+/* ---- deterministic random numbers -------------------------------------------------------- */
+
+static uint64_t next(uint64_t *s) {
+  /* xorshift64* */
+  *s ^= *s >> 12;
+  *s ^= *s << 25;
+  *s ^= *s >> 27;
+  return *s * UINT64_C(2685821657736338717);
+}
+
+static uint64_t below(uint64_t *s, uint64_t n) { return next(s) % n; }
+
+/* ---- streams ----------------------------------------------------------------------------- */
+
+static gpupool_stream_t own_stream(int thread, int k) {
+  return (gpupool_stream_t)(uintptr_t)(0x100000u * (unsigned)(thread + 1) + 0x10u * (unsigned)(k + 1));
+}
+
+static gpupool_stream_t side_stream(int k) {
+  return (gpupool_stream_t)(uintptr_t)(0x7000000u + 0x10u * (unsigned)(k + 1));
+}
+
+/* ---- the index of live and quarantined ranges -------------------------------------------- */
+
+enum { LIVE = 1, QUARANTINED = 2 };
+
+typedef struct {
+  uintptr_t start, end;
+  int state;
+  unsigned awaits; /* QUARANTINED: bit k set while side stream k is held since the free */
+} range_t;
+
+static pthread_mutex_t index_lock = PTHREAD_MUTEX_INITIALIZER;
+static range_t *ranges;
+static size_t nranges, cap_ranges;
+/* Side streams held, as the index sees them (changed only with index_lock held, together
+ * with the simulated device's own state). */
+static unsigned held_mask;
+
+/* Position of the first range that starts at or after `p`. */
+static size_t lower_bound(uintptr_t p) {
+  size_t lo = 0, hi = nranges;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (ranges[mid].start < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* Adds a block just handed out; returns 0 and reports an error if it overlaps a live block or
+ * a freed block whose events are pending. Called with index_lock held. */
+static int index_add(uintptr_t p, size_t size, gpupool_stream_t stream) {
+  size_t at = lower_bound(p);
+  const range_t *clash = NULL;
+  if (at > 0 && ranges[at - 1].end > p) clash = &ranges[at - 1];
+  if (at < nranges && ranges[at].start < p + size) clash = &ranges[at];
+  if (clash) {
+    fail("block %#" PRIxPTR " (%zu bytes, stream %p) overlaps %s %#" PRIxPTR "-%#" PRIxPTR, p, size,
+         (void *)stream,
+         clash->state == LIVE ? "the live block"
+                              : "a block freed after record_stream whose events have not completed:",
+         clash->start, clash->end);
+    return 0;
+  }
+  if (nranges == cap_ranges) {
+    cap_ranges = cap_ranges ? 2 * cap_ranges : 1024;
+    ranges = realloc(ranges, cap_ranges * sizeof *ranges);
+    if (!ranges) {
+      fprintf(stderr, "soak: out of host memory\n");
+      exit(2);
+    }
+  }
+  memmove(&ranges[at + 1], &ranges[at], (nranges - at) * sizeof *ranges);
+  ranges[at] = (range_t){p, p + size, LIVE, 0};
+  nranges++;
+  return 1;
+}
+
+static void index_remove_at(size_t at) {
+  memmove(&ranges[at], &ranges[at + 1], (nranges - at - 1) * sizeof *ranges);
+  nranges--;
+}
+
+/* The live block at `p` is about to be freed: it leaves the index, or stays as quarantined
+ * while a held side stream it was used on has not been released. */
+static void index_free(uintptr_t p, unsigned side_uses) {
+  size_t at = lower_bound(p);
+  if (at == nranges || ranges[at].start != p || ranges[at].state != LIVE) {
+    fail("block %#" PRIxPTR " is missing from the index", p);
+    return;
+  }
+  unsigned awaits = side_uses & held_mask;
+  if (awaits) {
+    ranges[at].state = QUARANTINED;
+    ranges[at].awaits = awaits;
+  } else {
+    index_remove_at(at);
+  }
+}
+
+/* Side stream k's work completed: what awaited only it may be handed out again. */
+static void index_release(unsigned bit) {
+  for (size_t i = 0; i < nranges;) {
+    if (ranges[i].state == QUARANTINED && (ranges[i].awaits &= ~bit) == 0)
+      index_remove_at(i);
+    else
+      i++;
+  }
+}
+
+static void hold_side(int k) {
+  pthread_mutex_lock(&index_lock);
+  EXPECT_STATUS(gpupool_sim_hold_stream(side_stream(k)), GPUPOOL_SUCCESS);
+  held_mask |= 1u << k;
+  pthread_mutex_unlock(&index_lock);
+}
+
+static void release_side(int k) {
+  pthread_mutex_lock(&index_lock);
+  held_mask &= ~(1u << k);
+  index_release(1u << k);
+  EXPECT_STATUS(gpupool_sim_release_stream(side_stream(k)), GPUPOOL_SUCCESS);
+  pthread_mutex_unlock(&index_lock);
+}
+
+/* empty_cache waits for every pending event (the simulated cuEventSynchronize completes a held
+ * stream's work up to the event) and returns free segments to the driver, whose addresses a
+ * new segment may then get: it runs with the index locked, ends every quarantine, and
+ * excludes the workers' double-free checks (cache_lock). */
+static pthread_rwlock_t cache_lock = PTHREAD_RWLOCK_INITIALIZER;
+
+static void empty_cache(int device) {
+  pthread_rwlock_wrlock(&cache_lock);
+  pthread_mutex_lock(&index_lock);
+  EXPECT_STATUS(gpupool_empty_cache(device), GPUPOOL_SUCCESS);
+  for (size_t i = 0; i < nranges;) {
+    if (ranges[i].state == QUARANTINED)
+      index_remove_at(i);
+    else
+      i++;
+  }
+  pthread_mutex_unlock(&index_lock);
+  pthread_rwlock_unlock(&cache_lock);
+}
+
+/* ---- blocks and cookies ------------------------------------------------------------------ */
+
+typedef struct {
+  void *p;
+  size_t size;
+  uint64_t cookie;
+  gpupool_stream_t stream;
+  int own;          /* allocated on the owner's own stream (only that thread allocates there) */
+  int tracked;      /* in the index (not when it clashed) */
+  unsigned side_uses; /* side streams named to gpupool_record_stream */
+} block_t;
+
+static void stamp(const block_t *b) {
+  size_t n = b->size < 8 ? b->size : 8;
+  memcpy(b->p, &b->cookie, n);
+  if (b->size >= 16) memcpy((char *)b->p + b->size - 8, &b->cookie, 8);
+}
+
+static int stamped(const block_t *b) {
+  uint64_t head = 0, tail = b->cookie;
+  size_t n = b->size < 8 ? b->size : 8;
+  memcpy(&head, b->p, n);
+  if (b->size >= 16) memcpy(&tail, (char *)b->p + b->size - 8, 8);
+  return memcmp(&head, &b->cookie, n) == 0 && tail == b->cookie;
+}
+
+/* ---- workers ----------------------------------------------------------------------------- */
+
+typedef struct {
+  pthread_mutex_t lock;
+  block_t blocks[MAILBOX_CAP];
+  int n;
+} mailbox_t;
+
+static int nthreads, ndevices;
+static long ops_per_thread;
+static uint64_t seed;
+static mailbox_t mailboxes[MAX_THREADS];
+static atomic_int workers_done;
+static atomic_long n_malloc, n_free, n_handed, n_bad, n_record, n_hold;
+
+static size_t draw_size(uint64_t *rng) {
+  uint64_t r = below(rng, 1000);
+  if (r < 700) return 1 + (size_t)below(rng, 16384);
+  if (r < 900) return 16384 + (size_t)below(rng, MIB - 16384);
+  if (r < 990) return MIB + (size_t)below(rng, 7 * MIB);
+  return 8 * MIB + (size_t)below(rng, 16 * MIB);
+}
+
+/* Frees a block this thread holds (its own, or one handed to it), checking its cookie first;
+ * `check_after`: then free it again, and name it to record_stream, which must both fail. */
+static void free_block(const block_t *b, int check_after) {
+  if (!stamped(b)) fail("block %p (%zu bytes) was overwritten while live", b->p, b->size);
+  if (check_after) pthread_rwlock_rdlock(&cache_lock);
+  if (b->tracked) {
+    pthread_mutex_lock(&index_lock);
+    index_free((uintptr_t)b->p, b->side_uses);
+    pthread_mutex_unlock(&index_lock);
+  }
+  EXPECT_STATUS(gpupool_free(b->p), GPUPOOL_SUCCESS);
+  if (check_after) {
+    /* Only this thread allocates on its own streams, and no segment is returned to the driver
+     * meanwhile (cache_lock): nothing can have been handed out at this address since. */
+    EXPECT_STATUS(gpupool_free(b->p), GPUPOOL_ERROR_INVALID_POINTER);
+    EXPECT_STATUS(gpupool_record_stream(b->p, side_stream(0)), GPUPOOL_ERROR_INVALID_POINTER);
+    pthread_rwlock_unlock(&cache_lock);
+    atomic_fetch_add(&n_bad, 2);
+  }
+  atomic_fetch_add(&n_free, 1);
+}
+
+static void drain_mailbox(int t) {
+  block_t got[MAILBOX_CAP];
+  pthread_mutex_lock(&mailboxes[t].lock);
+  int n = mailboxes[t].n;
+  memcpy(got, mailboxes[t].blocks, (size_t)n * sizeof got[0]);
+  mailboxes[t].n = 0;
+  pthread_mutex_unlock(&mailboxes[t].lock);
+  for (int i = 0; i < n; i++) free_block(&got[i], 0);
+}
+
+static int hand_to(int t, const block_t *b) {
+  int ok = 0;
+  pthread_mutex_lock(&mailboxes[t].lock);
+  if (mailboxes[t].n < MAILBOX_CAP) {
+    mailboxes[t].blocks[mailboxes[t].n++] = *b;
+    ok = 1;
+  }
+  pthread_mutex_unlock(&mailboxes[t].lock);
+  return ok;
+}
+
+static gpupool_stats_t check_snapshot(int device);
+
+static void *worker(void *arg) {
+  int t = (int)(intptr_t)arg;
+  uint64_t rng = seed ^ (UINT64_C(0x9e3779b97f4a7c15) * (uint64_t)(t + 1));
+  if (!rng) rng = 1;
+  block_t live[LIVE_CAP];
+  int nlive = 0;
+  uint64_t counter = 0;
+  for (long i = 0; i < ops_per_thread; i++) {
+    uint64_t r = below(&rng, 1000);
+    if (below(&rng, 8) == 0) drain_mailbox(t);
+    /* Snapshots from the workers too, so that even when the statistics thread gets little CPU
+     * the statistics are read while other threads are in the middle of their calls. */
+    if ((i & 63) == 63) check_snapshot((int)below(&rng, (uint64_t)ndevices));
+    if (r < 4) {
+      /* Hold or release a side stream. */
+      int k = (int)below(&rng, SIDE_STREAMS);
+      pthread_mutex_lock(&index_lock);
+      int held = (held_mask >> k) & 1;
+      pthread_mutex_unlock(&index_lock);
+      if (held)
+        release_side(k);
+      else
+        hold_side(k);
+      atomic_fetch_add(&n_hold, 1);
+    } else if (r < 6) {
+      /* A pointer gpupool never handed out. */
+      int local = 0;
+      EXPECT_STATUS(gpupool_free(&local), GPUPOOL_ERROR_INVALID_POINTER);
+      atomic_fetch_add(&n_bad, 1);
+    } else if (nlive < 4 || (r < 560 && nlive < LIVE_CAP)) {
+      block_t b;
+      memset(&b, 0, sizeof b);
+      b.size = draw_size(&rng);
+      b.own = below(&rng, 5) != 0;
+      b.stream = b.own ? own_stream(t, (int)below(&rng, OWN_STREAMS)) : side_stream((int)below(&rng, SIDE_STREAMS));
+      int device = (int)below(&rng, (uint64_t)ndevices);
+      b.p = NULL;
+      gpupool_status st = gpupool_malloc(&b.p, b.size, device, b.stream);
+      atomic_fetch_add(&n_malloc, 1);
+      if (st != GPUPOOL_SUCCESS || !b.p) {
+        fail("gpupool_malloc(%zu bytes, device %d) returned %s: %s", b.size, device,
+             gpupool_status_string(st), gpupool_last_error_message());
+        continue;
+      }
+      b.cookie = ((uint64_t)(t + 1) << 48) | ++counter;
+      pthread_mutex_lock(&index_lock);
+      b.tracked = index_add((uintptr_t)b.p, b.size, b.stream);
+      pthread_mutex_unlock(&index_lock);
+      stamp(&b);
+      if (below(&rng, 6) == 0) {
+        /* Used on other streams too: a side stream (perhaps held), another thread's stream,
+         * or the NULL stream. */
+        int uses = 1 + (int)below(&rng, MAX_USES);
+        for (int u = 0; u < uses; u++) {
+          uint64_t which = below(&rng, 3);
+          gpupool_stream_t s;
+          if (which == 0) {
+            int k = (int)below(&rng, SIDE_STREAMS);
+            s = side_stream(k);
+            if (s != b.stream) b.side_uses |= 1u << k;
+          } else if (which == 1) {
+            s = own_stream((int)below(&rng, (uint64_t)nthreads), (int)below(&rng, OWN_STREAMS));
+          } else {
+            s = NULL;
+          }
+          EXPECT_STATUS(gpupool_record_stream(b.p, s), GPUPOOL_SUCCESS);
+          atomic_fetch_add(&n_record, 1);
+        }
+      }
+      live[nlive++] = b;
+    } else {
+      int k = (int)below(&rng, (uint64_t)nlive);
+      block_t b = live[k];
+      uint64_t what = below(&rng, 100);
+      if (what < 5 && b.size >= 2) {
+        /* Inside a live block: refused, nothing changes (the cookie is checked at the free). */
+        char *inside = (char *)b.p + 1 + below(&rng, b.size - 1);
+        EXPECT_STATUS(gpupool_free(inside), GPUPOOL_ERROR_INVALID_POINTER);
+        EXPECT_STATUS(gpupool_record_stream(inside, side_stream(1)), GPUPOOL_ERROR_INVALID_POINTER);
+        atomic_fetch_add(&n_bad, 2);
+        continue;
+      }
+      live[k] = live[--nlive];
+      if (what < 15 && nthreads > 1) {
+        int to = (t + 1 + (int)below(&rng, (uint64_t)(nthreads - 1))) % nthreads;
+        if (hand_to(to, &b)) {
+          atomic_fetch_add(&n_handed, 1);
+          continue;
+        }
+      }
+      free_block(&b, b.own && what >= 80);
+    }
+  }
+  for (int i = 0; i < nlive; i++) free_block(&live[i], 0);
+  atomic_fetch_add(&workers_done, 1);
+  return NULL;
+}
+
+/* ---- the statistics thread --------------------------------------------------------------- */
+
+static atomic_long snapshots;
+
+static void check_stat(const char *what, int device, const gpupool_stat_t *s) {
+  if (s->current > s->peak)
+    fail("device %d %s: current %" PRId64 " > peak %" PRId64, device, what, s->current, s->peak);
+  if (s->allocated - s->freed != s->current)
+    fail("device %d %s: allocated %" PRId64 " - freed %" PRId64 " != current %" PRId64, device, what,
+         s->allocated, s->freed, s->current);
+  if (s->current < 0) fail("device %d %s: current %" PRId64 " < 0", device, what, s->current);
+}
+
+static void check_array(const char *what, int device, const gpupool_stat_array_t *a) {
+  check_stat(what, device, &a->all);
+  check_stat(what, device, &a->small_pool);
+  check_stat(what, device, &a->large_pool);
+  if (a->all.current != a->small_pool.current + a->large_pool.current)
+    fail("device %d %s: all.current %" PRId64 " != small %" PRId64 " + large %" PRId64, device, what,
+         a->all.current, a->small_pool.current, a->large_pool.current);
+  if (a->all.peak > a->small_pool.peak + a->large_pool.peak)
+    fail("device %d %s: all.peak %" PRId64 " > small_pool.peak %" PRId64 " + large_pool.peak %" PRId64
+         " (by %" PRId64 ")",
+         device, what, a->all.peak, a->small_pool.peak, a->large_pool.peak,
+         a->all.peak - a->small_pool.peak - a->large_pool.peak);
+}
+
+#define ARRAYS(X)                                                                             \
+  X(allocation) X(segment) X(active) X(inactive_split) X(allocated_bytes) X(reserved_bytes)    \
+  X(active_bytes) X(inactive_split_bytes) X(requested_bytes)
+
+static gpupool_stats_t check_snapshot(int device) {
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  EXPECT_STATUS(gpupool_stats(device, &s), GPUPOOL_SUCCESS);
+#define CHECK_ARRAY(name) check_array(#name, device, &s.name);
+  ARRAYS(CHECK_ARRAY)
+#undef CHECK_ARRAY
+  check_stat("oversize_allocations", device, &s.oversize_allocations);
+  check_stat("oversize_segments", device, &s.oversize_segments);
+  atomic_fetch_add(&snapshots, 1);
+  return s;
+}
+
+static void pause_us(long us) {
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  nanosleep(&ts, NULL);
+}
+
+static void *stats_thread(void *arg) {
+  (void)arg;
+  uint64_t rng = seed ^ UINT64_C(0x5eed5eed5eed5eed);
+  while (atomic_load(&workers_done) < nthreads) {
+    int device = (int)below(&rng, (uint64_t)ndevices);
+    check_snapshot(device);
+    uint64_t r = below(&rng, 1000);
+    if (r < 20) {
+      EXPECT_STATUS(gpupool_reset_peak_stats(device), GPUPOOL_SUCCESS);
+    } else if (r < 25) {
+      empty_cache(below(&rng, 2) ? device : -1);
+    } else if (r < 30) {
+      size_t need = 0;
+      EXPECT_STATUS(gpupool_memory_summary(device, NULL, 0, &need), GPUPOOL_SUCCESS);
+      size_t len = need + 256; /* the table may grow by a digit or two meanwhile */
+      char *text = malloc(len);
+      if (text) {
+        EXPECT_STATUS(gpupool_memory_summary(device, text, len, &need), GPUPOOL_SUCCESS);
+        if (!strstr(text, "gpupool memory summary")) fail("the memory summary has no title");
+        free(text);
+      }
+    }
+    pause_us(50);
+  }
+  return NULL;
+}
+
+/* ---- main -------------------------------------------------------------------------------- */
+
+static long arg_or_env(int argc, char **argv, int i, const char *env, long dflt) {
+  const char *v = argc > i ? argv[i] : getenv(env);
+  if (!v || !*v) return dflt;
+  char *end;
+  long n = strtol(v, &end, 10);
+  if (*end || n <= 0) {
+    fprintf(stderr, "soak: %s=%s is not a positive number\n", env, v);
+    exit(2);
+  }
+  return n;
+}
+
+int main(int argc, char **argv) {
+  const char *driver = getenv("GPUPOOL_DRIVER");
+  if (driver && *driver && strcmp(driver, "sim") != 0) {
+    printf("soak: skipped: needs the simulated device (GPUPOOL_DRIVER=sim), not %s\n", driver);
+    return 77;
+  }
+  /* Defaults for the simulated device unless the caller set them: the soak's blocks and
+   * caches fit many times over (pages are committed only where the cookies are written), so
+   * no allocation runs out of memory and takes the release-and-retry path. */
+  setenv("GPUPOOL_DRIVER", "sim", 1);
+  setenv("GPUPOOL_SIM_CAPACITY", "64GiB", 0);
+  setenv("GPUPOOL_SIM_DEVICES", "2", 0);
+
+  long ops = arg_or_env(argc, argv, 1, "GPUPOOL_SOAK_OPS", 1000000);
+  nthreads = (int)arg_or_env(argc, argv, 2, "GPUPOOL_SOAK_THREADS", 8);
+  seed = (uint64_t)arg_or_env(argc, argv, 3, "GPUPOOL_SOAK_SEED", 1);
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  ops_per_thread = (ops + nthreads - 1) / nthreads;
+
+  int count = 0;
+  if (gpupool_device_count(&count) != GPUPOOL_SUCCESS) {
+    fprintf(stderr, "soak: gpupool_device_count: %s\n", gpupool_last_error_message());
+    return 1;
+  }
+  ndevices = count < 2 ? count : 2;
+
+  for (int t = 0; t < nthreads; t++) pthread_mutex_init(&mailboxes[t].lock, NULL);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  pthread_t workers[MAX_THREADS], stats;
+  if (pthread_create(&stats, NULL, stats_thread, NULL) != 0) return 2;
+  for (int t = 0; t < nthreads; t++)
+    if (pthread_create(&workers[t], NULL, worker, (void *)(intptr_t)t) != 0) return 2;
+  for (int t = 0; t < nthreads; t++) pthread_join(workers[t], NULL);
+  pthread_join(stats, NULL);
+  for (int t = 0; t < nthreads; t++) drain_mailbox(t);
+  for (int k = 0; k < SIDE_STREAMS; k++) release_side(k);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+
+  /* Everything is freed: after empty_cache nothing may be left. */
+  empty_cache(-1);
+  if (nranges != 0) fail("%zu ranges left in the index after everything was freed", nranges);
+  for (int d = 0; d < ndevices; d++) {
+    gpupool_stats_t s = check_snapshot(d);
+    const struct {
+      const char *name;
+      int64_t current;
+    } zero[] = {
+        {"reserved_bytes.all", s.reserved_bytes.all.current},
+        {"segment.all", s.segment.all.current},
+        {"allocation.all", s.allocation.all.current},
+        {"allocated_bytes.all", s.allocated_bytes.all.current},
+        {"active.all", s.active.all.current},
+        {"active_bytes.all", s.active_bytes.all.current},
+        {"requested_bytes.all", s.requested_bytes.all.current},
+        {"inactive_split.all", s.inactive_split.all.current},
+        {"oversize_allocations", s.oversize_allocations.current},
+    };
+    for (size_t i = 0; i < sizeof zero / sizeof zero[0]; i++)
+      if (zero[i].current != 0)
+        fail("device %d: %s.current is %" PRId64 " after everything was freed and the cache emptied", d,
+             zero[i].name, zero[i].current);
+    if (s.num_alloc_retries != 0 || s.num_ooms != 0)
+      fail("device %d: %" PRId64 " retries and %" PRId64 " out-of-memory errors: raise GPUPOOL_SIM_CAPACITY", d,
+           s.num_alloc_retries, s.num_ooms);
+    if (s.num_device_alloc != s.num_device_free)
+      fail("device %d: %" PRId64 " segments allocated but %" PRId64 " freed", d, s.num_device_alloc,
+           s.num_device_free);
+  }
+  double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  printf("soak: %ld mallocs, %ld frees (%ld by another thread), %ld record_stream, %ld holds/releases, "
+         "%ld refused bad pointers, %ld statistics snapshots, %.2f s\n",
+         atomic_load(&n_malloc), atomic_load(&n_free), atomic_load(&n_handed), atomic_load(&n_record),
+         atomic_load(&n_hold), atomic_load(&n_bad), atomic_load(&snapshots), secs);
+  long e = atomic_load(&errors);
+  printf("soak: %ld ops, %d threads: %ld errors\n", ops_per_thread * nthreads, nthreads, e);
+  free(ranges);
+  return e == 0 ? 0 : 1;
+}
