@@ -5,10 +5,10 @@
 //! number of streams in use (it grew from 0.67 µs at 10 streams to 55 µs at 1,000, settling
 //! the peaks over every stream's shard).
 //!
-//! `shard_count` and `pool_bins` are diagnostics this file needs from the core (hidden from
+//! `stream_count` and `pool_bins` are diagnostics this file needs from the core (hidden from
 //! the documentation); until they exist, this file does not compile.
 //!
-//! The state is read through two diagnostics of the core, `Allocator::shard_count` and
+//! The state is read through two diagnostics of the core, `Allocator::stream_count` and
 //! `Allocator::pool_bins`, and through the process's heap in use (glibc's `mallinfo2`). The
 //! tests of this binary run one at a time (`SERIAL`), so that the heap figures are theirs.
 
@@ -54,7 +54,7 @@ fn ten_thousand_streams_leave_nothing_behind_after_empty_cache() {
                 p
             })
             .collect();
-        assert!(a.shard_count(0).unwrap() > 0, "shard_count counts the state of the streams in use");
+        assert!(a.stream_count(0).unwrap() > 0, "shard_count counts the state of the streams in use");
         for p in ptrs {
             a.free(p).unwrap();
         }
@@ -62,7 +62,7 @@ fn ten_thousand_streams_leave_nothing_behind_after_empty_cache() {
         check(&a);
         let s = a.stats(0).unwrap();
         assert_eq!((s.reserved_bytes.all.current, s.active.all.current, drv.used(0)), (0, 0, 0));
-        assert_eq!(a.shard_count(0).unwrap(), 0, "shards left after every block was freed and the cache emptied");
+        assert_eq!(a.stream_count(0).unwrap(), 0, "shards left after every block was freed and the cache emptied");
         after_round.push(heap_in_use());
     }
     let kept = after_round[0].saturating_sub(before);

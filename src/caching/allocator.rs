@@ -358,6 +358,15 @@ impl Allocator {
         Ok(self.device_or_init(device)?.shard_count())
     }
 
+    /// Size bins, empty or not, in the pools of every stream of `device`: the host memory the
+    /// free lists take. For tests that it follows the blocks cached, not every size ever seen.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    #[doc(hidden)]
+    pub fn pool_bins(&self, device: i32) -> Result<usize, Error> {
+        Ok(self.device_or_init(device)?.pool_bins())
+    }
+
     /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,
     /// sizes in PyTorch's units (B, KiB, MiB, GiB).
     ///

@@ -85,6 +85,11 @@ impl DeviceAllocator {
         self.shards.get_or_create(stream)
     }
 
+    /// Size bins in the pools of every shard (host memory, for tests).
+    pub fn pool_bins(&self) -> usize {
+        self.shards.all().iter().map(|s| s.lock().bin_count()).sum()
+    }
+
     /// Shards in the device's table: streams that hold memory or were used since the last
     /// `empty_cache` (a diagnostic).
     pub fn shard_count(&self) -> usize {
@@ -426,7 +431,9 @@ impl DeviceAllocator {
             let unseen = g.counters.cells.iter().any(|c| c.current != c.seen_current || c.headroom != c.seen_headroom);
             let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
             let dirty = g.dirty_epoch == self.shards.epoch();
-            if (unseen && !dirty) || (credit && !dirty && !on_list.contains(&Arc::as_ptr(shard))) {
+            // What a shard changed since a settle saw it, and credit it holds, are found by the
+            // next settle only through the dirty list or the holders.
+            if (unseen || credit) && !dirty && !on_list.contains(&Arc::as_ptr(shard)) {
                 return fail(format!(
                     "stream {:#x} changed or holds credit, but no settle would visit it",
                     shard.stream

@@ -71,12 +71,12 @@ impl StreamEvents {
 
     /// PyTorch `process_events` (`wait` false: never blocks) and `synchronize_and_free_events`
     /// (`wait` true): each stream's events in order, stopping at the first that has not
-    /// completed; each completed event's block is appended to `done` (once per event: a block
-    /// held back by several streams appears once for each).
+    /// completed; `done` is called with each completed event's block at once (once per event:
+    /// a block held back by several streams is named once for each), so that a driver call
+    /// that unwinds later leaves every event either pending or handled.
     ///
-    /// Errors: the driver's, when a query or wait fails; that event stays pending and what
-    /// completed before it is in `done`.
-    pub fn drain(&mut self, driver: &dyn Driver, wait: bool, done: &mut Vec<BlockId>) -> Result<(), DriverError> {
+    /// Errors: the driver's, when a query or wait fails; that event stays pending.
+    pub fn drain(&mut self, driver: &dyn Driver, wait: bool, mut done: impl FnMut(BlockId)) -> Result<(), DriverError> {
         let mut result = Ok(());
         'queues: for q in &mut self.pending {
             while let Some(&(ev, id)) = q.1.front() {
@@ -92,7 +92,7 @@ impl StreamEvents {
                 q.1.pop_front();
                 self.count -= 1;
                 self.idle.push(ev);
-                done.push(id);
+                done(id);
             }
         }
         self.pending.retain(|q| !q.1.is_empty());

@@ -82,8 +82,7 @@ impl FreePool {
         self.empty_bins = 0;
     }
 
-    /// Bins held, empty or not (for tests of host memory).
-    #[cfg(test)]
+    /// Bins held, empty or not (host memory, for tests).
     pub fn bin_count(&self) -> usize {
         self.bins.len()
     }

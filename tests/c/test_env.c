@@ -1,6 +1,7 @@
 /* How gpupool starts when it cannot: run as `test_env no-driver` on a machine without
- * libcuda (GPUPOOL_DRIVER unset: the CUDA driver is the default), or as `test_env bad-env`
- * with GPUPOOL_DRIVER set to a value that means nothing. Either way every call returns a
+ * libcuda (GPUPOOL_DRIVER unset: the CUDA driver is the default), as `test_env partial-driver`
+ * with LD_LIBRARY_PATH leading to a libcuda that lacks cuMemAlloc_v2 (stub_libcuda.c), or as
+ * `test_env bad-env` with GPUPOOL_DRIVER set to a value that means nothing. Either way every call returns a
  * status with a message that says what to do, and nothing is printed on stderr. */
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
@@ -14,6 +15,7 @@
 int main(int argc, char **argv) {
   if (argc != 2) return 2;
   int no_driver = strcmp(argv[1], "no-driver") == 0;
+  int partial = strcmp(argv[1], "partial-driver") == 0;
   if (no_driver) {
     void *lib = dlopen("libcuda.so.1", RTLD_LAZY);
     if (lib != NULL) {
@@ -40,14 +42,18 @@ int main(int argc, char **argv) {
   fseek(capture, 0, SEEK_END);
   long printed = ftell(capture);
 
-  gpupool_status want = no_driver ? GPUPOOL_ERROR_DRIVER_UNAVAILABLE : GPUPOOL_ERROR_INVALID_VALUE;
+  gpupool_status want = no_driver || partial ? GPUPOOL_ERROR_DRIVER_UNAVAILABLE : GPUPOOL_ERROR_INVALID_VALUE;
   CHECK(malloc_status == want);
   CHECK(stats_status == want);
   CHECK(free_status == GPUPOOL_SUCCESS);
   CHECK(p == NULL);
-  CHECK(strstr(message, no_driver ? "GPUPOOL_DRIVER=sim" : "GPUPOOL_DRIVER") != NULL);
+  CHECK(strstr(message, no_driver || partial ? "GPUPOOL_DRIVER=sim" : "GPUPOOL_DRIVER") != NULL);
   CHECK(printed == 0);
-  if (!no_driver) {
+  if (partial) {
+    /* Named, where cudarc would have panicked at the first allocation. */
+    CHECK(strstr(message, "lacks cuMemAlloc_v2") != NULL);
+  }
+  if (!no_driver && !partial) {
     /* The options' one reader names the value and what it must be, too. */
     CHECK(strstr(message, "\"opencl\"") != NULL);
     CHECK(strstr(message, "expected cuda or sim") != NULL);

@@ -183,28 +183,31 @@ impl ShardState {
     /// Errors: [`Error::InvalidPointer`] for a pointer that is not an allocated block of this
     /// shard (`segment` is the base of the segment that contains it); nothing changed.
     pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
-        let Some(id) = self.live.remove(&ptr) else {
+        let Some(&id) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
-        if self.blocks[id].stream_uses.is_empty() {
-            self.count_free(id, ctx.max_split_size);
-            self.free_block(id);
-            return Ok(());
-        }
-        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
-        let mut recorded = Vec::with_capacity(uses.len());
-        for &stream in &uses {
+        // Events first, the block's state after: a driver call that fails or unwinds leaves
+        // the block allocated, as it was.
+        let mut recorded = Vec::with_capacity(self.blocks[id].stream_uses.len());
+        for &stream in &self.blocks[id].stream_uses {
             match self.events.record(ctx.driver, ctx.device, stream) {
                 Ok(ev) => recorded.push((stream, ev)),
                 Err(_) => {
                     self.events.unused(recorded.iter().map(|r| r.1));
+                    self.live.remove(&ptr);
                     self.defer(ctx, id);
                     return Ok(());
                 }
             }
         }
+        self.live.remove(&ptr);
         self.count_free(id, ctx.max_split_size);
+        if recorded.is_empty() {
+            self.free_block(id);
+            return Ok(());
+        }
         let b = &mut self.blocks[id];
+        b.stream_uses.clear();
         b.state = BlockState::AwaitingEvents;
         b.event_count = recorded.len() as u32;
         for (stream, ev) in recorded {
@@ -245,15 +248,18 @@ impl ShardState {
     }
 
     fn drain_events(&mut self, ctx: &ShardCtx, wait: bool) -> Result<(), Error> {
-        let mut done = Vec::new();
-        let result = self.events.drain(ctx.driver, wait, &mut done);
-        for id in done {
-            let b = &mut self.blocks[id];
+        // The events are out of the state while they drain (each completed one is handled as
+        // it is found), and back in on every exit, unwinding included.
+        let events = std::mem::take(&mut self.events);
+        let mut g = scopeguard::guard((self, events), |(st, events)| st.events = events);
+        let (st, events) = &mut *g;
+        let result = events.drain(ctx.driver, wait, |id| {
+            let b = &mut st.blocks[id];
             b.event_count -= 1;
             if b.event_count == 0 {
-                self.free_block(id);
+                st.free_block(id);
             }
-        }
+        });
         result.map_err(|e| Error::driver_call(e, "waiting for the events of freed blocks"))
     }
 
@@ -319,6 +325,11 @@ impl ShardState {
     /// Its counters' current values are then all zero.
     pub fn is_idle(&self) -> bool {
         self.segments.is_empty() && self.events.is_unused() && self.deferred.len() == 0
+    }
+
+    /// Size bins of both pools, empty or not (host memory, for tests).
+    pub fn bin_count(&self) -> usize {
+        self.small.bin_count() + self.large.bin_count()
     }
 
     /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at

@@ -49,12 +49,15 @@ impl ShardState {
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (addr, size, pool) = (b.addr, b.size, b.pool);
         // Out of the index first: once the driver has the memory back, another stream's new
-        // segment may start at the same address.
+        // segment may start at the same address. Back in if the driver fails, or unwinds.
         ctx.index.remove(addr);
+        let reindex = scopeguard::guard((), |()| {
+            ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() })
+        });
         if let Err(e) = ctx.driver.mem_free(ctx.device, addr) {
-            ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
             return Err(Error::driver(e, "returning a cached segment to the driver"));
         }
+        scopeguard::ScopeGuard::into_inner(reindex);
         self.pool(pool).remove(size, addr, id);
         self.segments.remove(&addr);
         self.blocks.remove(id);

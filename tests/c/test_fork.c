@@ -1,0 +1,75 @@
+/* fork() while other threads are inside gpupool: the child must get an error that says CUDA
+ * does not survive fork (never hang on a lock another thread held at the fork, never get the
+ * parent's cached memory), and the parent goes on as before. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "gpupool.h"
+#include "check.h"
+
+static atomic_int stop;
+
+static void *churn(void *arg) {
+  gpupool_stream_t stream = (gpupool_stream_t)arg;
+  unsigned x = (unsigned)(size_t)arg;
+  while (!atomic_load(&stop)) {
+    void *p[8];
+    for (int i = 0; i < 8; i++) {
+      x = x * 1103515245u + 12345u;
+      if (gpupool_malloc(&p[i], 512 + (x >> 8) % (4 << 20), 0, stream) != GPUPOOL_SUCCESS) p[i] = NULL;
+    }
+    for (int i = 0; i < 8; i++) gpupool_free(p[i]);
+    gpupool_stats_t s = GPUPOOL_STATS_INIT;
+    gpupool_stats(0, &s);
+  }
+  return NULL;
+}
+
+/* In the child: every call must fail at once with the fork message. Exit 0 if so. */
+static int child(void) {
+  alarm(10); /* a hang is killed by SIGALRM, which the parent sees */
+  void *p = NULL;
+  if (gpupool_malloc(&p, 1024, 0, NULL) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE || p != NULL) return 2;
+  if (strstr(gpupool_last_error_message(), "fork") == NULL) return 3;
+  gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  if (gpupool_stats(0, &s) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) return 4;
+  if (gpupool_empty_cache(-1) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) return 5;
+  return 0;
+}
+
+int main(void) {
+  void *warm;
+  CHECK(gpupool_malloc(&warm, 4096, 0, NULL) == GPUPOOL_SUCCESS);
+  pthread_t threads[4];
+  for (size_t t = 0; t < 4; t++) pthread_create(&threads[t], NULL, churn, (void *)(0x100 * (t + 1)));
+  int hung = 0, wrong = 0;
+  for (int i = 0; i < 50; i++) {
+    pid_t pid = fork();
+    if (pid == 0) _exit(child());
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) {
+      hung++;
+    } else if (WEXITSTATUS(status) != 0) {
+      wrong++;
+      printf("fork %d: the child's call gave case %d\n", i, WEXITSTATUS(status));
+    }
+  }
+  atomic_store(&stop, 1);
+  for (int t = 0; t < 4; t++) pthread_join(threads[t], NULL);
+  printf("50 forks: %d children hung, %d answered wrongly\n", hung, wrong);
+  CHECK(hung == 0);
+  CHECK(wrong == 0);
+  /* The parent is unaffected. */
+  CHECK(gpupool_free(warm) == GPUPOOL_SUCCESS);
+  void *p;
+  CHECK(gpupool_malloc(&p, 1 << 20, 0, NULL) == GPUPOOL_SUCCESS);
+  CHECK(gpupool_free(p) == GPUPOOL_SUCCESS);
+  return checks_report("fork");
+}
