@@ -316,6 +316,10 @@ impl DeviceAllocator {
             true
         });
         holders.retain(|s| !s.is_retired());
+        // Buffers sized for the busiest settle so far; empty_cache gives them back.
+        ps.holders.shrink_to_fit();
+        ps.visit = Vec::new();
+        ps.holds = Vec::new();
     }
 
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its

@@ -95,6 +95,14 @@ impl ShardTable {
             shard.retire(&mut st);
             false
         });
+        // The table's memory follows the streams it holds, not the most it ever held.
+        if table.len() * 4 < table.capacity() {
+            table.shrink_to_fit();
+        }
+        let mut dirty = self.dirty.lock();
+        if dirty.len() * 4 < dirty.capacity() {
+            dirty.shrink_to_fit();
+        }
         before - table.len()
     }
 }
