@@ -171,14 +171,6 @@ impl Allocator {
         (f.take().expect("called once"))(&shard, false)
     }
 
-    /// Whether `shard` is in this thread's cache of recent shards.
-    #[inline]
-    fn is_recent(shard: &Arc<Shard>) -> bool {
-        SHARD_CACHE
-            .try_with(|cache| cache.borrow().slots.iter().flatten().any(|c| Arc::ptr_eq(&c.shard, shard)))
-            .unwrap_or(false)
-    }
-
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
     /// for use on `stream` (PyTorch `raw_alloc_with_stream`). Returns 0 for `size` 0.
     ///
@@ -195,14 +187,16 @@ impl Allocator {
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
     ///
     /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
-    /// every pool as it was; [`Error::Cuda`] if an event for `record_stream` cannot be recorded.
+    /// every pool as it was. If an event for a `record_stream` stream cannot be created or
+    /// recorded, the block waits for the next device synchronisation instead (see
+    /// [`Allocator::free_after_device_sync`]) and the free succeeds.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
         if ptr == 0 {
             return Ok(());
         }
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
-            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base, Self::is_recent(&e.owner)),
+            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
         })
     }
 

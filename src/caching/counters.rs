@@ -66,9 +66,8 @@ pub(crate) const fn cell(metric: Metric, t: StatType) -> usize {
         }
 }
 
-/// One shard's share of a statistic. `headroom`, `low` and `keep` are its credit towards the
-/// device peak, the `seen_*` fields what the device's totals hold of it (see
-/// [`super::peaks`]).
+/// One shard's share of a statistic, the part the hot path writes. `headroom`, `low` and
+/// `keep` are its credit towards the device peak (see [`super::peaks`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Cell {
     pub current: i64,
@@ -83,13 +82,17 @@ pub(crate) struct Cell {
     /// holds `SURPLUS_FACTOR` times this). A settle resets it to zero for a shard that was
     /// quiet since the settle before.
     pub keep: i64,
-    /// `current`, `allocated`, `freed` and `headroom` when a settle last visited the shard:
-    /// the device's totals hold these; `allocated + freed` unchanged at the next visit means
-    /// the shard was quiet in between.
-    pub seen_current: i64,
-    pub seen_allocated: i64,
-    pub seen_freed: i64,
-    pub seen_headroom: i64,
+}
+
+/// A cell as a settle last saw it: what the device's totals hold of the shard (`allocated +
+/// freed` unchanged at the next visit means the shard was quiet in between). Apart from
+/// [`Cell`], so that the hot path's cells stay few cache lines.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Seen {
+    pub current: i64,
+    pub allocated: i64,
+    pub freed: i64,
+    pub headroom: i64,
 }
 
 /// A shard gives credit back to the device's spare credit only once it holds this many times
@@ -103,6 +106,7 @@ const SURPLUS_FACTOR: i64 = 8;
 #[derive(Debug)]
 pub(crate) struct ShardCounters {
     pub cells: [Cell; CELLS],
+    pub seen: [Seen; CELLS],
     /// Some cell went past its headroom: the device peak must be settled before the call
     /// that did it returns.
     pub needs_settle: bool,
@@ -113,7 +117,12 @@ pub(crate) struct ShardCounters {
 
 impl Default for ShardCounters {
     fn default() -> Self {
-        ShardCounters { cells: [Cell::default(); CELLS], needs_settle: false, has_surplus: false }
+        ShardCounters {
+            cells: [Cell::default(); CELLS],
+            seen: [Seen::default(); CELLS],
+            needs_settle: false,
+            has_surplus: false,
+        }
     }
 }
 

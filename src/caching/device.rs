@@ -217,12 +217,15 @@ impl DeviceAllocator {
     }
 
     /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
-    /// `hot` as for [`DeviceAllocator::malloc`].
-    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr, hot: bool) -> Result<(), Error> {
+    ///
+    /// A free keeps the credit it frees (as on a hot stream) whichever thread calls it: the
+    /// next call on the shard, if the stream is not hot for its thread, gives it back, and a
+    /// settle takes it back from a stream that went quiet.
+    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
         st.free(&ctx, ptr, segment)?;
-        self.finish_call(st, (), hot);
+        self.finish(st, ());
         Ok(())
     }
 
@@ -306,11 +309,12 @@ impl DeviceAllocator {
             if !st.is_idle() {
                 return false;
             }
-            for (i, c) in st.counters.cells.iter_mut().enumerate() {
+            let counters = &mut st.counters;
+            for (i, (c, seen)) in counters.cells.iter_mut().zip(counters.seen.iter_mut()).enumerate() {
                 self.spare[i].fetch_add(c.headroom, Ordering::Relaxed);
                 totals.held[i] -= c.headroom;
                 c.headroom = 0;
-                c.seen_headroom = 0;
+                seen.headroom = 0;
                 c.low = 0;
             }
             true
@@ -420,19 +424,22 @@ impl DeviceAllocator {
         // add nothing below but their seen allocated/freed, which only the totals keep.
         let t = &ps.totals;
         for i in 0..t.peak.len() {
-            let sum = |f: fn(&counters::Cell) -> i64| guards.iter().map(|g| f(&g.counters.cells[i])).sum::<i64>();
-            let (current, headroom) = (sum(|c| c.current), sum(|c| c.headroom));
+            let sum = |f: fn(&counters::Cell, &counters::Seen) -> i64| {
+                guards.iter().map(|g| f(&g.counters.cells[i], &g.counters.seen[i])).sum::<i64>()
+            };
+            let (current, headroom) = (sum(|c, _| c.current), sum(|c, _| c.headroom));
             let credit = headroom + peaks::spare_credit(&self.spare, i);
             if t.peak[i] != current + credit {
                 return fail(format!("peak of cell {i} is {}, with current {current} and credit {credit}", t.peak[i]));
             }
-            if t.current[i] != sum(|c| c.seen_current) || t.held[i] != sum(|c| c.seen_headroom) {
+            if t.current[i] != sum(|_, s| s.current) || t.held[i] != sum(|_, s| s.headroom) {
                 return fail(format!("the totals of cell {i} differ from what the settles saw of the shards"));
             }
         }
         let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
         for (shard, g) in list.iter().zip(&guards) {
-            let unseen = g.counters.cells.iter().any(|c| c.current != c.seen_current || c.headroom != c.seen_headroom);
+            let c = &g.counters;
+            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current != s.current || c.headroom != s.headroom);
             let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
             let dirty = g.dirty_epoch == self.shards.epoch();
             // What a shard changed since a settle saw it, and credit it holds, are found by the

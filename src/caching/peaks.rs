@@ -20,12 +20,13 @@
 //! Where credit stays. A stream the calling thread uses again and again (it is in the
 //! thread's cache of recent shards: *hot*) keeps the most it had to borrow at once, and gives
 //! back only what it holds beyond several times that ([`give_back`], `SURPLUS_FACTOR`): threads
-//! that each churn their own stream then touch the shared atomics in under 1% of calls. A
-//! stream that is not hot for the calling thread (a thread serving more streams than it caches,
-//! a stream per request) gives all its credit back at the end of every call: credit left with
-//! a stream that comes back only after thousands of others is credit that every other stream
-//! finds missing, and each shortfall would be a settle. A settle also takes back what a stream
-//! that was quiet since the last settle keeps.
+//! that each churn their own stream then touch the shared atomics in under 1% of calls. An
+//! allocation on a stream that is not hot for the calling thread (a thread serving more streams
+//! than it caches, a stream per request) gives all the stream's credit back at its end, what
+//! its frees kept included: credit left with a stream that comes back only after thousands of
+//! others is credit that every other stream finds missing, and each shortfall would be a
+//! settle. (A free cannot tell cheaply whether its stream is hot, and keeps what it frees.) A
+//! settle also takes back what a stream that was quiet since the last settle keeps.
 //!
 //! What a settle costs. The device keeps totals of what settles saw of each shard (`Totals`)
 //! and a dirty list of the shards locked for a change since the last settle (see
@@ -134,12 +135,13 @@ impl Default for Totals {
 /// Adds what `shards` changed since their last visit to the totals, and marks it seen.
 fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
     for s in shards.iter_mut() {
-        for (i, c) in s.cells.iter_mut().enumerate() {
-            t.current[i] += c.current - c.seen_current;
-            t.allocated[i] += c.allocated - c.seen_allocated;
-            t.freed[i] += c.freed - c.seen_freed;
-            t.held[i] += c.headroom - c.seen_headroom;
-            c.seen_current = c.current;
+        let ShardCounters { cells, seen, .. } = &mut **s;
+        for (i, (c, seen)) in cells.iter().zip(seen.iter_mut()).enumerate() {
+            t.current[i] += c.current - seen.current;
+            t.allocated[i] += c.allocated - seen.allocated;
+            t.freed[i] += c.freed - seen.freed;
+            t.held[i] += c.headroom - seen.headroom;
+            seen.current = c.current;
         }
     }
 }
@@ -171,22 +173,23 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
         credit[i] = peak - t.current[i];
     }
     for (s, holds) in shards.iter_mut().zip(holds.iter_mut()) {
-        for (i, c) in s.cells.iter_mut().enumerate() {
+        let ShardCounters { cells, seen, .. } = &mut **s;
+        for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
             let moved = c.allocated + c.freed;
             if c.low < 0 {
                 c.keep = c.keep.max(-c.low);
-            } else if moved == c.seen_allocated + c.seen_freed {
+            } else if moved == seen.allocated + seen.freed {
                 // A shard whose value did not move since the last settle (a quiet stream)
                 // keeps no credit: what it held goes to the spare credit, where the stream that
                 // ran short can borrow it. Active shards keep theirs, or they would all come
                 // back to the spare credit at once.
                 c.keep = 0;
             }
-            c.seen_allocated = c.allocated;
-            c.seen_freed = c.freed;
+            seen.allocated = c.allocated;
+            seen.freed = c.freed;
             let kept = c.headroom.clamp(0, c.keep.min(credit[i]));
             c.headroom = kept;
-            c.seen_headroom = kept;
+            seen.headroom = kept;
             c.low = kept;
             credit[i] -= kept;
             *holds |= kept != 0;
@@ -223,11 +226,12 @@ fn consistent_pools(peak: &mut [i64; CELLS], current: &[i64; CELLS]) {
 pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
     absorb(t, shards);
     for s in shards.iter_mut() {
-        for c in s.cells.iter_mut() {
-            c.seen_allocated = c.allocated;
-            c.seen_freed = c.freed;
+        let ShardCounters { cells, seen, .. } = &mut **s;
+        for (c, seen) in cells.iter_mut().zip(seen.iter_mut()) {
+            seen.allocated = c.allocated;
+            seen.freed = c.freed;
             c.headroom = 0;
-            c.seen_headroom = 0;
+            seen.headroom = 0;
             c.low = 0;
         }
         s.needs_settle = false;

@@ -27,7 +27,11 @@ use crate::error::Error;
 /// when rounded); `GPUPOOL_ERROR_OUT_OF_MEMORY` when the device is full even after gpupool
 /// waited for its pending events, released every cached segment of the device and retried
 /// once (the message has PyTorch's figures: requested, total, free, allocated, reserved);
-/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`; `GPUPOOL_ERROR_CUDA`.
+/// counted in `num_ooms`. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` (no driver, or in a process forked
+/// from one that used gpupool: CUDA does not survive `fork()`). `GPUPOOL_ERROR_CUDA` when a
+/// driver call fails otherwise, including a `cuEventQuery` of a freed block's event that fails
+/// for lack of memory (an event query is no allocation: not `OUT_OF_MEMORY`, not in
+/// `num_ooms`, and the event stays pending).
 ///
 /// Thread-safe.
 ///
@@ -61,9 +65,15 @@ pub unsafe extern "C" fn gpupool_malloc(
 /// Work already queued on the allocating stream may still use the block: a later allocation
 /// on that stream is ordered after it, as with PyTorch.
 ///
+/// If an event for a `gpupool_record_stream` stream cannot be created or recorded (the driver
+/// is out of memory for it, say), the free still succeeds: the block then waits for gpupool's
+/// next synchronisation of the whole device (`cuCtxSynchronize`, made by `gpupool_empty_cache`
+/// and on the out-of-memory path) before it is reused. PyTorch's free fails instead; a caller
+/// that ignores the status would leak the block.
+///
 /// Errors: `GPUPOOL_ERROR_INVALID_POINTER` for a pointer gpupool did not hand out, a pointer
 /// inside a block, or a block already freed; the pools are left exactly as they were.
-/// `GPUPOOL_ERROR_CUDA` if an event cannot be recorded; the block then stays allocated.
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` in a process forked from one that used gpupool.
 ///
 /// Thread-safe.
 ///
@@ -102,9 +112,13 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 ///
 /// - `device`: a device ordinal, or -1 for every device gpupool has used.
 ///
+/// Also takes out of the device the state of every stream that holds nothing (no segment, no
+/// pending event): a program that used many streams once gets that memory back, and a later
+/// call on such a stream starts afresh. Empty size bins of the pools are dropped.
+///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
-/// waiting or freeing fails (what was released before stays released);
-/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+/// waiting or freeing fails, a wait that fails for lack of memory included (what was released
+/// before stays released); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
 ///
 /// Thread-safe; blocks the calling thread while it waits for events.
 #[unsafe(no_mangle)]

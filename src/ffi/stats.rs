@@ -152,8 +152,12 @@ const HEADER: usize = 8;
 ///   success, and only its first `out->size` bytes.
 ///
 /// Peaks are exact for any sequence of calls that do not overlap in time; while several
-/// threads allocate on different streams of one device at the same moment, a peak can be off
-/// by what those streams moved during the moment it was settled.
+/// threads allocate on different streams of one device at the same moment, a peak can be
+/// overstated by what those streams moved during the moment it was settled. What a reader may
+/// always rely on, concurrent or not: `current <= peak` for every statistic, and for each one
+/// with pools, `max(small_pool.peak, large_pool.peak) <= all.peak <= small_pool.peak +
+/// large_pool.peak`. The time taken follows the streams that allocated or freed since the
+/// last snapshot, not the number of streams.
 ///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
 /// range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
