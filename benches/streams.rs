@@ -61,9 +61,9 @@ fn rotation(c: &mut Criterion) {
     for n in COUNTS {
         let (a, live) = with_streams(n);
         let mut r = Rotation { a, live, next: 0, round: 0 };
-        // Some calls first (a round for up to 1,000 streams; with more, a round takes long
-        // enough to make the bench slow), then 1,000 pairs counted.
-        for _ in 0..n.min(1_000) {
+        // Two rounds first (the first takes the device to new peaks, one settle a call), then
+        // 1,000 pairs counted.
+        for _ in 0..2 * n {
             r.step();
         }
         let settles = r.a.peak_settles(0).unwrap();

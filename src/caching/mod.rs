@@ -2,7 +2,8 @@
 //! with no GPU. Nothing here is C API; the Rust API is [`crate::Allocator`].
 //!
 //! - `allocator`: the front door, over every device.
-//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics.
+//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics, and
+//!   its consistency check.
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
 //! - `block`, `pool`: blocks and the free lists they sit in; `rules`: the size rules.
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device

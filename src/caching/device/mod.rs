@@ -2,15 +2,17 @@
 //! out-of-memory, `empty_cache`, and the device-wide statistics.
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
-//! lock but the segment index's writer lock. The peak lock is taken with no shard lock held,
-//! and then every shard lock in creation order.
+//! lock but the segment index's writer lock and the dirty list's (`shard_table`), neither of
+//! which is held while taking another. The peak lock is taken with no shard lock held; under
+//! it a settle locks the shards it visits (one settle at a time), and `empty_cache` takes the
+//! shard table's lock and only tries the shard locks. `check.rs`: the consistency check.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::counters::{self, DeviceCounters, Metric, ShardCounters, StatType, bump, cell};
+use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
@@ -21,6 +23,8 @@ use super::shard_table::ShardTable;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::stats::DeviceStats;
+
+mod check;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -404,54 +408,6 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
-    }
-
-    /// The consistency check of every shard, of the device's totals and of the peak credit.
-    pub fn check(&self) -> Result<(), String> {
-        let ps = self.peaks.lock();
-        let list = self.shards.all();
-        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
-        let fail = |what: String| Err(format!("device {}: {what}", self.device));
-        for (shard, st) in list.iter().zip(&guards) {
-            st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
-        }
-        let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
-        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
-        if reserved != self.limit.reserved() {
-            return fail(format!("reserved bytes {reserved}, but the limit check counts {}", self.limit.reserved()));
-        }
-        // Retired shards are out of the table: idle, with nothing unseen and no credit, they
-        // add nothing below but their seen allocated/freed, which only the totals keep.
-        let t = &ps.totals;
-        for i in 0..t.peak.len() {
-            let sum = |f: fn(&counters::Cell, &counters::Seen) -> i64| {
-                guards.iter().map(|g| f(&g.counters.cells[i], &g.counters.seen[i])).sum::<i64>()
-            };
-            let (current, headroom) = (sum(|c, _| c.current), sum(|c, _| c.headroom));
-            let credit = headroom + peaks::spare_credit(&self.spare, i);
-            if t.peak[i] != current + credit {
-                return fail(format!("peak of cell {i} is {}, with current {current} and credit {credit}", t.peak[i]));
-            }
-            if t.current[i] != sum(|_, s| s.current) || t.held[i] != sum(|_, s| s.headroom) {
-                return fail(format!("the totals of cell {i} differ from what the settles saw of the shards"));
-            }
-        }
-        let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
-        for (shard, g) in list.iter().zip(&guards) {
-            let c = &g.counters;
-            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current != s.current || c.headroom != s.headroom);
-            let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
-            let dirty = g.dirty_epoch == self.shards.epoch();
-            // What a shard changed since a settle saw it, and credit it holds, are found by the
-            // next settle only through the dirty list or the holders.
-            if (unseen || credit) && !dirty && !on_list.contains(&Arc::as_ptr(shard)) {
-                return fail(format!(
-                    "stream {:#x} changed or holds credit, but no settle would visit it",
-                    shard.stream
-                ));
-            }
-        }
-        Ok(())
     }
 }
 

@@ -1,0 +1,61 @@
+//! The consistency check of a device: every shard's own check, the reserved bytes the memory
+//! limit counts, the device's totals against what the settles saw, and the peak credit.
+
+use std::sync::Arc;
+
+use parking_lot::MutexGuard;
+
+use super::DeviceAllocator;
+use crate::caching::counters::{self, Metric, StatType, cell};
+use crate::caching::peaks;
+use crate::caching::shard::{Shard, ShardState};
+
+impl DeviceAllocator {
+    /// The consistency check of every shard, of the device's totals and of the peak credit.
+    pub fn check(&self) -> Result<(), String> {
+        let ps = self.peaks.lock();
+        let list = self.shards.all();
+        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        let fail = |what: String| Err(format!("device {}: {what}", self.device));
+        for (shard, st) in list.iter().zip(&guards) {
+            st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
+        }
+        let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
+        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
+        if reserved != self.limit.reserved() {
+            return fail(format!("reserved bytes {reserved}, but the limit check counts {}", self.limit.reserved()));
+        }
+        // Retired shards are out of the table: idle, with nothing unseen and no credit, they
+        // add nothing below but their seen allocated/freed, which only the totals keep.
+        let t = &ps.totals;
+        for i in 0..t.peak.len() {
+            let sum = |f: fn(&counters::Cell, &counters::Seen) -> i64| {
+                guards.iter().map(|g| f(&g.counters.cells[i], &g.counters.seen[i])).sum::<i64>()
+            };
+            let (current, headroom) = (sum(|c, _| c.current), sum(|c, _| c.headroom));
+            let credit = headroom + peaks::spare_credit(&self.spare, i);
+            if t.peak[i] != current + credit {
+                return fail(format!("peak of cell {i} is {}, with current {current} and credit {credit}", t.peak[i]));
+            }
+            if t.current[i] != sum(|_, s| s.current) || t.held[i] != sum(|_, s| s.headroom) {
+                return fail(format!("the totals of cell {i} differ from what the settles saw of the shards"));
+            }
+        }
+        let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
+        for (shard, g) in list.iter().zip(&guards) {
+            let c = &g.counters;
+            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current != s.current || c.headroom != s.headroom);
+            let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
+            let dirty = g.dirty_epoch == self.shards.epoch();
+            // What a shard changed since a settle saw it, and credit it holds, are found by the
+            // next settle only through the dirty list or the holders.
+            if (unseen || credit) && !dirty && !on_list.contains(&Arc::as_ptr(shard)) {
+                return fail(format!(
+                    "stream {:#x} changed or holds credit, but no settle would visit it",
+                    shard.stream
+                ));
+            }
+        }
+        Ok(())
+    }
+}
