@@ -273,10 +273,16 @@ mod tests {
 
     use super::*;
 
+    /// The allocators the tests' shims borrow for the life of the process, as the shim's does;
+    /// kept reachable so that leak checkers do not count them as lost.
+    static KEPT: std::sync::Mutex<Vec<&'static Allocator>> = std::sync::Mutex::new(Vec::new());
+
     fn sim_shim(mode: PreloadMode) -> Shim {
         let config = Config { driver: DriverKind::Sim, preload_mode: mode, ..Config::default() };
-        let alloc = Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config);
-        Shim { alloc: Box::leak(Box::new(alloc)), counters: Counters::default() }
+        let alloc: &'static Allocator =
+            Box::leak(Box::new(Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config)));
+        KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(alloc);
+        Shim { alloc, counters: Counters::default() }
     }
 
     #[test]
