@@ -154,7 +154,7 @@ impl Allocator {
         if let Ok(Some(r)) = hit {
             return r;
         }
-        let shard = dev.shard(stream);
+        let shard = dev.shard_or_create(stream);
         let _ = SHARD_CACHE.try_with(|cache| {
             let mut cache = cache.borrow_mut();
             let stale = cache.slots.iter().position(|c| {

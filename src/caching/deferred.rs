@@ -90,6 +90,7 @@ pub(crate) struct DeferredList {
 }
 
 impl DeferredList {
+    /// Lists `block`, freed in `epoch`.
     pub fn push(&mut self, block: BlockId, epoch: u64) {
         self.entries.push((block, epoch));
     }
@@ -107,10 +108,12 @@ impl DeferredList {
         synced
     }
 
+    /// Whether `block` is listed (for the consistency check).
     pub fn contains(&self, block: BlockId) -> bool {
         self.entries.iter().any(|&(id, _)| id == block)
     }
 
+    /// Blocks listed.
     pub fn len(&self) -> usize {
         self.entries.len()
     }

@@ -62,6 +62,7 @@ impl<T: Clone> SegmentIndex<T> {
         f(hit)
     }
 
+    /// Adds a segment (a new one from the driver, or one put back after a failed release).
     pub fn insert(&self, entry: SegmentEntry<T>) {
         let _w = self.writer.lock();
         let old = self.snapshot.load();

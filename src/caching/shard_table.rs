@@ -88,7 +88,7 @@ impl ShardTable {
         let mut table = self.by_stream.lock();
         let before = table.len();
         table.retain(|_, shard| {
-            let Some(mut st) = shard.state_try_lock() else { return true };
+            let Some(mut st) = shard.try_lock() else { return true };
             if st.dirty_epoch == epoch || !idle(&mut st, epoch) {
                 return true;
             }

@@ -85,7 +85,7 @@ impl DeviceAllocator {
     }
 
     /// The shard of `stream`, created on first use.
-    pub fn shard(&self, stream: StreamHandle) -> Arc<Shard> {
+    pub fn shard_or_create(&self, stream: StreamHandle) -> Arc<Shard> {
         self.shards.get_or_create(stream)
     }
 

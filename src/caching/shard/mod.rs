@@ -53,7 +53,8 @@ impl Shard {
         self.state.lock()
     }
 
-    pub fn state_try_lock(&self) -> Option<MutexGuard<'_, ShardState>> {
+    /// The lock if it is free now (`empty_cache` passes over a busy shard).
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, ShardState>> {
         self.state.try_lock()
     }
 
