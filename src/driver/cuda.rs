@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, PhysHandle, StreamHandle};
 
 /// Every driver function gpupool calls: checked at start, so that a library lacking one is
 /// refused with its name instead of panicking inside cudarc at the first call.
@@ -251,5 +251,38 @@ impl Driver for CudaDriver {
         let Some(ordinal) = self.devices.iter().position(|&d| d == dev) else { return Ok(None) };
         let primary = self.context(ordinal as i32)?;
         Ok((primary == ctx).then_some(ordinal as i32))
+    }
+
+    // Virtual memory: not yet on the CUDA driver; expandable segments are unavailable there.
+    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
+        Ok(None)
+    }
+
+    fn address_reserve(&self, _device: i32, _size: usize) -> Result<DevicePtr, DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn address_free(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn mem_create(&self, _device: i32, _size: usize) -> Result<PhysHandle, DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn mem_release(&self, _device: i32, _handle: PhysHandle) -> Result<(), DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn mem_map(&self, _device: i32, _ptr: DevicePtr, _size: usize, _handle: PhysHandle) -> Result<(), DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn mem_set_access(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    }
+
+    fn mem_unmap(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
+        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
     }
 }

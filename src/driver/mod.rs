@@ -21,6 +21,11 @@ pub type StreamHandle = usize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EventHandle(pub u64);
 
+/// A physical allocation of device memory, mapped into reserved address ranges by the
+/// virtual memory calls (CUDA `CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
 /// Device memory figures from the driver (CUDA `cuMemGetInfo`), in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemInfo {
@@ -78,6 +83,34 @@ pub trait Driver: Send + Sync {
     /// Blocks until all work queued on the device so far, on every stream, has completed
     /// (`cuCtxSynchronize` in its primary context; what `cudaFree` waits for).
     fn device_synchronize(&self, device: i32) -> Result<(), DriverError>;
+    /// The page size of the virtual memory calls on `device`, in bytes: the minimum
+    /// granularity of pinned device memory (`cuMemGetAllocationGranularity`, 2 MiB on H100).
+    /// `Ok(None)` when the device or the driver cannot manage virtual memory
+    /// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` is 0, or the driver library
+    /// lacks the calls): expandable segments are then unavailable.
+    fn vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError>;
+    /// Reserves `size` bytes of device address space, aligned to the granularity, with no
+    /// memory behind it (`cuMemAddressReserve`). `size` is a multiple of the granularity.
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError>;
+    /// Gives back a range from [`Driver::address_reserve`], wholly unmapped (`cuMemAddressFree`).
+    fn address_free(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;
+    /// Creates `size` bytes of physical memory on `device` (`cuMemCreate`, pinned device
+    /// memory); `size` is a multiple of the granularity. Counts against the device's memory
+    /// until released ([`DriverError::OutOfMemory`] when there is none left).
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError>;
+    /// Releases a handle from [`Driver::mem_create`] that is mapped nowhere (`cuMemRelease`).
+    fn mem_release(&self, device: i32, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Maps all of `handle` (`size` bytes) at `ptr`, inside a reserved range (`cuMemMap`).
+    /// The memory is not accessible until [`Driver::mem_set_access`].
+    fn mem_map(&self, device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Makes the mapped range readable and writable from `device` and from every device that
+    /// can access `device`'s memory as a peer (`cuMemSetAccess`; peers from
+    /// `cuDeviceCanAccessPeer`), so a kernel or copy on a peer device works on it as on memory
+    /// from `cuMemAlloc` with peer access enabled.
+    fn mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;
+    /// Unmaps `size` bytes at `ptr` (`cuMemUnmap`). Does not wait for work that may still
+    /// use the memory: the caller has made sure none does.
+    fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;
     /// The device whose primary context is current on the calling thread; `None` when no
     /// context, or a context the program created itself (`cuCtxCreate`), is current. Memory
     /// from gpupool is valid only in primary contexts.

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, PhysHandle, StreamHandle};
 
 /// The kinds of driver call a fault can be injected into: every call of [`Driver`] but
 /// `name` and `device_count`, which cannot fail.
@@ -42,6 +42,14 @@ pub enum SimOp {
     DeviceSynchronize,
     CurrentDevice,
     CurrentPrimaryDevice,
+    VmmGranularity,
+    AddressReserve,
+    AddressFree,
+    MemCreate,
+    MemRelease,
+    MemMap,
+    MemSetAccess,
+    MemUnmap,
 }
 
 impl SimOp {
@@ -50,7 +58,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 11] = [
+    pub const ALL: [SimOp; 19] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -62,6 +70,14 @@ impl SimOp {
         SimOp::DeviceSynchronize,
         SimOp::CurrentDevice,
         SimOp::CurrentPrimaryDevice,
+        SimOp::VmmGranularity,
+        SimOp::AddressReserve,
+        SimOp::AddressFree,
+        SimOp::MemCreate,
+        SimOp::MemRelease,
+        SimOp::MemMap,
+        SimOp::MemSetAccess,
+        SimOp::MemUnmap,
     ];
 
     /// The CUDA driver function that [`super::cuda::CudaDriver`] calls for this kind (the
@@ -79,6 +95,14 @@ impl SimOp {
             SimOp::DeviceSynchronize => "cuCtxSynchronize",
             SimOp::CurrentDevice => "cuCtxGetCurrent",
             SimOp::CurrentPrimaryDevice => "cuDevicePrimaryCtxRetain",
+            SimOp::VmmGranularity => "cuMemGetAllocationGranularity",
+            SimOp::AddressReserve => "cuMemAddressReserve",
+            SimOp::AddressFree => "cuMemAddressFree",
+            SimOp::MemCreate => "cuMemCreate",
+            SimOp::MemRelease => "cuMemRelease",
+            SimOp::MemMap => "cuMemMap",
+            SimOp::MemSetAccess => "cuMemSetAccess",
+            SimOp::MemUnmap => "cuMemUnmap",
         }
     }
 }
@@ -124,6 +148,10 @@ pub struct SimCounts {
     pub event_synchronize: u64,
     pub event_destroy: u64,
     pub device_synchronize: u64,
+    pub address_reserve: u64,
+    pub mem_create: u64,
+    pub mem_map: u64,
+    pub mem_unmap: u64,
 }
 
 #[derive(Default)]
@@ -139,10 +167,31 @@ struct Fault {
     fault: SimFault,
 }
 
+/// A reserved address range: host address space without access (`PROT_NONE`), whose pages
+/// become readable and writable while mapped.
+struct Range {
+    device: i32,
+    size: usize,
+    /// Mapped pieces: start -> (size, handle).
+    mapped: std::collections::BTreeMap<DevicePtr, (usize, u64)>,
+    /// Pieces whose access was set (start -> size); a subset of `mapped`.
+    accessible: FxHashMap<DevicePtr, usize>,
+}
+
+/// A physical allocation: its device, size and where it is mapped, if anywhere.
+struct Handle {
+    device: i32,
+    size: usize,
+    mapped_at: Option<DevicePtr>,
+}
+
 #[derive(Default)]
 struct State {
     used: Vec<usize>,
     allocations: FxHashMap<DevicePtr, (i32, usize)>,
+    ranges: std::collections::BTreeMap<DevicePtr, Range>,
+    handles: FxHashMap<u64, Handle>,
+    next_handle: u64,
     streams: FxHashMap<StreamHandle, SimStream>,
     events: FxHashMap<u64, Option<(StreamHandle, u64)>>,
     next_event: u64,
@@ -169,6 +218,27 @@ impl State {
         }
         Ok(())
     }
+}
+
+/// The simulated device's virtual memory page size (the H100's minimum granularity).
+pub const SIM_GRANULARITY: usize = 2 << 20;
+
+impl State {
+    /// The reserved range that contains `[ptr, ptr + size)`, by its base.
+    fn range_of(&mut self, ptr: DevicePtr, size: usize) -> Option<(DevicePtr, &mut Range)> {
+        let (&base, r) = self.ranges.range_mut(..=ptr).next_back()?;
+        (ptr - base + size as u64 <= r.size as u64).then_some((base, r))
+    }
+}
+
+/// `prot` on `[ptr, ptr + size)` of host address space the simulated driver reserved; with
+/// `PROT_NONE` the pages are also dropped (their contents are lost, as an unmapped page's).
+fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
+    // SAFETY: the range lies inside a reservation of this driver (checked by the callers), so
+    // MAP_FIXED replaces only pages the driver owns.
+    let p = unsafe { libc::mmap(ptr as *mut libc::c_void, size, prot, flags, -1, 0) };
+    p != libc::MAP_FAILED
 }
 
 thread_local! {
@@ -268,6 +338,19 @@ impl SimDriver {
     /// Events created and not destroyed.
     pub fn live_events(&self) -> usize {
         self.state.lock().events.len()
+    }
+
+    /// Reserved address ranges not yet freed, and physical handles not yet released, on every
+    /// device.
+    pub fn live_vmm(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        (st.ranges.len(), st.handles.len())
+    }
+
+    /// Bytes mapped with access set on `device` (what a kernel could touch).
+    pub fn accessible(&self, device: i32) -> usize {
+        let st = self.state.lock();
+        st.ranges.values().filter(|r| r.device == device).flat_map(|r| r.accessible.values()).sum()
     }
 
     /// Allocations made by `mem_alloc` and not yet freed, on every device.
@@ -417,6 +500,151 @@ impl Driver for SimDriver {
         self.lock_free_fault(SimOp::CurrentPrimaryDevice)?;
         Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
     }
+
+    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
+        self.state.lock().fault(SimOp::VmmGranularity)?;
+        Ok(Some(SIM_GRANULARITY))
+    }
+
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.address_reserve += 1;
+        st.fault(SimOp::AddressReserve)?;
+        if size == 0 || size % SIM_GRANULARITY != 0 {
+            return Err(invalid("cuMemAddressReserve"));
+        }
+        // Host address space without access, aligned to the granularity: reserve one page
+        // more and trim.
+        let len = size + SIM_GRANULARITY;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: an anonymous mapping with no address hint; the result is checked.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(DriverError::OutOfMemory);
+        }
+        let start = p as usize;
+        let base = start.next_multiple_of(SIM_GRANULARITY);
+        // SAFETY: both pieces lie in the mapping just made and are trimmed off it.
+        unsafe {
+            if base > start {
+                libc::munmap(p, base - start);
+            }
+            let end = base + size;
+            if start + len > end {
+                libc::munmap(end as *mut libc::c_void, start + len - end);
+            }
+        }
+        let range = Range { device, size, mapped: Default::default(), accessible: Default::default() };
+        st.ranges.insert(base as DevicePtr, range);
+        Ok(base as DevicePtr)
+    }
+
+    fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::AddressFree)?;
+        match st.ranges.get(&ptr) {
+            Some(r) if r.size == size && r.mapped.is_empty() => {}
+            _ => return Err(invalid("cuMemAddressFree")),
+        }
+        st.ranges.remove(&ptr);
+        // SAFETY: exactly a reservation made by `address_reserve`, wholly unmapped.
+        unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        Ok(())
+    }
+
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_create += 1;
+        st.fault(SimOp::MemCreate)?;
+        if size == 0 || size % SIM_GRANULARITY != 0 {
+            return Err(invalid("cuMemCreate"));
+        }
+        let d = device as usize;
+        if size > self.capacity - st.used[d] {
+            return Err(DriverError::OutOfMemory);
+        }
+        st.used[d] += size;
+        st.next_handle += 1;
+        let id = st.next_handle;
+        st.handles.insert(id, Handle { device, size, mapped_at: None });
+        Ok(PhysHandle(id))
+    }
+
+    fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::MemRelease)?;
+        match st.handles.get(&handle.0) {
+            Some(h) if h.mapped_at.is_none() => {}
+            _ => return Err(invalid("cuMemRelease")),
+        }
+        let h = st.handles.remove(&handle.0).expect("checked above");
+        st.used[h.device as usize] -= h.size;
+        Ok(())
+    }
+
+    fn mem_map(&self, _device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_map += 1;
+        st.fault(SimOp::MemMap)?;
+        let fits = st.handles.get(&handle.0).is_some_and(|h| h.size == size && h.mapped_at.is_none());
+        let Some((_, r)) = st.range_of(ptr, size).filter(|_| fits && ptr % SIM_GRANULARITY as u64 == 0) else {
+            return Err(invalid("cuMemMap"));
+        };
+        let overlaps = r.mapped.range(..ptr + size as u64).next_back().is_some_and(|(&a, &(s, _))| a + s as u64 > ptr);
+        if overlaps {
+            return Err(invalid("cuMemMap"));
+        }
+        r.mapped.insert(ptr, (size, handle.0));
+        st.handles.get_mut(&handle.0).expect("checked above").mapped_at = Some(ptr);
+        Ok(())
+    }
+
+    fn mem_set_access(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::MemSetAccess)?;
+        let Some((_, r)) = st.range_of(ptr, size) else {
+            return Err(invalid("cuMemSetAccess"));
+        };
+        // Every byte of the range must be mapped, piece by piece.
+        let pieces: Vec<(DevicePtr, usize)> =
+            r.mapped.range(ptr..ptr + size as u64).map(|(&a, &(s, _))| (a, s)).collect();
+        let covered = pieces.iter().try_fold(ptr, |at, &(a, s)| (a == at).then_some(a + s as u64));
+        if covered != Some(ptr + size as u64) {
+            return Err(invalid("cuMemSetAccess"));
+        }
+        if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE) {
+            return Err(DriverError::OutOfMemory);
+        }
+        r.accessible.extend(pieces);
+        Ok(())
+    }
+
+    fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_unmap += 1;
+        st.fault(SimOp::MemUnmap)?;
+        let Some((_, r)) = st.range_of(ptr, size) else {
+            return Err(invalid("cuMemUnmap"));
+        };
+        // CUDA unmaps whole mappings only: the range must consist of mapped pieces.
+        let pieces: Vec<(DevicePtr, usize, u64)> =
+            r.mapped.range(ptr..ptr + size as u64).map(|(&a, &(s, h))| (a, s, h)).collect();
+        let covered = pieces.iter().try_fold(ptr, |at, &(a, s, _)| (a == at).then_some(a + s as u64));
+        if covered != Some(ptr + size as u64) {
+            return Err(invalid("cuMemUnmap"));
+        }
+        if !protect(ptr, size, libc::PROT_NONE) {
+            return Err(DriverError::OutOfMemory);
+        }
+        for &(a, _, _) in &pieces {
+            r.mapped.remove(&a);
+            r.accessible.remove(&a);
+        }
+        for (_, _, h) in pieces {
+            st.handles.get_mut(&h).expect("a mapped handle exists").mapped_at = None;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for SimDriver {
@@ -424,6 +652,10 @@ impl Drop for SimDriver {
         for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        }
+        for (&ptr, r) in self.state.get_mut().ranges.iter() {
+            // SAFETY: every entry is a live reservation made by `address_reserve`.
+            unsafe { libc::munmap(ptr as *mut libc::c_void, r.size) };
         }
     }
 }
