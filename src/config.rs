@@ -69,6 +69,9 @@ pub struct Config {
     pub sim_capacity: usize,
     /// PyTorch's `max_split_size`, in bytes; `usize::MAX` (PyTorch's default) for none.
     pub max_split_size: usize,
+    /// PyTorch's `expandable_segments`: segments are address ranges whose pages are mapped on
+    /// demand (CUDA's virtual memory calls), when the device supports them.
+    pub expandable_segments: bool,
     /// The LD_PRELOAD shim's reuse rule for `cudaFree`/`cuMemFree`.
     pub preload_mode: PreloadMode,
     /// The LD_PRELOAD shim, safe mode: a device's deferred bytes that make the shim synchronise
@@ -86,6 +89,7 @@ impl Default for Config {
             sim_devices: 1,
             sim_capacity: 16 << 30,
             max_split_size: usize::MAX,
+            expandable_segments: false,
             preload_mode: PreloadMode::Safe,
             preload_sync_bytes: 256 << 20,
             preload_stats: false,

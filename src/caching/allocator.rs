@@ -127,7 +127,13 @@ impl Allocator {
             ))
         })?;
         Ok(slot.get_or_init(|| {
-            DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), self.config.max_split_size)
+            DeviceAllocator::new(
+                d,
+                self.driver.clone(),
+                self.index.clone(),
+                self.config.max_split_size,
+                self.config.expandable_segments,
+            )
         }))
     }
 

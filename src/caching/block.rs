@@ -26,6 +26,10 @@ pub(crate) enum BlockState {
     /// Freed with [`crate::Allocator::free_after_device_sync`]: goes back to its pool after
     /// gpupool's next synchronisation of the whole device (what `cudaFree` waits for).
     AwaitingSync,
+    /// Address space of an expandable segment with no memory mapped behind it (PyTorch
+    /// `Block::mapped == false`): whole pages, in the pool's set of unmapped ranges, never
+    /// handed out until mapped.
+    Unmapped,
 }
 
 /// One block (PyTorch `Block`). Sizes in bytes.
@@ -39,6 +43,9 @@ pub(crate) struct Block {
     pub next: BlockId,
     pub state: BlockState,
     pub pool: PoolKind,
+    /// The block lies in an expandable segment (PyTorch `Block::expandable_segment_`): it is
+    /// split down to 512 bytes in either pool, and not counted in `inactive_split`.
+    pub expandable: bool,
     /// Events still outstanding for this block (PyTorch `event_count`).
     pub event_count: u32,
     /// Streams other than the owning one that used the block (PyTorch `stream_uses`).

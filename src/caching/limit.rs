@@ -39,6 +39,14 @@ impl Charge<'_> {
     pub fn commit(self) {
         std::mem::forget(self);
     }
+
+    /// Keeps `bytes` of the charge counted (what was obtained: an expandable segment's
+    /// pages mapped before a failure) and gives the rest back.
+    pub fn commit_part(self, bytes: usize) {
+        debug_assert!(bytes as i64 <= self.size);
+        self.limit.reserved.fetch_sub(self.size - bytes as i64, Ordering::Relaxed);
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for Charge<'_> {
@@ -59,6 +67,12 @@ impl MemoryLimit {
             return None; // `charge` drops here and gives the bytes back.
         }
         Some(charge)
+    }
+
+    /// Counts `size` bytes reserved whatever the limit: memory the driver holds already (a
+    /// page that could not be unmapped again).
+    pub fn charge_anyway(&self, size: usize) {
+        self.reserved.fetch_add(size as i64, Ordering::Relaxed);
     }
 
     /// Counts `size` bytes no longer reserved (a segment went back to the driver).

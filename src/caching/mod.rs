@@ -20,6 +20,7 @@ pub(crate) mod counters;
 pub(crate) mod deferred;
 mod device;
 mod events;
+mod expandable;
 pub(crate) mod fork;
 mod limit;
 mod oom;

@@ -133,7 +133,7 @@ impl Default for Totals {
 }
 
 /// Adds what `shards` changed since their last visit to the totals, and marks it seen.
-fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
+pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
     for s in shards.iter_mut() {
         let ShardCounters { cells, seen, .. } = &mut **s;
         for (i, (c, seen)) in cells.iter().zip(seen.iter_mut()).enumerate() {
@@ -155,13 +155,30 @@ fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
 /// shard in neither has no credit and counts as it was seen, so a settle costs what moved
 /// since the last one, not the number of streams. Sets `holds[j]` to whether shard `j` still
 /// holds credit (and so must be visited by the next settle); `holds` starts all false.
-pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit, holds: &mut [bool]) {
+///
+/// `loose` is what [`close_spare`] took out of the spare credit before the shards to visit
+/// were listed; the settle opens the spare credit again.
+pub(crate) fn settle(
+    t: &mut Totals,
+    shards: &mut [&mut ShardCounters],
+    loose: &[i64; CELLS],
+    spare: &SpareCredit,
+    holds: &mut [bool],
+) {
     absorb(t, shards);
+    // The credit dealt out: the spare credit, what the visited shards hold, and what the peak
+    // rises by; so `P = G + sum(h) + R` of the true values is kept by every settle, whatever
+    // other shards do meanwhile. (A shard that is not visited may give credit back to the
+    // spare while the settle runs, or may have given it back to a closed spare credit before
+    // being visited: computing the credit as `P - G` of what the settle sees would then deal
+    // it out twice.)
     let mut credit = [0i64; CELLS];
+    let before = t.peak;
     for (i, peak) in t.peak.iter_mut().enumerate() {
         let current = t.current[i];
-        let loose = spare[i].swap(0, Ordering::Relaxed);
-        debug_assert_eq!(*peak, current + loose + t.held[i], "peak credit invariant broken for cell {i}");
+        let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
+        credit[i] = loose[i] + held;
+        t.held[i] -= held;
         // Only a shard that went past its credit can have taken G above P; calls settle before
         // they return, so while it did, no other shard moved.
         let excursion =
@@ -170,7 +187,10 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
     }
     consistent_pools(&mut t.peak, &t.current);
     for (i, peak) in t.peak.iter().enumerate() {
-        credit[i] = peak - t.current[i];
+        // Below zero when shards this settle does not visit hold more than all the credit
+        // (they freed since they were last seen): the spare credit then holds a debt, no call
+        // can borrow, and the settle that visits them pays it.
+        credit[i] += peak - before[i];
     }
     for (s, holds) in shards.iter_mut().zip(holds.iter_mut()) {
         let ShardCounters { cells, seen, .. } = &mut **s;
@@ -187,7 +207,7 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
             }
             seen.allocated = c.allocated;
             seen.freed = c.freed;
-            let kept = c.headroom.clamp(0, c.keep.min(credit[i]));
+            let kept = c.headroom.clamp(0, c.keep.min(credit[i]).max(0));
             c.headroom = kept;
             seen.headroom = kept;
             c.low = kept;
@@ -197,14 +217,31 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
         s.needs_settle = false;
         s.has_surplus = false;
     }
-    for (i, r) in spare.iter().enumerate() {
-        t.held[i] = t.peak[i] - t.current[i] - credit[i];
-        // Added, not stored: a shard this settle does not visit may have given credit back
-        // since the swap above.
-        if credit[i] != 0 {
-            r.fetch_add(credit[i], Ordering::Relaxed);
+    for (s, &holds) in shards.iter().zip(holds.iter()) {
+        if holds {
+            for (i, c) in s.cells.iter().enumerate() {
+                t.held[i] += c.headroom;
+            }
         }
     }
+    for (i, r) in spare.iter().enumerate() {
+        // Added, not stored: a shard this settle does not visit may have given credit back
+        // since the spare credit was closed.
+        r.fetch_add(credit[i] - SETTLING, Ordering::Relaxed);
+    }
+}
+
+/// What the spare credit holds while a settle runs: far below any need, so no call borrows
+/// meanwhile (it settles after this settle instead), while credit given back adds to it.
+const SETTLING: i64 = i64::MIN / 4;
+
+/// Closes the spare credit for a settle or a reset and returns what it held. Called with the
+/// peak lock held, before the shards to visit are listed: a call that borrowed before this
+/// locked its shard for a change first, so it is on the dirty list and the settle visits it
+/// (and waits for it); a call that tries to borrow afterwards fails and settles later. So a
+/// settle sees all the credit there is, and `P = G + sum(h) + R` holds of what it sees.
+pub(crate) fn close_spare(spare: &SpareCredit) -> [i64; CELLS] {
+    std::array::from_fn(|i| spare[i].swap(SETTLING, Ordering::Relaxed))
 }
 
 /// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
@@ -239,6 +276,7 @@ pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &S
     }
     t.peak = t.current;
     t.held = [0; CELLS];
+    // Opens the spare credit closed by `close_spare`, with none in it.
     for r in spare {
         r.store(0, Ordering::Relaxed);
     }
@@ -268,7 +306,8 @@ mod tests {
         if shards[i].needs_settle && !borrow(&mut shards[i], r) {
             let mut refs: Vec<&mut ShardCounters> = shards.iter_mut().collect();
             let mut holds = vec![false; refs.len()];
-            settle(peaks, &mut refs, r, &mut holds);
+            let loose = close_spare(r);
+            settle(peaks, &mut refs, &loose, r, &mut holds);
             return true;
         }
         false

@@ -55,15 +55,23 @@ pub(crate) fn segment_size(rounded: usize) -> Option<usize> {
 }
 
 /// Whether a free block of `block_size` bytes that serves a request of `size` bytes is split,
-/// the rest going back to the pool (PyTorch `should_split`): in the small pool when at least
-/// 512 bytes remain; in the large pool when more than 1 MiB remains and the request is under
-/// `max_split_size`.
-pub(crate) fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_size: usize) -> bool {
+/// the rest going back to the pool (PyTorch `should_split`): in the small pool, or in an
+/// expandable segment, when at least 512 bytes remain; in the large pool when more than 1 MiB
+/// remains and the request is under `max_split_size`. PyTorch asks whether expandable
+/// segments are configured; gpupool asks whether the block is in one, which is the same but
+/// where the device cannot map memory and falls back to ordinary segments.
+pub(crate) fn should_split(
+    pool: PoolKind,
+    block_size: usize,
+    size: usize,
+    max_split_size: usize,
+    expandable: bool,
+) -> bool {
     let remaining = block_size - size;
-    match pool {
-        PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
-        PoolKind::Large => size < max_split_size && remaining > SMALL_SIZE,
+    if pool == PoolKind::Small || expandable {
+        return remaining >= MIN_BLOCK_SIZE;
     }
+    size < max_split_size && remaining > SMALL_SIZE
 }
 
 /// Whether a cached block may serve a request, by PyTorch's `max_split_size` rules in
@@ -102,14 +110,16 @@ mod tests {
 
     #[test]
     fn split_rules_follow_pytorch() {
-        assert!(should_split(PoolKind::Small, 2 << 20, 1 << 20, usize::MAX));
-        assert!(!should_split(PoolKind::Small, 1024, 1024, usize::MAX));
-        assert!(should_split(PoolKind::Small, 1024, 512, usize::MAX));
+        assert!(should_split(PoolKind::Small, 2 << 20, 1 << 20, usize::MAX, false));
+        assert!(!should_split(PoolKind::Small, 1024, 1024, usize::MAX, false));
+        assert!(should_split(PoolKind::Small, 1024, 512, usize::MAX, false));
         // Large pool: the remainder must exceed 1 MiB.
-        assert!(!should_split(PoolKind::Large, 3 << 20, 2 << 20, usize::MAX));
-        assert!(should_split(PoolKind::Large, (3 << 20) + 512, 2 << 20, usize::MAX));
+        assert!(!should_split(PoolKind::Large, 3 << 20, 2 << 20, usize::MAX, false));
+        // In an expandable segment, 512 bytes left are enough.
+        assert!(should_split(PoolKind::Large, (2 << 20) + 512, 2 << 20, usize::MAX, true));
+        assert!(should_split(PoolKind::Large, (3 << 20) + 512, 2 << 20, usize::MAX, false));
         // ... and the request must be under max_split_size.
-        assert!(!should_split(PoolKind::Large, 40 << 20, 30 << 20, 25 << 20));
+        assert!(!should_split(PoolKind::Large, 40 << 20, 30 << 20, 25 << 20, false));
     }
 
     #[test]

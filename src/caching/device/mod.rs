@@ -12,13 +12,14 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::counters::{self, DeviceCounters, ShardCounters, bump};
+use super::counters::{self, CELLS, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
 use super::peaks::{self, SpareCredit, Totals};
+use super::rules::SMALL_BUFFER;
 use super::segment_index::SegmentIndex;
-use super::shard::{Request, Shard, ShardCtx, ShardState};
+use super::shard::{ExpandablePolicy, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
@@ -48,16 +49,28 @@ pub(crate) struct DeviceAllocator {
     counters: DeviceCounters,
     limit: MemoryLimit,
     deferred: DeferredFrees,
+    /// Expandable segments' layout; `None`: ordinary segments.
+    expandable: Option<ExpandablePolicy>,
 }
 
+/// Page size of the large pool's expandable segments, in bytes: PyTorch's `kLargeBuffer`
+/// (20 MiB), rounded up to the driver's granularity.
+const LARGE_PAGE: usize = 20 << 20;
+
 impl DeviceAllocator {
+    /// The allocator of `device`. With `expandable`, its segments are expandable
+    /// (`expandable_segments:True`) if the driver can map memory on it; otherwise, or when
+    /// asking the driver fails, they are ordinary segments, as PyTorch falls back.
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
         max_split_size: usize,
+        expandable: bool,
     ) -> Self {
+        let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
+            expandable,
             device,
             driver,
             index,
@@ -81,6 +94,7 @@ impl DeviceAllocator {
             limit: &self.limit,
             counters: &self.counters,
             deferred: &self.deferred,
+            expandable: self.expandable,
         }
     }
 
@@ -171,13 +185,13 @@ impl DeviceAllocator {
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
         let id = match st.take_cached(req, self.max_split_size) {
             Some(id) => id,
-            None => match st.new_segment(ctx, req) {
+            None => match st.grow(ctx, req) {
                 Ok(id) => id,
                 Err(DriverError::OutOfMemory) => {
                     if !st.release_available(ctx, req)? {
                         return Ok(None);
                     }
-                    match st.new_segment(ctx, req) {
+                    match st.grow(ctx, req) {
                         Ok(id) => id,
                         Err(DriverError::OutOfMemory) => return Ok(None),
                         Err(e) => return Err(Error::driver(e, "allocating a segment")),
@@ -206,15 +220,18 @@ impl DeviceAllocator {
             peaks::give_back(c, &self.spare, false);
         }
         let settle = c.needs_settle && !peaks::borrow(c, &self.spare);
+        // Before the settle, which this shard may not be visited by (another settle may have
+        // taken the dirty list it is on, and visited it, while it waited): a change after
+        // that would go unseen by the next settle.
+        if !hot {
+            peaks::give_back(&mut st.counters, &self.spare, true);
+        }
         if settle {
             // Unlocked meanwhile: the settle locks every shard it visits, this one included.
             MutexGuard::unlocked(&mut st, || {
                 bump(&self.counters.num_peak_settles);
-                self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
+                self.visit(|t, shards, loose, holds| peaks::settle(t, shards, loose, &self.spare, holds));
             });
-        }
-        if !hot {
-            peaks::give_back(&mut st.counters, &self.spare, true);
         }
         drop(st);
         value
@@ -313,8 +330,13 @@ impl DeviceAllocator {
             if !st.is_idle() {
                 return false;
             }
+            // What it changed since the settle above saw it (it may have joined the dirty
+            // list since), counted first, so that the totals stay what the shards hold.
+            peaks::absorb(totals, &mut [&mut st.counters]);
             let counters = &mut st.counters;
             for (i, (c, seen)) in counters.cells.iter_mut().zip(counters.seen.iter_mut()).enumerate() {
+                seen.allocated = c.allocated;
+                seen.freed = c.freed;
                 self.spare[i].fetch_add(c.headroom, Ordering::Relaxed);
                 totals.held[i] -= c.headroom;
                 c.headroom = 0;
@@ -349,10 +371,14 @@ impl DeviceAllocator {
         oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
-    /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
-    /// the dirty list and those holding credit; see `peaks::settle`); `f` sets, per shard,
-    /// whether it holds credit afterwards.
-    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R) -> R {
+    /// Runs `f` with the peak lock held, the spare credit closed (`f` gets what it held and
+    /// must open it again: `peaks::settle` or `peaks::reset`) and the shards a settle must
+    /// visit locked (those on the dirty list and those holding credit; see `peaks::settle`);
+    /// `f` sets, per shard, whether it holds credit afterwards.
+    fn visit<R>(
+        &self,
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &[i64; CELLS], &mut Vec<bool>) -> R,
+    ) -> R {
         let mut ps = self.peaks.lock();
         self.visit_locked(&mut ps, f)
     }
@@ -360,8 +386,10 @@ impl DeviceAllocator {
     fn visit_locked<R>(
         &self,
         ps: &mut PeakState,
-        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R,
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &[i64; CELLS], &mut Vec<bool>) -> R,
     ) -> R {
+        // Closed before the list is taken (see `peaks::close_spare`); `f` opens it again.
+        let loose = peaks::close_spare(&self.spare);
         let mut visit = std::mem::take(&mut ps.visit);
         self.shards.take_dirty(&mut visit);
         visit.append(&mut ps.holders);
@@ -375,7 +403,7 @@ impl DeviceAllocator {
         let mut holds = std::mem::take(&mut ps.holds);
         holds.clear();
         holds.resize(visit.len(), false);
-        let r = f(&mut ps.totals, &mut counters, &mut holds);
+        let r = f(&mut ps.totals, &mut counters, &loose, &mut holds);
         drop(counters);
         drop(guards);
         for (s, &h) in visit.drain(..).zip(&holds) {
@@ -389,7 +417,7 @@ impl DeviceAllocator {
     }
 
     fn settle_locked(&self, ps: &mut PeakState) {
-        self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
+        self.visit_locked(ps, |t, shards, loose, holds| peaks::settle(t, shards, loose, &self.spare, holds));
     }
 
     /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
@@ -399,16 +427,26 @@ impl DeviceAllocator {
 
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.visit(|t, shards, holds| {
-            peaks::settle(t, shards, &self.spare, holds);
+        self.visit(|t, shards, loose, holds| {
+            peaks::settle(t, shards, loose, &self.spare, holds);
             counters::collect(t, &self.counters, self.max_split_size)
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
+        self.visit(|t, shards, _, _| peaks::reset(t, shards, &self.spare));
     }
+}
+
+/// The layout of `device`'s expandable segments, or `None` when the driver cannot map memory
+/// there (or fails to say).
+fn expandable_policy(driver: &dyn Driver, device: i32) -> Option<ExpandablePolicy> {
+    let granularity = driver.vmm_granularity(device).ok()??;
+    let total = driver.mem_info(device).ok()?.total;
+    let small_page = SMALL_BUFFER.next_multiple_of(granularity);
+    let large_page = LARGE_PAGE.next_multiple_of(granularity);
+    Some(ExpandablePolicy { small_page, large_page, device_total: total })
 }
 
 impl Drop for DeviceAllocator {

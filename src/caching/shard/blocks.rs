@@ -13,9 +13,11 @@ impl ShardState {
     /// an inactive split block; an inactive split block shrinks, or becomes active whole.
     pub(super) fn split(&mut self, id: BlockId, rounded: usize, max_split_size: usize) -> usize {
         let b = &self.blocks[id];
-        let (addr, size, pool, next) = (b.addr, b.size, b.pool, b.next);
-        let already_split = b.is_split();
-        if !rules::should_split(pool, size, rounded, max_split_size) {
+        let (addr, size, pool, next, expandable) = (b.addr, b.size, b.pool, b.next, b.expandable);
+        // PyTorch counts no `inactive_split` in expandable segments: their wholly free pages
+        // can always be given back.
+        let already_split = b.is_split() && !expandable;
+        if !rules::should_split(pool, size, rounded, max_split_size, expandable) {
             if already_split {
                 self.counters.decrease(Metric::InactiveSplitBytes, pool, size as i64);
                 self.counters.decrease(Metric::InactiveSplit, pool, 1);
@@ -32,6 +34,7 @@ impl ShardState {
             next,
             state: BlockState::Free,
             pool,
+            expandable,
             event_count: 0,
             stream_uses: Vec::new(),
         });
@@ -42,7 +45,8 @@ impl ShardState {
         b.size = rounded;
         b.next = rest;
         self.pool(pool).insert(rest_size, rest_addr, rest);
-        if already_split {
+        if expandable {
+        } else if already_split {
             self.counters.decrease(Metric::InactiveSplitBytes, pool, rounded as i64);
         } else {
             self.counters.increase(Metric::InactiveSplitBytes, pool, rest_size as i64);
@@ -55,7 +59,7 @@ impl ShardState {
     /// (`try_merge_blocks`), with PyTorch's net `inactive_split` change.
     pub(super) fn free_block(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (orig_size, requested, pool) = (b.size, b.requested, b.pool);
+        let (orig_size, requested, pool, expandable) = (b.size, b.requested, b.pool, b.expandable);
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let mut id = id;
@@ -82,17 +86,44 @@ impl ShardState {
             net_bytes += size as i64;
         }
         let c = &mut self.counters;
-        c.change(Metric::InactiveSplit, pool, net_blocks);
-        c.change(Metric::InactiveSplitBytes, pool, net_bytes);
+        if !expandable {
+            c.change(Metric::InactiveSplit, pool, net_blocks);
+            c.change(Metric::InactiveSplitBytes, pool, net_bytes);
+        }
         c.decrease(Metric::Active, pool, 1);
         c.decrease(Metric::ActiveBytes, pool, orig_size as i64);
         c.decrease(Metric::RequestedBytes, pool, requested as i64);
     }
 
+    /// A free block of an expandable segment that is not in its pool yet (memory just mapped,
+    /// or the rest around pages just unmapped) joins it, merged with its free neighbours
+    /// (PyTorch `map_block`/`unmap_block` with `try_merge_blocks`; no statistic changes: the
+    /// caller counts the mapping, and expandable blocks have no `inactive_split`). Returns the
+    /// id of the merged block.
+    pub(super) fn insert_free(&mut self, id: BlockId) -> BlockId {
+        debug_assert!(self.blocks[id].expandable);
+        let mut id = id;
+        let prev = self.blocks[id].prev;
+        if self.take_if_free(prev).is_some() {
+            self.absorb_next(prev);
+            id = prev;
+        }
+        let next = self.blocks[id].next;
+        if self.take_if_free(next).is_some() {
+            self.absorb_next(id);
+        }
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Free;
+        b.requested = 0;
+        let (size, addr, pool) = (b.size, b.addr, b.pool);
+        self.pool(pool).insert(size, addr, id);
+        id
+    }
+
     /// One merge step of `try_merge_blocks`, first half: if the neighbour `other` of a block
     /// being freed is free, takes it out of its pool and returns its size; the caller then
     /// merges the upper of the two blocks into the lower ([`ShardState::absorb_next`]).
-    fn take_if_free(&mut self, other: BlockId) -> Option<usize> {
+    pub(super) fn take_if_free(&mut self, other: BlockId) -> Option<usize> {
         if other == NIL || self.blocks[other].state != BlockState::Free {
             return None;
         }
@@ -104,7 +135,7 @@ impl ShardState {
 
     /// Merges the block after `id` into `id` (the lower block survives, so a segment's head
     /// keeps its id).
-    fn absorb_next(&mut self, id: BlockId) {
+    pub(super) fn absorb_next(&mut self, id: BlockId) {
         let next = self.blocks[id].next;
         let (nsize, nnext) = (self.blocks[next].size, self.blocks[next].next);
         let b = &mut self.blocks[id];

@@ -6,6 +6,7 @@ use rustc_hash::FxHashMap;
 use super::ShardState;
 use crate::caching::block::{BlockId, BlockState, NIL};
 use crate::caching::counters::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
+use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
@@ -42,6 +43,10 @@ impl ShardState {
                         "pointer {ptr:#x} is not allocated: it lies in memory gpupool caches but has not handed out \
                          (never returned by an allocation, or freed)"
                     ),
+                    (BlockState::Unmapped, _) => format!(
+                        "pointer {ptr:#x} is not allocated: it lies in address space gpupool reserved for an \
+                         expandable segment, with no memory mapped there"
+                    ),
                 };
                 return Error::InvalidPointer(msg);
             }
@@ -60,21 +65,37 @@ impl ShardState {
         };
         let mut oversize = [0i64; 2];
         let (mut free_blocks, mut awaiting) = (0usize, FxHashMap::<BlockId, u32>::default());
-        let mut deferred_blocks = 0usize;
+        let (mut deferred_blocks, mut unmapped_blocks) = (0usize, 0usize);
         for (&base, seg) in &self.segments {
             let head = &self.blocks[seg.head];
             if head.addr != base || head.prev != NIL {
                 return Err(format!("stream {owner:#x}: segment {base:#x} does not start with its head block"));
             }
             let pool = head.pool;
+            let exp = seg.exp.as_deref();
             add(Metric::Segment, pool, 1);
-            add(Metric::ReservedBytes, pool, seg.size as i64);
-            oversize[1] += (seg.size >= max_split_size) as i64;
+            match exp {
+                Some(e) => add(Metric::ReservedBytes, pool, e.mapped as i64),
+                None => {
+                    add(Metric::ReservedBytes, pool, seg.size as i64);
+                    oversize[1] += (seg.size >= max_split_size) as i64;
+                }
+            }
+            if exp.is_some() != self.expandables.contains(&base) {
+                return Err(format!("stream {owner:#x}: segment {base:#x} is not listed as what it is"));
+            }
+            let mut mapped = 0usize;
             let (mut id, mut prev, mut at) = (seg.head, NIL, base);
             while id != NIL {
                 let b = &self.blocks[id];
-                if b.addr != at || b.prev != prev || b.pool != pool || b.size == 0 {
+                if b.addr != at || b.prev != prev || b.pool != pool || b.size == 0 || b.expandable != exp.is_some() {
                     return Err(format!("stream {owner:#x}: block list of segment {base:#x} is broken at {at:#x}"));
+                }
+                if let Some(e) = exp {
+                    self.check_pages(e, id, prev)?;
+                    if b.state != BlockState::Unmapped {
+                        mapped += b.size;
+                    }
                 }
                 match b.state {
                     BlockState::Allocated => {
@@ -93,7 +114,7 @@ impl ShardState {
                         if prev != NIL && self.blocks[prev].state == BlockState::Free {
                             return Err(format!("free blocks {:#x} and its predecessor were not coalesced", b.addr));
                         }
-                        if b.is_split() {
+                        if b.is_split() && !b.expandable {
                             add(Metric::InactiveSplit, pool, 1);
                             add(Metric::InactiveSplitBytes, pool, b.size as i64);
                         }
@@ -101,6 +122,7 @@ impl ShardState {
                     BlockState::AwaitingEvents => {
                         awaiting.insert(id, b.event_count);
                     }
+                    BlockState::Unmapped => unmapped_blocks += 1,
                     BlockState::AwaitingSync => {
                         if !self.deferred.contains(id) {
                             return Err(format!(
@@ -111,7 +133,7 @@ impl ShardState {
                         deferred_blocks += 1;
                     }
                 }
-                if b.state != BlockState::Free {
+                if !matches!(b.state, BlockState::Free | BlockState::Unmapped) {
                     add(Metric::Active, pool, 1);
                     add(Metric::ActiveBytes, pool, b.size as i64);
                     add(Metric::RequestedBytes, pool, b.requested as i64);
@@ -123,6 +145,12 @@ impl ShardState {
             if at != base + seg.size as u64 {
                 return Err(format!("blocks of segment {base:#x} do not cover it exactly"));
             }
+            if exp.is_some_and(|e| e.mapped != mapped) {
+                return Err(format!("stream {owner:#x}: expandable segment {base:#x} maps bytes no block covers"));
+            }
+        }
+        if unmapped_blocks != self.unmapped.iter().map(|u| u.len()).sum::<usize>() {
+            return Err(format!("stream {owner:#x}: the sets of unmapped blocks do not match the segments"));
         }
         recount[OVERSIZE_ALLOCATIONS] = oversize[0];
         recount[OVERSIZE_SEGMENTS] = oversize[1];
@@ -147,6 +175,30 @@ impl ShardState {
             if have != want {
                 return Err(format!("stream {owner:#x}: statistic cell {i} is {have}, recount {want}"));
             }
+        }
+        Ok(())
+    }
+
+    /// The rules of an expandable segment's block `id` (after `prev`) against its page
+    /// table `e`: an unmapped block is whole pages, none mapped, in its pool's set, with no
+    /// unmapped neighbour before it; any other block lies on mapped pages only.
+    fn check_pages(&self, e: &Expandable, id: BlockId, prev: BlockId) -> Result<(), String> {
+        let b = &self.blocks[id];
+        let (start, end) = ((b.addr - e.base) as usize, (b.addr - e.base) as usize + b.size);
+        let first_page = start / e.page * e.page;
+        let pages = (first_page..end).step_by(e.page);
+        if b.state == BlockState::Unmapped {
+            if start % e.page != 0 || end % e.page != 0 || pages.clone().any(|p| e.is_mapped(p)) {
+                return Err(format!("unmapped block {:#x} is not whole unmapped pages", b.addr));
+            }
+            if !self.unmapped[b.pool as usize].contains(&(b.addr, id)) {
+                return Err(format!("unmapped block {:#x} is missing from its pool's set", b.addr));
+            }
+            if prev != NIL && self.blocks[prev].state == BlockState::Unmapped {
+                return Err(format!("unmapped block {:#x} and its predecessor were not merged", b.addr));
+            }
+        } else if let Some(p) = pages.clone().find(|&p| !e.is_mapped(p)) {
+            return Err(format!("block {:#x} spans the unmapped page at offset {p:#x}", b.addr));
         }
         Ok(())
     }

@@ -10,12 +10,17 @@
 //! - this file: the shard, a request, and the calls a device makes on it;
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`segments`]: segments from and back to the driver;
+//! - [`expand`]: expandable segments, grown and shrunk a page at a time;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer.
 
 mod blocks;
 mod check;
+mod expand;
 mod segments;
 
+pub(crate) use expand::ExpandablePolicy;
+
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -26,6 +31,7 @@ use super::block::{Arena, BlockId, BlockState};
 use super::counters::{DeviceCounters, Metric, OVERSIZE_ALLOCATIONS, ShardCounters};
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
+use super::expandable::Expandable;
 use super::limit::MemoryLimit;
 use super::pool::FreePool;
 use super::rules::{self, PoolKind};
@@ -82,6 +88,8 @@ pub(crate) struct ShardCtx<'a> {
     pub limit: &'a MemoryLimit,
     pub counters: &'a DeviceCounters,
     pub deferred: &'a DeferredFrees,
+    /// How expandable segments are laid out; `None` when the device uses ordinary segments.
+    pub expandable: Option<ExpandablePolicy>,
 }
 
 /// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
@@ -106,7 +114,10 @@ impl Request {
 
 struct SegmentInfo {
     head: BlockId,
+    /// Bytes: the segment's size, or an expandable segment's address range.
     size: usize,
+    /// An expandable segment's page table.
+    exp: Option<Box<Expandable>>,
 }
 
 /// The state behind a shard's lock.
@@ -118,6 +129,11 @@ pub(crate) struct ShardState {
     /// Allocated blocks by address (PyTorch `allocated_blocks`).
     live: FxHashMap<DevicePtr, BlockId>,
     segments: FxHashMap<DevicePtr, SegmentInfo>,
+    /// The bases of the expandable segments among `segments`.
+    expandables: Vec<DevicePtr>,
+    /// Unmapped blocks of expandable segments, per pool, by address (PyTorch
+    /// `BlockPool::unmapped`).
+    unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
     events: StreamEvents,
     deferred: DeferredList,
     pub counters: ShardCounters,

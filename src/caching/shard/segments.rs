@@ -9,6 +9,21 @@ use crate::driver::DriverError;
 use crate::error::Error;
 
 impl ShardState {
+    /// A free block for `req` from the driver, taken out of the pool, when no cached block
+    /// fits (PyTorch `alloc_block`): by growing an expandable segment when the device has
+    /// them, else as a new segment. A failure of the virtual memory calls other than out of
+    /// memory (`CUDA_ERROR_NOT_PERMITTED` under a debugger, say) falls back to a new ordinary
+    /// segment for this request.
+    pub fn grow(&mut self, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
+        if ctx.expandable.is_some() {
+            match self.grow_expandable(ctx, req.rounded, req.pool) {
+                Err(DriverError::Cuda { .. } | DriverError::Unavailable(_)) => {}
+                r => return r,
+            }
+        }
+        self.new_segment(ctx, req)
+    }
+
     /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
     /// pool: the caller hands it out at once).
     ///
@@ -29,10 +44,11 @@ impl ShardState {
             next: NIL,
             state: BlockState::Free,
             pool: req.pool,
+            expandable: false,
             event_count: 0,
             stream_uses: Vec::new(),
         });
-        self.segments.insert(addr, SegmentInfo { head: id, size });
+        self.segments.insert(addr, SegmentInfo { head: id, size, exp: None });
         ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
         self.counters.increase(Metric::Segment, req.pool, 1);
         self.counters.increase(Metric::ReservedBytes, req.pool, size as i64);
@@ -72,16 +88,20 @@ impl ShardState {
     }
 
     /// PyTorch `release_blocks` over both pools: every cached segment that is wholly free goes
-    /// back to the driver. Split segments stay. The idle events are destroyed too (see
+    /// back to the driver, and the wholly free pages of expandable segments are unmapped
+    /// ([`ShardState::release_pages`]). Split segments stay. The idle events are destroyed too (see
     /// `events`).
     pub fn release_cached(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
         self.events.destroy_idle(ctx.driver, ctx.device);
+        if !self.expandables.is_empty() {
+            self.release_pages(ctx)?;
+        }
         let whole: Vec<BlockId> = self
             .small
             .iter()
             .chain(self.large.iter())
             .map(|(_, _, id)| id)
-            .filter(|&id| !self.blocks[id].is_split())
+            .filter(|&id| !self.blocks[id].is_split() && !self.blocks[id].expandable)
             .collect();
         for id in whole {
             self.release_segment(ctx, id)?;
@@ -102,7 +122,7 @@ impl ShardState {
         let want = req.rounded.max(max);
         let pool = self.pool(req.pool);
         if let Some((_, _, id)) = pool.best_fit(want) {
-            if self.blocks[id].is_split() {
+            if self.blocks[id].is_split() || self.blocks[id].expandable {
                 return Ok(false);
             }
             self.release_segment(ctx, id)?;
@@ -115,7 +135,7 @@ impl ShardState {
             if released >= want {
                 break;
             }
-            if !self.blocks[id].is_split() {
+            if !self.blocks[id].is_split() && !self.blocks[id].expandable {
                 self.release_segment(ctx, id)?;
                 released += size;
             }

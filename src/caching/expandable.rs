@@ -1,0 +1,270 @@
+//! The address range of an expandable segment and the pages mapped in it (PyTorch
+//! `ExpandableSegment`), on the driver's virtual memory calls.
+//!
+//! A range of device address space is reserved once (`cuMemAddressReserve`), and physical
+//! pages are created and mapped into it on demand (`cuMemCreate`, `cuMemMap`,
+//! `cuMemSetAccess`), one handle per page, so that a segment grows instead of a new one being
+//! allocated, and pages that are wholly free can be unmapped and released (`cuMemUnmap`,
+//! `cuMemRelease`) while the rest of the segment stays in use. This type knows pages only; the
+//! blocks over them are the shard's (`shard/expand.rs`).
+//!
+//! Failures leave the page table true to the driver: a page counts as mapped exactly when its
+//! memory is mapped at its address with access set. [`Expandable::map`] is all or nothing: it
+//! undoes the pages it mapped when a later one fails. Only when the driver refuses the undoing
+//! too does a page stay mapped; it then counts as mapped, and the caller puts it in a block
+//! like any other mapped page.
+
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
+
+/// One expandable segment's address range and page table. Not thread-safe on its own: it
+/// lives in its shard, behind the shard's lock.
+#[derive(Debug)]
+pub(crate) struct Expandable {
+    /// Start of the reserved range.
+    pub base: DevicePtr,
+    /// Bytes of address space reserved (a multiple of `page`).
+    pub size: usize,
+    /// Bytes per page (a multiple of the driver's granularity).
+    pub page: usize,
+    /// The handle mapped at each page, grown as pages are mapped (host memory follows the
+    /// highest page mapped, not the range).
+    pages: Vec<Option<PhysHandle>>,
+    /// Bytes mapped.
+    pub mapped: usize,
+    /// Handles that are not pages of the table and that the driver still holds: created for a
+    /// page whose map or access grant failed or unwound, or unmapped and not yet released.
+    /// Each is unmapped (if mapped, at the address given) and released at the next chance,
+    /// and before the range is given back; memory behind a page without access is never
+    /// counted as mapped, so never put in a block.
+    orphans: Vec<(PhysHandle, Option<DevicePtr>)>,
+}
+
+impl Expandable {
+    /// Reserves `size` bytes of address space on `device` (PyTorch's `ExpandableSegment`
+    /// constructor). `size` and `page` are multiples of the driver's granularity.
+    ///
+    /// Errors: the driver's, as `cuMemAddressReserve` fails (out of address space counts as
+    /// out of memory).
+    pub fn reserve(driver: &dyn Driver, device: i32, size: usize, page: usize) -> Result<Expandable, DriverError> {
+        debug_assert!(size > 0 && size % page == 0);
+        let base = driver.address_reserve(device, size)?;
+        Ok(Expandable { base, size, page, pages: Vec::new(), mapped: 0, orphans: Vec::new() })
+    }
+
+    /// Gives the address range back (`cuMemAddressFree`), after the handles still to be
+    /// released; every page must be unmapped.
+    ///
+    /// Errors: the driver's (a handle it will not release yet counts as its error); the range
+    /// stays reserved and `self` usable.
+    pub fn free(&mut self, driver: &dyn Driver, device: i32) -> Result<(), DriverError> {
+        debug_assert_eq!(self.mapped, 0);
+        if let Some(e) = self.release_orphans(driver, device) {
+            return Err(e);
+        }
+        driver.address_free(device, self.base, self.size)
+    }
+
+    /// Unmaps and releases the orphaned handles; returns the first failure, if any (those
+    /// handles stay listed).
+    pub fn release_orphans(&mut self, driver: &dyn Driver, device: i32) -> Option<DriverError> {
+        let mut failure = None;
+        let mut i = 0;
+        // One at a time, each step recorded as it succeeds: a call that unwinds leaves the
+        // list true.
+        while i < self.orphans.len() {
+            let (handle, at) = self.orphans[i];
+            if let Some(at) = at {
+                if let Err(e) = driver.mem_unmap(device, at, self.page) {
+                    failure.get_or_insert(e);
+                    i += 1;
+                    continue;
+                }
+                self.orphans[i].1 = None;
+            }
+            match driver.mem_release(device, handle) {
+                Ok(()) => {
+                    self.orphans.swap_remove(i);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    i += 1;
+                }
+            }
+        }
+        failure
+    }
+
+    /// Whether the page at `offset` bytes into the range is mapped.
+    pub fn is_mapped(&self, offset: usize) -> bool {
+        self.pages.get(offset / self.page).is_some_and(Option::is_some)
+    }
+
+    /// Maps `len` bytes at `offset` (both whole pages, all unmapped): a new handle per page,
+    /// mapped and made accessible (PyTorch `ExpandableSegment::map`). All or nothing: when a
+    /// page fails, the pages this call mapped are unmapped and released again.
+    ///
+    /// Errors: the first failure ([`DriverError::OutOfMemory`] when the device has no memory
+    /// for a page). Pages whose undoing the driver refused stay mapped (see the module docs);
+    /// [`Expandable::mapped`] counts them.
+    pub fn map(&mut self, driver: &dyn Driver, device: i32, offset: usize, len: usize) -> Result<(), DriverError> {
+        debug_assert!(offset % self.page == 0 && len % self.page == 0 && offset + len <= self.size);
+        let first = offset / self.page;
+        let count = len / self.page;
+        if self.pages.len() < first + count {
+            self.pages.resize(first + count, None);
+        }
+        for i in first..first + count {
+            debug_assert!(self.pages[i].is_none(), "page {i} mapped twice");
+            if let Err(e) = self.map_page(driver, device, i) {
+                for j in (first..i).rev() {
+                    // A page the driver will not unmap stays mapped, and counted.
+                    let _ = self.unmap_page(driver, device, j);
+                }
+                self.trim();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps and releases `len` bytes at `offset` (whole pages, all mapped; PyTorch
+    /// `ExpandableSegment::unmap`). The caller has made sure that no work on the device still
+    /// uses them: `cuMemUnmap` does not wait.
+    ///
+    /// Errors: the first failure; the pages before it are unmapped, that page and the ones
+    /// after it stay mapped.
+    pub fn unmap(&mut self, driver: &dyn Driver, device: i32, offset: usize, len: usize) -> Result<(), DriverError> {
+        debug_assert!(offset % self.page == 0 && len % self.page == 0 && offset + len <= self.size);
+        let first = offset / self.page;
+        let r = (first..first + len / self.page).try_for_each(|i| self.unmap_page(driver, device, i));
+        self.trim();
+        r
+    }
+
+    /// Creates, maps and grants access to page `i`. The handle is an orphan until all three
+    /// succeeded, so a failure at any step, or a call that unwinds, leaves the table true and
+    /// the handle to [`Expandable::release_orphans`], which undoes it now or later.
+    fn map_page(&mut self, driver: &dyn Driver, device: i32, i: usize) -> Result<(), DriverError> {
+        let at = self.base + (i * self.page) as u64;
+        if self.orphans.iter().any(|o| o.1 == Some(at))
+            && let Some(e) = self.release_orphans(driver, device)
+        {
+            return Err(e);
+        }
+        let handle = driver.mem_create(device, self.page)?;
+        self.orphans.push((handle, None));
+        let last = self.orphans.len() - 1;
+        let mapped = driver.mem_map(device, at, self.page, handle);
+        if mapped.is_ok() {
+            self.orphans[last].1 = Some(at);
+        }
+        if let Err(e) = mapped.and_then(|()| driver.mem_set_access(device, at, self.page)) {
+            self.release_orphans(driver, device);
+            return Err(e);
+        }
+        self.orphans.swap_remove(last);
+        self.pages[i] = Some(handle);
+        self.mapped += self.page;
+        Ok(())
+    }
+
+    /// Unmaps page `i` and releases its handle (later, if the driver refuses now: see
+    /// [`Expandable::release_orphans`]).
+    fn unmap_page(&mut self, driver: &dyn Driver, device: i32, i: usize) -> Result<(), DriverError> {
+        let at = self.base + (i * self.page) as u64;
+        let handle = self.pages[i].expect("only mapped pages are unmapped");
+        driver.mem_unmap(device, at, self.page)?;
+        self.pages[i] = None;
+        self.mapped -= self.page;
+        self.orphans.push((handle, None));
+        self.release_orphans(driver, device);
+        Ok(())
+    }
+
+    /// Drops unmapped pages at the end of the table.
+    fn trim(&mut self) {
+        while self.pages.last() == Some(&None) {
+            self.pages.pop();
+        }
+        if self.pages.capacity() > 2 * self.pages.len() + 16 {
+            self.pages.shrink_to_fit();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::{SIM_GRANULARITY, SimDriver, SimFault, SimOp};
+
+    const P: usize = SIM_GRANULARITY;
+
+    #[test]
+    fn pages_map_and_unmap_and_memory_is_usable() {
+        let sim = SimDriver::new(1, 64 << 20);
+        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
+        e.map(&sim, 0, 2 * P, 3 * P).unwrap();
+        assert_eq!((e.mapped, sim.used(0), sim.accessible(0)), (3 * P, 3 * P, 3 * P));
+        assert!(!e.is_mapped(P) && e.is_mapped(2 * P) && e.is_mapped(4 * P) && !e.is_mapped(5 * P));
+        // SAFETY: the three pages are mapped readable and writable by the simulated driver.
+        unsafe {
+            let p = (e.base + 2 * P as u64) as *mut u8;
+            p.write_bytes(7, 3 * P);
+            assert_eq!(*p.add(3 * P - 1), 7);
+        }
+        e.unmap(&sim, 0, 3 * P, P).unwrap();
+        assert_eq!((e.mapped, sim.used(0)), (2 * P, 2 * P));
+        e.unmap(&sim, 0, 2 * P, P).unwrap();
+        e.unmap(&sim, 0, 4 * P, P).unwrap();
+        assert_eq!((e.mapped, sim.used(0), e.pages.len()), (0, 0, 0));
+        e.free(&sim, 0).unwrap();
+        assert_eq!(sim.live_vmm(), (0, 0));
+        // A release that fails is made again before the range goes back.
+        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
+        e.map(&sim, 0, 0, P).unwrap();
+        sim.inject(SimOp::MemRelease, 0, SimFault::Fail(DriverError::OutOfMemory));
+        e.unmap(&sim, 0, 0, P).unwrap();
+        assert_eq!((e.mapped, sim.used(0)), (0, P));
+        e.free(&sim, 0).unwrap();
+        assert_eq!((sim.used(0), sim.live_vmm()), (0, (0, 0)));
+    }
+
+    #[test]
+    fn a_failed_map_undoes_its_pages() {
+        let sim = SimDriver::new(1, 64 << 20);
+        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
+        for op in [SimOp::MemCreate, SimOp::MemMap, SimOp::MemSetAccess] {
+            sim.inject(op, 2, SimFault::Fail(DriverError::OutOfMemory));
+            assert_eq!(e.map(&sim, 0, 0, 4 * P), Err(DriverError::OutOfMemory), "{op:?}");
+            assert_eq!((e.mapped, sim.used(0), sim.live_vmm()), (0, 0, (1, 0)), "{op:?}");
+        }
+        // The device runs out halfway: nothing stays mapped.
+        let small = SimDriver::new(1, 3 * P);
+        let mut e2 = Expandable::reserve(&small, 0, 16 * P, P).unwrap();
+        assert_eq!(e2.map(&small, 0, 0, 4 * P), Err(DriverError::OutOfMemory));
+        assert_eq!((e2.mapped, small.used(0)), (0, 0));
+        e2.map(&small, 0, 0, 3 * P).unwrap();
+        e2.unmap(&small, 0, 0, 3 * P).unwrap();
+        e2.free(&small, 0).unwrap();
+        let _ = e.free(&sim, 0);
+    }
+
+    #[test]
+    fn a_page_without_access_is_never_counted_and_is_undone_later() {
+        let sim = SimDriver::new(1, 64 << 20);
+        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
+        // Access fails on the first page, and unmapping it fails too: the page is mapped in
+        // the driver, without access, and not in the table.
+        sim.inject(SimOp::MemSetAccess, 0, SimFault::Fail(DriverError::OutOfMemory));
+        sim.inject(SimOp::MemUnmap, 0, SimFault::Fail(DriverError::OutOfMemory));
+        assert!(e.map(&sim, 0, 0, 4 * P).is_err());
+        assert!(!e.is_mapped(0) && !e.is_mapped(P));
+        assert_eq!((e.mapped, sim.used(0)), (0, P), "the orphan still holds its page");
+        // Mapping there again undoes the orphan first.
+        e.map(&sim, 0, 0, 4 * P).unwrap();
+        assert_eq!((e.mapped, sim.used(0), sim.accessible(0)), (4 * P, 4 * P, 4 * P));
+        e.unmap(&sim, 0, 0, 4 * P).unwrap();
+        e.free(&sim, 0).unwrap();
+        assert_eq!((sim.used(0), sim.live_vmm()), (0, (0, 0)));
+    }
+}

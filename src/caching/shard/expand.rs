@@ -1,0 +1,466 @@
+//! Expandable segments in a shard (PyTorch's `expandable_segments:True`): a segment is an
+//! address range reserved per (stream, pool) whose pages are mapped as requests need them, so
+//! that it grows instead of a new segment being allocated, and whose wholly free pages are
+//! unmapped when the cache is released.
+//!
+//! The blocks of an expandable segment tile its whole range, as an ordinary segment's do:
+//! mapped blocks (free, allocated, awaiting events or a synchronisation) and unmapped blocks
+//! (whole pages, [`BlockState::Unmapped`], in the pool's set of unmapped blocks ordered by
+//! address). Two unmapped blocks are never neighbours, nor are two free ones.
+//!
+//! - [`ShardState::grow_expandable`]: PyTorch `try_allocate_expandable_block` with
+//!   `find_expandable_block` and `map_block`;
+//! - [`ShardState::release_pages`]: the expandable half of PyTorch `release_blocks`, with
+//!   `unmap_block`.
+//!
+//! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
+//! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
+//! not exhaust the address space, and a shard may hold several ranges per pool; before pages
+//! are unmapped the device is synchronised, never a stream (a stream the program destroyed
+//! would crash `cudaStreamSynchronize`, as it crashes PyTorch 2.11's `emptyCache`); a map that
+//! fails halfway is undone (PyTorch keeps what it mapped); and each range counts as a segment
+//! (PyTorch counts none).
+
+use super::{SegmentInfo, ShardCtx, ShardState};
+use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::counters::{Metric, bump};
+use crate::caching::expandable::Expandable;
+use crate::caching::rules::PoolKind;
+use crate::caching::segment_index::SegmentEntry;
+use crate::driver::{DevicePtr, DriverError};
+use crate::error::Error;
+
+/// How a device's expandable segments are laid out. Sizes in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExpandablePolicy {
+    /// Page size of the small pool's segments (PyTorch: `kSmallBuffer`, 2 MiB).
+    pub small_page: usize,
+    /// Page size of the large pool's segments (PyTorch: `kLargeBuffer`, 20 MiB).
+    pub large_page: usize,
+    /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
+    /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
+    /// twice the largest it has, or the request if that is larger.
+    pub device_total: usize,
+}
+
+impl ExpandablePolicy {
+    fn page(&self, pool: PoolKind) -> usize {
+        match pool {
+            PoolKind::Small => self.small_page,
+            PoolKind::Large => self.large_page,
+        }
+    }
+
+    /// Bytes of address space for a new range of `pool` that must hold `need` bytes, when the
+    /// shard's largest range of that pool is `largest` bytes (0: none).
+    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
+        let page = self.page(pool);
+        let share = match pool {
+            PoolKind::Small => self.device_total / 64,
+            PoolKind::Large => self.device_total / 8,
+        };
+        let want = need.max(share).max(largest.saturating_mul(2)).max(page);
+        want.checked_next_multiple_of(page)
+    }
+}
+
+fn round_up(n: usize, m: usize) -> usize {
+    n.div_ceil(m) * m
+}
+
+impl ShardState {
+    fn unmapped_set(&mut self, pool: PoolKind) -> &mut std::collections::BTreeSet<(DevicePtr, BlockId)> {
+        &mut self.unmapped[pool as usize]
+    }
+
+    /// The expandable segment whose range contains `addr`.
+    fn expandable_of(&self, addr: DevicePtr) -> (DevicePtr, &Expandable) {
+        for &base in &self.expandables {
+            let e = self.segments[&base].exp.as_deref().expect("listed segments are expandable");
+            if addr >= base && addr - base < e.size as u64 {
+                return (base, e);
+            }
+        }
+        unreachable!("block {addr:#x} lies in no expandable segment of its shard")
+    }
+
+    /// PyTorch `try_allocate_expandable_block`: a free block of at least `req.rounded` bytes
+    /// made by mapping pages in one of the stream's expandable segments of the request's pool
+    /// (the first, by address, where free and unmapped blocks in a row are large enough), or in
+    /// a new one; taken out of the pool for the caller to hand out.
+    ///
+    /// Errors: [`DriverError::OutOfMemory`] when the device (or the memory fraction) has no
+    /// room for the pages; any other failure of the virtual memory calls. The pages mapped
+    /// for the request are unmapped again then; the shard is as it was, but for a new range
+    /// that could not be given back (it stays, empty, until the cache is released).
+    pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<BlockId, DriverError> {
+        let policy = ctx.expandable.expect("only called with expandable segments on");
+        let start = match self.find_expandable(pool, rounded) {
+            Some(id) => id,
+            None => self.reserve_range(ctx, &policy, pool, rounded)?,
+        };
+        // The blocks to map, and how much of each: free and unmapped blocks from `start` on,
+        // until `rounded` bytes are reached (PyTorch maps the same, block by block).
+        let (base, page) = {
+            let (base, e) = self.expandable_of(self.blocks[start].addr);
+            (base, e.page)
+        };
+        let mut plan: Vec<(BlockId, usize)> = Vec::new();
+        let (mut have, mut id) = (0usize, start);
+        while have < rounded {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Unmapped {
+                let map = round_up(rounded - have, page).min(b.size);
+                plan.push((id, map));
+                have += map;
+            } else {
+                have += b.size;
+            }
+            id = b.next;
+        }
+        let bytes: usize = plan.iter().map(|p| p.1).sum();
+        let charge = ctx.limit.try_charge(bytes);
+        let mut result = if charge.is_some() { Ok(()) } else { Err(DriverError::OutOfMemory) };
+        // The pages go into blocks whatever happens, unwinding included: the page table says
+        // what the driver mapped, and the blocks follow it.
+        let mapped_before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
+        let mut done = 0;
+        {
+            let mut g = scopeguard::guard((&mut *self, &plan, &mut done, charge), |(st, plan, done, charge)| {
+                let mapped = st.adopt(ctx, base, &plan[..*done], mapped_before);
+                match charge {
+                    Some(c) => c.commit_part(mapped),
+                    None => ctx.limit.charge_anyway(mapped),
+                }
+            });
+            let (st, plan, done, _) = &mut *g;
+            if result.is_ok() {
+                for &(id, map) in plan.iter() {
+                    let offset = (st.blocks[id].addr - base) as usize;
+                    let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+                    **done += 1;
+                    if let Err(err) = e.map(ctx.driver, ctx.device, offset, map) {
+                        result = Err(err);
+                        break;
+                    }
+                }
+            }
+            if result.is_err() {
+                // Undo this request's pages; a page the driver keeps stays mapped and cached.
+                for &(id, map) in plan[..**done].iter().rev() {
+                    let offset = (st.blocks[id].addr - base) as usize;
+                    let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+                    for p in (offset..offset + map).step_by(page) {
+                        if e.is_mapped(p) {
+                            let _ = e.unmap(ctx.driver, ctx.device, p, page);
+                        }
+                    }
+                }
+            }
+        }
+        if let Err(e) = result {
+            self.free_range_if_empty(ctx, base);
+            return Err(e);
+        }
+        // The free block at `start`'s address now holds at least `rounded` bytes: blocks merge
+        // into their lower neighbour, and `start` had no free block before it.
+        let b = &self.blocks[start];
+        debug_assert!(b.state == BlockState::Free && b.size >= rounded);
+        let (size, addr) = (b.size, b.addr);
+        self.pool(pool).remove(size, addr, start);
+        Ok(start)
+    }
+
+    /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address)
+    /// that, with the free block before it if any and the free and unmapped blocks after it,
+    /// holds `size` bytes. Returns the first block of that run.
+    fn find_expandable(&self, pool: PoolKind, size: usize) -> Option<BlockId> {
+        let usable =
+            |id: BlockId| id != NIL && matches!(self.blocks[id].state, BlockState::Free | BlockState::Unmapped);
+        for &(_, u) in &self.unmapped[pool as usize] {
+            let prev = self.blocks[u].prev;
+            let start = if usable(prev) { prev } else { u };
+            let (mut bytes, mut id) = (0, start);
+            while bytes < size && usable(id) {
+                bytes += self.blocks[id].size;
+                id = self.blocks[id].next;
+            }
+            if bytes >= size {
+                return Some(start);
+            }
+        }
+        None
+    }
+
+    /// A new expandable segment of `pool` for a request of `size` bytes, wholly unmapped:
+    /// its one block is returned.
+    fn reserve_range(
+        &mut self,
+        ctx: &ShardCtx,
+        policy: &ExpandablePolicy,
+        pool: PoolKind,
+        size: usize,
+    ) -> Result<BlockId, DriverError> {
+        let largest = self
+            .expandables
+            .iter()
+            .filter(|b| self.blocks[self.segments[b].head].pool == pool)
+            .map(|b| self.segments[b].size)
+            .max()
+            .unwrap_or(0);
+        let va = policy.range_size(pool, size, largest).ok_or(DriverError::OutOfMemory)?;
+        let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
+        let base = exp.base;
+        let id = self.blocks.insert(Block {
+            addr: base,
+            size: va,
+            requested: 0,
+            prev: NIL,
+            next: NIL,
+            state: BlockState::Unmapped,
+            pool,
+            expandable: true,
+            event_count: 0,
+            stream_uses: Vec::new(),
+        });
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)) });
+        self.expandables.push(base);
+        self.unmapped_set(pool).insert((base, id));
+        ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
+        self.counters.increase(Metric::Segment, pool, 1);
+        Ok(id)
+    }
+
+    /// Gives back the range of the expandable segment at `base` if nothing is mapped in it
+    /// (its one block is unmapped). A failure leaves it as it is, to be tried again when the
+    /// cache is next released.
+    fn free_range_if_empty(&mut self, ctx: &ShardCtx, base: DevicePtr) {
+        let seg = self.segments.get_mut(&base).expect("listed");
+        let (size, head) = (seg.size, seg.head);
+        let e = seg.exp.as_deref_mut().expect("expandable");
+        if e.mapped != 0 {
+            return;
+        }
+        let pool = self.blocks[head].pool;
+        debug_assert_eq!(self.blocks[head].next, NIL);
+        // Out of the index first: once the driver has the range back, another stream may
+        // reserve the same addresses. Back in if the driver refuses.
+        ctx.index.remove(base);
+        let reindex = scopeguard::guard((), |()| {
+            ctx.index.insert(SegmentEntry { base, size, device: ctx.device, owner: ctx.shard.clone() })
+        });
+        if e.free(ctx.driver, ctx.device).is_err() {
+            return;
+        }
+        scopeguard::ScopeGuard::into_inner(reindex);
+        self.unmapped_set(pool).remove(&(base, head));
+        self.blocks.remove(head);
+        self.segments.remove(&base);
+        self.expandables.retain(|&b| b != base);
+        self.counters.decrease(Metric::Segment, pool, 1);
+    }
+
+    /// Makes the blocks of `ids` (each unmapped, or free in its pool) follow the page table
+    /// of the expandable segment at `base`: mapped stretches become free blocks in the pool,
+    /// unmapped ones unmapped blocks, each merged with its neighbours of the same kind. Counts
+    /// the change in reserved bytes (PyTorch `map_block`/`unmap_block`: `reserved_bytes`,
+    /// `num_device_alloc`, `num_device_free`) from `mapped_before`, the bytes the segment had
+    /// mapped before. Returns the bytes mapped since then (negative: unmapped) clamped at 0,
+    /// for the memory limit's charge.
+    fn adopt(&mut self, ctx: &ShardCtx, base: DevicePtr, ids: &[(BlockId, usize)], mapped_before: usize) -> usize {
+        for &(id, _) in ids {
+            self.follow_pages(base, id);
+        }
+        let e = self.segments[&base].exp.as_deref().expect("expandable");
+        let pool = self.blocks[self.segments[&base].head].pool;
+        let now = e.mapped;
+        if now > mapped_before {
+            self.counters.increase(Metric::ReservedBytes, pool, (now - mapped_before) as i64);
+            bump(&ctx.counters.num_device_alloc);
+            now - mapped_before
+        } else {
+            if now < mapped_before {
+                self.counters.decrease(Metric::ReservedBytes, pool, (mapped_before - now) as i64);
+                bump(&ctx.counters.num_device_free);
+            }
+            0
+        }
+    }
+
+    /// Splits block `id` (unmapped, or free and in its pool) of the segment at `base` where
+    /// the page table changes between mapped and unmapped, and files each piece.
+    fn follow_pages(&mut self, base: DevicePtr, id: BlockId) {
+        let e = self.segments[&base].exp.as_deref().expect("expandable");
+        let b = &self.blocks[id];
+        let (addr, size, pool, state) = (b.addr, b.size, b.pool, b.state);
+        let page = e.page as u64;
+        // Stretches of the block over which the page table does not change: (start, mapped).
+        let mut cuts: Vec<(DevicePtr, bool)> = Vec::new();
+        let mut at = addr;
+        while at < addr + size as u64 {
+            let mapped = e.is_mapped((at - base) as usize);
+            if cuts.last().is_none_or(|&(_, m)| m != mapped) {
+                cuts.push((at, mapped));
+            }
+            at = base + ((at - base) / page + 1) * page;
+        }
+        let unchanged = cuts.len() == 1 && (cuts[0].1 == (state == BlockState::Free));
+        if unchanged {
+            return;
+        }
+        match state {
+            BlockState::Unmapped => {
+                self.unmapped_set(pool).remove(&(addr, id));
+            }
+            _ => self.pool(pool).remove(size, addr, id),
+        }
+        // The block keeps the first stretch; a new block for each further one.
+        let end = addr + size as u64;
+        let mut pieces = Vec::with_capacity(cuts.len());
+        let mut prev = id;
+        for (i, &(start, mapped)) in cuts.iter().enumerate() {
+            let stop = cuts.get(i + 1).map_or(end, |c| c.0);
+            let piece = if i == 0 {
+                id
+            } else {
+                let next = self.blocks[prev].next;
+                let nid = self.blocks.insert(Block {
+                    addr: start,
+                    size: 0,
+                    requested: 0,
+                    prev,
+                    next,
+                    state: BlockState::Free,
+                    pool,
+                    expandable: true,
+                    event_count: 0,
+                    stream_uses: Vec::new(),
+                });
+                if next != NIL {
+                    self.blocks[next].prev = nid;
+                }
+                self.blocks[prev].next = nid;
+                nid
+            };
+            let b = &mut self.blocks[piece];
+            b.size = (stop - start) as usize;
+            b.state = if mapped { BlockState::Free } else { BlockState::Unmapped };
+            pieces.push((piece, mapped));
+            prev = piece;
+        }
+        for (piece, mapped) in pieces {
+            if mapped {
+                self.insert_free(piece);
+            } else {
+                self.insert_unmapped(piece);
+            }
+        }
+    }
+
+    /// An unmapped block joins the pool's set of unmapped blocks, merged with unmapped
+    /// neighbours (the lower block survives).
+    fn insert_unmapped(&mut self, id: BlockId) {
+        let pool = self.blocks[id].pool;
+        let mut id = id;
+        let prev = self.blocks[id].prev;
+        if prev != NIL && self.blocks[prev].state == BlockState::Unmapped {
+            let addr = self.blocks[prev].addr;
+            self.unmapped_set(pool).remove(&(addr, prev));
+            self.absorb_next(prev);
+            id = prev;
+        }
+        let next = self.blocks[id].next;
+        if next != NIL && self.blocks[next].state == BlockState::Unmapped {
+            let addr = self.blocks[next].addr;
+            self.unmapped_set(pool).remove(&(addr, next));
+            self.absorb_next(id);
+        }
+        let addr = self.blocks[id].addr;
+        self.unmapped_set(pool).insert((addr, id));
+    }
+
+    /// The expandable half of PyTorch `release_blocks` (`empty_cache`, the out-of-memory
+    /// path): the wholly free pages inside every free block of this shard's expandable
+    /// segments are unmapped and released (`unmap_block`), and a range left with nothing
+    /// mapped is given back. First the device is synchronised (with the shard's lock held, so
+    /// that no block of this stream is handed out and freed again meanwhile): a block freed
+    /// in stream order may still be in use by work queued before its free, and `cuMemUnmap`
+    /// does not wait for it. A device synchronisation, not a stream's: the stream may have
+    /// been destroyed. Returns the bytes unmapped.
+    ///
+    /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
+    /// unmapped stays unmapped, the rest stays cached.
+    pub fn release_pages(&mut self, ctx: &ShardCtx) -> Result<usize, Error> {
+        let mut candidates: Vec<(DevicePtr, BlockId)> = Vec::new();
+        for pool in [&self.small, &self.large] {
+            for (size, addr, id) in pool.iter() {
+                if !self.blocks[id].expandable {
+                    continue;
+                }
+                let (base, e) = self.expandable_of(addr);
+                let page = e.page as u64;
+                let lo = (addr - base).div_ceil(page) * page;
+                let hi = (addr + size as u64 - base) / page * page;
+                if hi > lo {
+                    candidates.push((base, id));
+                }
+            }
+        }
+        let mut released = 0;
+        if !candidates.is_empty() {
+            ctx.driver.device_synchronize(ctx.device).map_err(|e| {
+                Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
+            })?;
+        }
+        let mut failure = None;
+        for (base, id) in candidates {
+            let before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
+            // The block follows the page table whatever happens, unwinding included.
+            let mut g = scopeguard::guard(&mut *self, |st| {
+                st.adopt(ctx, base, &[(id, 0)], before);
+                let after = st.segments[&base].exp.as_deref().expect("expandable").mapped;
+                ctx.limit.uncharge(before - after);
+            });
+            let b = &g.blocks[id];
+            let (addr, size) = (b.addr, b.size);
+            let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            let page = e.page as u64;
+            let lo = (addr - base).div_ceil(page) * page;
+            let hi = (addr + size as u64 - base) / page * page;
+            let r = e.unmap(ctx.driver, ctx.device, lo as usize, (hi - lo) as usize);
+            drop(g);
+            released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
+            if let Err(e) = r {
+                failure = Some(Error::driver(e, "unmapping the free pages of an expandable segment"));
+                break;
+            }
+        }
+        for base in self.expandables.clone() {
+            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            e.release_orphans(ctx.driver, ctx.device);
+            self.free_range_if_empty(ctx, base);
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_grow_with_use_and_stay_whole_pages() {
+        let p = ExpandablePolicy { small_page: 2 << 20, large_page: 20 << 20, device_total: 80 << 30 };
+        assert_eq!(p.range_size(PoolKind::Large, 1 << 20, 0), Some(10 << 30));
+        assert_eq!(p.range_size(PoolKind::Small, 512, 0), Some(1280 << 20));
+        assert_eq!(p.range_size(PoolKind::Large, 1 << 20, 10 << 30), Some(20 << 30));
+        assert_eq!(p.range_size(PoolKind::Large, 30 << 30, 10 << 30), Some(30 << 30));
+        assert_eq!(p.range_size(PoolKind::Large, (30 << 30) + 1, 0), Some((30 << 30) + (20 << 20)));
+        assert_eq!(p.range_size(PoolKind::Large, usize::MAX - 4, 0), None);
+        let tiny = ExpandablePolicy { small_page: 2 << 20, large_page: 20 << 20, device_total: 64 << 20 };
+        assert_eq!(tiny.range_size(PoolKind::Large, 512, 0), Some(20 << 20));
+    }
+}
