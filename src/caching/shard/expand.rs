@@ -35,7 +35,8 @@ use crate::error::Error;
 pub(crate) struct ExpandablePolicy {
     /// Page size of the small pool's segments (PyTorch: `kSmallBuffer`, 2 MiB).
     pub small_page: usize,
-    /// Page size of the large pool's segments (PyTorch: `kLargeBuffer`, 20 MiB).
+    /// Page size of the large pool's segments (PyTorch: `kLargeBuffer`, 20 MiB; gpupool: 2 MiB,
+    /// see `device`).
     pub large_page: usize,
     /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
     /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
