@@ -9,6 +9,12 @@
 //! from it (a partial stub, as some containers ship); [`CudaDriver::new`] checks for the
 //! library and for every function gpupool calls first, and returns
 //! [`DriverError::Unavailable`] naming what is missing instead, printing nothing.
+//!
+//! The virtual memory calls (expandable segments) are optional: a driver without them still
+//! starts. Their functions are looked up once at start, apart from the required ones; when one is
+//! missing, or the device cannot manage virtual memory, [`Driver::vmm_granularity`] says so
+//! (`Ok(None)`) and the allocator keeps to `cuMemAlloc` segments, as PyTorch does when
+//! `expandable_segments` cannot be honoured.
 
 use std::ffi::{CStr, c_char};
 use std::sync::OnceLock;
@@ -40,13 +46,89 @@ const REQUIRED: [&str; 18] = [
     "cuEventDestroy_v2",
 ];
 
+/// The driver functions of the virtual memory calls (CUDA 10.2 and later), and the two device
+/// queries they depend on. Not in [`REQUIRED`]: a driver without them still starts, without
+/// expandable segments. cudarc panics at the first call of a missing function, so none of
+/// these is called unless all were found.
+const VMM_FUNCTIONS: [&str; 10] = [
+    "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+];
+
+/// The first of `names` for which `present` is false, in the order of `names`.
+fn first_missing(names: &[&'static str], present: impl Fn(&str) -> bool) -> Option<&'static str> {
+    names.iter().copied().find(|name| !present(name))
+}
+
+/// Whether the loaded driver library exports `name`. Only looks it up: never calls it.
+fn exported(name: &str) -> bool {
+    let symbol = format!("{name}\0");
+    // SAFETY: looks a symbol up without calling it; the library is present (checked first).
+    unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok()
+}
+
 /// The first function of [`REQUIRED`] that the loaded driver library lacks.
 fn missing_function() -> Option<&'static str> {
-    REQUIRED.into_iter().find(|name| {
-        let symbol = format!("{name}\0");
-        // SAFETY: looks a symbol up without calling it; the library is present (checked first).
-        unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_err()
-    })
+    first_missing(&REQUIRED, exported)
+}
+
+/// What `cuMemCreate` is asked for, and what the granularity is queried for: pinned memory on
+/// device `dev` (a `CUdevice`), as PyTorch's `ExpandableSegment::map` fills it, except for the
+/// handle type. PyTorch requests `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` so that a segment
+/// can be exported to another process (`ExpandableSegment::share`, for IPC of CUDA tensors);
+/// gpupool shares no memory between processes, so it requests no shareable handle (none),
+/// which also works where file-descriptor handles are not supported.
+fn allocation_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+        win32HandleMetaData: std::ptr::null_mut(),
+        // No compression, no GPUDirect RDMA, no special usage: what `prop = {}` leaves.
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// The devices (`CUdevice`s, of `devices`) other than `owner` that can access `owner`'s memory
+/// directly: those for which `can_access(accessor, owner)` is true, the argument order of
+/// `cuDeviceCanAccessPeer(&can, dev, peerDev)` ("can `dev` access memory on `peerDev`").
+fn peers_of(
+    owner: sys::CUdevice,
+    devices: &[sys::CUdevice],
+    can_access: impl Fn(sys::CUdevice, sys::CUdevice) -> Result<bool, DriverError>,
+) -> Result<Vec<sys::CUdevice>, DriverError> {
+    let mut peers = Vec::new();
+    for &dev in devices.iter().filter(|&&d| d != owner) {
+        if can_access(dev, owner)? {
+            peers.push(dev);
+        }
+    }
+    Ok(peers)
+}
+
+/// The access descriptors of one `cuMemSetAccess`: read and write from `owner` (the device
+/// the memory is on), then from each of `peers`.
+fn access_descs(owner: sys::CUdevice, peers: &[sys::CUdevice]) -> Vec<sys::CUmemAccessDesc> {
+    std::iter::once(owner)
+        .chain(peers.iter().copied())
+        .map(|dev| sys::CUmemAccessDesc {
+            location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect()
 }
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), DriverError> {
@@ -73,6 +155,14 @@ pub struct CudaDriver {
     devices: Vec<sys::CUdevice>,
     /// Primary contexts (as integers: `CUcontext` is a raw pointer), retained on first use.
     contexts: Vec<OnceLock<Result<usize, DriverError>>>,
+    /// The first of [`VMM_FUNCTIONS`] that the driver library lacks, looked up at start.
+    vmm_missing: Option<&'static str>,
+    /// Per device: the virtual memory granularity, `None` where the device cannot manage
+    /// virtual memory; set on the first answer (a failed query is asked again next time).
+    granularity: Vec<OnceLock<Option<usize>>>,
+    /// Per device: the access descriptors of [`Driver::mem_set_access`] (the device, then its
+    /// peers); set on the first success.
+    access: Vec<OnceLock<Vec<sys::CUmemAccessDesc>>>,
 }
 
 impl CudaDriver {
@@ -116,8 +206,17 @@ impl CudaDriver {
             check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
             devices.push(dev);
         }
-        let contexts = (0..count).map(|_| OnceLock::new()).collect();
-        Ok(CudaDriver { devices, contexts })
+        fn per_device<T>(count: i32) -> Vec<OnceLock<T>> {
+            (0..count).map(|_| OnceLock::new()).collect()
+        }
+        let vmm_missing = first_missing(&VMM_FUNCTIONS, exported);
+        Ok(CudaDriver {
+            devices,
+            contexts: per_device(count),
+            vmm_missing,
+            granularity: per_device(count),
+            access: per_device(count),
+        })
     }
 
     fn context(&self, device: i32) -> Result<sys::CUcontext, DriverError> {
@@ -131,6 +230,30 @@ impl CudaDriver {
             .map(|_| ctx as usize)
         });
         ctx.clone().map(|c| c as sys::CUcontext)
+    }
+
+    /// `Ok` when the driver library has every virtual memory function; otherwise
+    /// [`DriverError::Unavailable`] naming the missing one, before anything calls it (cudarc
+    /// would panic).
+    fn vmm_functions(&self) -> Result<(), DriverError> {
+        match self.vmm_missing {
+            None => Ok(()),
+            Some(name) => Err(DriverError::Unavailable(format!(
+                "the CUDA driver library (libcuda.so.1) lacks {name}, which the virtual memory calls of \
+                 expandable segments need: the driver is too old or incomplete; expandable segments are unavailable"
+            ))),
+        }
+    }
+
+    /// The granularity of [`Driver::vmm_granularity`], or [`DriverError::Unavailable`] where
+    /// the device cannot manage virtual memory.
+    fn granularity(&self, device: i32) -> Result<usize, DriverError> {
+        self.vmm_granularity(device)?.ok_or_else(|| {
+            DriverError::Unavailable(format!(
+                "device {device} cannot manage virtual memory \
+                 (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): expandable segments are unavailable"
+            ))
+        })
     }
 
     /// Runs `f` with the device's primary context current, then restores the caller's.
@@ -253,36 +376,222 @@ impl Driver for CudaDriver {
         Ok((primary == ctx).then_some(ordinal as i32))
     }
 
-    // Virtual memory: not yet on the CUDA driver; expandable segments are unavailable there.
-    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
-        Ok(None)
+    fn vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError> {
+        if self.vmm_missing.is_some() {
+            return Ok(None);
+        }
+        let cached = &self.granularity[device as usize];
+        if let Some(&g) = cached.get() {
+            return Ok(g);
+        }
+        let dev = self.devices[device as usize];
+        let g = self.in_context(device, || {
+            let mut supported = 0;
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+            // SAFETY: writes one int; cuDeviceGetAttribute was found at start.
+            check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut supported, attr, dev) })?;
+            if supported == 0 {
+                return Ok(None);
+            }
+            let prop = allocation_prop(dev);
+            let mut granularity = 0usize;
+            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            // SAFETY: writes one size; `prop` outlives the call.
+            check("cuMemGetAllocationGranularity", unsafe {
+                sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum)
+            })?;
+            // A granularity of 0 cannot size pages: treated as no virtual memory management.
+            Ok((granularity > 0).then_some(granularity))
+        })?;
+        Ok(*cached.get_or_init(|| g))
     }
 
-    fn address_reserve(&self, _device: i32, _size: usize) -> Result<DevicePtr, DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    /// Asks for the granularity as the alignment: the trait promises it and `cuMemMap` needs
+    /// addresses that are multiples of it. PyTorch passes 0 (the driver's default alignment)
+    /// and relies on that default being enough; an explicit alignment must be a power of two,
+    /// so any other granularity falls back to the default.
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.vmm_functions()?;
+        let granularity = self.granularity(device)?;
+        let alignment = if granularity.is_power_of_two() { granularity } else { 0 };
+        self.in_context(device, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: writes one device pointer; no address hint (0), flags 0 as required.
+            check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) })?;
+            Ok(ptr)
+        })
     }
 
-    fn address_free(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    fn address_free(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: `ptr` and `size` are a whole reservation from address_reserve, unmapped.
+        self.in_context(device, || check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, size) }))
     }
 
-    fn mem_create(&self, _device: i32, _size: usize) -> Result<PhysHandle, DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        self.vmm_functions()?;
+        let prop = allocation_prop(self.devices[device as usize]);
+        self.in_context(device, || {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: writes one handle; `prop` outlives the call; flags 0 as required. Any
+            // failure (CUDA_ERROR_NOT_PERMITTED under cuda-gdb, for one) is returned.
+            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+            Ok(PhysHandle(handle))
+        })
     }
 
-    fn mem_release(&self, _device: i32, _handle: PhysHandle) -> Result<(), DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    fn mem_release(&self, device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: a handle from mem_create, mapped nowhere and not used after.
+        self.in_context(device, || check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) }))
     }
 
-    fn mem_map(&self, _device: i32, _ptr: DevicePtr, _size: usize, _handle: PhysHandle) -> Result<(), DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    fn mem_map(&self, device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: maps the whole handle (offset 0, `size` bytes) at `ptr`, inside a reservation
+        // of this device; flags 0 as required.
+        self.in_context(device, || check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, handle.0, 0) }))
     }
 
-    fn mem_set_access(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    /// One `cuMemSetAccess` for the device and all its peers (the devices for which
+    /// `cuDeviceCanAccessPeer(&can, peer, device)` is 1, found once per device).
+    ///
+    /// Peer access: a program needs to do nothing more than use the memory from a peer. Memory
+    /// from `cuMemAlloc` becomes reachable from another device only after that device's context
+    /// calls `cuCtxEnablePeerAccess`/`cudaDeviceEnablePeerAccess`, which maps every past and
+    /// future allocation of the peer; memory mapped with `cuMemMap` is instead reachable from
+    /// exactly the devices named to `cuMemSetAccess`, and peer-access enabling does not apply
+    /// to it (CUDA Programming Guide, section "Virtual Memory Management",
+    /// docs.nvidia.com/cuda/cuda-programming-guide/04-special-topics/virtual-memory-management.html;
+    /// `cuMemMap`'s reference: mapping alone does not make the address accessible; PyTorch's
+    /// Note [Expandable Segments]: cudaDeviceEnablePeerAccess does not work for memory from
+    /// cuMemMap, the mappings have to be made by hand). So this call grants every capable peer
+    /// read and write, and such a peer reaches the memory whether or not the program enabled
+    /// peer access. PyTorch grants only the peers a program enabled through the allocator's
+    /// `enablePeerAccess`; gpupool has no such call, so it grants all that can.
+    fn mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        let owner = self.devices[device as usize];
+        self.in_context(device, || {
+            let cached = &self.access[device as usize];
+            let descs = match cached.get() {
+                Some(descs) => descs,
+                None => {
+                    let peers = peers_of(owner, &self.devices, |dev, peer_dev| {
+                        let mut can = 0;
+                        // SAFETY: writes one int; both are devices from cuDeviceGet.
+                        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer_dev) })?;
+                        Ok(can == 1)
+                    })?;
+                    cached.get_or_init(|| access_descs(owner, &peers))
+                }
+            };
+            // SAFETY: `descs` holds descs.len() descriptors and outlives the call; the range
+            // is wholly mapped (the caller mapped it).
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()) })
+        })
     }
 
-    fn mem_unmap(&self, _device: i32, _ptr: DevicePtr, _size: usize) -> Result<(), DriverError> {
-        Err(DriverError::Unavailable("virtual memory calls are not wired to the CUDA driver".into()))
+    fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: whole mappings made by mem_map; no work uses them (the caller's duty).
+        self.in_context(device, || check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_old_driver_starts_without_the_virtual_memory_functions() {
+        for name in VMM_FUNCTIONS {
+            assert!(!REQUIRED.contains(&name), "{name} is required at start, so a driver without it would not start");
+        }
+    }
+
+    /// The simulated device's missing-symbol faults name functions this driver checks for, so
+    /// a fault injected there stands for a library this driver would see.
+    #[test]
+    fn every_simulated_call_names_a_checked_function() {
+        for op in crate::driver::sim::SimOp::ALL {
+            let name = op.symbol();
+            assert!(REQUIRED.contains(&name) || VMM_FUNCTIONS.contains(&name), "{op:?}: {name} is never checked");
+        }
+    }
+
+    #[test]
+    fn the_first_missing_function_is_named_in_list_order() {
+        let all = |_: &str| true;
+        assert_eq!(first_missing(&VMM_FUNCTIONS, all), None);
+        let without = |gone: &'static [&'static str]| move |name: &str| !gone.contains(&name);
+        assert_eq!(first_missing(&VMM_FUNCTIONS, without(&["cuMemUnmap", "cuMemCreate"])), Some("cuMemCreate"));
+        assert_eq!(first_missing(&VMM_FUNCTIONS, without(&["cuDeviceCanAccessPeer"])), Some("cuDeviceCanAccessPeer"));
+        assert_eq!(first_missing(&REQUIRED, without(&["cuMemAlloc_v2"])), Some("cuMemAlloc_v2"));
+    }
+
+    #[test]
+    fn peers_are_the_other_devices_that_can_reach_the_owner() {
+        // Device 1 reaches 0's memory; 0 and 2 reach each other; 2 reaches 1 but not the
+        // reverse; every device "reaches itself", which must not make it its own peer.
+        let reaches = [(1, 0), (0, 2), (2, 0), (2, 1), (0, 0), (1, 1), (2, 2)];
+        let can = |dev: sys::CUdevice, peer_dev: sys::CUdevice| Ok(reaches.contains(&(dev, peer_dev)));
+        let devices = [0, 1, 2];
+        assert_eq!(peers_of(0, &devices, can).unwrap(), vec![1, 2]);
+        assert_eq!(peers_of(1, &devices, can).unwrap(), vec![2]);
+        assert_eq!(peers_of(2, &devices, can).unwrap(), vec![0]);
+        assert_eq!(peers_of(0, &[0], can).unwrap(), Vec::<sys::CUdevice>::new());
+    }
+
+    #[test]
+    fn a_failed_peer_query_is_returned() {
+        let failing = |_, _| Err(DriverError::Cuda { call: "cuDeviceCanAccessPeer", code: 101, name: "x".into() });
+        assert!(matches!(peers_of(0, &[0, 1], failing), Err(DriverError::Cuda { code: 101, .. })));
+        // A single device asks nothing.
+        assert_eq!(peers_of(0, &[0], failing).unwrap(), Vec::<sys::CUdevice>::new());
+    }
+
+    #[test]
+    fn access_is_read_write_for_the_owner_then_each_peer() {
+        let descs = access_descs(3, &[1, 5]);
+        let ids: Vec<i32> = descs.iter().map(|d| d.location.id).collect();
+        assert_eq!(ids, [3, 1, 5]);
+        for d in &descs {
+            assert_eq!(d.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+            assert_eq!(d.flags, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+        }
+        assert_eq!(access_descs(0, &[]).len(), 1);
+    }
+
+    #[test]
+    fn memory_is_pinned_on_the_device_with_no_shareable_handle() {
+        let prop = allocation_prop(7);
+        assert_eq!(prop.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
+        assert_eq!(prop.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+        assert_eq!(prop.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(prop.location.id, 7);
+        assert!(prop.win32HandleMetaData.is_null());
+        assert_eq!(prop.allocFlags.compressionType, 0);
+        assert_eq!(prop.allocFlags.gpuDirectRDMACapable, 0);
+        assert_eq!(prop.allocFlags.usage, 0);
+    }
+
+    /// The layouts the driver reads, as cuda.h (12.x) declares them on 64-bit Linux: cudarc's
+    /// bindings are generated per CUDA version, and a mismatch would pass garbage silently.
+    #[test]
+    fn the_structs_have_cuda_h_layouts() {
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<sys::CUmemLocation>(), 8);
+        assert_eq!(offset_of!(sys::CUmemLocation, id), 4);
+        assert_eq!(size_of::<sys::CUmemAccessDesc>(), 12);
+        assert_eq!(offset_of!(sys::CUmemAccessDesc, flags), 8);
+        assert_eq!(size_of::<sys::CUmemAllocationProp>(), 32);
+        assert_eq!(offset_of!(sys::CUmemAllocationProp, requestedHandleTypes), 4);
+        assert_eq!(offset_of!(sys::CUmemAllocationProp, location), 8);
+        assert_eq!(offset_of!(sys::CUmemAllocationProp, win32HandleMetaData), 16);
+        assert_eq!(offset_of!(sys::CUmemAllocationProp, allocFlags), 24);
+        assert_eq!(size_of::<sys::CUmemGenericAllocationHandle>(), 8);
+        assert_eq!(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED as i32, 102);
+        assert_eq!(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM as i32, 0);
     }
 }
