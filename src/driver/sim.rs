@@ -220,7 +220,10 @@ impl State {
     }
 }
 
+// Rust API only: cbindgen run over the whole crate would otherwise put it into the C header.
 /// The simulated device's virtual memory page size (the H100's minimum granularity).
+///
+/// cbindgen:ignore
 pub const SIM_GRANULARITY: usize = 2 << 20;
 
 impl State {
