@@ -98,7 +98,7 @@ impl DeviceAllocator {
             limit: &self.limit,
             counters: &self.counters,
             deferred: &self.deferred,
-            expandable: self.expandable,
+            expandable: self.expandable.as_ref(),
         }
     }
 

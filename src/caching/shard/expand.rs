@@ -98,7 +98,7 @@ impl ShardState {
         let policy = ctx.expandable.expect("only called with expandable segments on");
         let start = match self.find_expandable(pool, rounded) {
             Some(id) => id,
-            None => self.reserve_range(ctx, &policy, pool, rounded)?,
+            None => self.reserve_range(ctx, policy, pool, rounded)?,
         };
         // The blocks to map, and how much of each: free and unmapped blocks from `start` on,
         // until `rounded` bytes are reached (PyTorch maps the same, block by block).

@@ -89,7 +89,7 @@ pub(crate) struct ShardCtx<'a> {
     pub counters: &'a DeviceCounters,
     pub deferred: &'a DeferredFrees,
     /// How expandable segments are laid out; `None` when the device uses ordinary segments.
-    pub expandable: Option<ExpandablePolicy>,
+    pub expandable: Option<&'a ExpandablePolicy>,
 }
 
 /// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
