@@ -400,7 +400,11 @@ fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f6
             // next release of the cache (the end of the run checks that it was).
             assert!(s.reserved_bytes.all.current as usize <= drv.used(0), "reserved exceeds what the driver holds");
         } else {
-            assert_eq!(s.reserved_bytes.all.current as usize, drv.used(0), "reserved differs from what the driver holds");
+            assert_eq!(
+                s.reserved_bytes.all.current as usize,
+                drv.used(0),
+                "reserved differs from what the driver holds"
+            );
         }
         peaks_are_consistent(&s);
         let waiting = a.deferred(0).unwrap().blocks;
