@@ -67,7 +67,7 @@ static long long wrong_words(const void *p, size_t bytes, uint32_t tag) {
 // The same, counted by a kernel on the current device.
 static long long wrong_words_on_device(const void *p, size_t bytes, uint32_t tag) {
   unsigned long long *wrong = nullptr, host = 0;
-  if (cudaMalloc(&wrong, sizeof *wrong) != cudaSuccess) return -1;
+  if (cudaMalloc((void **)&wrong, sizeof *wrong) != cudaSuccess) return -1;
   CUDA_OK(cudaMemset(wrong, 0, sizeof *wrong));
   count_wrong<<<256, 256>>>(static_cast<const uint32_t *>(p), bytes / 4, tag, wrong);
   CUDA_OK(cudaGetLastError());
