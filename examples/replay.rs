@@ -4,11 +4,13 @@
 //! live bytes (the most its requests hold at once, before rounding). The peaks are never reset:
 //! a reset would make the warm pass settle for new peaks that the figure is there to count.
 //!
-//!     cargo run --release --example replay -- trace.txt [GPUPOOL_CONF]
+//!     cargo run --release --example replay -- trace.txt [GPUPOOL_CONF | expandable]
 //!
 //! The optional second argument configures the allocator as `GPUPOOL_CONF` does (PyTorch's
-//! syntax, e.g. `expandable_segments:True`); the settings that differ from the defaults are
-//! printed first.
+//! syntax, e.g. `expandable_segments:True`), or is `expandable`, short for
+//! `expandable_segments:True`. The configuration is printed first (expandable_segments, and
+//! the options that differ from their defaults), so a key this build does not read shows there
+//! as not taken rather than passing silently.
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -35,17 +37,20 @@ fn peak_live(events: &[(bool, u64, usize, usize)]) -> usize {
 fn main() {
     let path = std::env::args().nth(1).expect("usage: replay TRACE.txt [GPUPOOL_CONF]");
     let config = match std::env::args().nth(2) {
+        Some(word) if word == "expandable" => Config { expandable_segments: true, ..Config::default() },
         Some(conf) => Config::from_lookup(|name| (name == "GPUPOOL_CONF").then(|| conf.clone()))
             .unwrap_or_else(|e| panic!("GPUPOOL_CONF={conf}: {e}")),
         None => Config::default(),
     };
-    let changed: Vec<String> = config
-        .options_text()
-        .lines()
-        .filter(|l| !l.ends_with("(default)") && !l.starts_with("GPUPOOL_DRIVER="))
-        .map(String::from)
-        .collect();
-    println!("configuration: {}", if changed.is_empty() { "the defaults".into() } else { changed.join(" ") });
+    let mut shown = vec![format!("expandable_segments:{}", if config.expandable_segments { "True" } else { "False" })];
+    shown.extend(
+        config
+            .options_text()
+            .lines()
+            .filter(|l| !l.ends_with("(default)") && !l.starts_with("GPUPOOL_DRIVER="))
+            .map(String::from),
+    );
+    println!("configuration: {}", shown.join(" "));
 
     let text = std::fs::read_to_string(&path).expect("read the trace");
     let mut events = Vec::new();
