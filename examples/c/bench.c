@@ -620,7 +620,7 @@ typedef struct {
 static char frag_work[MAXWORK][128];
 static int nfrag_work;
 static frag_cell_t frag_cell[MAXWORK][NFRAG];
-static char frag_note[NFRAG][600];
+static char frag_note[NFRAG][2048];
 
 static int frag_workload(const char *name) {
   for (int w = 0; w < nfrag_work; w++)
@@ -681,7 +681,7 @@ static int frag_run(int ci, int ntraces, char **paths) {
     exit(1);
   }
   FILE *in = fdopen(fd[0], "r");
-  char line[1024];
+  static char line[8192];
   while (fgets(line, sizeof line, in)) {
     line[strcspn(line, "\n")] = '\0';
     if (strncmp(line, "config\t", 7) == 0) {
