@@ -8,8 +8,24 @@
 #   scripts/gpu.sh run [DIR] [OUT] on the GPU machine: build the C tests, the GPU tests and the
 #                                  examples against DIR/prefix, run every test with
 #                                  GPUPOOL_DRIVER=cuda (the Rust tests run on the simulated
-#                                  device there too), then the examples and the benchmark; logs
-#                                  go to OUT (default DIR/out)
+#                                  device there too), then the examples, record new traces from
+#                                  models with dynamic shapes, and run the benchmark on those and
+#                                  DIR/traces; logs go to OUT (default DIR/out), the recorded
+#                                  traces to OUT/traces
+#
+# GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all):
+#   rust        the Rust tests (simulated device)
+#   c           the C API tests on the real driver
+#   gpu         tests/gpu/test_gpu
+#   expandable  tests/gpu/test_expandable (expandable segments)
+#   examples    hello, the C++ consumer and engine
+#   preload     the LD_PRELOAD shim's programs
+#   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
+#   traces      examples/python/record_trace.py into build-gpu/traces
+#   bench       examples/c/bench with DIR/traces and build-gpu/traces (recorded by this run or
+#               an earlier one); BENCH_ONLY=main or frag passes through to it
+# e.g. GPU_SECTIONS="expandable traces bench" scripts/gpu.sh run for a short session. `run`
+# stops at nothing and exits 1 at the end if anything it ran failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
@@ -42,15 +58,31 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-mkdir -p "$out"
+all_sections="rust c gpu expandable examples preload python traces bench"
+sections=${GPU_SECTIONS:-$all_sections}
+sections=${sections//,/ }
+for s in $sections; do
+  case " $all_sections " in
+  *" $s "*) ;;
+  *)
+    echo "GPU_SECTIONS: unknown section '$s' (known: $all_sections)" >&2
+    exit 2
+    ;;
+  esac
+done
+# Whether section $1 is to run.
+want() { case " $sections " in *" $1 "*) return 0 ;; esac; return 1; }
+mkdir -p "$out" build-gpu
 prefix=$(cd "$dir/prefix" && pwd)
 export GPUPOOL_DRIVER=cuda
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 status=0
 
-echo "== Rust tests (simulated device)"
-for t in "$dir"/bin/*; do "$t" --quiet >>"$out/rust-tests.log" 2>&1 || status=1; done
-grep -E "test result" "$out/rust-tests.log" || true
+if want rust; then
+  echo "== Rust tests (simulated device)"
+  for t in "$dir"/bin/*; do "$t" --quiet >>"$out/rust-tests.log" 2>&1 || status=1; done
+  grep -E "test result" "$out/rust-tests.log" || true
+fi
 
 # Configures the CMake project in $1 against the installed gpupool into $2, with the further
 # arguments given, and builds it. The caller sends the output to a log.
@@ -60,84 +92,138 @@ build_against_prefix() {
   cmake -S "$source" -B "$build" -DCMAKE_PREFIX_PATH="$prefix" "$@" && cmake --build "$build" -j
 }
 
-echo "== C tests with GPUPOOL_DRIVER=cuda"
-build_against_prefix tests/c build-gpu/c -DGPUPOOL_TEST_DRIVER=cuda >"$out/c-tests.log" 2>&1
-ctest --test-dir build-gpu/c --output-on-failure -E c_no_driver >>"$out/c-tests.log" 2>&1 || status=1
-grep -E "tests passed|Failed|passed," "$out/c-tests.log" || true
-
-echo "== GPU tests"
-build_against_prefix tests/gpu build-gpu/gpu >"$out/gpu-tests.log" 2>&1
-./build-gpu/gpu/test_gpu 2>&1 | tee -a "$out/gpu-tests.log" || status=1
-
-echo "== examples"
-torch_dir=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
-if ! build_against_prefix examples/c build-gpu/examples -DGPUPOOL_TORCH_DIR="$torch_dir" \
-  >"$out/examples-build.log" 2>&1; then
-  echo "bench with PyTorch did not build (see examples-build.log); building it without"
-  rm -rf build-gpu/examples
-  build_against_prefix examples/c build-gpu/examples >>"$out/examples-build.log" 2>&1
+if want c; then
+  echo "== C tests with GPUPOOL_DRIVER=cuda"
+  build_against_prefix tests/c build-gpu/c -DGPUPOOL_TEST_DRIVER=cuda >"$out/c-tests.log" 2>&1
+  ctest --test-dir build-gpu/c --output-on-failure -E c_no_driver >>"$out/c-tests.log" 2>&1 || status=1
+  grep -E "tests passed|Failed|passed," "$out/c-tests.log" || true
 fi
-./build-gpu/examples/hello >"$out/hello.log" 2>&1 || status=1
-head -3 "$out/hello.log"; tail -1 "$out/hello.log"
-build_against_prefix examples/cpp build-gpu/cpp >"$out/cpp-build.log" 2>&1 ||
-  { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
-./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
-./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
 
-echo "== LD_PRELOAD shim"
+# Builds the GPU test $1 (tests/gpu/$1.cu) and runs it, its output in $out/$2; each test is
+# built on its own, so that one that does not compile does not stop the other.
+run_gpu_test() {
+  if cmake --build build-gpu/gpu -j --target "$1" >>"$out/gpu-tests-build.log" 2>&1; then
+    ./build-gpu/gpu/"$1" 2>&1 | tee "$out/$2" || status=1
+  else
+    echo "$1 did not build (see gpu-tests-build.log)"
+    status=1
+  fi
+}
+if want gpu || want expandable; then
+  echo "== GPU tests"
+  if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
+    if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
+    if want expandable; then run_gpu_test test_expandable expandable.log; fi
+  else
+    echo "GPU tests did not configure (see gpu-tests-build.log)"
+    status=1
+  fi
+fi
+
+# Builds examples/c (hello and bench, with PyTorch's allocator in bench when it builds), once.
+examples_built=0
+build_examples() {
+  [ "$examples_built" = 0 ] || return 0
+  examples_built=1
+  local torch_dir
+  torch_dir=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
+  if ! build_against_prefix examples/c build-gpu/examples -DGPUPOOL_TORCH_DIR="$torch_dir" \
+    >"$out/examples-build.log" 2>&1; then
+    echo "bench with PyTorch did not build (see examples-build.log); building it without"
+    rm -rf build-gpu/examples
+    build_against_prefix examples/c build-gpu/examples >>"$out/examples-build.log" 2>&1 ||
+      { echo "examples/c did not build (see examples-build.log)"; status=1; }
+  fi
+}
+
+if want examples; then
+  echo "== examples"
+  build_examples
+  ./build-gpu/examples/hello >"$out/hello.log" 2>&1 || status=1
+  head -3 "$out/hello.log"; tail -1 "$out/hello.log"
+  build_against_prefix examples/cpp build-gpu/cpp >"$out/cpp-build.log" 2>&1 ||
+    { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
+  ./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
+  ./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
+fi
+
 preload="$prefix/lib/libgpupool_preload.so"
-p=build-gpu/preload
-# Runs $p/$1 as it is (output in $out/$2-native.txt) and under the shim with its statistics
-# at exit ($out/$2-shim.txt, and its stderr in $out/$2-shim.err); a failed run sets status=1.
-run_without_and_with_shim() {
-  ./$p/$1 >"$out/$2-native.txt" 2>&1 || status=1
-  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/$1 >"$out/$2-shim.txt" 2>"$out/$2-shim.err" || status=1
-}
-# The same, and the program must print the same under the shim.
-compare_without_and_with_shim() {
-  run_without_and_with_shim "$1" "$2"
-  cmp -s "$out/$2-native.txt" "$out/$2-shim.txt" && echo "$1: identical output under the shim" ||
-    { echo "$1: output differs under the shim"; status=1; }
-}
-if build_against_prefix tests/preload $p >"$out/preload-build.log" 2>&1; then
-  # An unmodified runtime-API program (-cudart shared): the same output, and its traffic in
-  # gpupool's statistics (60 rounds of 3 cudaMalloc).
-  compare_without_and_with_shim app app
-  grep -q "served 180 cudaMalloc" "$out/app-shim.err" || { echo "app: the shim did not serve its cudaMalloc"; status=1; }
-  grep "served" "$out/app-shim.err" || true
-  # The opt-in stream mode is documented as wrong for this program (it relies on cudaFree
-  # waiting across streams): shown, not required.
-  LD_PRELOAD="$preload" GPUPOOL_PRELOAD_MODE=stream ./$p/app >"$out/app-stream-mode.txt" 2>&1 &&
-    echo "app, stream mode: no wrong sum this time" || echo "app, stream mode: $(tail -1 "$out/app-stream-mode.txt")"
-  # The runtime linked statically: what the shim catches of it.
-  compare_without_and_with_shim app_static app-static
-  echo "app_static: $(grep -o "served [^;]*" "$out/app-static-shim.err" || echo "the shim never started")"
-  # The driver API: two cuMemAlloc (direct, and through cuGetProcAddress) and one
-  # cuMemAllocAsync served; the allocation in the program's own context passed through.
-  run_without_and_with_shim driver_app driver
-  cat "$out/driver-shim.txt"
-  grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
-    grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||
-    { echo "driver_app: not caught as claimed"; grep served "$out/driver-shim.err" || true; status=1; }
-else
-  echo "LD_PRELOAD tests did not build (see preload-build.log)"
-  status=1
+if want preload; then
+  echo "== LD_PRELOAD shim"
+  p=build-gpu/preload
+  # Runs $p/$1 as it is (output in $out/$2-native.txt) and under the shim with its statistics
+  # at exit ($out/$2-shim.txt, and its stderr in $out/$2-shim.err); a failed run sets status=1.
+  run_without_and_with_shim() {
+    ./$p/$1 >"$out/$2-native.txt" 2>&1 || status=1
+    LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 ./$p/$1 >"$out/$2-shim.txt" 2>"$out/$2-shim.err" || status=1
+  }
+  # The same, and the program must print the same under the shim.
+  compare_without_and_with_shim() {
+    run_without_and_with_shim "$1" "$2"
+    cmp -s "$out/$2-native.txt" "$out/$2-shim.txt" && echo "$1: identical output under the shim" ||
+      { echo "$1: output differs under the shim"; status=1; }
+  }
+  if build_against_prefix tests/preload $p >"$out/preload-build.log" 2>&1; then
+    # An unmodified runtime-API program (-cudart shared): the same output, and its traffic in
+    # gpupool's statistics (60 rounds of 3 cudaMalloc).
+    compare_without_and_with_shim app app
+    grep -q "served 180 cudaMalloc" "$out/app-shim.err" || { echo "app: the shim did not serve its cudaMalloc"; status=1; }
+    grep "served" "$out/app-shim.err" || true
+    # The opt-in stream mode is documented as wrong for this program (it relies on cudaFree
+    # waiting across streams): shown, not required.
+    LD_PRELOAD="$preload" GPUPOOL_PRELOAD_MODE=stream ./$p/app >"$out/app-stream-mode.txt" 2>&1 &&
+      echo "app, stream mode: no wrong sum this time" || echo "app, stream mode: $(tail -1 "$out/app-stream-mode.txt")"
+    # The runtime linked statically: what the shim catches of it.
+    compare_without_and_with_shim app_static app-static
+    echo "app_static: $(grep -o "served [^;]*" "$out/app-static-shim.err" || echo "the shim never started")"
+    # The driver API: two cuMemAlloc (direct, and through cuGetProcAddress) and one
+    # cuMemAllocAsync served; the allocation in the program's own context passed through.
+    run_without_and_with_shim driver_app driver
+    cat "$out/driver-shim.txt"
+    grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
+      grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||
+      { echo "driver_app: not caught as claimed"; grep served "$out/driver-shim.err" || true; status=1; }
+  else
+    echo "LD_PRELOAD tests did not build (see preload-build.log)"
+    status=1
+  fi
 fi
 
-echo "== PyTorch: pluggable allocator, and the shim under PYTORCH_NO_CUDA_MEMORY_CACHING=1"
-if python3 -c "import torch, torchvision, transformers" 2>/dev/null; then
-  python3 examples/python/compare.py --lib "$prefix/lib/libgpupool.so" --preload "$preload" \
-    --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
-else
-  echo "skipped: python3 lacks torch, torchvision or transformers"
+if want python; then
+  echo "== PyTorch: pluggable allocator, and the shim under PYTORCH_NO_CUDA_MEMORY_CACHING=1"
+  if python3 -c "import torch, torchvision, transformers" 2>/dev/null; then
+    python3 examples/python/compare.py --lib "$prefix/lib/libgpupool.so" --preload "$preload" \
+      --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
+  else
+    echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
 fi
 
-echo "== benchmark"
-traces=()
-for t in "$dir"/traces/*.txt.gz; do
-  [ -e "$t" ] || continue
-  gunzip -c "$t" >"build-gpu/$(basename "$t" .gz)"
-  traces+=("build-gpu/$(basename "$t" .gz)")
-done
-./build-gpu/examples/bench "${traces[@]}" 2>&1 | tee "$out/bench.log" || status=1
+# New traces from models with dynamic shapes (record_trace.py says which), recorded through
+# PyTorch's pluggable-allocator interface, with PyTorch's own peaks beside them; gzipped into
+# OUT/traces with their table (traces.md) and the children's logs.
+if want traces; then
+  echo "== traces: recorded from models with dynamic shapes"
+  if python3 -c "import torch, transformers" 2>/dev/null; then
+    rm -rf build-gpu/traces
+    python3 examples/python/record_trace.py --out build-gpu/traces 2>&1 | tee "$out/traces.log" || status=1
+    mkdir -p "$out/traces"
+    find build-gpu/traces -maxdepth 1 \( -name '*.txt.gz' -o -name '*.md' -o -name '*.log' -o -name '*.json' \) \
+      -exec cp {} "$out/traces/" \;
+  else
+    echo "skipped: python3 lacks torch or transformers"
+  fi
+fi
+
+if want bench; then
+  echo "== benchmark"
+  build_examples
+  traces=()
+  for t in "$dir"/traces/*.txt.gz build-gpu/traces/*.txt.gz; do
+    [ -e "$t" ] || continue
+    gunzip -c "$t" >"build-gpu/$(basename "$t" .gz)"
+    traces+=("build-gpu/$(basename "$t" .gz)")
+  done
+  ./build-gpu/examples/bench "${traces[@]}" 2>&1 | tee "$out/bench.log" || status=1
+fi
 exit $status

@@ -18,4 +18,15 @@ long long torch_reserved_peak(void) {
 long long torch_device_allocs(void) { return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc; }
 void torch_reset_peak(void) { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
 void torch_empty_cache(void) { c10::cuda::CUDACachingAllocator::emptyCache(); }
+// Whether PyTorch's segments are expandable, from its memory snapshot: 1 if any is, 0 if there
+// are segments and none is, -1 without segments: whether PYTORCH_CUDA_ALLOC_CONF's
+// expandable_segments took effect in this process, seen in what PyTorch built rather than in
+// the text it was given.
+int torch_expandable_segments(void) {
+  auto snap = c10::cuda::CUDACachingAllocator::snapshot();
+  if (snap.segments.empty()) return -1;
+  for (const auto &seg : snap.segments)
+    if (seg.is_expandable) return 1;
+  return 0;
+}
 }
