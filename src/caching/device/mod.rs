@@ -17,6 +17,7 @@ use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
 use super::peaks::{self, SpareCredit, Totals};
+use super::rules::SizeRules;
 use super::segment_index::SegmentIndex;
 use super::shard::{Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
@@ -40,6 +41,8 @@ pub(crate) struct DeviceAllocator {
     pub device: i32,
     driver: Arc<dyn Driver>,
     index: Arc<SegmentIndex<Arc<Shard>>>,
+    /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
+    rules: SizeRules,
     pub max_split_size: usize,
     shards: ShardTable,
     peaks: Mutex<PeakState>,
@@ -51,17 +54,13 @@ pub(crate) struct DeviceAllocator {
 }
 
 impl DeviceAllocator {
-    pub fn new(
-        device: i32,
-        driver: Arc<dyn Driver>,
-        index: Arc<SegmentIndex<Arc<Shard>>>,
-        max_split_size: usize,
-    ) -> Self {
+    pub fn new(device: i32, driver: Arc<dyn Driver>, index: Arc<SegmentIndex<Arc<Shard>>>, rules: SizeRules) -> Self {
         DeviceAllocator {
             device,
             driver,
             index,
-            max_split_size,
+            rules,
+            max_split_size: rules.max_split_size,
             shards: ShardTable::default(),
             peaks: Mutex::default(),
             spare: std::array::from_fn(|_| AtomicI64::new(0)),
@@ -114,7 +113,7 @@ impl DeviceAllocator {
     /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
     /// keeps no credit past the call).
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
-        let req = Request::new(size)?;
+        let req = Request::new(size, &self.rules)?;
         let mut st = self.shards.lock_for_change(shard);
         if !shard.is_retired() {
             let ctx = self.ctx(shard);
@@ -169,7 +168,7 @@ impl DeviceAllocator {
     /// memory for it.
     #[inline]
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
-        let id = match st.take_cached(req, self.max_split_size) {
+        let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
             None => match st.new_segment(ctx, req) {
                 Ok(id) => id,
