@@ -440,7 +440,7 @@ fn is_sep(t: &str) -> bool {
 /// not of the form `key:value,key:[a:b,...],...`.
 fn entries(text: &str) -> Result<Vec<(String, Raw)>, String> {
     let toks = tokens(text);
-    let mut it = toks.into_iter().peekable();
+    let mut it = toks.into_iter();
     let mut out = Vec::new();
     let end = |t: Option<&String>| t.map_or("the end".to_string(), |t| format!("{t:?}"));
     while let Some(key) = it.next() {
