@@ -24,19 +24,57 @@
 //! | `GPUPOOL_DRIVER` | `cuda` or `sim` | `cuda` | `cuda`: the CUDA driver API (libcuda.so.1, loaded at run time); `sim`: the simulated device (no GPU needed). Never chosen silently: without a driver, calls return `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` and print nothing. |
 //! | `GPUPOOL_SIM_CAPACITY` | size, at least 1 | `16GiB` | bytes per simulated device |
 //! | `GPUPOOL_SIM_DEVICES` | count, 1 to 64 | `1` | number of simulated devices |
-//! | `GPUPOOL_MAX_SPLIT_SIZE_MB` | size (a bare number counts MiB), at least 21MiB | unlimited | PyTorch's `max_split_size_mb`: cached blocks of at least this size are never split, and serve only requests of about their size |
+//! | `GPUPOOL_MAX_SPLIT_SIZE_MB` | size (a bare number counts MiB), at least 20MiB | unlimited | Deprecated: use `GPUPOOL_CONF=max_split_size_mb:N`. PyTorch's `max_split_size_mb`: cached blocks of at least this size are never split, and serve only requests of about their size. Set in both with different values: an error naming both |
 //! | `GPUPOOL_PRELOAD_MODE` | `safe` or `stream` | `safe` | LD_PRELOAD shim: `safe` (a `cudaFree`d block waits for a device synchronisation) or `stream` (reused at once, in stream order) |
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
+//! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
-//! A new option is a row of [`OPTIONS`] and a field of [`Config`]. Keys of another syntax
-//! (PyTorch's `key:value` configuration string) fit as a second table of [`Opt`] rows named by
-//! key, each value read with [`Opt::parse_text`] and stored with the same setters.
+//! A new option is a row of [`OPTIONS`] and a field of [`Config`].
+//!
+//! `GPUPOOL_CONF`, read after the rows, has PyTorch's syntax instead (module `conf`, the rules
+//! of PyTorch 2.11's `ConfigTokenizer` and parsers): `key:value` entries separated by commas,
+//! spaces ignored anywhere, booleans `True`/`False` only, sizes in whole MiB, a list value as
+//! `[256:1,512:2,>:4]`. Its keys are [`CONF_KEYS`], each a field of [`Config`], with PyTorch's
+//! meanings, defaults and limits (the README lists them too, and a unit test checks both):
+//!
+//! | key | value | default | meaning |
+//! |---|---|---|---|
+//! | `backend` | `native` | native | The allocator behind PyTorch. gpupool is PyTorch's native caching allocator; `cudaMallocAsync` is an error. |
+//! | `large_segment_size_mb` | whole MiB, more than 10 | 20 | Size of the segments that requests over 1 MiB and under 10 MiB are carved from (PyTorch `get_allocation_size`; `kLargeBuffer` before 2.11). Also the default of `max_non_split_rounding_mb` and the floor of both `*_mb` limits. |
+//! | `max_split_size_mb` | whole MiB, at least `large_segment_size_mb` | unlimited (17592186044415, the largest) | Cached blocks of at least this size are never split, and serve only requests of about their size (PyTorch `max_split_size`). The largest value, 17592186044415, means unlimited. |
+//! | `max_non_split_rounding_mb` | whole MiB, at least `large_segment_size_mb` | `large_segment_size_mb` (20) | A request of at least `max_split_size_mb` takes a cached block only if the block is less than this much larger (PyTorch `get_free_block`). |
+//! | `roundup_power2_divisions` | a power of two, or a list `[MiB:divisions,...,>:divisions]` | 0 in every interval | Requests are rounded up to one of this many equal steps between two powers of two, instead of to 512 bytes (PyTorch `round_size`, `roundup_power2_next_division`); 0 or 1 leaves the 512-byte rounding. A list sets it per interval: `MiB` a power of two naming the sizes from that many MiB to twice as many (the first also sets every interval below it), `>` every interval after the last one named; each divisions 0 or a power of two. |
+//! | `garbage_collection_threshold` | a number over 0 and under 1 | off (0, which cannot be written) | PyTorch frees cached blocks that have not been reused once reserved memory passes this fraction of the memory allowed (`garbage_collect_cached_blocks`). Kept; gpupool does not collect yet. Left out of the configuration string while off. |
+//! | `expandable_segments` | `True` or `False` | False | Segments that grow by mapping more memory into one reserved address range (PyTorch `ExpandableSegment`). |
+//! | `release_lock_on_cudamalloc` (also `release_lock_on_hipmalloc`) | `True` or `False` | False | PyTorch releases its device lock across `cudaMalloc`. Accepted and changes nothing: gpupool holds one lock per stream across `cuMemAlloc`, which blocks only that stream's callers. |
+//! | `per_process_memory_fraction` | a number from 0 to 1 | 1 | Each device, when it starts, reserves at most this fraction of its total memory, as `gpupool_set_memory_fraction` sets it (PyTorch `setMemoryFraction`). |
+//! | `graph_capture_record_stream_reuse` | `True` or `False` | False | PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the graph. Accepted and changes nothing: gpupool has no graph capture. |
+//! | `pinned_use_cuda_host_register` (also `pinned_use_hip_host_register`) | `True` or `False` | False | Pinned host memory: `malloc` then `cudaHostRegister` instead of `cudaHostAlloc`. Kept for gpupool's pinned host allocator; no effect yet. |
+//! | `pinned_num_register_threads` | a power of two, at most 128 | 1 | Pinned host memory: threads that register (page in) a block with `pinned_use_cuda_host_register`. Kept for the pinned host allocator; no effect yet. |
+//! | `pinned_use_background_threads` | `True` or `False` | False | Pinned host memory: a background thread processes the events of freed blocks. Kept for the pinned host allocator; no effect yet. |
+//! | `pinned_reserve_segment_size_mb` | whole MiB, at least 1 | none (0, which cannot be written) | Pinned host memory: one segment of this size reserved up front and carved for small requests. Kept for the pinned host allocator; no effect yet. Left out of the configuration string while unset. |
+//!
+//! `GPUPOOL_MAX_SPLIT_SIZE_MB` is the deprecated spelling of `max_split_size_mb`; both set to
+//! different sizes is an error naming both. [`Config::with_conf`] applies a string at run time
+//! (`gpupool_set_config`), and [`Config::conf_string`] writes every key back in the same syntax.
 
 use std::ffi::{OsStr, OsString};
 use std::fmt::Write;
 
 use crate::error::Error;
+
+mod conf;
+
+pub use conf::{CONF_KEYS, CONF_VAR, ConfKey, ROUNDUP_INTERVALS, conf_keys_markdown};
+
+/// The deprecated spelling of `GPUPOOL_CONF=max_split_size_mb:N`.
+const MAX_SPLIT_ALIAS: &str = "GPUPOOL_MAX_SPLIT_SIZE_MB";
+/// The kind column of `GPUPOOL_CONF`'s row.
+const CONF_KIND: &str = "PyTorch's configuration string, `key:value,key:value`";
+/// The meaning column of `GPUPOOL_CONF`'s row.
+const CONF_DOC: &str = "the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native \
+                        backend (the keys are listed below); an unknown key or a bad value is an error naming it";
 
 /// Which driver the process-wide allocator uses (`GPUPOOL_DRIVER`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,9 +95,10 @@ pub enum PreloadMode {
     Stream,
 }
 
-/// The options of an allocator, one field per row of [`OPTIONS`]. [`Config::default`] holds
-/// every row's default.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The options of an allocator, one field per row of [`OPTIONS`] and per key of `GPUPOOL_CONF`
+/// ([`CONF_KEYS`]). [`Config::default`] holds every row's and every key's default (PyTorch's
+/// for the keys).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// The driver [`Allocator::from_config`](crate::Allocator::from_config) starts.
     pub driver: DriverKind,
@@ -67,11 +106,46 @@ pub struct Config {
     pub sim_devices: i32,
     /// Bytes per simulated device.
     pub sim_capacity: usize,
-    /// PyTorch's `max_split_size`, in bytes; `usize::MAX` (PyTorch's default) for none.
+    /// PyTorch's `max_split_size`, in bytes; `usize::MAX` (PyTorch's default) for none
+    /// (`max_split_size_mb`, or the deprecated `GPUPOOL_MAX_SPLIT_SIZE_MB`).
     pub max_split_size: usize,
+    /// PyTorch's `max_non_split_rounding_size`, in bytes: a request of at least
+    /// `max_split_size` takes a cached block only if the block is less than this much larger
+    /// (`max_non_split_rounding_mb`; default `large_segment_size`, 20 MiB).
+    pub max_non_split_rounding: usize,
+    /// PyTorch's `large_segment_size`, in bytes: the segment size for requests over 1 MiB and
+    /// under 10 MiB (`large_segment_size_mb`; default 20 MiB, `kLargeBuffer`).
+    pub large_segment_size: usize,
+    /// PyTorch's `roundup_power2_divisions`, one entry per power-of-two size interval from
+    /// 1 MiB ([`ROUNDUP_INTERVALS`]): 0 or 1 rounds requests in that interval to 512 bytes, more
+    /// to that many steps between two powers of two. Default all 0.
+    pub roundup_power2_divisions: [usize; ROUNDUP_INTERVALS],
+    /// PyTorch's `garbage_collection_threshold`, a fraction over 0 and under 1; 0 (the default)
+    /// for off. Read and kept; gpupool does not collect yet.
+    pub garbage_collection_threshold: f64,
     /// PyTorch's `expandable_segments`: segments are address ranges whose pages are mapped on
     /// demand (CUDA's virtual memory calls), when the device supports them.
     pub expandable_segments: bool,
+    /// PyTorch's `release_lock_on_cudamalloc`. Changes nothing: gpupool's lock across
+    /// `cuMemAlloc` is one stream's, not the device's.
+    pub release_lock_on_cudamalloc: bool,
+    /// PyTorch's `per_process_memory_fraction`, 0 to 1: applied to each device when it starts,
+    /// as [`Allocator::set_memory_fraction`](crate::Allocator::set_memory_fraction) does.
+    /// Default 1 (no limit is set).
+    pub per_process_memory_fraction: f64,
+    /// PyTorch's `graph_capture_record_stream_reuse`. Changes nothing: gpupool has no CUDA graph
+    /// capture.
+    pub graph_capture_record_stream_reuse: bool,
+    /// PyTorch's `pinned_use_cuda_host_register`, for the pinned host allocator (not yet used).
+    pub pinned_use_cuda_host_register: bool,
+    /// PyTorch's `pinned_num_register_threads` (a power of two, at most 128; default 1), for the
+    /// pinned host allocator (not yet used).
+    pub pinned_num_register_threads: usize,
+    /// PyTorch's `pinned_use_background_threads`, for the pinned host allocator (not yet used).
+    pub pinned_use_background_threads: bool,
+    /// PyTorch's `pinned_reserve_segment_size_mb`, in bytes (0, the default: none), for the
+    /// pinned host allocator (not yet used).
+    pub pinned_reserve_segment_size: usize,
     /// The LD_PRELOAD shim's reuse rule for `cudaFree`/`cuMemFree`.
     pub preload_mode: PreloadMode,
     /// The LD_PRELOAD shim, safe mode: a device's deferred bytes that make the shim synchronise
@@ -89,7 +163,18 @@ impl Default for Config {
             sim_devices: 1,
             sim_capacity: 16 << 30,
             max_split_size: usize::MAX,
+            max_non_split_rounding: LARGE_SEGMENT,
+            large_segment_size: LARGE_SEGMENT,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            garbage_collection_threshold: 0.0,
             expandable_segments: false,
+            release_lock_on_cudamalloc: false,
+            per_process_memory_fraction: 1.0,
+            graph_capture_record_stream_reuse: false,
+            pinned_use_cuda_host_register: false,
+            pinned_num_register_threads: 1,
+            pinned_use_background_threads: false,
+            pinned_reserve_segment_size: 0,
             preload_mode: PreloadMode::Safe,
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
@@ -138,6 +223,8 @@ pub struct Opt {
 }
 
 const MIB: usize = 1 << 20;
+/// PyTorch's default `large_segment_size` (`kLargeBuffer`, 20 MiB).
+const LARGE_SEGMENT: usize = 20 * MIB;
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
@@ -171,11 +258,13 @@ pub static OPTIONS: [Opt; 7] = [
     },
     Opt {
         name: "GPUPOOL_MAX_SPLIT_SIZE_MB",
-        // PyTorch: "max_split_size_mb too small, must be > 20", counted in whole MiB.
-        kind: Kind::Size { unit: MIB, min: 21 * MIB },
+        // PyTorch 2.11: "max_split_size_mb too small, must be >= 20" (large_segment_size_mb,
+        // 20 by default; checked against GPUPOOL_CONF's once both are read).
+        kind: Kind::Size { unit: MIB, min: LARGE_SEGMENT },
         default: Value::Size(usize::MAX),
-        doc: "PyTorch's `max_split_size_mb`: cached blocks of at least this size are never split, and serve only \
-              requests of about their size",
+        doc: "Deprecated: use `GPUPOOL_CONF=max_split_size_mb:N`. PyTorch's `max_split_size_mb`: cached blocks \
+              of at least this size are never split, and serve only requests of about their size. Set in both \
+              with different values: an error naming both",
         set: |c, v| c.max_split_size = v.size(),
         get: |c| Value::Size(c.max_split_size),
     },
@@ -339,24 +428,73 @@ impl Config {
     }
 
     /// Reads every option through `get` (the environment, or a test's table), as
-    /// [`Config::from_env`] does.
+    /// [`Config::from_env`] does: the rows of [`OPTIONS`], then `GPUPOOL_CONF`.
+    ///
+    /// Errors: [`Error::InvalidValue`] naming the first variable whose value is not valid
+    /// UTF-8 or does not parse (for `GPUPOOL_CONF`, the key and its value);
+    /// `GPUPOOL_MAX_SPLIT_SIZE_MB` and `GPUPOOL_CONF`'s `max_split_size_mb` set to different
+    /// sizes, or the former under `large_segment_size_mb`.
     pub fn from_lookup<V: Into<OsString>>(get: impl Fn(&str) -> Option<V>) -> Result<Config, Error> {
         let mut c = Config::default();
+        let mut alias = None;
         for opt in &OPTIONS {
             let raw = get(opt.name).map(Into::into);
             if let Some(v) = opt.read(raw.as_deref())? {
                 opt.set(&mut c, v);
+                if opt.name == MAX_SPLIT_ALIAS {
+                    alias = Some(c.max_split_size);
+                }
+            }
+        }
+        let origin = format!("environment variable {CONF_VAR}");
+        let seen = match get(CONF_VAR).map(Into::into) {
+            None => None,
+            Some(raw) => match raw.to_str() {
+                Some(text) => {
+                    c.max_split_size = usize::MAX;
+                    Some(c.apply_conf(&origin, text)?)
+                }
+                None => {
+                    return Err(Error::InvalidValue(format!(
+                        "{origin}={raw:?} is not valid UTF-8: expected PyTorch's configuration string, \
+                         key:value,key:value"
+                    )));
+                }
+            },
+        };
+        if let Some(bytes) = alias {
+            let show = |n| OPTIONS.iter().find(|o| o.name == MAX_SPLIT_ALIAS).expect("a row").kind.show(Value::Size(n));
+            if seen.is_some_and(|s| s.max_split_size) {
+                if c.max_split_size != bytes {
+                    return Err(Error::InvalidValue(format!(
+                        "environment variables {MAX_SPLIT_ALIAS}={} and {CONF_VAR} with max_split_size_mb:{} \
+                         disagree; set max_split_size_mb in {CONF_VAR} only ({MAX_SPLIT_ALIAS} is deprecated)",
+                        show(bytes),
+                        show(c.max_split_size),
+                    )));
+                }
+            } else if bytes < c.large_segment_size {
+                return Err(Error::InvalidValue(format!(
+                    "environment variable {MAX_SPLIT_ALIAS}={} is under {CONF_VAR}'s large_segment_size_mb:{}: \
+                     expected at least that (PyTorch's max_split_size_mb floor)",
+                    show(bytes),
+                    c.large_segment_size / MIB,
+                )));
+            } else {
+                c.max_split_size = bytes;
             }
         }
         Ok(c)
     }
 
     /// Every option with its value in this config, one line each, `(default)` after a value
-    /// that is the default (mimalloc's `mi_options_print`):
+    /// that is the default (mimalloc's `mi_options_print`); `GPUPOOL_CONF` last, with every
+    /// key ([`Config::conf_string`]):
     ///
     /// ```text
     /// GPUPOOL_DRIVER=sim
     /// GPUPOOL_SIM_CAPACITY=16GiB (default)
+    /// GPUPOOL_CONF=backend:native,large_segment_size_mb:20,...
     /// ```
     pub fn options_text(&self) -> String {
         let mut out = String::new();
@@ -365,6 +503,9 @@ impl Config {
             let default = if v == opt.default { " (default)" } else { "" };
             let _ = writeln!(out, "{}={}{default}", opt.name, opt.kind.show(v));
         }
+        let conf = self.conf_string();
+        let default = if conf == Config::default().conf_string() { " (default)" } else { "" };
+        let _ = writeln!(out, "{CONF_VAR}={conf}{default}");
         out
     }
 }
@@ -378,6 +519,7 @@ pub fn options_markdown() -> String {
         let d = if opt.default == Value::Size(usize::MAX) { d } else { format!("`{d}`") };
         let _ = writeln!(out, "| `{}` | {} | {d} | {} |", opt.name, opt.kind.describe(), opt.doc);
     }
+    let _ = writeln!(out, "| `{CONF_VAR}` | {CONF_KIND} | empty | {CONF_DOC} |");
     out
 }
 
@@ -465,8 +607,8 @@ mod tests {
         assert_eq!(c.max_split_size, 64 << 20);
         let e = Config::from_lookup(table(&[("GPUPOOL_DRIVER", "opencl")])).unwrap_err();
         assert!(e.message().contains("GPUPOOL_DRIVER"), "{e}");
-        let e = Config::from_lookup(table(&[("GPUPOOL_MAX_SPLIT_SIZE_MB", "20")])).unwrap_err();
-        assert!(e.message().contains("at least 21MiB"), "{e}");
+        let e = Config::from_lookup(table(&[("GPUPOOL_MAX_SPLIT_SIZE_MB", "19")])).unwrap_err();
+        assert!(e.message().contains("at least 20MiB"), "{e}");
     }
 
     #[test]
@@ -510,17 +652,17 @@ mod tests {
         // A bare number counts bytes, except in the option PyTorch counts in MiB.
         assert_eq!(one("GPUPOOL_SIM_CAPACITY", "4096").unwrap().sim_capacity, 4096);
         assert_eq!(one("GPUPOOL_PRELOAD_SYNC_BYTES", "0").unwrap().preload_sync_bytes, 0);
-        assert_eq!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "21").unwrap().max_split_size, 21 << 20);
+        assert_eq!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "20").unwrap().max_split_size, 20 << 20);
         assert!(one("GPUPOOL_SIM_CAPACITY", "0").is_err());
-        assert!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "20MiB").is_err());
+        assert!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "19MiB").is_err());
         assert!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "99999999999999999").is_err());
     }
 
     #[test]
     fn empty_means_unset_for_every_option() {
-        for o in &OPTIONS {
+        for name in OPTIONS.iter().map(|o| o.name).chain([CONF_VAR]) {
             for empty in ["", "  ", "\t"] {
-                assert_eq!(one(o.name, empty), Ok(Config::default()), "{}={empty:?}", o.name);
+                assert_eq!(one(name, empty), Ok(Config::default()), "{name}={empty:?}");
             }
         }
     }
@@ -554,14 +696,17 @@ mod tests {
 
     #[test]
     fn a_value_that_is_not_utf8_is_an_error_naming_the_variable() {
-        for o in &OPTIONS {
+        let rows = OPTIONS.iter().map(|o| {
             let default = o.kind.show(o.default);
-            let mut bytes = if default == "unlimited" { b"64".to_vec() } else { default.into_bytes() };
+            (o.name, if default == "unlimited" { "64".to_string() } else { default })
+        });
+        for (name, valid) in rows.chain([(CONF_VAR, "max_split_size_mb:64".to_string())]) {
+            let mut bytes = valid.into_bytes();
             bytes.push(0xff);
             let raw = OsString::from_vec(bytes);
-            let e = Config::from_lookup(|n| (n == o.name).then(|| raw.clone())).unwrap_err();
+            let e = Config::from_lookup(|n| (n == name).then(|| raw.clone())).unwrap_err();
             assert!(matches!(e, Error::InvalidValue(_)));
-            assert!(e.message().contains(o.name) && e.message().contains("not valid UTF-8"), "{e}");
+            assert!(e.message().contains(name) && e.message().contains("not valid UTF-8"), "{e}");
             assert!(e.message().contains("\\xFF"), "the value is shown: {e}");
         }
     }
@@ -572,7 +717,7 @@ mod tests {
             ("GPUPOOL_DRIVER", "opencl", "cuda or sim"),
             ("GPUPOOL_SIM_CAPACITY", "16Q", "a size"),
             ("GPUPOOL_SIM_DEVICES", "0", "from 1 to 64"),
-            ("GPUPOOL_MAX_SPLIT_SIZE_MB", "4", "at least 21MiB"),
+            ("GPUPOOL_MAX_SPLIT_SIZE_MB", "4", "at least 20MiB"),
             ("GPUPOOL_PRELOAD_MODE", "fast", "safe or stream"),
             ("GPUPOOL_PRELOAD_SYNC_BYTES", "lots", "a size"),
             ("GPUPOOL_PRELOAD_STATS", "maybe", "a boolean"),
@@ -603,8 +748,19 @@ mod tests {
              GPUPOOL_MAX_SPLIT_SIZE_MB=unlimited (default)\n\
              GPUPOOL_PRELOAD_MODE=safe (default)\n\
              GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
-             GPUPOOL_PRELOAD_STATS=on\n"
+             GPUPOOL_PRELOAD_STATS=on\n\
+             GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
+             max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:False,\
+             release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\
+             graph_capture_record_stream_reuse:False,pinned_use_cuda_host_register:False,\
+             pinned_num_register_threads:1,pinned_use_background_threads:False (default)\n"
         );
+        let c =
+            Config::from_lookup(table(&[("GPUPOOL_CONF", "max_split_size_mb:64, expandable_segments:True")])).unwrap();
+        let last = c.options_text().lines().last().unwrap().to_string();
+        assert!(last.starts_with("GPUPOOL_CONF=backend:native,"), "{last}");
+        assert!(last.contains(",max_split_size_mb:64,") && last.contains(",expandable_segments:True,"), "{last}");
+        assert!(!last.ends_with("(default)"), "{last}");
         // Every shown value reads back to itself.
         for o in &OPTIONS {
             for v in [o.default, o.get(&c)] {
@@ -618,10 +774,46 @@ mod tests {
     }
 
     #[test]
-    fn the_module_docs_and_the_readme_hold_the_table() {
-        let table = options_markdown();
-        let docs: String = table.lines().map(|l| format!("//! {l}\n")).collect();
-        assert!(include_str!("config.rs").contains(&docs), "src/config.rs's module docs must hold:\n{docs}");
-        assert!(include_str!("../README.md").contains(&table), "README.md must hold:\n{table}");
+    fn the_module_docs_and_the_readme_hold_the_tables() {
+        for table in [options_markdown(), conf_keys_markdown()] {
+            let docs: String = table.lines().map(|l| format!("//! {l}\n")).collect();
+            assert!(include_str!("config.rs").contains(&docs), "src/config.rs's module docs must hold:\n{docs}");
+            assert!(include_str!("../README.md").contains(&table), "README.md must hold:\n{table}");
+        }
+    }
+
+    #[test]
+    fn the_deprecated_max_split_variable_agrees_with_gpupool_conf_or_is_refused() {
+        let both = |alias: &str, conf: &str| {
+            Config::from_lookup(table(&[("GPUPOOL_MAX_SPLIT_SIZE_MB", alias), ("GPUPOOL_CONF", conf)]))
+        };
+        // Alone, or with a GPUPOOL_CONF that does not name the key, it still works.
+        assert_eq!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", "64").unwrap().max_split_size, 64 << 20);
+        let c = both("64", "expandable_segments:True").unwrap();
+        assert_eq!((c.max_split_size, c.expandable_segments), (64 << 20, true));
+        // The same size both ways is no conflict, in any unit.
+        assert_eq!(both("64MiB", "max_split_size_mb:64").unwrap().max_split_size, 64 << 20);
+        assert_eq!(both("1G", "max_split_size_mb:1024").unwrap().max_split_size, 1 << 30);
+        // Different sizes: an error naming both.
+        let e = both("64", "max_split_size_mb:128").unwrap_err();
+        let m = e.message();
+        assert!(matches!(e, Error::InvalidValue(_)));
+        assert!(m.contains("GPUPOOL_MAX_SPLIT_SIZE_MB=64MiB") && m.contains("GPUPOOL_CONF"), "{m}");
+        assert!(m.contains("max_split_size_mb:128MiB") && m.contains("deprecated"), "{m}");
+        // Its floor is GPUPOOL_CONF's large_segment_size_mb, as for the key.
+        let e = both("32", "large_segment_size_mb:64").unwrap_err();
+        assert!(
+            e.message().contains("GPUPOOL_MAX_SPLIT_SIZE_MB=32MiB") && e.message().contains("large_segment_size_mb:64")
+        );
+        assert_eq!(both("64", "large_segment_size_mb:64").unwrap().max_split_size, 64 << 20);
+    }
+
+    #[test]
+    fn a_bad_gpupool_conf_is_an_error_naming_the_variable_the_key_and_the_value() {
+        let e = one("GPUPOOL_CONF", "expandable_segments:yes").unwrap_err();
+        let m = e.message();
+        assert!(matches!(e, Error::InvalidValue(_)));
+        assert!(m.contains("environment variable GPUPOOL_CONF") && m.contains("expandable_segments:yes"), "{m}");
+        assert!(m.contains("True or False"), "{m}");
     }
 }

@@ -26,6 +26,6 @@ pub mod error;
 pub mod ffi;
 pub mod stats;
 
-pub use caching::allocator::{Allocator, BlockInfo};
+pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use error::Error;

@@ -35,16 +35,16 @@ fn stream(i: usize) -> usize {
 const STREAMS: usize = 10_000;
 
 /// One block on each of 10,000 streams, some used on a neighbouring stream too, all freed,
-/// then the cache emptied: twice. Nothing of the streams may remain: no shard, and no heap
+/// then the cache emptied: three times. Nothing of the streams may remain: no shard, and no heap
 /// beyond what tables kept of their capacity after the first round (the simulated driver's
-/// own tables take about 650 KB of it), and none more after the second.
+/// own tables take about 650 KB of it), and none more after the third than after the second.
 #[test]
 fn ten_thousand_streams_leave_nothing_behind_after_empty_cache() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (a, drv) = sim(1, 64 << 30);
     let before = heap_in_use();
     let mut after_round = Vec::new();
-    for _round in 0..2 {
+    for _round in 0..3 {
         let ptrs: Vec<u64> = (0..STREAMS)
             .map(|i| {
                 let p = a.malloc(if i % 2 == 0 { 512 } else { 1024 }, 0, stream(i)).unwrap();
@@ -66,9 +66,11 @@ fn ten_thousand_streams_leave_nothing_behind_after_empty_cache() {
         after_round.push(heap_in_use());
     }
     let kept = after_round[0].saturating_sub(before);
-    let grew = after_round[1].saturating_sub(after_round[0]);
+    // A table may double its capacity once more in the second round (64 KiB, depending on
+    // where the rounds' streams fall in the hash maps); from the second to the third, nothing.
+    let grew = after_round[2].saturating_sub(after_round[1]);
     assert!(kept < 2 << 20, "{kept} bytes of heap kept after {STREAMS} streams were freed and the cache emptied");
-    assert!(grew < 64 << 10, "the heap grew by {grew} bytes more after a second round of {STREAMS} streams");
+    assert!(grew < 64 << 10, "the heap grew by {grew} bytes more after a third round of {STREAMS} streams");
 }
 
 fn xorshift(state: &mut u64) -> u64 {

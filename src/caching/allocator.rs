@@ -1,11 +1,16 @@
 //! The allocator over every device: the Rust API that the C boundary wraps.
 
 use std::cell::RefCell;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use arc_swap::{ArcSwap, Guard};
+use parking_lot::Mutex;
+
 use super::deferred::DeferredStats;
 use super::device::DeviceAllocator;
+use super::rules::SizeRules;
 use super::segment_index::SegmentIndex;
 use super::shard::Shard;
 use crate::config::{Config, DriverKind};
@@ -36,9 +41,27 @@ pub struct BlockInfo {
 pub struct Allocator {
     id: u64,
     driver: Arc<dyn Driver>,
-    config: Config,
+    /// Read without a lock ([`Allocator::config`], the LD_PRELOAD shim's frees); replaced only
+    /// by [`Allocator::set_config`], before any device starts.
+    config: ArcSwap<Config>,
+    /// Held while a device starts and while the configuration is replaced, so that no device
+    /// starts with a configuration that `set_config` is replacing, nor after it was refused.
+    starting: Mutex<()>,
     index: Arc<SegmentIndex<Arc<Shard>>>,
     devices: Box<[OnceLock<DeviceAllocator>]>,
+}
+
+/// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
+/// that reads as a [`Config`]. Cheap to take (no lock, no reference count shared between
+/// threads); keep it briefly.
+pub struct ConfigRef(Guard<Arc<Config>>);
+
+impl Deref for ConfigRef {
+    type Target = Config;
+
+    fn deref(&self) -> &Config {
+        &self.0
+    }
 }
 
 struct CachedShard {
@@ -72,7 +95,8 @@ impl Allocator {
         Allocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             driver,
-            config,
+            config: ArcSwap::from_pointee(config),
+            starting: Mutex::new(()),
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
         }
@@ -100,10 +124,38 @@ impl Allocator {
         &self.driver
     }
 
-    /// The options it was made with (the process-wide allocator's: every `GPUPOOL_*` option,
-    /// as the LD_PRELOAD shim reads them).
-    pub fn config(&self) -> &Config {
-        &self.config
+    /// Its options: those it was made with, or the last [`Allocator::set_config`] (the
+    /// process-wide allocator's: every `GPUPOOL_*` option, as the LD_PRELOAD shim reads them).
+    pub fn config(&self) -> ConfigRef {
+        ConfigRef(self.config.load())
+    }
+
+    /// Its `GPUPOOL_CONF` settings in PyTorch's syntax, every key with its value
+    /// ([`Config::conf_string`]); [`Config::with_conf`] and `gpupool_set_config` read it back.
+    pub fn config_string(&self) -> String {
+        self.config().conf_string()
+    }
+
+    /// Replaces its options with `config`, as long as no device has started: a device starts
+    /// at the first call that names it (or names -1 and it is current): an allocation, but
+    /// also `stats`, `memory_summary`, `empty_cache`, `set_memory_fraction` and the like,
+    /// which read or change its state. `device_count`, `config` and `owns` start none. The
+    /// devices then start with `config`'s size rules and `per_process_memory_fraction`.
+    /// `config.driver` and the `sim_*` fields are not used (the driver is chosen already). Like
+    /// PyTorch, whose allocator settings apply to devices not yet initialised, and whose
+    /// `max_split_size`, say, cannot change under blocks already cut by it.
+    ///
+    /// Errors: [`Error::InvalidValue`] once a device has started, naming it; nothing changes.
+    pub fn set_config(&self, config: Config) -> Result<(), Error> {
+        let _starting = self.starting.lock();
+        if let Some(d) = self.devices.iter().position(|d| d.get().is_some()) {
+            return Err(Error::InvalidValue(format!(
+                "the configuration must be set before the first allocation: device {d} has started already (a call \
+                 named it), and keeps the configuration it started with"
+            )));
+        }
+        self.config.store(Arc::new(config));
+        Ok(())
     }
 
     /// Number of devices.
@@ -126,15 +178,36 @@ impl Allocator {
                 self.devices.len()
             ))
         })?;
-        Ok(slot.get_or_init(|| {
-            DeviceAllocator::new(
-                d,
-                self.driver.clone(),
-                self.index.clone(),
-                self.config.max_split_size,
-                self.config.expandable_segments,
-            )
-        }))
+        match slot.get() {
+            Some(dev) => Ok(dev),
+            None => self.start_device(d, slot),
+        }
+    }
+
+    /// Starts device `d` with the configuration in force: its size rules, and its
+    /// `per_process_memory_fraction` applied as [`Allocator::set_memory_fraction`] would (PyTorch
+    /// applies the key when a device's allocator is created).
+    ///
+    /// Errors: [`Error::Cuda`] when the fraction is set and the device's total cannot be read;
+    /// the device is then not started.
+    #[cold]
+    fn start_device<'a>(&self, d: i32, slot: &'a OnceLock<DeviceAllocator>) -> Result<&'a DeviceAllocator, Error> {
+        let _starting = self.starting.lock();
+        if let Some(dev) = slot.get() {
+            return Ok(dev);
+        }
+        let config = self.config.load();
+        let dev = DeviceAllocator::new(
+            d,
+            self.driver.clone(),
+            self.index.clone(),
+            SizeRules::from_config(&config),
+            config.expandable_segments,
+        );
+        if config.per_process_memory_fraction < 1.0 {
+            dev.set_memory_fraction(config.per_process_memory_fraction)?;
+        }
+        Ok(slot.get_or_init(|| dev))
     }
 
     #[inline]

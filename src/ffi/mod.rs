@@ -19,6 +19,7 @@
 //!   `GPUPOOL_DRIVER` names; if that fails, every such call returns the same status and
 //!   message.
 
+pub mod config;
 pub mod memory;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore

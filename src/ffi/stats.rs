@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_int};
 
 use super::runtime;
-use super::status::{boundary, gpupool_status, out_ptr};
+use super::status::{boundary, gpupool_status, out_ptr, write_text};
 use crate::error::Error;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
@@ -81,7 +81,8 @@ pub struct gpupool_stats_t {
     pub num_device_alloc: i64,
     /// Successful `cuMemFree` calls.
     pub num_device_free: i64,
-    /// `GPUPOOL_MAX_SPLIT_SIZE_MB` in bytes; INT64_MAX when unlimited.
+    /// `max_split_size` in bytes (`GPUPOOL_CONF`'s `max_split_size_mb`); INT64_MAX when
+    /// unlimited.
     pub max_split_size: i64,
 }
 
@@ -206,8 +207,8 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
 /// snprintf's two-call idiom: call with `buf` NULL (or a buffer that may be too small), allocate
 /// `*needed` bytes, call again. With a buffer of at least `*needed` bytes: writes the
 /// NUL-terminated text and `*needed`, and succeeds. With a buffer too small: writes `*needed`,
-/// leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this is the one
-/// exception to "outputs are written only on success". The table can grow between two calls
+/// leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this (and the same in
+/// `gpupool_config_string`) is the exception to "outputs are written only on success". The table can grow between two calls
 /// (a new digit); allocate a little more than asked, or call again while the error persists.
 ///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
@@ -229,21 +230,8 @@ pub unsafe extern "C" fn gpupool_memory_summary(
             return Err(Error::InvalidValue("buf and needed are both NULL".into()));
         }
         let text = runtime()?.allocator.memory_summary(device)?;
-        let n = text.len() + 1;
-        if !needed.is_null() {
-            // SAFETY: non-NULL, caller-owned. Written before the length check, on purpose.
-            unsafe { *needed = n };
-        }
-        if !buf.is_null() {
-            if len < n {
-                return Err(Error::InvalidValue(format!("the buffer has {len} bytes but the summary needs {n}")));
-            }
-            // SAFETY: the caller's buffer holds `len >= n` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
-                *buf.add(text.len()) = 0;
-            }
-        }
+        // SAFETY: the caller's buffer and out-pointer, per this function's contract.
+        unsafe { write_text(&text, "summary", buf, len, needed) }?;
         Ok(())
     })
 }

@@ -11,8 +11,9 @@ use std::ptr::NonNull;
 use crate::error::Error;
 
 /// What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
-/// `gpupool_last_error_message()` says what went wrong, and no output was written (the one
-/// exception: `gpupool_memory_summary` writes `*needed` when the buffer is too small).
+/// `gpupool_last_error_message()` says what went wrong, and no output was written (the
+/// exceptions: `gpupool_memory_summary` and `gpupool_config_string` write `*needed` when the
+/// buffer is too small).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
@@ -20,7 +21,9 @@ pub enum gpupool_status {
     /// The call did what it was asked.
     GPUPOOL_SUCCESS = 0,
     /// An argument is wrong: a NULL out-pointer, a device out of range, a size that overflows
-    /// when rounded, a buffer too small, an unusable `GPUPOOL_*` environment variable.
+    /// when rounded, a buffer too small, an unusable `GPUPOOL_*` environment variable, a
+    /// configuration string with an unknown key or a bad value; also `gpupool_set_config`
+    /// after a device has started.
     GPUPOOL_ERROR_INVALID_VALUE = 1,
     /// The device has no memory for the request, even after gpupool released its cache and
     /// retried (like PyTorch's `OutOfMemoryError`).
@@ -171,6 +174,40 @@ pub(crate) fn out_ptr<T>(ptr: *mut T, arg: &str) -> Result<Out<T>, Error> {
     NonNull::new(ptr)
         .map(Out)
         .ok_or_else(|| Error::InvalidValue(format!("{arg} is NULL; it must point to storage for the result")))
+}
+
+/// Writes `text` for an export with snprintf's two-call convention: `*needed` (when not NULL)
+/// gets the bytes the text takes with its NUL, written even when the buffer is too small; then
+/// the NUL-terminated text goes to `buf` (when not NULL) if `len` holds it. `what` names the
+/// text in the error.
+///
+/// Errors: [`Error::InvalidValue`] when `len` is too small (the buffer is untouched).
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
+pub(crate) unsafe fn write_text(
+    text: &str,
+    what: &str,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> Result<(), Error> {
+    let n = text.len() + 1;
+    if !needed.is_null() {
+        // SAFETY: non-NULL, caller-owned. Written before the length check, on purpose.
+        unsafe { *needed = n };
+    }
+    if !buf.is_null() {
+        if len < n {
+            return Err(Error::InvalidValue(format!("the buffer has {len} bytes but the {what} needs {n}")));
+        }
+        // SAFETY: the caller's buffer holds `len >= n` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+            *buf.add(text.len()) = 0;
+        }
+    }
+    Ok(())
 }
 
 /// The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,

@@ -60,6 +60,8 @@ int main(void) {
       (any_fn)gpupool_stats,
       (any_fn)gpupool_reset_peak_stats,
       (any_fn)gpupool_memory_summary,
+      (any_fn)gpupool_set_config,
+      (any_fn)gpupool_config_string,
       (any_fn)gpupool_last_error_message,
       (any_fn)gpupool_status_string,
       (any_fn)gpupool_version,
@@ -75,5 +77,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 21 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 23 ? 0 : 1)) != 0;
 }

@@ -17,7 +17,7 @@ use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
 use super::peaks::{self, SpareCredit, Totals};
-use super::rules::SMALL_BUFFER;
+use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::shard::{ExpandablePolicy, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
@@ -41,6 +41,8 @@ pub(crate) struct DeviceAllocator {
     pub device: i32,
     driver: Arc<dyn Driver>,
     index: Arc<SegmentIndex<Arc<Shard>>>,
+    /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
+    rules: SizeRules,
     pub max_split_size: usize,
     shards: ShardTable,
     peaks: Mutex<PeakState>,
@@ -62,14 +64,15 @@ pub(crate) struct DeviceAllocator {
 const LARGE_PAGE: usize = 2 << 20;
 
 impl DeviceAllocator {
-    /// The allocator of `device`. With `expandable`, its segments are expandable
-    /// (`expandable_segments:True`) if the driver can map memory on it; otherwise, or when
-    /// asking the driver fails, they are ordinary segments, as PyTorch falls back.
+    /// The allocator of `device` with PyTorch's size `rules`. With `expandable`, its segments
+    /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
+    /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
+    /// back.
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
-        max_split_size: usize,
+        rules: SizeRules,
         expandable: bool,
     ) -> Self {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
@@ -78,7 +81,8 @@ impl DeviceAllocator {
             device,
             driver,
             index,
-            max_split_size,
+            rules,
+            max_split_size: rules.max_split_size,
             shards: ShardTable::default(),
             peaks: Mutex::default(),
             spare: std::array::from_fn(|_| AtomicI64::new(0)),
@@ -132,7 +136,7 @@ impl DeviceAllocator {
     /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
     /// keeps no credit past the call).
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
-        let req = Request::new(size)?;
+        let req = Request::new(size, &self.rules)?;
         let mut st = self.shards.lock_for_change(shard);
         if !shard.is_retired() {
             let ctx = self.ctx(shard);
@@ -187,7 +191,7 @@ impl DeviceAllocator {
     /// memory for it.
     #[inline]
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
-        let id = match st.take_cached(req, self.max_split_size) {
+        let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
             None => match st.grow(ctx, req) {
                 Ok(id) => id,

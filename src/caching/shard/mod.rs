@@ -34,7 +34,7 @@ use super::events::StreamEvents;
 use super::expandable::Expandable;
 use super::limit::MemoryLimit;
 use super::pool::FreePool;
-use super::rules::{self, PoolKind};
+use super::rules::{self, PoolKind, SizeRules};
 use super::segment_index::SegmentIndex;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
@@ -103,11 +103,13 @@ pub(crate) struct Request {
 }
 
 impl Request {
+    /// `size` rounded and placed by the device's `rules`.
+    ///
     /// Errors: [`Error::InvalidValue`] when rounding the size overflows.
-    pub fn new(size: usize) -> Result<Request, Error> {
+    pub fn new(size: usize, rules: &SizeRules) -> Result<Request, Error> {
         let overflow = || Error::InvalidValue(format!("size {size} bytes overflows when rounded to a block size"));
-        let rounded = rules::round_size(size).ok_or_else(overflow)?;
-        let segment = rules::segment_size(rounded).ok_or_else(overflow)?;
+        let rounded = rules::round_size(size, rules).ok_or_else(overflow)?;
+        let segment = rules::segment_size(rounded, rules).ok_or_else(overflow)?;
         Ok(Request { size, rounded, pool: rules::pool_for(rounded), segment })
     }
 }
@@ -159,9 +161,9 @@ impl ShardState {
     /// PyTorch `get_free_block`: the best fit in the request's pool, within the
     /// `max_split_size` rules, taken out of the pool.
     #[inline]
-    pub fn take_cached(&mut self, req: &Request, max_split_size: usize) -> Option<BlockId> {
+    pub fn take_cached(&mut self, req: &Request, size_rules: &SizeRules) -> Option<BlockId> {
         let rounded = req.rounded;
-        let fits = |size| rules::fits_oversize_rules(size, rounded, max_split_size);
+        let fits = |size| rules::fits_oversize_rules(size, rounded, size_rules);
         self.pool(req.pool).take_best_fit(rounded, fits).map(|(_, _, id)| id)
     }
 
