@@ -155,29 +155,22 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
 /// shard in neither has no credit and counts as it was seen, so a settle costs what moved
 /// since the last one, not the number of streams. Sets `holds[j]` to whether shard `j` still
 /// holds credit (and so must be visited by the next settle); `holds` starts all false.
-///
-/// `loose` is what [`close_spare`] took out of the spare credit before the shards to visit
-/// were listed; the settle opens the spare credit again.
-pub(crate) fn settle(
-    t: &mut Totals,
-    shards: &mut [&mut ShardCounters],
-    loose: &[i64; CELLS],
-    spare: &SpareCredit,
-    holds: &mut [bool],
-) {
+pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit, holds: &mut [bool]) {
     absorb(t, shards);
     // The credit dealt out: the spare credit, what the visited shards hold, and what the peak
     // rises by; so `P = G + sum(h) + R` of the true values is kept by every settle, whatever
-    // other shards do meanwhile. (A shard that is not visited may give credit back to the
-    // spare while the settle runs, or may have given it back to a closed spare credit before
-    // being visited: computing the credit as `P - G` of what the settle sees would then deal
-    // it out twice.)
+    // other shards do meanwhile. (A shard that is not visited, because it joined the dirty
+    // list after this settle took it, may have borrowed from the spare credit or given credit
+    // back to it: computing the credit as `P - G` of what the settle sees would then deal that
+    // credit out twice, or not at all. Closing the spare credit during a settle would avoid
+    // that too, but makes every call that needs to borrow meanwhile settle after it: 4 threads
+    // settled 4 times as often.)
     let mut credit = [0i64; CELLS];
     let before = t.peak;
     for (i, peak) in t.peak.iter_mut().enumerate() {
         let current = t.current[i];
         let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
-        credit[i] = loose[i] + held;
+        credit[i] = spare[i].swap(0, Ordering::Relaxed) + held;
         t.held[i] -= held;
         // Only a shard that went past its credit can have taken G above P; calls settle before
         // they return, so while it did, no other shard moved.
@@ -226,22 +219,11 @@ pub(crate) fn settle(
     }
     for (i, r) in spare.iter().enumerate() {
         // Added, not stored: a shard this settle does not visit may have given credit back
-        // since the spare credit was closed.
-        r.fetch_add(credit[i] - SETTLING, Ordering::Relaxed);
+        // since the swap above.
+        if credit[i] != 0 {
+            r.fetch_add(credit[i], Ordering::Relaxed);
+        }
     }
-}
-
-/// What the spare credit holds while a settle runs: far below any need, so no call borrows
-/// meanwhile (it settles after this settle instead), while credit given back adds to it.
-const SETTLING: i64 = i64::MIN / 4;
-
-/// Closes the spare credit for a settle or a reset and returns what it held. Called with the
-/// peak lock held, before the shards to visit are listed: a call that borrowed before this
-/// locked its shard for a change first, so it is on the dirty list and the settle visits it
-/// (and waits for it); a call that tries to borrow afterwards fails and settles later. So a
-/// settle sees all the credit there is, and `P = G + sum(h) + R` holds of what it sees.
-pub(crate) fn close_spare(spare: &SpareCredit) -> [i64; CELLS] {
-    std::array::from_fn(|i| spare[i].swap(SETTLING, Ordering::Relaxed))
 }
 
 /// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
@@ -276,7 +258,6 @@ pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &S
     }
     t.peak = t.current;
     t.held = [0; CELLS];
-    // Opens the spare credit closed by `close_spare`, with none in it.
     for r in spare {
         r.store(0, Ordering::Relaxed);
     }
@@ -306,8 +287,7 @@ mod tests {
         if shards[i].needs_settle && !borrow(&mut shards[i], r) {
             let mut refs: Vec<&mut ShardCounters> = shards.iter_mut().collect();
             let mut holds = vec![false; refs.len()];
-            let loose = close_spare(r);
-            settle(peaks, &mut refs, &loose, r, &mut holds);
+            settle(peaks, &mut refs, r, &mut holds);
             return true;
         }
         false

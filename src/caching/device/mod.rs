@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::counters::{self, CELLS, DeviceCounters, ShardCounters, bump};
+use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
 use super::oom;
@@ -238,7 +238,7 @@ impl DeviceAllocator {
             // Unlocked meanwhile: the settle locks every shard it visits, this one included.
             MutexGuard::unlocked(&mut st, || {
                 bump(&self.counters.num_peak_settles);
-                self.visit(|t, shards, loose, holds| peaks::settle(t, shards, loose, &self.spare, holds));
+                self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
             });
         }
         drop(st);
@@ -379,14 +379,10 @@ impl DeviceAllocator {
         oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
-    /// Runs `f` with the peak lock held, the spare credit closed (`f` gets what it held and
-    /// must open it again: `peaks::settle` or `peaks::reset`) and the shards a settle must
-    /// visit locked (those on the dirty list and those holding credit; see `peaks::settle`);
-    /// `f` sets, per shard, whether it holds credit afterwards.
-    fn visit<R>(
-        &self,
-        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &[i64; CELLS], &mut Vec<bool>) -> R,
-    ) -> R {
+    /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
+    /// the dirty list and those holding credit; see `peaks::settle`); `f` sets, per shard,
+    /// whether it holds credit afterwards.
+    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R) -> R {
         let mut ps = self.peaks.lock();
         self.visit_locked(&mut ps, f)
     }
@@ -394,10 +390,8 @@ impl DeviceAllocator {
     fn visit_locked<R>(
         &self,
         ps: &mut PeakState,
-        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &[i64; CELLS], &mut Vec<bool>) -> R,
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R,
     ) -> R {
-        // Closed before the list is taken (see `peaks::close_spare`); `f` opens it again.
-        let loose = peaks::close_spare(&self.spare);
         let mut visit = std::mem::take(&mut ps.visit);
         self.shards.take_dirty(&mut visit);
         visit.append(&mut ps.holders);
@@ -411,7 +405,7 @@ impl DeviceAllocator {
         let mut holds = std::mem::take(&mut ps.holds);
         holds.clear();
         holds.resize(visit.len(), false);
-        let r = f(&mut ps.totals, &mut counters, &loose, &mut holds);
+        let r = f(&mut ps.totals, &mut counters, &mut holds);
         drop(counters);
         drop(guards);
         for (s, &h) in visit.drain(..).zip(&holds) {
@@ -425,7 +419,7 @@ impl DeviceAllocator {
     }
 
     fn settle_locked(&self, ps: &mut PeakState) {
-        self.visit_locked(ps, |t, shards, loose, holds| peaks::settle(t, shards, loose, &self.spare, holds));
+        self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
     }
 
     /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
@@ -435,15 +429,15 @@ impl DeviceAllocator {
 
     /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.visit(|t, shards, loose, holds| {
-            peaks::settle(t, shards, loose, &self.spare, holds);
+        self.visit(|t, shards, holds| {
+            peaks::settle(t, shards, &self.spare, holds);
             counters::collect(t, &self.counters, self.max_split_size)
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.visit(|t, shards, _, _| peaks::reset(t, shards, &self.spare));
+        self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
     }
 }
 
