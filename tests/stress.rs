@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::thread;
 
-use common::{MIB, check, sim};
+use common::{MIB, check, sim, sim_with};
+use gpupool::config::Config;
 
 const THREADS: usize = 8;
 const OPS: usize = 20_000;
@@ -21,7 +22,16 @@ fn xorshift(state: &mut u64) -> u64 {
 
 #[test]
 fn threads_on_several_streams_keep_every_invariant() {
-    let (a, drv) = sim(1, 2048 * MIB);
+    threads_on_several_streams(false);
+}
+
+#[test]
+fn threads_on_several_streams_keep_every_invariant_with_expandable_segments() {
+    threads_on_several_streams(true);
+}
+
+fn threads_on_several_streams(expandable_segments: bool) {
+    let (a, drv) = sim_with(1, 2048 * MIB, Config { expandable_segments, ..Config::default() });
     let a = Arc::new(a);
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
