@@ -43,7 +43,7 @@ fn threads_on_several_streams(expandable_segments: bool) {
                 let mut live: Vec<(u64, usize, u64)> = Vec::new();
                 for i in 0..OPS {
                     let r = xorshift(&mut rng);
-                    if live.len() < 32 && (!r.is_multiple_of(3) || live.is_empty()) {
+                    if live.len() < 32 && (r % 3 != 0 || live.is_empty()) {
                         let size = match r % 10 {
                             0 => (r >> 8) as usize % (24 * MIB),
                             1..=3 => (r >> 8) as usize % (2 * MIB),
@@ -54,7 +54,7 @@ fn threads_on_several_streams(expandable_segments: bool) {
                         let cookie = ((t as u64) << 48) | i as u64;
                         // SAFETY: a live block of at least 8 bytes of host memory.
                         unsafe { (p as *mut u64).write_unaligned(cookie) };
-                        if r.is_multiple_of(17) {
+                        if r % 17 == 0 {
                             a.record_stream(p, 0x100 * ((t + 1) % 4 + 1)).unwrap();
                         }
                         live.push((p, size, cookie));
@@ -68,13 +68,13 @@ fn threads_on_several_streams(expandable_segments: bool) {
                         );
                         a.free(p).unwrap();
                     }
-                    if t == 0 && i.is_multiple_of(997) {
+                    if t == 0 && i % 997 == 0 {
                         drv.hold_stream(0x200);
                     }
-                    if t == 1 && i.is_multiple_of(1499) {
+                    if t == 1 && i % 1499 == 0 {
                         drv.release_stream(0x200);
                     }
-                    if t == 2 && i.is_multiple_of(4001) {
+                    if t == 2 && i % 4001 == 0 {
                         a.empty_cache(0).unwrap();
                     }
                 }

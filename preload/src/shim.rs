@@ -45,6 +45,11 @@ pub(crate) struct Shim {
     /// gpupool's process-wide allocator; its `config()` holds the shim's options too.
     pub alloc: &'static Allocator,
     pub counters: Counters,
+    /// `GPUPOOL_PRELOAD_MODE` and `GPUPOOL_PRELOAD_SYNC_BYTES`, read once at start: a free
+    /// then reads no configuration (which `gpupool_set_config` may replace behind a lock-free
+    /// pointer, one atomic operation to load).
+    mode: PreloadMode,
+    sync_bytes: usize,
 }
 
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
@@ -74,7 +79,16 @@ fn start() -> Result<Shim, Error> {
         // SAFETY: registers a plain function with no arguments.
         unsafe { libc::atexit(print_stats_at_exit) };
     }
-    Ok(Shim { alloc, counters: Counters::default() })
+    Ok(Shim::new(alloc))
+}
+
+impl Shim {
+    /// The shim over `alloc`, with the options of its configuration.
+    fn new(alloc: &'static Allocator) -> Shim {
+        let config = alloc.config();
+        let (mode, sync_bytes) = (config.preload_mode, config.preload_sync_bytes);
+        Shim { alloc, counters: Counters::default(), mode, sync_bytes }
+    }
 }
 
 /// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
@@ -171,12 +185,11 @@ impl Shim {
     }
 
     fn free_uncounted(&self, ptr: DevicePtr) -> Result<(), Error> {
-        let config = self.alloc.config();
-        if config.preload_mode == PreloadMode::Stream {
+        if self.mode == PreloadMode::Stream {
             return self.alloc.free(ptr);
         }
         let (device, waiting) = self.alloc.free_after_device_sync(ptr)?;
-        if waiting >= config.preload_sync_bytes
+        if waiting >= self.sync_bytes
             && let Err(e) = self.alloc.release_deferred(device)
         {
             say(&format!("releasing deferred frees: {e}"));
@@ -282,7 +295,7 @@ mod tests {
         let alloc: &'static Allocator =
             Box::leak(Box::new(Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config)));
         KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(alloc);
-        Shim { alloc, counters: Counters::default() }
+        Shim::new(alloc)
     }
 
     #[test]

@@ -69,12 +69,6 @@ impl MemoryLimit {
         Some(charge)
     }
 
-    /// Counts `size` bytes reserved whatever the limit: memory the driver holds already (a
-    /// page that could not be unmapped again).
-    pub fn charge_anyway(&self, size: usize) {
-        self.reserved.fetch_add(size as i64, Ordering::Relaxed);
-    }
-
     /// Counts `size` bytes no longer reserved (a segment went back to the driver).
     pub fn uncharge(&self, size: usize) {
         self.reserved.fetch_sub(size as i64, Ordering::Relaxed);

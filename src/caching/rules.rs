@@ -53,6 +53,8 @@ impl Default for SizeRules {
 }
 
 impl SizeRules {
+    /// The rules `c` sets (its `max_split_size_mb`, `max_non_split_rounding_mb`,
+    /// `large_segment_size_mb` and `roundup_power2_divisions`, in bytes and counts).
     pub fn from_config(c: &Config) -> SizeRules {
         SizeRules {
             max_split_size: c.max_split_size,

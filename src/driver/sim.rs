@@ -178,6 +178,17 @@ struct Range {
     accessible: FxHashMap<DevicePtr, usize>,
 }
 
+impl Range {
+    /// The mapped pieces (start, size, handle) that make up `[ptr, ptr + size)` exactly, or
+    /// `None` when some byte of it is not mapped or a piece sticks out of it.
+    fn pieces(&self, ptr: DevicePtr, size: usize) -> Option<Vec<(DevicePtr, usize, u64)>> {
+        let end = ptr + size as u64;
+        let pieces: Vec<_> = self.mapped.range(ptr..end).map(|(&a, &(s, h))| (a, s, h)).collect();
+        let covered = pieces.iter().try_fold(ptr, |at, &(a, s, _)| (a == at).then_some(a + s as u64));
+        (covered == Some(end)).then_some(pieces)
+    }
+}
+
 /// A physical allocation: its device, size and where it is mapped, if anywhere.
 struct Handle {
     device: i32,
@@ -608,17 +619,13 @@ impl Driver for SimDriver {
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
-        // Every byte of the range must be mapped, piece by piece.
-        let pieces: Vec<(DevicePtr, usize)> =
-            r.mapped.range(ptr..ptr + size as u64).map(|(&a, &(s, _))| (a, s)).collect();
-        let covered = pieces.iter().try_fold(ptr, |at, &(a, s)| (a == at).then_some(a + s as u64));
-        if covered != Some(ptr + size as u64) {
+        let Some(pieces) = r.pieces(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
-        }
+        };
         if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE) {
             return Err(DriverError::OutOfMemory);
         }
-        r.accessible.extend(pieces);
+        r.accessible.extend(pieces.into_iter().map(|(a, s, _)| (a, s)));
         Ok(())
     }
 
@@ -629,13 +636,10 @@ impl Driver for SimDriver {
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemUnmap"));
         };
-        // CUDA unmaps whole mappings only: the range must consist of mapped pieces.
-        let pieces: Vec<(DevicePtr, usize, u64)> =
-            r.mapped.range(ptr..ptr + size as u64).map(|(&a, &(s, h))| (a, s, h)).collect();
-        let covered = pieces.iter().try_fold(ptr, |at, &(a, s, _)| (a == at).then_some(a + s as u64));
-        if covered != Some(ptr + size as u64) {
+        // CUDA unmaps whole mappings only.
+        let Some(pieces) = r.pieces(ptr, size) else {
             return Err(invalid("cuMemUnmap"));
-        }
+        };
         if !protect(ptr, size, libc::PROT_NONE) {
             return Err(DriverError::OutOfMemory);
         }

@@ -69,6 +69,27 @@ fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
+/// Maps the pages of `plan` (block, offset, bytes) in `e`, counting in `attempted` the entries
+/// tried. When one fails (it undid its own pages), the earlier ones are unmapped again; a page
+/// the driver keeps stays mapped, and counted.
+fn map_plan(
+    ctx: &ShardCtx,
+    e: &mut Expandable,
+    plan: &[(BlockId, usize, usize)],
+    attempted: &mut usize,
+) -> Result<(), DriverError> {
+    for (i, &(_, offset, len)) in plan.iter().enumerate() {
+        *attempted = i + 1;
+        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len) {
+            for &(_, offset, len) in plan[..i].iter().rev() {
+                let _ = e.unmap(ctx.driver, ctx.device, offset, len);
+            }
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
 impl ShardState {
     fn unmapped_set(&mut self, pool: PoolKind) -> &mut std::collections::BTreeSet<(DevicePtr, BlockId)> {
         &mut self.unmapped[pool as usize]
@@ -106,59 +127,36 @@ impl ShardState {
             let (base, e) = self.expandable_of(self.blocks[start].addr);
             (base, e.page)
         };
-        let mut plan: Vec<(BlockId, usize)> = Vec::new();
+        let mut plan: Vec<(BlockId, usize, usize)> = Vec::new();
         let (mut have, mut id) = (0usize, start);
         while have < rounded {
             let b = &self.blocks[id];
             if b.state == BlockState::Unmapped {
                 let map = round_up(rounded - have, page).min(b.size);
-                plan.push((id, map));
+                plan.push((id, (b.addr - base) as usize, map));
                 have += map;
             } else {
                 have += b.size;
             }
             id = b.next;
         }
-        let bytes: usize = plan.iter().map(|p| p.1).sum();
-        let charge = ctx.limit.try_charge(bytes);
-        let mut result = if charge.is_some() { Ok(()) } else { Err(DriverError::OutOfMemory) };
-        // The pages go into blocks whatever happens, unwinding included: the page table says
-        // what the driver mapped, and the blocks follow it.
+        let Some(charge) = ctx.limit.try_charge(plan.iter().map(|p| p.2).sum()) else {
+            self.free_range_if_empty(ctx, base);
+            return Err(DriverError::OutOfMemory);
+        };
         let mapped_before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
-        let mut done = 0;
-        {
-            let mut g = scopeguard::guard((&mut *self, &plan, &mut done, charge), |(st, plan, done, charge)| {
-                let mapped = st.adopt(ctx, base, &plan[..*done], mapped_before);
-                match charge {
-                    Some(c) => c.commit_part(mapped),
-                    None => ctx.limit.charge_anyway(mapped),
-                }
+        let mut attempted = 0;
+        let result = {
+            // The blocks follow the page table whatever happens, unwinding included; the
+            // memory limit keeps what was mapped.
+            let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
+                let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                charge.commit_part(grown.max(0) as usize);
             });
-            let (st, plan, done, _) = &mut *g;
-            if result.is_ok() {
-                for &(id, map) in plan.iter() {
-                    let offset = (st.blocks[id].addr - base) as usize;
-                    let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-                    **done += 1;
-                    if let Err(err) = e.map(ctx.driver, ctx.device, offset, map) {
-                        result = Err(err);
-                        break;
-                    }
-                }
-            }
-            if result.is_err() {
-                // Undo this request's pages; a page the driver keeps stays mapped and cached.
-                for &(id, map) in plan[..**done].iter().rev() {
-                    let offset = (st.blocks[id].addr - base) as usize;
-                    let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-                    for p in (offset..offset + map).step_by(page) {
-                        if e.is_mapped(p) {
-                            let _ = e.unmap(ctx.driver, ctx.device, p, page);
-                        }
-                    }
-                }
-            }
-        }
+            let (st, attempted, _) = &mut *g;
+            let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            map_plan(ctx, e, &plan, attempted)
+        };
         if let Err(e) = result {
             self.free_range_if_empty(ctx, base);
             return Err(e);
@@ -264,28 +262,28 @@ impl ShardState {
     /// Makes the blocks of `ids` (each unmapped, or free in its pool) follow the page table
     /// of the expandable segment at `base`: mapped stretches become free blocks in the pool,
     /// unmapped ones unmapped blocks, each merged with its neighbours of the same kind. Counts
-    /// the change in reserved bytes (PyTorch `map_block`/`unmap_block`: `reserved_bytes`,
-    /// `num_device_alloc`, `num_device_free`) from `mapped_before`, the bytes the segment had
-    /// mapped before. Returns the bytes mapped since then (negative: unmapped) clamped at 0,
-    /// for the memory limit's charge.
-    fn adopt(&mut self, ctx: &ShardCtx, base: DevicePtr, ids: &[(BlockId, usize)], mapped_before: usize) -> usize {
-        for &(id, _) in ids {
+    /// the change from `mapped_before`, the bytes the segment had mapped before, in reserved
+    /// bytes and as PyTorch's `map_block`/`unmap_block` do (`num_device_alloc`,
+    /// `num_device_free`). Returns that change (bytes, negative when unmapped).
+    fn adopt(
+        &mut self,
+        ctx: &ShardCtx,
+        base: DevicePtr,
+        ids: impl Iterator<Item = BlockId>,
+        mapped_before: usize,
+    ) -> isize {
+        for id in ids {
             self.follow_pages(base, id);
         }
-        let e = self.segments[&base].exp.as_deref().expect("expandable");
         let pool = self.blocks[self.segments[&base].head].pool;
-        let now = e.mapped;
-        if now > mapped_before {
-            self.counters.increase(Metric::ReservedBytes, pool, (now - mapped_before) as i64);
-            bump(&ctx.counters.num_device_alloc);
-            now - mapped_before
-        } else {
-            if now < mapped_before {
-                self.counters.decrease(Metric::ReservedBytes, pool, (mapped_before - now) as i64);
-                bump(&ctx.counters.num_device_free);
-            }
-            0
+        let change = self.segments[&base].exp.as_deref().expect("expandable").mapped as isize - mapped_before as isize;
+        self.counters.change(Metric::ReservedBytes, pool, change as i64);
+        match change.signum() {
+            1 => bump(&ctx.counters.num_device_alloc),
+            -1 => bump(&ctx.counters.num_device_free),
+            _ => {}
         }
+        change
     }
 
     /// Splits block `id` (unmapped, or free and in its pool) of the segment at `base` where
@@ -418,9 +416,8 @@ impl ShardState {
             let before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
             // The block follows the page table whatever happens, unwinding included.
             let mut g = scopeguard::guard(&mut *self, |st| {
-                st.adopt(ctx, base, &[(id, 0)], before);
-                let after = st.segments[&base].exp.as_deref().expect("expandable").mapped;
-                ctx.limit.uncharge(before - after);
+                let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
+                ctx.limit.uncharge(shrunk.max(0) as usize);
             });
             let b = &g.blocks[id];
             let (addr, size) = (b.addr, b.size);
