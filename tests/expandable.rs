@@ -14,6 +14,15 @@ fn expandable() -> Config {
     Config { expandable_segments: true, ..Config::default() }
 }
 
+/// Empties the cache (every block is freed) and checks that the driver has everything back:
+/// no memory, no page handle, no address range, no ordinary segment.
+fn all_given_back(a: &gpupool::Allocator, drv: &gpupool::driver::sim::SimDriver) {
+    a.empty_cache(0).unwrap();
+    check(a);
+    assert_eq!((drv.used(0), drv.live_vmm(), drv.live_allocations()), (0, (0, 0), 0));
+    assert_eq!(a.stats(0).unwrap().segment.all.current, 0);
+}
+
 /// Writes `byte` over `size` bytes at `ptr` and reads it back (the simulated device's memory
 /// is host memory: an unmapped page would fault here).
 fn touch(ptr: u64, size: usize, byte: u8) {
@@ -34,6 +43,8 @@ fn a_segment_grows_across_pages_and_keeps_its_blocks_in_place() {
     touch(first, PAGE + PAGE / 2, 1);
     let s = a.stats(0).unwrap();
     assert_eq!((s.reserved_bytes.large_pool.current, s.segment.large_pool.current), (2 * PAGE as i64, 1));
+    let c = drv.counts();
+    assert_eq!((c.address_reserve, c.mem_create, c.mem_map), (1, 2, 2), "one range, a handle mapped per page");
     let second = a.malloc(2 * PAGE, 0, 0x10).unwrap();
     assert_eq!(second, first + (PAGE + PAGE / 2) as u64, "the segment grew instead of a new one");
     touch(second, 2 * PAGE, 2);
@@ -41,6 +52,7 @@ fn a_segment_grows_across_pages_and_keeps_its_blocks_in_place() {
     assert_eq!(s.reserved_bytes.large_pool.current, 4 * PAGE as i64);
     assert_eq!(s.segment.large_pool.current, 1);
     assert_eq!(drv.used(0), 4 * PAGE, "reserved is what is mapped");
+    assert_eq!((drv.counts().address_reserve, drv.counts().mem_map), (1, 4));
     // SAFETY: the first block is live and was written above.
     assert_eq!(unsafe { *(first as *const u8) }, 1, "growing left the first block's contents alone");
     // The best fit may span free memory and a new page: a block freed at the end is grown.
@@ -53,6 +65,8 @@ fn a_segment_grows_across_pages_and_keeps_its_blocks_in_place() {
     a.free(first).unwrap();
     a.free(third).unwrap();
     check(&a);
+    all_given_back(&a, &drv);
+    assert_eq!(drv.counts().mem_unmap, 5, "every page unmapped, one call each");
 }
 
 #[test]
@@ -75,9 +89,7 @@ fn empty_cache_gives_every_page_and_range_back() {
     for &p in ptrs.iter().skip(1).step_by(2) {
         a.free(p).unwrap();
     }
-    a.empty_cache(0).unwrap();
-    check(&a);
-    assert_eq!((drv.used(0), drv.live_vmm(), a.stats(0).unwrap().segment.all.current), (0, (0, 0), 0));
+    all_given_back(&a, &drv);
 }
 
 #[test]
@@ -103,8 +115,7 @@ fn out_of_memory_while_growing_rolls_back_and_release_and_retry_serves() {
     touch(more, 6 * PAGE, 3);
     a.free(more).unwrap();
     a.free(big).unwrap();
-    a.empty_cache(0).unwrap();
-    assert_eq!((drv.used(0), drv.live_vmm()), (0, (0, 0)));
+    all_given_back(&a, &drv);
 }
 
 #[test]
@@ -120,9 +131,7 @@ fn a_failed_virtual_memory_call_falls_back_to_an_ordinary_segment() {
     check(&a);
     a.free(p).unwrap();
     a.free(q).unwrap();
-    a.empty_cache(0).unwrap();
-    check(&a);
-    assert_eq!((drv.used(0), drv.live_vmm(), drv.live_allocations()), (0, (0, 0), 0));
+    all_given_back(&a, &drv);
 }
 
 #[test]
@@ -138,8 +147,7 @@ fn a_range_that_fills_up_is_followed_by_a_larger_one() {
     check(&a);
     a.free(p).unwrap();
     a.free(q).unwrap();
-    a.empty_cache(0).unwrap();
-    assert_eq!((drv.used(0), drv.live_vmm()), (0, (0, 0)));
+    all_given_back(&a, &drv);
 }
 
 #[test]
@@ -151,8 +159,6 @@ fn blocks_awaiting_events_keep_their_pages_mapped() {
     a.free(p).unwrap();
     // empty_cache waits for the event (the simulated wait completes the stream's work), then
     // the block is free and its pages go back.
-    a.empty_cache(0).unwrap();
-    check(&a);
-    assert_eq!((drv.used(0), drv.live_vmm()), (0, (0, 0)));
+    all_given_back(&a, &drv);
     drv.release_stream(0x20);
 }

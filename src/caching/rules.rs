@@ -40,8 +40,10 @@ pub(crate) struct SizeRules {
     /// PyTorch `large_segment_size`: the segment of a request over 1 MiB and under
     /// [`MIN_LARGE_ALLOC`] (`kLargeBuffer`, 20 MiB, before PyTorch 2.11 made it a setting).
     pub large_segment_size: usize,
-    /// PyTorch `roundup_power2_divisions`, per size interval (see [`ROUNDUP_INTERVALS`]).
-    pub roundup_power2_divisions: [usize; ROUNDUP_INTERVALS],
+    /// PyTorch `roundup_power2_divisions`, per size interval (see [`ROUNDUP_INTERVALS`]);
+    /// `None` when no interval has more than one division (PyTorch's default), so that a
+    /// request then rounds without looking its interval up.
+    pub roundup_power2_divisions: Option<[usize; ROUNDUP_INTERVALS]>,
 }
 
 impl Default for SizeRules {
@@ -60,7 +62,7 @@ impl SizeRules {
             max_split_size: c.max_split_size,
             max_non_split_rounding: c.max_non_split_rounding,
             large_segment_size: c.large_segment_size,
-            roundup_power2_divisions: c.roundup_power2_divisions,
+            roundup_power2_divisions: Some(c.roundup_power2_divisions).filter(|t| t.iter().any(|&d| d > 1)),
         }
     }
 
@@ -69,8 +71,10 @@ impl SizeRules {
     /// of `floor(log2(size))`, counted from 1 MiB; sizes under 2 MiB take the first, sizes of
     /// 32 GiB and more the last.
     pub fn divisions(&self, size: usize) -> usize {
-        let log = (usize::BITS - 1).saturating_sub(size.leading_zeros()) as usize;
-        self.roundup_power2_divisions[log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1)]
+        self.roundup_power2_divisions.map_or(0, |table| {
+            let log = (usize::BITS - 1).saturating_sub(size.leading_zeros()) as usize;
+            table[log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1)]
+        })
     }
 }
 
@@ -173,7 +177,7 @@ mod tests {
     const LARGE_BUFFER: usize = 20 * MIB;
 
     fn with_divisions(table: [usize; ROUNDUP_INTERVALS]) -> SizeRules {
-        SizeRules { roundup_power2_divisions: table, ..SizeRules::default() }
+        SizeRules::from_config(&Config { roundup_power2_divisions: table, ..Config::default() })
     }
 
     #[test]
