@@ -162,3 +162,66 @@ fn blocks_awaiting_events_keep_their_pages_mapped() {
     all_given_back(&a, &drv);
     drv.release_stream(0x20);
 }
+
+/// gpupool's high-water rule (`GPUPOOL_EXPANDABLE_RECLAIM`, on by default): a stream's free
+/// pages are unmapped before its segment grows past the most the device has had reserved, so
+/// that a hole left by one request holds part of the next; with the rule off, PyTorch's
+/// behaviour, the segment grows and the hole stays mapped.
+#[test]
+fn growth_past_the_high_water_mark_unmaps_free_pages_first() {
+    for reclaim in [true, false] {
+        let (a, drv) = sim_with(1, 1 << 30, Config { expandable_reclaim: reclaim, ..expandable() });
+        let first = a.malloc(10 * PAGE, 0, 0x10).unwrap();
+        let second = a.malloc(10 * PAGE, 0, 0x10).unwrap();
+        a.free(first).unwrap();
+        let syncs = drv.counts().device_synchronize;
+        // 20 pages do not fit the 10-page hole: the segment grows at its end.
+        let third = a.malloc(20 * PAGE, 0, 0x10).unwrap();
+        touch(third, 20 * PAGE, 3);
+        let s = a.stats(0).unwrap();
+        let (peak, unmapped) = if reclaim { (30, 1) } else { (40, 0) };
+        assert_eq!(s.reserved_bytes.all.peak, peak * PAGE as i64, "reclaim {reclaim}");
+        assert_eq!(drv.used(0), peak as usize * PAGE, "reserved is what is mapped");
+        assert_eq!(drv.counts().device_synchronize - syncs, unmapped, "a synchronisation before unmapping");
+        // A request that fits a free block is served from it, not from the unmapped hole
+        // (without the rule, the hole is still mapped: the two free blocks coalesced).
+        a.free(second).unwrap();
+        let fourth = a.malloc(10 * PAGE, 0, 0x10).unwrap();
+        assert_eq!(fourth, if reclaim { second } else { first });
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.peak, peak * PAGE as i64);
+        check(&a);
+        for p in [third, fourth] {
+            a.free(p).unwrap();
+        }
+        all_given_back(&a, &drv);
+    }
+}
+
+/// The rule across streams: the free pages of another stream's segment are unmapped (the
+/// growing stream's lock is not held meanwhile) before a stream grows past the mark.
+#[test]
+fn another_streams_free_pages_hold_the_growth_of_a_stream() {
+    for reclaim in [true, false] {
+        let (a, drv) = sim_with(1, 1 << 30, Config { expandable_reclaim: reclaim, ..expandable() });
+        let one = a.malloc(16 * PAGE, 0, 0x10).unwrap();
+        let kept = a.malloc(PAGE / 2, 0, 0x10).unwrap();
+        a.free(one).unwrap();
+        let two = a.malloc(16 * PAGE, 0, 0x20).unwrap();
+        touch(two, 16 * PAGE, 5);
+        let s = a.stats(0).unwrap();
+        let peak = if reclaim { 17 } else { 33 };
+        assert_eq!(s.reserved_bytes.all.peak, peak * PAGE as i64, "reclaim {reclaim}");
+        check(&a);
+        // Stream 0x10 grows again, into its unmapped pages, under the mark if stream 0x20's
+        // block is freed first.
+        a.free(two).unwrap();
+        let three = a.malloc(16 * PAGE, 0, 0x10).unwrap();
+        touch(three, 16 * PAGE, 6);
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.peak, peak * PAGE as i64);
+        check(&a);
+        for p in [kept, three] {
+            a.free(p).unwrap();
+        }
+        all_given_back(&a, &drv);
+    }
+}

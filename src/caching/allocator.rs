@@ -203,6 +203,7 @@ impl Allocator {
             self.index.clone(),
             SizeRules::from_config(&config),
             config.expandable_segments,
+            config.expandable_reclaim,
         );
         if config.per_process_memory_fraction < 1.0 {
             dev.set_memory_fraction(config.per_process_memory_fraction)?;

@@ -17,11 +17,14 @@ pub(crate) struct MemoryLimit {
     /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`); `i64::MAX`
     /// when no fraction is set.
     limit: AtomicI64,
+    /// The most bytes the device has had reserved at once, since it started (its high-water
+    /// mark; not reset with the peak statistics, which are the caller's).
+    mark: AtomicI64,
 }
 
 impl Default for MemoryLimit {
     fn default() -> Self {
-        MemoryLimit { reserved: AtomicI64::new(0), limit: AtomicI64::new(i64::MAX) }
+        MemoryLimit { reserved: AtomicI64::new(0), limit: AtomicI64::new(i64::MAX), mark: AtomicI64::new(0) }
     }
 }
 
@@ -37,6 +40,7 @@ pub(crate) struct Charge<'a> {
 impl Charge<'_> {
     /// The segment exists: its bytes stay counted until [`MemoryLimit::uncharge`].
     pub fn commit(self) {
+        self.limit.raise_mark();
         std::mem::forget(self);
     }
 
@@ -45,6 +49,7 @@ impl Charge<'_> {
     pub fn commit_part(self, bytes: usize) {
         debug_assert!(bytes as i64 <= self.size);
         self.limit.reserved.fetch_sub(self.size - bytes as i64, Ordering::Relaxed);
+        self.limit.raise_mark();
         std::mem::forget(self);
     }
 }
@@ -82,6 +87,17 @@ impl MemoryLimit {
     /// The limit in bytes, or `None` when no fraction is set.
     pub fn get(&self) -> Option<i64> {
         Some(self.limit.load(Ordering::Relaxed)).filter(|&l| l != i64::MAX)
+    }
+
+    fn raise_mark(&self) {
+        self.mark.fetch_max(self.reserved.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// By how many bytes `size` more would take the device's reserved bytes past its
+    /// high-water mark (0: they stay at or below it).
+    pub fn over_mark(&self, size: usize) -> usize {
+        let after = self.reserved.load(Ordering::Relaxed) + size as i64;
+        (after - self.mark.load(Ordering::Relaxed)).max(0) as usize
     }
 
     /// The bytes counted as reserved (for the consistency check).

@@ -19,7 +19,7 @@ use super::oom;
 use super::peaks::{self, SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
-use super::shard::{ExpandablePolicy, Request, Shard, ShardCtx, ShardState};
+use super::shard::{ExpandablePolicy, Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
@@ -53,6 +53,18 @@ pub(crate) struct DeviceAllocator {
     deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     expandable: Option<ExpandablePolicy>,
+    /// Whether expandable segments keep to the device's high-water mark (see [`Reclaim`]).
+    reclaim: Reclaim,
+}
+
+/// What [`DeviceAllocator::serve`] obtained.
+enum Served {
+    Block(DevicePtr),
+    /// The device is out of memory for the request (after this stream's oversize segments
+    /// were released).
+    OutOfMemory,
+    /// See [`Growth::PastMark`].
+    PastMark(usize),
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -67,16 +79,18 @@ impl DeviceAllocator {
     /// The allocator of `device` with PyTorch's size `rules`. With `expandable`, its segments
     /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
     /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
-    /// back.
+    /// back. `reclaim`: expandable segments keep to the high-water mark (see [`Reclaim`]).
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
         rules: SizeRules,
         expandable: bool,
+        reclaim: bool,
     ) -> Self {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
+            reclaim: if expandable.is_some() && reclaim { Reclaim::Device } else { Reclaim::Off },
             expandable,
             device,
             driver,
@@ -103,6 +117,7 @@ impl DeviceAllocator {
             counters: &self.counters,
             deferred: &self.deferred,
             expandable: self.expandable.as_ref(),
+            reclaim: self.reclaim,
         }
     }
 
@@ -138,19 +153,46 @@ impl DeviceAllocator {
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size, &self.rules)?;
         let mut st = self.shards.lock_for_change(shard);
-        if !shard.is_retired() {
+        let reclaim = if !shard.is_retired() {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
-            if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
-                return Ok(self.finish_call(st, ptr, hot));
+            match self.serve(&mut st, &ctx, &req)? {
+                Served::Block(ptr) => return Ok(self.finish_call(st, ptr, hot)),
+                Served::OutOfMemory => None,
+                Served::PastMark(short) => Some(short),
             }
-            drop(st);
-            return self.malloc_after_oom(shard.stream, &req);
-        }
+        } else {
+            None
+        };
         drop(st);
+        if let Some(short) = reclaim {
+            self.unmap_other_streams(shard, short);
+        }
         match self.serve_stream(shard.stream, &req)? {
             Some(ptr) => Ok(ptr),
             None => self.malloc_after_oom(shard.stream, &req),
+        }
+    }
+
+    /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
+    /// expandable segments are unmapped, `want` bytes of them if they have that many, each
+    /// shard locked in turn (the caller holds none). A failure leaves those pages cached.
+    fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize) {
+        let mut left = want;
+        for other in self.shards.all() {
+            if left == 0 {
+                break;
+            }
+            if Arc::ptr_eq(&other, shard) {
+                continue;
+            }
+            let ctx = self.ctx(&other);
+            let mut st = self.shards.lock_for_change(&other);
+            if other.is_retired() {
+                continue;
+            }
+            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None).unwrap_or(0));
+            self.finish(st, ());
         }
     }
 
@@ -173,7 +215,9 @@ impl DeviceAllocator {
     }
 
     /// [`DeviceAllocator::serve`] on the current shard of `stream` (its shard may have been
-    /// retired by `empty_cache` meanwhile).
+    /// retired by `empty_cache` meanwhile), growing past the high-water mark once this
+    /// shard's free pages are unmapped ([`Reclaim::Shard`]): the other streams' were, or
+    /// the device is out of memory.
     fn serve_stream(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
         loop {
             let shard = self.shards.get_or_create(stream);
@@ -181,34 +225,52 @@ impl DeviceAllocator {
             if shard.is_retired() {
                 continue;
             }
-            let ctx = self.ctx(&shard);
+            let mut ctx = self.ctx(&shard);
+            ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
             st.process_events(&ctx)?;
-            return Ok(self.serve(&mut st, &ctx, req)?.map(|ptr| self.finish(st, ptr)));
+            return Ok(match self.serve(&mut st, &ctx, req)? {
+                Served::Block(ptr) => Some(self.finish(st, ptr)),
+                Served::OutOfMemory => None,
+                Served::PastMark(_) => unreachable!("only with Reclaim::Device"),
+            });
         }
     }
 
-    /// A block for `req` from the cache or a new segment; `Ok(None)` when the device is out of
-    /// memory for it.
+    /// A block for `req` from the cache or from the driver.
     #[inline]
-    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
+    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Served, Error> {
         let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
-            None => match st.grow(ctx, req) {
-                Ok(id) => id,
-                Err(DriverError::OutOfMemory) => {
-                    if !st.release_available(ctx, req)? {
-                        return Ok(None);
-                    }
-                    match st.grow(ctx, req) {
-                        Ok(id) => id,
-                        Err(DriverError::OutOfMemory) => return Ok(None),
-                        Err(e) => return Err(Error::driver(e, "allocating a segment")),
-                    }
-                }
-                Err(e) => return Err(Error::driver(e, "allocating a segment")),
+            None => match self.grow(st, ctx, req)? {
+                Some(Growth::Block(id)) => id,
+                Some(Growth::PastMark(short)) => return Ok(Served::PastMark(short)),
+                None => return Ok(Served::OutOfMemory),
             },
         };
-        Ok(Some(st.hand_out(id, req, self.max_split_size)))
+        Ok(Served::Block(st.hand_out(id, req, self.max_split_size)))
+    }
+
+    /// [`ShardState::grow`], after releasing this stream's oversize segments if the device is
+    /// out of memory (PyTorch `release_available_cached_blocks`); `None` when it still is.
+    /// With [`Reclaim::Device`] and no other stream on the device, [`Reclaim::Shard`].
+    fn grow(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<Growth>, Error> {
+        // Without another stream there is nothing to unmap with this shard's lock dropped.
+        let alone = ctx.reclaim == Reclaim::Device && self.shards.len() <= 1;
+        let grown = if alone { st.grow(&ShardCtx { reclaim: Reclaim::Shard, ..*ctx }, req) } else { st.grow(ctx, req) };
+        match grown {
+            Ok(g) => Ok(Some(g)),
+            Err(DriverError::OutOfMemory) => {
+                if !st.release_available(ctx, req)? {
+                    return Ok(None);
+                }
+                match st.grow(&ShardCtx { reclaim: Reclaim::Off, ..*ctx }, req) {
+                    Ok(g) => Ok(Some(g)),
+                    Err(DriverError::OutOfMemory) => Ok(None),
+                    Err(e) => Err(Error::driver(e, "allocating a segment")),
+                }
+            }
+            Err(e) => Err(Error::driver(e, "allocating a segment")),
+        }
     }
 
     /// Ends a call on a shard the calling thread uses repeatedly (or a slow path).

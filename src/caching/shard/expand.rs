@@ -18,10 +18,12 @@
 //! not exhaust the address space, and a shard may hold several ranges per pool; before pages
 //! are unmapped the device is synchronised, never a stream (a stream the program destroyed
 //! would crash `cudaStreamSynchronize`, as it crashes PyTorch 2.11's `emptyCache`); a map that
-//! fails halfway is undone (PyTorch keeps what it mapped); and each range counts as a segment
-//! (PyTorch counts none).
+//! fails halfway is undone (PyTorch keeps what it mapped); each range counts as a segment
+//! (PyTorch counts none); and a segment does not grow past the device's high-water mark while
+//! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
+//! memory).
 
-use super::{SegmentInfo, ShardCtx, ShardState};
+use super::{Growth, Reclaim, SegmentInfo, ShardCtx, ShardState};
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
 use crate::caching::counters::{Metric, bump};
 use crate::caching::expandable::Expandable;
@@ -115,32 +117,28 @@ impl ShardState {
     /// room for the pages; any other failure of the virtual memory calls. The pages mapped
     /// for the request are unmapped again then; the shard is as it was, but for a new range
     /// that could not be given back (it stays, empty, until the cache is released).
-    pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<BlockId, DriverError> {
+    pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<Growth, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
-        let start = match self.find_expandable(pool, rounded) {
-            Some(id) => id,
-            None => self.reserve_range(ctx, policy, pool, rounded)?,
-        };
-        // The blocks to map, and how much of each: free and unmapped blocks from `start` on,
-        // until `rounded` bytes are reached (PyTorch maps the same, block by block).
-        let (base, page) = {
-            let (base, e) = self.expandable_of(self.blocks[start].addr);
-            (base, e.page)
-        };
-        let mut plan: Vec<(BlockId, usize, usize)> = Vec::new();
-        let (mut have, mut id) = (0usize, start);
-        while have < rounded {
-            let b = &self.blocks[id];
-            if b.state == BlockState::Unmapped {
-                let map = round_up(rounded - have, page).min(b.size);
-                plan.push((id, (b.addr - base) as usize, map));
-                have += map;
-            } else {
-                have += b.size;
+        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded)?;
+        let bytes: usize = plan.iter().map(|p| p.2).sum();
+        let over = ctx.limit.over_mark(bytes);
+        if over > 0 && ctx.reclaim != Reclaim::Off {
+            // The free pages outside the bytes the request will take (the free blocks the plan
+            // walks may hold more than it needs), as many as it passes the mark by. The plan
+            // stays valid: the blocks it maps keep their addresses (a block after them that is
+            // unmapped merges into the last of them). Opportunistic: a failure to synchronise
+            // or unmap leaves those pages cached (the next release of the cache reports it),
+            // and the request maps past the mark.
+            let at = self.blocks[start].addr;
+            let unmapped = self.unmap_free_pages(ctx, over, Some(at..at + rounded as u64)).unwrap_or(0);
+            if unmapped < over && ctx.reclaim == Reclaim::Device {
+                let base = self.expandable_of(at).0;
+                self.free_range_if_empty(ctx, base);
+                return Ok(Growth::PastMark(over - unmapped));
             }
-            id = b.next;
         }
-        let Some(charge) = ctx.limit.try_charge(plan.iter().map(|p| p.2).sum()) else {
+        let base = self.expandable_of(self.blocks[start].addr).0;
+        let Some(charge) = ctx.limit.try_charge(bytes) else {
             self.free_range_if_empty(ctx, base);
             return Err(DriverError::OutOfMemory);
         };
@@ -167,7 +165,42 @@ impl ShardState {
         debug_assert!(b.state == BlockState::Free && b.size >= rounded);
         let (size, addr) = (b.size, b.addr);
         self.pool(pool).remove(size, addr, start);
-        Ok(start)
+        Ok(Growth::Block(start))
+    }
+
+    /// Where to grow for a request of `rounded` bytes of `pool`: the first block of a run of
+    /// free and unmapped blocks that holds it (in a new range if no range has one), and the
+    /// pages to map, as (block, offset in its range, bytes): free and unmapped blocks from the
+    /// start on, until `rounded` bytes are reached (PyTorch maps the same, block by block).
+    fn plan_growth(
+        &mut self,
+        ctx: &ShardCtx,
+        policy: &ExpandablePolicy,
+        pool: PoolKind,
+        rounded: usize,
+    ) -> Result<(BlockId, Vec<(BlockId, usize, usize)>), DriverError> {
+        let start = match self.find_expandable(pool, rounded) {
+            Some(id) => id,
+            None => self.reserve_range(ctx, policy, pool, rounded)?,
+        };
+        let (base, page) = {
+            let (base, e) = self.expandable_of(self.blocks[start].addr);
+            (base, e.page)
+        };
+        let mut plan = Vec::new();
+        let (mut have, mut id) = (0usize, start);
+        while have < rounded {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Unmapped {
+                let map = round_up(rounded - have, page).min(b.size);
+                plan.push((id, (b.addr - base) as usize, map));
+                have += map;
+            } else {
+                have += b.size;
+            }
+            id = b.next;
+        }
+        Ok((start, plan))
     }
 
     /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address)
@@ -379,69 +412,93 @@ impl ShardState {
     }
 
     /// The expandable half of PyTorch `release_blocks` (`empty_cache`, the out-of-memory
-    /// path): the wholly free pages inside every free block of this shard's expandable
-    /// segments are unmapped and released (`unmap_block`), and a range left with nothing
-    /// mapped is given back. First the device is synchronised (with the shard's lock held, so
-    /// that no block of this stream is handed out and freed again meanwhile): a block freed
-    /// in stream order may still be in use by work queued before its free, and `cuMemUnmap`
-    /// does not wait for it. A device synchronisation, not a stream's: the stream may have
-    /// been destroyed. Returns the bytes unmapped.
+    /// path): every wholly free page of this shard's expandable segments is unmapped and
+    /// released (see [`ShardState::unmap_free_pages`]), and a range left with nothing mapped
+    /// is given back. Returns the bytes unmapped.
     ///
     /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
     /// unmapped stays unmapped, the rest stays cached.
     pub fn release_pages(&mut self, ctx: &ShardCtx) -> Result<usize, Error> {
-        let mut candidates: Vec<(DevicePtr, BlockId)> = Vec::new();
+        let released = self.unmap_free_pages(ctx, usize::MAX, None);
+        for base in self.expandables.clone() {
+            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            e.release_orphans(ctx.driver, ctx.device);
+            self.free_range_if_empty(ctx, base);
+        }
+        released
+    }
+
+    /// PyTorch `unmap_block` over the free blocks of this shard's expandable segments, the
+    /// largest first, until `want` bytes are unmapped (whole pages; the last block gives only
+    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. First
+    /// the device is synchronised, if anything is to be unmapped (with the shard's lock held,
+    /// so that no block of this stream is handed out and freed again meanwhile): a block
+    /// freed in stream order may still be in use by work queued before its free, and
+    /// `cuMemUnmap` does not wait for it. A device synchronisation, not a stream's (PyTorch
+    /// synchronises the segment's stream): the stream may have been destroyed. Returns the
+    /// bytes unmapped.
+    ///
+    /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
+    /// unmapped stays unmapped, the rest stays cached.
+    pub fn unmap_free_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        want: usize,
+        keep: Option<std::ops::Range<DevicePtr>>,
+    ) -> Result<usize, Error> {
+        // (segment base, block, first page offset, end offset) of each free block with whole
+        // pages outside `keep`'s pages, largest first. `keep` starts at a block's address, so
+        // a block overlapping it starts in it: only its pages after `keep` are candidates.
+        let mut candidates: Vec<(DevicePtr, BlockId, u64, u64)> = Vec::new();
         for pool in [&self.small, &self.large] {
-            for (size, addr, id) in pool.iter() {
+            for (size, addr, id) in pool.iter_largest_first() {
                 if !self.blocks[id].expandable {
                     continue;
                 }
+                let end = addr + size as u64;
                 let (base, e) = self.expandable_of(addr);
                 let page = e.page as u64;
-                let lo = (addr - base).div_ceil(page) * page;
-                let hi = (addr + size as u64 - base) / page * page;
+                let mut lo = (addr - base).div_ceil(page) * page;
+                let mut hi = (end - base) / page * page;
+                if let Some(k) = keep.as_ref().filter(|k| k.start >= base && k.start - base < e.size as u64) {
+                    if addr >= k.start {
+                        lo = lo.max((k.end - base).div_ceil(page) * page);
+                    } else {
+                        hi = hi.min((k.start - base) / page * page);
+                    }
+                }
                 if hi > lo {
-                    candidates.push((base, id));
+                    candidates.push((base, id, lo, hi));
                 }
             }
         }
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
         let mut released = 0;
-        if !candidates.is_empty() {
-            ctx.driver.device_synchronize(ctx.device).map_err(|e| {
-                Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
-            })?;
+        if candidates.is_empty() {
+            return Ok(0);
         }
-        let mut failure = None;
-        for (base, id) in candidates {
+        ctx.driver.device_synchronize(ctx.device).map_err(|e| {
+            Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
+        })?;
+        for (base, id, lo, hi) in candidates {
+            if released >= want {
+                break;
+            }
             let before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
             // The block follows the page table whatever happens, unwinding included.
             let mut g = scopeguard::guard(&mut *self, |st| {
                 let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
                 ctx.limit.uncharge(shrunk.max(0) as usize);
             });
-            let b = &g.blocks[id];
-            let (addr, size) = (b.addr, b.size);
             let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let page = e.page as u64;
-            let lo = (addr - base).div_ceil(page) * page;
-            let hi = (addr + size as u64 - base) / page * page;
-            let r = e.unmap(ctx.driver, ctx.device, lo as usize, (hi - lo) as usize);
+            let left = (want - released) as u64;
+            let len = if left >= hi - lo { hi - lo } else { round_up(left as usize, e.page) as u64 };
+            let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize);
             drop(g);
             released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
-            if let Err(e) = r {
-                failure = Some(Error::driver(e, "unmapping the free pages of an expandable segment"));
-                break;
-            }
+            r.map_err(|e| Error::driver(e, "unmapping the free pages of an expandable segment"))?;
         }
-        for base in self.expandables.clone() {
-            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            e.release_orphans(ctx.driver, ctx.device);
-            self.free_range_if_empty(ctx, base);
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(released),
-        }
+        Ok(released)
     }
 }
 

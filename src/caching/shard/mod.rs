@@ -79,6 +79,7 @@ impl Shard {
 
 /// What a shard's operations need from its device: the driver, the device's settings and
 /// shared state, and the shard itself (to index its new segments).
+#[derive(Clone, Copy)]
 pub(crate) struct ShardCtx<'a> {
     pub driver: &'a dyn Driver,
     pub device: i32,
@@ -90,6 +91,35 @@ pub(crate) struct ShardCtx<'a> {
     pub deferred: &'a DeferredFrees,
     /// How expandable segments are laid out; `None` when the device uses ordinary segments.
     pub expandable: Option<&'a ExpandablePolicy>,
+    /// What growing an expandable segment past the device's high-water mark does first.
+    pub reclaim: Reclaim,
+}
+
+/// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
+/// cache is released): the device's reserved bytes do not pass their high-water mark while
+/// wholly free pages are mapped anywhere on the device. Before an expandable segment grows
+/// past the mark, free pages are unmapped instead (a device synchronisation, see
+/// `ShardState::unmap_free_pages`), so that memory freed by one request or one stream holds
+/// the next one's growth, wherever it must be mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Reclaim {
+    /// Grow without unmapping (the rule is off).
+    Off,
+    /// Unmap free pages of this shard, then grow.
+    Shard,
+    /// Unmap free pages of this shard; if that is not enough, answer [`Growth::PastMark`] so
+    /// that the caller, holding no shard lock, unmaps other streams' pages first.
+    Device,
+}
+
+/// What [`ShardState::grow`] obtained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Growth {
+    /// A free block for the request, out of the pool.
+    Block(BlockId),
+    /// Nothing was mapped: the growth would take the device this many bytes past its
+    /// high-water mark ([`Reclaim::Device`] only).
+    PastMark(usize),
 }
 
 /// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool

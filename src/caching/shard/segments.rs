@@ -1,7 +1,7 @@
 //! Segments: obtained from the driver when nothing cached fits, and given back when wholly
 //! free (`empty_cache`, the out-of-memory path).
 
-use super::{Request, SegmentInfo, ShardCtx, ShardState};
+use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
 use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS, bump};
 use crate::caching::segment_index::SegmentEntry;
@@ -14,14 +14,14 @@ impl ShardState {
     /// them, else as a new segment. A failure of the virtual memory calls other than out of
     /// memory (`CUDA_ERROR_NOT_PERMITTED` under a debugger, say) falls back to a new ordinary
     /// segment for this request.
-    pub fn grow(&mut self, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
+    pub fn grow(&mut self, ctx: &ShardCtx, req: &Request) -> Result<Growth, DriverError> {
         if ctx.expandable.is_some() {
             match self.grow_expandable(ctx, req.rounded, req.pool) {
                 Err(DriverError::Cuda { .. } | DriverError::Unavailable(_)) => {}
                 r => return r,
             }
         }
-        self.new_segment(ctx, req)
+        self.new_segment(ctx, req).map(Growth::Block)
     }
 
     /// PyTorch `alloc_block`: a new segment from the driver, as one free block (not in the
