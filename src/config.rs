@@ -28,7 +28,7 @@
 //! | `GPUPOOL_PRELOAD_MODE` | `safe` or `stream` | `safe` | LD_PRELOAD shim: `safe` (a `cudaFree`d block waits for a device synchronisation) or `stream` (reused at once, in stream order) |
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
-//! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `on` | With `expandable_segments:True`: a segment does not grow past the device's highest reserved bytes so far while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory) |
+//! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `on` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory) |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
@@ -156,9 +156,9 @@ pub struct Config {
     /// at exit.
     pub preload_stats: bool,
     /// gpupool's high-water rule for expandable segments (`GPUPOOL_EXPANDABLE_RECLAIM`, on by
-    /// default): before an expandable segment grows past the device's highest reserved bytes
-    /// so far, wholly free pages mapped anywhere on the device are unmapped (after a device
-    /// synchronisation). Off: PyTorch's behaviour.
+    /// default): before an expandable segment grows past the device's peak reserved bytes
+    /// (since the cache was last emptied or the peaks reset), wholly free pages mapped anywhere
+    /// on the device are unmapped (after a device synchronisation). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
 }
 
@@ -306,7 +306,7 @@ pub static OPTIONS: [Opt; 8] = [
         name: "GPUPOOL_EXPANDABLE_RECLAIM",
         kind: Kind::Bool,
         default: Value::Bool(true),
-        doc: "With `expandable_segments:True`: a segment does not grow past the device's highest reserved bytes so far while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory)",
+        doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory)",
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
     },

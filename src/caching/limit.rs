@@ -17,8 +17,8 @@ pub(crate) struct MemoryLimit {
     /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`); `i64::MAX`
     /// when no fraction is set.
     limit: AtomicI64,
-    /// The most bytes the device has had reserved at once, since it started (its high-water
-    /// mark; not reset with the peak statistics, which are the caller's).
+    /// The most bytes the device has had reserved at once since it started, its cache was
+    /// last released or its peak statistics were last reset (its high-water mark).
     mark: AtomicI64,
 }
 
@@ -93,6 +93,12 @@ impl MemoryLimit {
         self.mark.fetch_max(self.reserved.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
+    /// The high-water mark starts again from the bytes reserved now (the cache was released,
+    /// or the peak statistics reset: the caller asks for a new peak).
+    pub fn reset_mark(&self) {
+        self.mark.store(self.reserved.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     /// By how many bytes `size` more would take the device's reserved bytes past its
     /// high-water mark (0: they stay at or below it).
     pub fn over_mark(&self, size: usize) -> usize {
@@ -126,5 +132,21 @@ mod tests {
         }));
         assert!(l.try_charge(60).is_none(), "60 + 60 passes the limit of 100");
         assert_eq!(l.reserved(), 60);
+    }
+
+    #[test]
+    fn the_mark_follows_committed_bytes_and_starts_again_when_reset() {
+        let l = MemoryLimit::default();
+        l.try_charge(100).unwrap().commit();
+        assert_eq!(l.over_mark(0), 0);
+        assert_eq!(l.over_mark(10), 10);
+        l.uncharge(60);
+        assert_eq!(l.over_mark(60), 0, "40 reserved, 60 more stays at the mark of 100");
+        drop(l.try_charge(500));
+        assert_eq!(l.over_mark(61), 1, "a charge given back raises nothing");
+        l.try_charge(100).unwrap().commit_part(30);
+        assert_eq!(l.over_mark(30), 0, "the part kept counts: 70 reserved");
+        l.reset_mark();
+        assert_eq!(l.over_mark(1), 1, "the mark is what is reserved now");
     }
 }

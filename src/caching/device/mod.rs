@@ -387,6 +387,7 @@ impl DeviceAllocator {
             self.finish(st, ());
         }
         self.retire_idle_shards();
+        self.limit.reset_mark();
         Ok(())
     }
 
@@ -500,6 +501,7 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
+        self.limit.reset_mark();
     }
 }
 
