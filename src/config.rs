@@ -28,7 +28,7 @@
 //! | `GPUPOOL_PRELOAD_MODE` | `safe` or `stream` | `safe` | LD_PRELOAD shim: `safe` (a `cudaFree`d block waits for a device synchronisation) or `stream` (reused at once, in stream order) |
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
-//! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `on` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory) |
+//! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see the README's fragmentation table) |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
@@ -155,7 +155,7 @@ pub struct Config {
     /// The LD_PRELOAD shim writes its counts, the options and the memory summaries to stderr
     /// at exit.
     pub preload_stats: bool,
-    /// gpupool's high-water rule for expandable segments (`GPUPOOL_EXPANDABLE_RECLAIM`, on by
+    /// gpupool's high-water rule for expandable segments (`GPUPOOL_EXPANDABLE_RECLAIM`, off by
     /// default): before an expandable segment grows past the device's peak reserved bytes
     /// (since the cache was last emptied or the peaks reset), wholly free pages mapped anywhere
     /// on the device are unmapped (after a device synchronisation). Off: PyTorch's behaviour.
@@ -184,7 +184,7 @@ impl Default for Config {
             preload_mode: PreloadMode::Safe,
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
-            expandable_reclaim: true,
+            expandable_reclaim: false,
         }
     }
 }
@@ -305,8 +305,8 @@ pub static OPTIONS: [Opt; 8] = [
     Opt {
         name: "GPUPOOL_EXPANDABLE_RECLAIM",
         kind: Kind::Bool,
-        default: Value::Bool(true),
-        doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. `off`: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory)",
+        default: Value::Bool(false),
+        doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see the README's fragmentation table)",
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
     },
@@ -765,7 +765,7 @@ mod tests {
              GPUPOOL_PRELOAD_MODE=safe (default)\n\
              GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
              GPUPOOL_PRELOAD_STATS=on\n\
-             GPUPOOL_EXPANDABLE_RECLAIM=on (default)\n\
+             GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
              GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
              max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:False,\
              release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\

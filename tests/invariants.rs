@@ -113,7 +113,10 @@ fn stamped(ptr: u64, size: usize, cookie: u64) -> bool {
 
 fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool) {
     let streams = [0usize, 0x1000, 0x2000];
-    let (a, drv) = sim_with(1, 160 * MIB, Config { max_split_size, expandable_segments, ..Config::default() });
+    // Half the cases with gpupool's high-water rule for expandable segments.
+    let expandable_reclaim = ops.len() % 2 == 0;
+    let (a, drv) =
+        sim_with(1, 160 * MIB, Config { max_split_size, expandable_segments, expandable_reclaim, ..Config::default() });
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
     let mut model_peak = currents(&a.stats(0).unwrap());
     let mut cookie = 1u64;
@@ -309,7 +312,9 @@ fn peaks_are_consistent(s: &DeviceStats) {
 fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f64>, expandable_segments: bool) {
     quiet_injected_panics();
     let streams = [0usize, 0x1000, 0x2000];
-    let (a, drv) = sim_with(1, CAPACITY, Config { max_split_size, expandable_segments, ..Config::default() });
+    let expandable_reclaim = ops.len() % 2 == 0;
+    let (a, drv) =
+        sim_with(1, CAPACITY, Config { max_split_size, expandable_segments, expandable_reclaim, ..Config::default() });
     let fraction_or_all = fraction.unwrap_or(1.0);
     a.set_memory_fraction(fraction_or_all, 0).unwrap();
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
