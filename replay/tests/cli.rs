@@ -89,6 +89,7 @@ fn a_bad_conf_is_refused_with_status_2() {
         &["--driver", "cuda", "--capacity", "1GiB"],
         &["--format", "xml"],
         &["--bogus"],
+        &["--json=yes"],
         &[],
     ] {
         let mut all: Vec<&str> = args.to_vec();
