@@ -2,8 +2,9 @@
 # gpupool on a GPU, in two steps, because the GPU machine has CUDA, CMake and PyTorch but no
 # Rust toolchain.
 #
-#   scripts/gpu.sh prepare [DIR]   where cargo is: build, install gpupool into DIR/prefix, copy
-#                                  the Rust test binaries to DIR/bin and the traces to DIR/traces
+#   scripts/gpu.sh prepare [DIR]   where cargo is: build, install gpupool (with bin/gpupool-replay)
+#                                  into DIR/prefix, copy the Rust test binaries to DIR/bin and
+#                                  the traces to DIR/traces
 #                                  (DIR defaults to .device, which git ignores)
 #   scripts/gpu.sh run [DIR] [OUT] on the GPU machine: build the C tests, the GPU tests and the
 #                                  examples against DIR/prefix, run every test with
@@ -24,6 +25,9 @@
 #   traces      examples/python/record_trace.py into build-gpu/traces
 #   bench       examples/c/bench with DIR/traces and build-gpu/traces (recorded by this run or
 #               an earlier one); BENCH_ONLY=main or frag passes through to it
+#   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
+#               defaults and with expandable_segments:True, then the same on the simulated
+#               device for comparison; table and JSON in OUT/replay-*
 # e.g. GPU_SECTIONS="expandable traces bench" scripts/gpu.sh run for a short session. `run`
 # stops at nothing and exits 1 at the end if anything it ran failed.
 set -euo pipefail
@@ -47,6 +51,7 @@ for l in sys.stdin:
   # Stripped, to travel light (the GPU machine takes at most 64 MiB).
   strip "$dir"/bin/*
   strip --strip-debug "$dir/prefix/lib/libgpupool.a" "$dir/prefix/lib/libgpupool.so" "$dir/prefix/lib/libgpupool_preload.so"
+  strip "$dir/prefix/bin/gpupool-replay"
   shared=../shared/traces
   if [ -d "$shared" ]; then cp "$shared"/*.txt.gz "$dir/traces/"; fi
   du -sh "$dir"
@@ -58,7 +63,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable examples preload python traces bench"
+all_sections="rust c gpu expandable examples preload python traces bench replay"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -225,5 +230,25 @@ if want bench; then
     traces+=("build-gpu/$(basename "$t" .gz)")
   done
   ./build-gpu/examples/bench "${traces[@]}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+# The replay tool on the GPU (CUDA streams made for the trace's), then on the simulated device
+# of this machine, with the same configurations: what the simulated device predicts beside what
+# the GPU does.
+if want replay; then
+  echo "== gpupool-replay"
+  trace="$dir/traces/llama_decode.txt.gz"
+  if [ -e "$trace" ]; then
+    for driver in cuda sim; do
+      for format in table json; do
+        "$prefix/bin/gpupool-replay" --driver "$driver" --format "$format" --conf expandable_segments:False \
+          --conf expandable_segments:True "$trace" >"$out/replay-$driver.$format" 2>"$out/replay-$driver.err" ||
+          { echo "gpupool-replay --driver $driver failed:"; cat "$out/replay-$driver.err"; status=1; }
+      done
+      cat "$out/replay-$driver.table"
+    done
+  else
+    echo "no $trace: scripts/gpu.sh prepare copies ../shared/traces there"
+    status=1
+  fi
 fi
 exit $status

@@ -70,4 +70,9 @@ PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -std=c11 -Wall -Wextra -Wp
   $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
 ./build/header_names_pc
 sh tests/c/header_names.sh build/install/include/gpupool*.h
+echo "== installed package, gpupool-replay"
+# 12 MiB, 500,000 bytes and 3 MiB take segments of 12, 2 and 20 MiB (replay/tests/peaks.rs).
+printf 'a 1 12582912 0\na 2 500000 0\na 3 3145728 0\nf 1\nf 2\nf 3\n' >build/replay-smoke.txt
+./build/install/bin/gpupool-replay --csv build/replay-smoke.txt 2>/dev/null | tee build/replay-smoke.csv
+grep -q "^replay-smoke.txt,defaults,sim,.*,35651584," build/replay-smoke.csv
 echo "test.sh: all tests passed"

@@ -1,0 +1,245 @@
+//! The command line of `gpupool-replay`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use gpupool::config::{Config, parse_size};
+
+use crate::cuda::Gpu;
+use crate::input::load;
+use crate::report::{Row, csv, json, table};
+use crate::run::{default_capacity, replay_sim};
+
+/// The text of `--help`.
+pub const USAGE: &str = "\
+usage: gpupool-replay [OPTIONS] TRACE...
+
+Replays allocation traces on gpupool, once per configuration, and prints per configuration the
+peak reserved and peak live bytes, their ratio, driver allocations, retries, out-of-memory
+errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass).
+
+TRACE is a text trace ('a ID SIZE STREAM' / 'f ID' lines, as in ../shared/traces) or a PyTorch
+memory snapshot (torch.cuda.memory._dump_snapshot), either of them gzipped or not. A snapshot
+also gives a row 'recorded': what PyTorch's allocator reserved over the same events.
+
+options:
+  --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's
+                      PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True' or
+                      'max_split_size_mb:128,roundup_power2_divisions:4'; once per row, in
+                      order; without any, the defaults (the environment is not read)
+  --driver sim|cuda   sim (default): the simulated device, no GPU needed; cuda: device 0 of
+                      this machine's GPU, with one CUDA stream per stream of the trace
+  --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
+                      largest peak live rounded up to a GiB when that is more)
+  --device N          of a snapshot, replay only device N's trace (default: every device's)
+  --format FORMAT     table (default), json or csv
+  --json, --csv       the same as --format json, --format csv
+  -o, --output FILE   write the report to FILE instead of standard output
+  -h, --help          this text
+
+Exit status: 0 done (out-of-memory errors in a replay are reported, not failures); 1 a trace
+could not be read or a replay failed (no GPU for --driver cuda, for one); 2 bad usage (an
+unknown option, a --conf that does not parse).
+";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Table,
+    Json,
+    Csv,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DriverChoice {
+    Sim,
+    Cuda,
+}
+
+struct Options {
+    confs: Vec<(String, Config)>,
+    driver: DriverChoice,
+    capacity: Option<usize>,
+    device: Option<usize>,
+    format: Format,
+    output: Option<PathBuf>,
+    traces: Vec<PathBuf>,
+}
+
+/// Why the command stopped: bad usage (status 2) or a failure (status 1).
+enum Stop {
+    Usage(String),
+    Failed(String),
+    Help,
+}
+
+/// The configuration `text` means, as `GPUPOOL_CONF` would set it over the defaults.
+///
+/// Errors: the message of gpupool's parser (the key and value at fault, and what is expected),
+/// after the option as given.
+pub fn parse_conf(text: &str) -> Result<Config, String> {
+    Config::default().with_conf(text).map_err(|e| format!("--conf {text:?}: {e}"))
+}
+
+fn parse_args(args: &[String]) -> Result<Options, Stop> {
+    let mut o = Options {
+        confs: Vec::new(),
+        driver: DriverChoice::Sim,
+        capacity: None,
+        device: None,
+        format: Format::Table,
+        output: None,
+        traces: Vec::new(),
+    };
+    let mut it = args.iter();
+    let mut only_traces = false;
+    while let Some(arg) = it.next() {
+        if only_traces || !arg.starts_with('-') {
+            o.traces.push(PathBuf::from(arg));
+            continue;
+        }
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        if inline.is_some() && matches!(name, "--help" | "--json" | "--csv") {
+            return Err(Stop::Usage(format!("{name} takes no value")));
+        }
+        let mut value = || {
+            inline.clone().or_else(|| it.next().cloned()).ok_or_else(|| Stop::Usage(format!("{name} needs a value")))
+        };
+        match name {
+            "--" => only_traces = true,
+            "-h" | "--help" => return Err(Stop::Help),
+            "--conf" => {
+                let text = value()?;
+                let config = parse_conf(&text).map_err(Stop::Usage)?;
+                let label = if text.trim().is_empty() { "defaults".to_string() } else { text };
+                o.confs.push((label, config));
+            }
+            "--driver" => {
+                o.driver = match value()?.as_str() {
+                    "sim" => DriverChoice::Sim,
+                    "cuda" => DriverChoice::Cuda,
+                    other => return Err(Stop::Usage(format!("--driver {other:?}: expected sim or cuda"))),
+                }
+            }
+            "--capacity" => {
+                let v = value()?;
+                o.capacity = Some(parse_size(&v).filter(|&n| n > 0).ok_or_else(|| {
+                    Stop::Usage(format!("--capacity {v:?}: expected a size such as 24GiB, 512MiB or a number of bytes"))
+                })?);
+            }
+            "--device" => {
+                let v = value()?;
+                o.device = Some(
+                    v.parse()
+                        .map_err(|_| Stop::Usage(format!("--device {v:?}: expected a device number, 0 or more")))?,
+                );
+            }
+            "--format" => {
+                o.format = match value()?.as_str() {
+                    "table" => Format::Table,
+                    "json" => Format::Json,
+                    "csv" => Format::Csv,
+                    other => return Err(Stop::Usage(format!("--format {other:?}: expected table, json or csv"))),
+                }
+            }
+            "--json" => o.format = Format::Json,
+            "--csv" => o.format = Format::Csv,
+            "-o" | "--output" => o.output = Some(PathBuf::from(value()?)),
+            _ => return Err(Stop::Usage(format!("unknown option {arg:?}"))),
+        }
+    }
+    if o.traces.is_empty() {
+        return Err(Stop::Usage("no trace given".into()));
+    }
+    if o.driver == DriverChoice::Cuda && o.capacity.is_some() {
+        return Err(Stop::Usage("--capacity sizes the simulated device: it does not go with --driver cuda".into()));
+    }
+    if o.confs.is_empty() {
+        o.confs.push(("defaults".into(), Config::default()));
+    }
+    Ok(o)
+}
+
+/// Loads the traces and replays each under every configuration; returns the rows, writing the
+/// traces' notes to `err`.
+fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
+    let mut traces = Vec::new();
+    for path in &o.traces {
+        traces.extend(load(path, o.device).map_err(Stop::Failed)?);
+    }
+    let gpu = match o.driver {
+        DriverChoice::Cuda => Some(Gpu::open().map_err(|e| {
+            Stop::Failed(format!("--driver cuda: {e} (leave --driver cuda out to replay on the simulated device)"))
+        })?),
+        DriverChoice::Sim => None,
+    };
+    let capacity = o.capacity.unwrap_or_else(|| default_capacity(&traces));
+    let mut rows = Vec::new();
+    for t in &traces {
+        let _ = writeln!(
+            err,
+            "{}: {} events on {} stream(s), {} blocks alive before it, peak live {:.1} MiB",
+            t.name,
+            t.events.len(),
+            t.streams.len(),
+            t.initial_blocks,
+            t.peak_live() as f64 / (1u64 << 20) as f64
+        );
+        for note in &t.notes {
+            let _ = writeln!(err, "{}: {note}", t.name);
+        }
+        if let Some(r) = &t.recorded {
+            rows.push(Row::recorded(t, r));
+        }
+        for (text, config) in &o.confs {
+            let row = match &gpu {
+                Some(gpu) => {
+                    let outcome = gpu.replay(t, config).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
+                    Row::replayed(t, text, "cuda", None, &outcome)
+                }
+                None => {
+                    let outcome =
+                        replay_sim(t, config, capacity).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
+                    Row::replayed(t, text, "sim", Some(capacity), &outcome)
+                }
+            };
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Runs the command with `args` (without the program's name), the report to `out` (unless
+/// `--output` names a file), messages to `err`. Returns the exit status: 0 done, 1 failed,
+/// 2 bad usage.
+pub fn main_with(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> i32 {
+    let result = parse_args(args).and_then(|o| {
+        let rows = rows(&o, err)?;
+        let text = match o.format {
+            Format::Table => table(&rows),
+            Format::Json => json(&rows),
+            Format::Csv => csv(&rows),
+        };
+        match &o.output {
+            Some(path) => std::fs::write(path, text).map_err(|e| Stop::Failed(format!("{}: {e}", path.display()))),
+            None => out.write_all(text.as_bytes()).map_err(|e| Stop::Failed(format!("writing the report: {e}"))),
+        }
+    });
+    match result {
+        Ok(()) => 0,
+        Err(Stop::Help) => {
+            let _ = out.write_all(USAGE.as_bytes());
+            0
+        }
+        Err(Stop::Usage(why)) => {
+            let _ = writeln!(err, "gpupool-replay: {why}\n(gpupool-replay --help says how it is used)");
+            2
+        }
+        Err(Stop::Failed(why)) => {
+            let _ = writeln!(err, "gpupool-replay: {why}");
+            1
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! Replaying a trace on an [`Allocator`]: a cold pass from an empty cache, then a warm pass
+//! with what the first left cached, as `examples/c/bench.c` replays on the GPU.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpupool::config::Config;
+use gpupool::driver::StreamHandle;
+use gpupool::driver::sim::SimDriver;
+use gpupool::{Allocator, Error};
+
+use crate::trace::{Event, Trace};
+
+/// What a replay measured. Bytes are the allocator's statistics (PyTorch's
+/// `torch.cuda.memory_stats`), read on the replayed device after each pass; peaks are never
+/// reset between the passes, so the warm pass's figures include the cold pass's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// The most bytes reserved at once during the cold pass (`reserved_bytes.all.peak`): the
+    /// segments taken from the driver, which is what the GPU gives up to the program.
+    pub peak_reserved: usize,
+    /// The same over both passes: above [`Outcome::peak_reserved`] when the warm pass, starting
+    /// from the cache the cold pass left, needed more.
+    pub peak_reserved_warm: usize,
+    /// The most bytes allocated at once (`allocated_bytes.all.peak`, rounded sizes), cold pass.
+    pub peak_allocated: usize,
+    /// The most segments at once (`segment.all.peak`), cold pass.
+    pub peak_segments: i64,
+    /// Driver allocations during the cold pass (`num_device_alloc`: `cuMemAlloc` calls, and
+    /// growths of expandable segments as PyTorch counts its `cuMemMap` calls).
+    pub device_allocs: i64,
+    /// Driver allocations during the warm pass.
+    pub device_allocs_warm: i64,
+    /// Times an allocation released the cache and retried (`num_alloc_retries`), both passes.
+    pub alloc_retries: i64,
+    /// Allocations that failed with out-of-memory during the cold pass. The replay goes on
+    /// without the block (its free is skipped).
+    pub ooms: u64,
+    /// The same during the warm pass.
+    pub ooms_warm: u64,
+    /// Calls that had to lock every stream of the device to settle the exact peaks during the
+    /// warm pass (`Allocator::peak_settles`; see gpupool's `src/caching/peaks.rs`): a cost of
+    /// gpupool's exact peaks that the hit path pays now and then. Not a PyTorch statistic.
+    pub peak_settles_warm: i64,
+    /// Wall time of the cold pass over the trace's events, in nanoseconds per event (with the
+    /// driver's calls).
+    pub cold_ns_per_event: f64,
+    /// The same for the warm pass (the allocator's own cost once its cache holds the segments).
+    pub warm_ns_per_event: f64,
+}
+
+/// The sim device's capacity when none is given: 80 GiB (the H100 of `../shared/traces`),
+/// or twice the largest live peak of `traces` rounded up to a whole GiB when that is more, so
+/// that the trace never runs out of memory unless asked to. The capacity matters beyond
+/// out-of-memory: expandable segments size their address ranges from the device's memory.
+pub fn default_capacity(traces: &[Trace]) -> usize {
+    const GIB: usize = 1 << 30;
+    let live = traces.iter().map(Trace::peak_live).max().unwrap_or(0);
+    (80 * GIB).max(live.saturating_mul(2).div_ceil(GIB).saturating_mul(GIB))
+}
+
+/// Replays `trace` on a fresh simulated device of `capacity` bytes under `config` (its driver
+/// and `sim_*` fields are not used). Each stream of the trace is a stream of its own there.
+///
+/// Errors: any failure of the allocator other than out-of-memory (which is counted): a
+/// failure there is a bug in gpupool.
+pub fn replay_sim(trace: &Trace, config: &Config, capacity: usize) -> Result<Outcome, Error> {
+    let a = Allocator::new(Arc::new(SimDriver::new(1, capacity)), config.clone());
+    // Distinct, nonzero, pointer-like handles: the simulated device only tells streams apart.
+    let streams: Vec<StreamHandle> = (1..=trace.streams.len()).map(|i| i * 0x100).collect();
+    replay(&a, 0, trace, &streams)
+}
+
+/// Replays `trace` on `device` of `a`, stream number `i` of the trace on `streams[i]`: a
+/// cold pass, every block still alive freed (untimed), then a warm pass and the same. `a`
+/// should be fresh (no allocation yet) for the cold pass to start from an empty cache.
+///
+/// Errors: as [`replay_sim`]; also [`Error::InvalidValue`] when `streams` is shorter than the
+/// trace's streams.
+pub fn replay(a: &Allocator, device: i32, trace: &Trace, streams: &[StreamHandle]) -> Result<Outcome, Error> {
+    if streams.len() < trace.streams.len() {
+        return Err(Error::InvalidValue(format!(
+            "the trace has {} streams and only {} were given",
+            trace.streams.len(),
+            streams.len()
+        )));
+    }
+    let mut ptrs = vec![0u64; trace.blocks as usize];
+    let before = a.stats(device)?;
+    let (cold_ns, ooms) = pass(a, device, trace, streams, &mut ptrs)?;
+    let cold = a.stats(device)?;
+    let settles = a.peak_settles(device)?;
+    let (warm_ns, ooms_warm) = pass(a, device, trace, streams, &mut ptrs)?;
+    let warm = a.stats(device)?;
+    let peak_settles_warm = a.peak_settles(device)? - settles;
+    let per_event = |ns: u128| if trace.events.is_empty() { 0.0 } else { ns as f64 / trace.events.len() as f64 };
+    let bytes = |n: i64| usize::try_from(n).unwrap_or(0);
+    Ok(Outcome {
+        peak_reserved: bytes(cold.reserved_bytes.all.peak),
+        peak_reserved_warm: bytes(warm.reserved_bytes.all.peak),
+        peak_allocated: bytes(cold.allocated_bytes.all.peak),
+        peak_segments: cold.segment.all.peak,
+        device_allocs: cold.num_device_alloc - before.num_device_alloc,
+        device_allocs_warm: warm.num_device_alloc - cold.num_device_alloc,
+        alloc_retries: warm.num_alloc_retries - before.num_alloc_retries,
+        ooms,
+        ooms_warm,
+        peak_settles_warm,
+        cold_ns_per_event: per_event(cold_ns),
+        warm_ns_per_event: per_event(warm_ns),
+    })
+}
+
+/// One pass over the events; then frees what is still alive. Returns the time the events took
+/// (ns) and how many allocations ran out of memory.
+fn pass(
+    a: &Allocator,
+    device: i32,
+    trace: &Trace,
+    streams: &[StreamHandle],
+    ptrs: &mut [u64],
+) -> Result<(u128, u64), Error> {
+    let mut ooms = 0;
+    let t0 = Instant::now();
+    for e in &trace.events {
+        match *e {
+            Event::Alloc { id, size, stream } => match a.malloc(size, device, streams[stream as usize]) {
+                Ok(p) => ptrs[id as usize] = p,
+                Err(Error::OutOfMemory(_)) => ooms += 1,
+                Err(e) => return Err(e),
+            },
+            Event::Free { id } => {
+                let p = std::mem::take(&mut ptrs[id as usize]);
+                if p != 0 {
+                    a.free(p)?;
+                }
+            }
+        }
+    }
+    let ns = t0.elapsed().as_nanos();
+    for p in ptrs.iter_mut().filter(|p| **p != 0) {
+        a.free(std::mem::take(p))?;
+    }
+    Ok((ns, ooms))
+}
