@@ -46,7 +46,7 @@
 //! | `max_split_size_mb` | whole MiB, at least `large_segment_size_mb` | unlimited (17592186044415, the largest) | Cached blocks of at least this size are never split, and serve only requests of about their size (PyTorch `max_split_size`). The largest value, 17592186044415, means unlimited. |
 //! | `max_non_split_rounding_mb` | whole MiB, at least `large_segment_size_mb` | `large_segment_size_mb` (20) | A request of at least `max_split_size_mb` takes a cached block only if the block is less than this much larger (PyTorch `get_free_block`). |
 //! | `roundup_power2_divisions` | a power of two, or a list `[MiB:divisions,...,>:divisions]` | 0 in every interval | Requests are rounded up to one of this many equal steps between two powers of two, instead of to 512 bytes (PyTorch `round_size`, `roundup_power2_next_division`); 0 or 1 leaves the 512-byte rounding. A list sets it per interval: `MiB` a power of two naming the sizes from that many MiB to twice as many (the first also sets every interval below it), `>` every interval after the last one named; each divisions 0 or a power of two. |
-//! | `garbage_collection_threshold` | a number over 0 and under 1 | off (0, which cannot be written) | PyTorch frees cached blocks that have not been reused once reserved memory passes this fraction of the memory allowed (`garbage_collect_cached_blocks`). Kept; gpupool does not collect yet. Left out of the configuration string while off. |
+//! | `garbage_collection_threshold` | a number over 0 and under 1 | off (0, which cannot be written) | With a memory fraction set (`per_process_memory_fraction` or `gpupool_set_memory_fraction`): once reserved memory passes this fraction of the memory allowed, a request that finds no cached block first releases whole free segments of the large pool, the longest unused first, until reserved memory is back under it (PyTorch `garbage_collect_cached_blocks`; gpupool gathers every stream's segments and ages a block by the blocks its stream freed since). Left out of the configuration string while off. |
 //! | `expandable_segments` | `True` or `False` | False | Segments that grow by mapping more memory into one reserved address range (PyTorch `ExpandableSegment`). |
 //! | `release_lock_on_cudamalloc` (also `release_lock_on_hipmalloc`) | `True` or `False` | False | PyTorch releases its device lock across `cudaMalloc`. Accepted and changes nothing: gpupool holds one lock per stream across `cuMemAlloc`, which blocks only that stream's callers. |
 //! | `per_process_memory_fraction` | a number from 0 to 1 | 1 | Each device, when it starts, reserves at most this fraction of its total memory, as `gpupool_set_memory_fraction` sets it (PyTorch `setMemoryFraction`). |
@@ -122,7 +122,9 @@ pub struct Config {
     /// to that many steps between two powers of two. Default all 0.
     pub roundup_power2_divisions: [usize; ROUNDUP_INTERVALS],
     /// PyTorch's `garbage_collection_threshold`, a fraction over 0 and under 1; 0 (the default)
-    /// for off. Read and kept; gpupool does not collect yet.
+    /// for off. With a memory fraction set, a request that finds no cached block while
+    /// reserved bytes are over this share of the limit first releases the oldest whole free
+    /// segments of the large pool (PyTorch `garbage_collect_cached_blocks`).
     pub garbage_collection_threshold: f64,
     /// PyTorch's `expandable_segments`: segments are address ranges whose pages are mapped on
     /// demand (CUDA's virtual memory calls), when the device supports them.

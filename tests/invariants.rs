@@ -313,8 +313,16 @@ fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f6
     quiet_injected_panics();
     let streams = [0usize, 0x1000, 0x2000];
     let expandable_reclaim = ops.len() % 2 == 0;
-    let (a, drv) =
-        sim_with(1, CAPACITY, Config { max_split_size, expandable_segments, expandable_reclaim, ..Config::default() });
+    // A third of the cases collect garbage (it acts only under a memory fraction).
+    let garbage_collection_threshold = if ops.len() % 3 == 0 { 0.5 } else { 0.0 };
+    let config = Config {
+        max_split_size,
+        expandable_segments,
+        expandable_reclaim,
+        garbage_collection_threshold,
+        ..Config::default()
+    };
+    let (a, drv) = sim_with(1, CAPACITY, config);
     let fraction_or_all = fraction.unwrap_or(1.0);
     a.set_memory_fraction(fraction_or_all, 0).unwrap();
     let mut live: Vec<(u64, usize, u64)> = Vec::new();

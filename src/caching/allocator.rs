@@ -204,6 +204,7 @@ impl Allocator {
             SizeRules::from_config(&config),
             config.expandable_segments,
             config.expandable_reclaim,
+            config.garbage_collection_threshold,
         );
         if config.per_process_memory_fraction < 1.0 {
             dev.set_memory_fraction(config.per_process_memory_fraction)?;

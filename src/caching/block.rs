@@ -50,6 +50,9 @@ pub(crate) struct Block {
     pub event_count: u32,
     /// Streams other than the owning one that used the block (PyTorch `stream_uses`).
     pub stream_uses: Vec<StreamHandle>,
+    /// For a free block: its shard's count of frees when it was freed (PyTorch
+    /// `gc_count_base`; see `device::gc`).
+    pub freed_at: u32,
 }
 
 impl Block {

@@ -148,9 +148,11 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &[],
         value: "a number over 0 and under 1",
         default: "off (0, which cannot be written)",
-        doc: "PyTorch frees cached blocks that have not been reused once reserved memory passes this fraction of \
-              the memory allowed (`garbage_collect_cached_blocks`). Kept; gpupool does not collect yet. Left out of \
-              the configuration string while off.",
+        doc: "With a memory fraction set (`per_process_memory_fraction` or `gpupool_set_memory_fraction`): once \
+              reserved memory passes this fraction of the memory allowed, a request that finds no cached block first \
+              releases whole free segments of the large pool, the longest unused first, until reserved memory is \
+              back under it (PyTorch `garbage_collect_cached_blocks`; gpupool gathers every stream's segments and \
+              ages a block by the blocks its stream freed since). Left out of the configuration string while off.",
         apply: |c, v| {
             let x = v.number()?;
             if !(x > 0.0 && x < 1.0) {

@@ -26,6 +26,7 @@ use crate::error::Error;
 use crate::stats::DeviceStats;
 
 mod check;
+mod gc;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -55,6 +56,8 @@ pub(crate) struct DeviceAllocator {
     expandable: Option<ExpandablePolicy>,
     /// Whether expandable segments keep to the device's high-water mark (see [`Reclaim`]).
     reclaim: Reclaim,
+    /// PyTorch's `garbage_collection_threshold` (0: off; see `gc`).
+    gc_threshold: f64,
 }
 
 /// What [`DeviceAllocator::serve`] obtained.
@@ -65,6 +68,9 @@ enum Served {
     OutOfMemory,
     /// See [`Growth::PastMark`].
     PastMark(usize),
+    /// No cached block fits and reserved bytes are over `garbage_collection_threshold`: the
+    /// caller, holding no shard lock, collects first (see `gc`).
+    Collect,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -80,6 +86,7 @@ impl DeviceAllocator {
     /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
     /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
     /// back. `reclaim`: expandable segments keep to the high-water mark (see [`Reclaim`]).
+    /// `gc_threshold`: PyTorch's `garbage_collection_threshold` (0: off).
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
@@ -87,9 +94,11 @@ impl DeviceAllocator {
         rules: SizeRules,
         expandable: bool,
         reclaim: bool,
+        gc_threshold: f64,
     ) -> Self {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
+            gc_threshold,
             reclaim: if expandable.is_some() && reclaim { Reclaim::Device } else { Reclaim::Off },
             expandable,
             device,
@@ -156,17 +165,20 @@ impl DeviceAllocator {
         let reclaim = if !shard.is_retired() {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
-            match self.serve(&mut st, &ctx, &req)? {
+            match self.serve(&mut st, &ctx, &req, true)? {
                 Served::Block(ptr) => return Ok(self.finish_call(st, ptr, hot)),
-                Served::OutOfMemory => None,
-                Served::PastMark(short) => Some(short),
+                other => Some(other),
             }
         } else {
             None
         };
         drop(st);
-        if let Some(short) = reclaim {
-            self.unmap_other_streams(shard, short);
+        match reclaim {
+            Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short),
+            Some(Served::Collect) => {
+                self.collect_garbage();
+            }
+            _ => {}
         }
         match self.serve_stream(shard.stream, &req)? {
             Some(ptr) => Ok(ptr),
@@ -228,19 +240,21 @@ impl DeviceAllocator {
             let mut ctx = self.ctx(&shard);
             ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
             st.process_events(&ctx)?;
-            return Ok(match self.serve(&mut st, &ctx, req)? {
+            return Ok(match self.serve(&mut st, &ctx, req, false)? {
                 Served::Block(ptr) => Some(self.finish(st, ptr)),
                 Served::OutOfMemory => None,
-                Served::PastMark(_) => unreachable!("only with Reclaim::Device"),
+                Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
             });
         }
     }
 
-    /// A block for `req` from the cache or from the driver.
+    /// A block for `req` from the cache or from the driver. `collect`: answer
+    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due.
     #[inline]
-    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Served, Error> {
+    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
         let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
+            None if collect && self.gc_due() => return Ok(Served::Collect),
             None => match self.grow(st, ctx, req)? {
                 Some(Growth::Block(id)) => id,
                 Some(Growth::PastMark(short)) => return Ok(Served::PastMark(short)),

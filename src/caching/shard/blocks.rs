@@ -37,6 +37,7 @@ impl ShardState {
             expandable,
             event_count: 0,
             stream_uses: Vec::new(),
+            freed_at: 0,
         });
         if next != NIL {
             self.blocks[next].prev = rest;
@@ -76,9 +77,11 @@ impl ShardState {
             net_blocks -= 1;
             net_bytes -= merged as i64;
         }
+        self.frees = self.frees.wrapping_add(1);
         let b = &mut self.blocks[id];
         b.state = BlockState::Free;
         b.requested = 0;
+        b.freed_at = self.frees;
         let (size, addr, split) = (b.size, b.addr, b.is_split());
         self.pool(pool).insert(size, addr, id);
         if split {

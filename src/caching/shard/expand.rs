@@ -254,6 +254,7 @@ impl ShardState {
             expandable: true,
             event_count: 0,
             stream_uses: Vec::new(),
+            freed_at: 0,
         });
         self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)) });
         self.expandables.push(base);
@@ -367,6 +368,7 @@ impl ShardState {
                     expandable: true,
                     event_count: 0,
                     stream_uses: Vec::new(),
+                    freed_at: 0,
                 });
                 if next != NIL {
                     self.blocks[next].prev = nid;

@@ -16,6 +16,7 @@
 mod blocks;
 mod check;
 mod expand;
+mod gc;
 mod segments;
 
 pub(crate) use expand::ExpandablePolicy;
@@ -171,6 +172,9 @@ pub(crate) struct ShardState {
     pub counters: ShardCounters,
     /// The settle epoch in which the shard last joined its device's dirty list.
     pub dirty_epoch: u64,
+    /// Blocks freed on this shard, wrapping (the clock of `garbage_collection_threshold`'s
+    /// ages, see `device::gc`).
+    frees: u32,
 }
 
 impl ShardState {

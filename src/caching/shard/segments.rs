@@ -47,6 +47,7 @@ impl ShardState {
             expandable: false,
             event_count: 0,
             stream_uses: Vec::new(),
+            freed_at: 0,
         });
         self.segments.insert(addr, SegmentInfo { head: id, size, exp: None });
         ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
@@ -60,7 +61,7 @@ impl ShardState {
     }
 
     /// PyTorch `release_block`: a whole free segment goes back to the driver.
-    fn release_segment(&mut self, ctx: &ShardCtx, id: BlockId) -> Result<(), Error> {
+    pub(super) fn release_segment(&mut self, ctx: &ShardCtx, id: BlockId) -> Result<(), Error> {
         let b = &self.blocks[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (addr, size, pool) = (b.addr, b.size, b.pool);
