@@ -5,7 +5,8 @@
 //! lock but the segment index's writer lock and the dirty list's (`shard_table`), neither of
 //! which is held while taking another. The peak lock is taken with no shard lock held; under
 //! it a settle locks the shards it visits (one settle at a time), and `empty_cache` takes the
-//! shard table's lock and only tries the shard locks. `check.rs`: the consistency check.
+//! shard table's lock and only tries the shard locks. Out-of-memory observers run with none of
+//! these held (`out_of_memory.rs`). `check.rs`: the consistency check.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -15,7 +16,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
-use super::oom;
+use super::observers::OomObservers;
 use super::peaks::{self, SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
@@ -26,6 +27,7 @@ use crate::error::Error;
 use crate::stats::DeviceStats;
 
 mod check;
+mod out_of_memory;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -53,6 +55,8 @@ pub(crate) struct DeviceAllocator {
     deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     expandable: Option<ExpandablePolicy>,
+    /// The allocator's out-of-memory observers, read only once a request has failed.
+    observers: Arc<OomObservers>,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -64,16 +68,17 @@ pub(crate) struct DeviceAllocator {
 const LARGE_PAGE: usize = 2 << 20;
 
 impl DeviceAllocator {
-    /// The allocator of `device` with PyTorch's size `rules`. With `expandable`, its segments
-    /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
-    /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
-    /// back.
+    /// The allocator of `device` with PyTorch's size `rules`, calling `observers` when a request
+    /// fails. With `expandable`, its segments are expandable (`expandable_segments:True`) if
+    /// the driver can map memory on it; otherwise, or when asking the driver fails, they are
+    /// ordinary segments, as PyTorch falls back.
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
         rules: SizeRules,
         expandable: bool,
+        observers: Arc<OomObservers>,
     ) -> Self {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
@@ -89,6 +94,7 @@ impl DeviceAllocator {
             counters: DeviceCounters::default(),
             limit: MemoryLimit::default(),
             deferred: DeferredFrees::default(),
+            observers,
         }
     }
 
@@ -122,12 +128,11 @@ impl DeviceAllocator {
         self.shards.len()
     }
 
-    /// PyTorch `DeviceCachingAllocator::malloc`: events first (`process_events`), then the best
-    /// cached fit, then a new segment; on out-of-memory, oversize segments of this stream
-    /// (`release_available_cached_blocks`), then (gpupool's addition) the blocks awaiting a
-    /// device synchronisation and a retry from the cache, then every cached segment of the
-    /// device after waiting for all events (`release_cached_blocks`) and one retry
-    /// (`num_alloc_retries`).
+    /// PyTorch `DeviceCachingAllocator::malloc` up to its first failure: events first
+    /// (`process_events`), then the best cached fit, then a new segment, then (the device full)
+    /// the oversize segments of this stream (`release_available_cached_blocks`) and a new
+    /// segment again; if the device is out of memory for it, the rest of PyTorch's `malloc`:
+    /// [`DeviceAllocator::malloc_after_oom`] (`out_of_memory.rs`), with the shard unlocked.
     ///
     /// The hit path takes the shard's lock once and makes no driver call when no event is
     /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
@@ -151,24 +156,6 @@ impl DeviceAllocator {
         match self.serve_stream(shard.stream, &req)? {
             Some(ptr) => Ok(ptr),
             None => self.malloc_after_oom(shard.stream, &req),
-        }
-    }
-
-    /// The out-of-memory path of `malloc`: blocks awaiting a device synchronisation are cache
-    /// that a synchronisation frees, so they are tried before the whole cache goes back to the
-    /// driver (not in PyTorch, which has no such blocks); then `release_cached_blocks` and one
-    /// retry.
-    fn malloc_after_oom(&self, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
-        if self.release_deferred()? > 0
-            && let Some(ptr) = self.serve_stream(stream, req)?
-        {
-            return Ok(ptr);
-        }
-        self.release_cached_blocks()?;
-        bump(&self.counters.num_alloc_retries);
-        match self.serve_stream(stream, req)? {
-            Some(ptr) => Ok(ptr),
-            None => Err(self.out_of_memory(req)),
         }
     }
 
@@ -371,12 +358,6 @@ impl DeviceAllocator {
             self.driver.mem_info(self.device).map_err(|e| Error::driver(e, "reading the device's total memory"))?;
         self.limit.set((fraction * info.total as f64) as i64);
         Ok(())
-    }
-
-    /// PyTorch's out-of-memory error, with the device's figures; counted in `num_ooms`.
-    fn out_of_memory(&self, req: &Request) -> Error {
-        bump(&self.counters.num_ooms);
-        oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
     /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
