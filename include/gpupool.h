@@ -185,7 +185,10 @@ typedef struct gpupool_stats_t {
    */
   int64_t num_alloc_retries;
   /**
-   * `GPUPOOL_ERROR_OUT_OF_MEMORY` results.
+   * Requests that failed for lack of memory after gpupool released its cache and retried,
+   * once each, counted before the out-of-memory observers run (as PyTorch counts): every
+   * `GPUPOOL_ERROR_OUT_OF_MEMORY`, and a request that an observer's `gpupool_oom_retry`
+   * then served.
    */
   int64_t num_ooms;
   /**
@@ -206,6 +209,31 @@ typedef struct gpupool_stats_t {
    */
   int64_t max_split_size;
 } gpupool_stats_t;
+
+/**
+ * An out-of-memory observer, attached with `gpupool_attach_oom_observer`.
+ *
+ * - `device`: the device ordinal of the failed request (never -1).
+ * - `requested`: the bytes the caller asked `gpupool_malloc` for, before rounding (PyTorch's
+ *   observers get the size of the segment it failed to allocate; the error message names
+ *   both).
+ * - `stats`: the device's statistics once the request had failed (`num_ooms` counts it,
+ *   `num_alloc_retries` the cache release before it), the same snapshot for every observer.
+ *   Owned by gpupool and valid during the call only; `stats->size` bytes of it are valid
+ *   (this library's `sizeof(gpupool_stats_t)`; a program built against an older header reads
+ *   the fields it knows).
+ * - `user`: the pointer given to `gpupool_attach_oom_observer`, passed back as it is.
+ *
+ * It runs on the thread whose request failed, with no lock of gpupool's held: it may call any
+ * gpupool function (`gpupool_free`, `gpupool_stats`, `gpupool_empty_cache`,
+ * `gpupool_memory_summary`, `gpupool_malloc`...), and `gpupool_oom_retry` to ask for one
+ * more attempt. It must return (no `longjmp` out of it), and a C++ observer must catch its
+ * exceptions: one that escapes into gpupool is undefined behaviour, as for any C callback.
+ */
+typedef void (*gpupool_oom_observer_fn)(int device,
+                                        size_t requested,
+                                        const struct gpupool_stats_t *stats,
+                                        void *user);
 
 #ifdef __cplusplus
 extern "C" {
@@ -414,6 +442,70 @@ gpupool_status gpupool_device_count(int *count);
  * Thread-safe; allocations already in flight on other threads may still pass the old limit.
  */
 gpupool_status gpupool_set_memory_fraction(double fraction, int device);
+
+/**
+ * Attaches an out-of-memory observer: `observer(device, requested, stats, user)` is called
+ * when a `gpupool_malloc` (or PyTorch hook) fails for lack of memory on any device, after
+ * gpupool released its cache and retried, before `GPUPOOL_ERROR_OUT_OF_MEMORY` returns
+ * (PyTorch `attachOutOfMemoryObserver`, which calls its observers at the same point).
+ *
+ * - Several observers may be attached; they are called in the order attached, each once
+ *   per failed request.
+ * - An observer may free memory and call `gpupool_oom_retry` to ask for one more attempt:
+ *   once every observer has run, if any asked, the allocation is tried once more (from the
+ *   cache, a new segment, release-and-retry); if that fails too, the observers are not
+ *   called again and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns, its message read after the last
+ *   attempt. A request made from inside an observer that fails calls no observer.
+ * - `num_ooms` counts the request once, before the observers run (as PyTorch counts), even
+ *   when a retry then serves it.
+ * - `user`: any pointer, passed back to `observer`; gpupool never reads it. It must stay
+ *   usable by `observer`, from any thread, until `gpupool_detach_oom_observer` returns.
+ *
+ * Nothing of this runs unless a request failed: an attached observer costs the hit path
+ * nothing.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this `observer` with this
+ * `user` attached already: the pair names the observer for the detach);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe: attach and detach from any thread while others allocate.
+ *
+ * # Safety
+ * `observer` must be NULL or a function of the signature of `gpupool_oom_observer_fn`, safe
+ * to call with `user` from any thread until it is detached.
+ */
+gpupool_status gpupool_attach_oom_observer(gpupool_oom_observer_fn observer, void *user);
+
+/**
+ * Detaches the observer attached with this `observer` and `user`. Called from outside any
+ * observer, it returns once no call of it is under way on any thread, and none starts after:
+ * `user` may then be freed. Called from inside an observer (its own or another's), it
+ * returns at once, and a call on another thread may still be running. While it waits it holds
+ * no lock of gpupool's; the caller must not hold one that the observer takes either (a mutex
+ * of its own), or the two would wait for each other.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no observer is attached with this pair (NULL
+ * `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * Any values are safe: they are only compared with those attached.
+ */
+gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, void *user);
+
+/**
+ * Called from inside an out-of-memory observer, asks for one more attempt at the allocation
+ * that failed, once every observer has run (RMM's `failure_callback_resource_adaptor` asks
+ * the same by its callback's return value). Call it after freeing memory the request may use:
+ * the attempt is made once, whatever the number of observers that asked.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the calling thread is not running an
+ * out-of-memory observer (the request belongs to the thread that failed); nothing changes.
+ *
+ * Thread-safe: it reads and writes the calling thread's state only.
+ */
+gpupool_status gpupool_oom_retry(void);
 
 /**
  * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as

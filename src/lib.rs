@@ -28,4 +28,5 @@ pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
+pub use caching::observers::{OomEvent, OomObserverId};
 pub use error::Error;

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use super::deferred::DeferredStats;
 use super::device::DeviceAllocator;
-use super::rules::SizeRules;
+use super::observers::{OomEvent, OomObserverId, OomObservers};
 use super::segment_index::SegmentIndex;
 use super::shard::Shard;
 use crate::config::{Config, DriverKind};
@@ -49,6 +49,8 @@ pub struct Allocator {
     starting: Mutex<()>,
     index: Arc<SegmentIndex<Arc<Shard>>>,
     devices: Box<[OnceLock<DeviceAllocator>]>,
+    /// Shared with every device, which calls them when a request fails.
+    observers: Arc<OomObservers>,
 }
 
 /// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
@@ -99,6 +101,7 @@ impl Allocator {
             starting: Mutex::new(()),
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
+            observers: Arc::default(),
         }
     }
 
@@ -197,15 +200,7 @@ impl Allocator {
             return Ok(dev);
         }
         let config = self.config.load();
-        let dev = DeviceAllocator::new(
-            d,
-            self.driver.clone(),
-            self.index.clone(),
-            SizeRules::from_config(&config),
-            config.expandable_segments,
-            config.expandable_reclaim,
-            config.garbage_collection_threshold,
-        );
+        let dev = DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), &config, self.observers.clone());
         if config.per_process_memory_fraction < 1.0 {
             dev.set_memory_fraction(config.per_process_memory_fraction)?;
         }
@@ -214,7 +209,9 @@ impl Allocator {
 
     #[inline]
     /// Calls `f` with the shard of `stream` and whether this thread used it lately (it was in
-    /// the thread's cache of recent shards: the stream is hot here, see `peaks`).
+    /// the thread's cache of recent shards: the stream is hot here, see `peaks`). On a hit the
+    /// cache is lent to `f`, read-only, for the whole call, which may come back here (an
+    /// out-of-memory observer runs inside `f`).
     fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>, bool) -> R) -> R {
         let mut f = Some(f);
         // The hit: this thread used the shard lately; call in place, with no reference count
@@ -236,33 +233,80 @@ impl Allocator {
             return r;
         }
         let shard = dev.shard_or_create(stream);
+        self.remember_shard(dev.device, stream, &shard);
+        (f.take().expect("called once"))(&shard, false)
+    }
+
+    /// Puts `shard` in the calling thread's cache of recent shards, in place of its stale entry
+    /// or the oldest. Out of line: inlined, it costs the hit path an instruction per call
+    /// (callgrind, `examples/hit_loop`).
+    #[inline(never)]
+    fn remember_shard(&self, device: i32, stream: StreamHandle, shard: &Arc<Shard>) {
         let _ = SHARD_CACHE.try_with(|cache| {
-            let mut cache = cache.borrow_mut();
+            // Lent already when `f` of an outer call on this thread calls back into the
+            // allocator (an out-of-memory observer that allocates): the cache then stays as it is.
+            let Ok(mut cache) = cache.try_borrow_mut() else { return };
             let stale = cache.slots.iter().position(|c| {
-                c.as_ref().is_some_and(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)
+                c.as_ref().is_some_and(|c| c.allocator == self.id && c.device == device && c.stream == stream)
             });
             let slot = stale.unwrap_or_else(|| {
                 let next = cache.next;
                 cache.next = (next + 1) % SHARD_CACHE_SLOTS;
                 next
             });
-            cache.slots[slot] =
-                Some(CachedShard { allocator: self.id, device: dev.device, stream, shard: shard.clone() });
+            cache.slots[slot] = Some(CachedShard { allocator: self.id, device, stream, shard: shard.clone() });
         });
-        (f.take().expect("called once"))(&shard, false)
     }
 
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
     /// for use on `stream` (PyTorch `raw_alloc_with_stream`). Returns 0 for `size` 0.
     ///
     /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
-    /// [`Error::OutOfMemory`] (after releasing the cache and retrying once), [`Error::Cuda`].
+    /// [`Error::OutOfMemory`] (after releasing the cache and retrying once, and calling the
+    /// out-of-memory observers: see [`Allocator::attach_oom_observer`]), [`Error::Cuda`].
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
         let dev = self.device_or_init(device)?;
         if size == 0 {
             return Ok(0);
         }
         self.with_shard(dev, stream, |shard, hot| dev.malloc(shard, size, hot))
+    }
+
+    /// Attaches `observer`, called when a request fails for lack of memory on any device of
+    /// this allocator (PyTorch `attachOutOfMemoryObserver`): after gpupool released its cache
+    /// and retried, before [`Error::OutOfMemory`] returns, on the thread whose request failed,
+    /// with no lock of gpupool's held, so that it may call any method of the allocator (free
+    /// memory, read statistics, empty the cache, allocate). Several observers are called in
+    /// the order attached, each with the same [`OomEvent`] (statistics read once, `num_ooms`
+    /// counting this request).
+    ///
+    /// The observer returns true to ask for one more attempt (as the callback of RMM's
+    /// `failure_callback_resource_adaptor` does): once every observer has run, if any asked,
+    /// the allocation is tried once more, release-and-retry included; if that fails too, the
+    /// observers are not called again and the error returns (its message read after the last
+    /// attempt). A request made from inside an observer that fails calls no observer.
+    ///
+    /// A panic in the observer is caught (the panic hook reports it): it then asks for
+    /// nothing, and the next observers still run. Returns the id that
+    /// [`Allocator::detach_oom_observer`] takes.
+    ///
+    /// Thread-safe: attach and detach from any thread while others allocate; nothing of this
+    /// runs on the hit path, only once a request has failed.
+    pub fn attach_oom_observer(
+        &self,
+        observer: impl Fn(&OomEvent<'_>) -> bool + Send + Sync + 'static,
+    ) -> OomObserverId {
+        self.observers.attach(Box::new(observer))
+    }
+
+    /// Detaches the observer `id`; returns false when it is not attached (never was, or
+    /// detached already). Called from outside any observer, it returns once no call of the
+    /// observer is under way on any thread, and none starts after: what the observer uses may
+    /// then be dropped (the caller must not hold a lock that the observer takes, or the two
+    /// would wait for each other). Called from inside an observer (its own or another's), it
+    /// returns at once: a call on another thread may still be running.
+    pub fn detach_oom_observer(&self, id: OomObserverId) -> bool {
+        self.observers.detach(id)
     }
 
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.

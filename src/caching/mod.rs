@@ -9,7 +9,8 @@
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
-//!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message.
+//!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
+//!   `observers`: the functions called when a request fails.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
@@ -23,6 +24,7 @@ mod events;
 mod expandable;
 pub(crate) mod fork;
 mod limit;
+pub(crate) mod observers;
 mod oom;
 mod peaks;
 mod pool;

@@ -168,6 +168,12 @@ impl FreePool {
         found
     }
 
+    /// The size of the largest block in the pool, if any (for the out-of-memory message; a
+    /// walk down the sizes past empty bins).
+    pub fn largest(&self) -> Option<usize> {
+        self.sizes.iter().rev().copied().find(|s| !self.bins[s].blocks.is_empty())
+    }
+
     /// The blocks from largest to smallest, lowest address first among equals (for PyTorch's
     /// `release_available_cached_blocks`).
     pub fn iter_largest_first(&self) -> impl Iterator<Item = (usize, DevicePtr, BlockId)> + '_ {
@@ -201,6 +207,10 @@ mod tests {
         p.remove(4096, 0x9000, 1);
         assert_eq!(p.best_fit(2049), Some((8192, 0x1000, 4)));
         assert_eq!(p.best_fit(8193), None);
+        assert_eq!(p.largest(), Some(8192));
+        p.remove(8192, 0x1000, 4);
+        assert_eq!(p.largest(), Some(2048), "past the emptied bin");
+        p.insert(8192, 0x1000, 4);
         assert_eq!(p.len(), 3);
         let order: Vec<_> = p.iter().map(|e| e.2).collect();
         assert_eq!(order, [3, 2, 4]);

@@ -21,6 +21,7 @@
 
 pub mod config;
 pub mod memory;
+pub mod oom;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;

@@ -73,7 +73,10 @@ pub struct gpupool_stats_t {
     pub oversize_segments: gpupool_stat_t,
     /// Allocations that released the cache and retried after the device ran out of memory.
     pub num_alloc_retries: i64,
-    /// `GPUPOOL_ERROR_OUT_OF_MEMORY` results.
+    /// Requests that failed for lack of memory after gpupool released its cache and retried,
+    /// once each, counted before the out-of-memory observers run (as PyTorch counts): every
+    /// `GPUPOOL_ERROR_OUT_OF_MEMORY`, and a request that an observer's `gpupool_oom_retry`
+    /// then served.
     pub num_ooms: i64,
     /// Waits for every pending event of the device (OOM retry, `gpupool_empty_cache`).
     pub num_sync_all_streams: i64,

@@ -53,7 +53,10 @@ pub struct DeviceStats {
     pub oversize_segments: Stat,
     /// Times a device allocation was retried after releasing the cache.
     pub num_alloc_retries: i64,
-    /// Out-of-memory errors returned.
+    /// Requests that failed for lack of memory after the cache was released and the allocation
+    /// retried, once each, counted before the out-of-memory observers run (PyTorch increments
+    /// `num_ooms` just before calling its observers): every [`crate::Error::OutOfMemory`] of
+    /// `malloc`, and a request that an observer's retry then served.
     pub num_ooms: i64,
     /// Times every outstanding event of the device was waited for (OOM retry, empty_cache).
     pub num_sync_all_streams: i64,

@@ -1,6 +1,6 @@
 // GPU tests of gpupool with GPUPOOL_DRIVER=cuda, beside what the simulated device checks:
-// cross-stream safety, runtime-API interop, out-of-memory on the real device, memory given back,
-// and the device argument. Built with nvcc against an installed gpupool.
+// cross-stream safety, runtime-API interop, out-of-memory on the real device and its observers,
+// memory given back, and the device argument. Built with nvcc against an installed gpupool.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -106,6 +106,67 @@ static void test_out_of_memory() {
   CHECK(strncmp(gpupool_last_error_message(), "gpupool_malloc: CUDA out of memory. Tried to allocate", 53) == 0);
 }
 
+// What the out-of-memory observer saw, and what it is to do: free `spare` if set, and ask for
+// a retry if `retry` is.
+struct OomSeen {
+  int calls = 0;
+  int device = -1;
+  size_t requested = 0;
+  int64_t num_ooms = -1;
+  void *spare = nullptr;
+  bool retry = false;
+};
+
+static void oom_observer(int device, size_t requested, const gpupool_stats_t *stats, void *user) {
+  OomSeen *seen = static_cast<OomSeen *>(user);
+  seen->calls++;
+  seen->device = device;
+  seen->requested = requested;
+  seen->num_ooms = stats->num_ooms;
+  if (seen->spare != nullptr) {
+    CHECK_OK(gpupool_free(seen->spare));  // no lock of gpupool's is held here
+    seen->spare = nullptr;
+  }
+  if (seen->retry) CHECK_OK(gpupool_oom_retry());
+}
+
+// An out-of-memory observer on the real device: called once when a request for more than the
+// device's capacity fails, with the device, the size asked and num_ooms counting the failure;
+// then, with 60% of the free memory held, a second request of that size fails until the
+// observer frees the held block and asks for a retry, which the freed block serves.
+static void test_oom_observer() {
+  CHECK_OK(gpupool_empty_cache(0));
+  size_t free_mem = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free_mem, &total));
+  OomSeen seen;
+  CHECK_OK(gpupool_attach_oom_observer(oom_observer, &seen));
+  int64_t before = stats().num_ooms;
+  const size_t too_big = total + MIB;
+  void *p = nullptr;
+  CHECK(gpupool_malloc(&p, too_big, 0, nullptr) == GPUPOOL_ERROR_OUT_OF_MEMORY);
+  CHECK(p == nullptr);
+  CHECK(seen.calls == 1 && seen.device == 0 && seen.requested == too_big);
+  CHECK(seen.num_ooms == before + 1);
+  CHECK(strstr(gpupool_last_error_message(), "Largest free block over all streams") != nullptr);
+  printf("oom observer: called %d time(s) for %zu bytes on device %d (num_ooms %lld)\n", seen.calls,
+         seen.requested, seen.device, (long long)seen.num_ooms);
+
+  const size_t held = free_mem / 10 * 6;
+  void *hold = nullptr, *q = nullptr;
+  CHECK_OK(gpupool_malloc(&hold, held, 0, nullptr));
+  seen.spare = hold;
+  seen.retry = true;
+  CHECK_OK(gpupool_malloc(&q, held, 0, nullptr));
+  CHECK(q == hold);
+  CHECK(seen.calls == 2 && seen.num_ooms == before + 2 && seen.spare == nullptr);
+  printf("oom observer: freed %zu MiB and asked for a retry, which served the request (%p)\n", held >> 20, q);
+  CHECK_OK(gpupool_free(q));
+  CHECK_OK(gpupool_detach_oom_observer(oom_observer, &seen));
+  CHECK(gpupool_malloc(&p, too_big, 0, nullptr) == GPUPOOL_ERROR_OUT_OF_MEMORY);
+  CHECK(seen.calls == 2);  // detached
+  CHECK_OK(gpupool_empty_cache(0));
+}
+
 static void test_devices() {
   int count = 0;
   CHECK_OK(gpupool_device_count(&count));
@@ -135,6 +196,7 @@ int main() {
   test_cross_stream();
   test_interop();
   test_out_of_memory();
+  test_oom_observer();
   CHECK_OK(gpupool_empty_cache(-1));
   size_t free_end = 0;
   CUDA_OK(cudaMemGetInfo(&free_end, &total));

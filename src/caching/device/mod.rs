@@ -5,7 +5,8 @@
 //! lock but the segment index's writer lock and the dirty list's (`shard_table`), neither of
 //! which is held while taking another. The peak lock is taken with no shard lock held; under
 //! it a settle locks the shards it visits (one settle at a time), and `empty_cache` takes the
-//! shard table's lock and only tries the shard locks. `check.rs`: the consistency check.
+//! shard table's lock and only tries the shard locks. Out-of-memory observers run with none of
+//! these held (`out_of_memory.rs`). `check.rs`: the consistency check.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -15,18 +16,20 @@ use parking_lot::{Mutex, MutexGuard};
 use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
-use super::oom;
+use super::observers::OomObservers;
 use super::peaks::{self, SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::shard::{ExpandablePolicy, Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
+use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::stats::DeviceStats;
 
 mod check;
 mod gc;
+mod out_of_memory;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -58,6 +61,8 @@ pub(crate) struct DeviceAllocator {
     reclaim: Reclaim,
     /// PyTorch's `garbage_collection_threshold` (0: off; see `gc`).
     gc_threshold: f64,
+    /// The allocator's out-of-memory observers, read only once a request has failed.
+    observers: Arc<OomObservers>,
 }
 
 /// What [`DeviceAllocator::serve`] obtained.
@@ -82,20 +87,21 @@ enum Served {
 const LARGE_PAGE: usize = 2 << 20;
 
 impl DeviceAllocator {
-    /// The allocator of `device` with PyTorch's size `rules`. With `expandable`, its segments
-    /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
+    /// The allocator of `device` with `config`'s rules (PyTorch's size rules,
+    /// `garbage_collection_threshold`), calling `observers` when a request fails. With
+    /// `expandable_segments`, its segments are expandable if the driver can map memory on it;
     /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
-    /// back. `reclaim`: expandable segments keep to the high-water mark (see [`Reclaim`]).
-    /// `gc_threshold`: PyTorch's `garbage_collection_threshold` (0: off).
+    /// back; with `expandable_reclaim` they keep to the high-water mark (see [`Reclaim`]).
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
-        rules: SizeRules,
-        expandable: bool,
-        reclaim: bool,
-        gc_threshold: f64,
+        config: &Config,
+        observers: Arc<OomObservers>,
     ) -> Self {
+        let rules = SizeRules::from_config(config);
+        let (expandable, reclaim, gc_threshold) =
+            (config.expandable_segments, config.expandable_reclaim, config.garbage_collection_threshold);
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
             gc_threshold,
@@ -112,6 +118,7 @@ impl DeviceAllocator {
             counters: DeviceCounters::default(),
             limit: MemoryLimit::default(),
             deferred: DeferredFrees::default(),
+            observers,
         }
     }
 
@@ -146,12 +153,11 @@ impl DeviceAllocator {
         self.shards.len()
     }
 
-    /// PyTorch `DeviceCachingAllocator::malloc`: events first (`process_events`), then the best
-    /// cached fit, then a new segment; on out-of-memory, oversize segments of this stream
-    /// (`release_available_cached_blocks`), then (gpupool's addition) the blocks awaiting a
-    /// device synchronisation and a retry from the cache, then every cached segment of the
-    /// device after waiting for all events (`release_cached_blocks`) and one retry
-    /// (`num_alloc_retries`).
+    /// PyTorch `DeviceCachingAllocator::malloc` up to its first failure: events first
+    /// (`process_events`), then the best cached fit, then a new segment, then (the device full)
+    /// the oversize segments of this stream (`release_available_cached_blocks`) and a new
+    /// segment again; if the device is out of memory for it, the rest of PyTorch's `malloc`:
+    /// [`DeviceAllocator::malloc_after_oom`] (`out_of_memory.rs`), with the shard unlocked.
     ///
     /// The hit path takes the shard's lock once and makes no driver call when no event is
     /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
@@ -162,7 +168,7 @@ impl DeviceAllocator {
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size, &self.rules)?;
         let mut st = self.shards.lock_for_change(shard);
-        let reclaim = if !shard.is_retired() {
+        let detour = if !shard.is_retired() {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
             match self.serve(&mut st, &ctx, &req, true)? {
@@ -173,7 +179,7 @@ impl DeviceAllocator {
             None
         };
         drop(st);
-        match reclaim {
+        match detour {
             Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short),
             Some(Served::Collect) => {
                 self.collect_garbage();
@@ -205,24 +211,6 @@ impl DeviceAllocator {
             }
             left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None).unwrap_or(0));
             self.finish(st, ());
-        }
-    }
-
-    /// The out-of-memory path of `malloc`: blocks awaiting a device synchronisation are cache
-    /// that a synchronisation frees, so they are tried before the whole cache goes back to the
-    /// driver (not in PyTorch, which has no such blocks); then `release_cached_blocks` and one
-    /// retry.
-    fn malloc_after_oom(&self, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
-        if self.release_deferred()? > 0
-            && let Some(ptr) = self.serve_stream(stream, req)?
-        {
-            return Ok(ptr);
-        }
-        self.release_cached_blocks()?;
-        bump(&self.counters.num_alloc_retries);
-        match self.serve_stream(stream, req)? {
-            Some(ptr) => Ok(ptr),
-            None => Err(self.out_of_memory(req)),
         }
     }
 
@@ -448,12 +436,6 @@ impl DeviceAllocator {
             self.driver.mem_info(self.device).map_err(|e| Error::driver(e, "reading the device's total memory"))?;
         self.limit.set((fraction * info.total as f64) as i64);
         Ok(())
-    }
-
-    /// PyTorch's out-of-memory error, with the device's figures; counted in `num_ooms`.
-    fn out_of_memory(&self, req: &Request) -> Error {
-        bump(&self.counters.num_ooms);
-        oom::message(self.device, &*self.driver, req, &self.stats(), self.limit.get())
     }
 
     /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on

@@ -385,6 +385,12 @@ impl ShardState {
         self.small.bin_count() + self.large.bin_count()
     }
 
+    /// The largest free block of the small and of the large pool, in bytes (0: none); blocks
+    /// awaiting events or a synchronisation, and unmapped pages, are not free.
+    pub fn largest_free(&self) -> [usize; 2] {
+        [self.small.largest().unwrap_or(0), self.large.largest().unwrap_or(0)]
+    }
+
     /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at
     /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
     pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {

@@ -1,0 +1,88 @@
+//! The rest of PyTorch's `DeviceCachingAllocator::malloc` once the cache and a new segment
+//! have failed: release-and-retry, then the out-of-memory observers, one more attempt if one
+//! of them asked, and the error with its message.
+//!
+//! Called from [`DeviceAllocator::malloc`] with the shard unlocked: the calling thread holds no
+//! lock of gpupool's here, so an observer may call back into the allocator (free, stats,
+//! empty_cache, malloc on any stream). Each step below takes its locks and drops them before
+//! the next. (The thread's cache of recent shards is lent to this call, read-only: a nested call
+//! that misses it leaves it as it is, see `Allocator::with_shard`.)
+
+use super::DeviceAllocator;
+use crate::caching::counters::bump;
+use crate::caching::oom;
+use crate::caching::shard::Request;
+use crate::driver::{DevicePtr, StreamHandle};
+use crate::error::Error;
+
+impl DeviceAllocator {
+    /// The out-of-memory path of `malloc` for `req` on `stream`:
+    /// 1. release-and-retry ([`DeviceAllocator::release_and_retry`]);
+    /// 2. if that fails, the request counts in `num_ooms` (once, as PyTorch counts before its
+    ///    observers run), and `observers` are called in the order attached;
+    /// 3. if any asked, one more attempt: the cache, a new segment, release-and-retry again
+    ///    (RMM's `failure_callback_resource_adaptor` retries while its callback asks; gpupool
+    ///    once, so that an observer that frees nothing cannot loop). The observers are not
+    ///    called again;
+    /// 4. the out-of-memory error, its figures read after the last attempt.
+    ///
+    /// Errors: [`Error::OutOfMemory`] as above; [`Error::Cuda`] when a driver call fails on the
+    /// way.
+    #[cold]
+    #[inline(never)]
+    pub fn malloc_after_oom(&self, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
+        if let Some(ptr) = self.release_and_retry(stream, req)? {
+            return Ok(ptr);
+        }
+        bump(&self.counters.num_ooms);
+        if self.observers.notify(self.device, req.size, || self.stats()) {
+            if let Some(ptr) = self.serve_stream(stream, req)? {
+                return Ok(ptr);
+            }
+            if let Some(ptr) = self.release_and_retry(stream, req)? {
+                return Ok(ptr);
+            }
+        }
+        Err(self.out_of_memory(req))
+    }
+
+    /// Blocks awaiting a device synchronisation are cache that a synchronisation frees, so they
+    /// are tried before the whole cache goes back to the driver (not in PyTorch, which has no
+    /// such blocks); then PyTorch's `release_cached_blocks` and one retry
+    /// (`num_alloc_retries`). `Ok(None)`: still out of memory.
+    fn release_and_retry(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+        if self.release_deferred()? > 0
+            && let Some(ptr) = self.serve_stream(stream, req)?
+        {
+            return Ok(Some(ptr));
+        }
+        self.release_cached_blocks()?;
+        bump(&self.counters.num_alloc_retries);
+        self.serve_stream(stream, req)
+    }
+
+    /// PyTorch's out-of-memory error for `req`, with the device's figures as they are now (not
+    /// counted here: `malloc_after_oom` counted the request).
+    fn out_of_memory(&self, req: &Request) -> Error {
+        let largest_free = self.largest_free_blocks();
+        let stats = self.stats();
+        oom::message(
+            &*self.driver,
+            &oom::Report { device: self.device, req, stats: &stats, limit: self.limit.get(), largest_free },
+        )
+    }
+
+    /// The largest free block of each pool, `[small, large]` in bytes, over every stream's
+    /// shard (0: none). Locks one shard at a time and holds none while taking the next, as the
+    /// lock order requires (a shard lock holder takes no other shard lock).
+    fn largest_free_blocks(&self) -> [usize; 2] {
+        let mut largest = [0; 2];
+        for shard in self.shards.all() {
+            let found = shard.lock().largest_free();
+            for (l, f) in largest.iter_mut().zip(found) {
+                *l = (*l).max(f);
+            }
+        }
+        largest
+    }
+}
