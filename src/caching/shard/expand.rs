@@ -67,6 +67,9 @@ impl ExpandablePolicy {
     }
 }
 
+/// A step of a growth's plan: (block, offset of its pages in the range, bytes to map).
+type MapStep = (BlockId, usize, usize);
+
 fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
@@ -74,12 +77,7 @@ fn round_up(n: usize, m: usize) -> usize {
 /// Maps the pages of `plan` (block, offset, bytes) in `e`, counting in `attempted` the entries
 /// tried. When one fails (it undid its own pages), the earlier ones are unmapped again; a page
 /// the driver keeps stays mapped, and counted.
-fn map_plan(
-    ctx: &ShardCtx,
-    e: &mut Expandable,
-    plan: &[(BlockId, usize, usize)],
-    attempted: &mut usize,
-) -> Result<(), DriverError> {
+fn map_plan(ctx: &ShardCtx, e: &mut Expandable, plan: &[MapStep], attempted: &mut usize) -> Result<(), DriverError> {
     for (i, &(_, offset, len)) in plan.iter().enumerate() {
         *attempted = i + 1;
         if let Err(err) = e.map(ctx.driver, ctx.device, offset, len) {
@@ -178,7 +176,7 @@ impl ShardState {
         policy: &ExpandablePolicy,
         pool: PoolKind,
         rounded: usize,
-    ) -> Result<(BlockId, Vec<(BlockId, usize, usize)>), DriverError> {
+    ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
         let start = match self.find_expandable(pool, rounded) {
             Some(id) => id,
             None => self.reserve_range(ctx, policy, pool, rounded)?,
