@@ -2,10 +2,12 @@
 //! out-of-memory, `empty_cache`, and the device-wide statistics.
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
-//! lock but the segment index's writer lock and the dirty list's (`shard_table`), neither of
-//! which is held while taking another. The peak lock is taken with no shard lock held; under
-//! it a settle locks the shards it visits (one settle at a time), and `empty_cache` takes the
-//! shard table's lock and only tries the shard locks. `check.rs`: the consistency check.
+//! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
+//! history's (a device's trace, the table of stacks), none of which is held while taking
+//! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
+//! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
+//! and `empty_cache` takes the shard table's lock and only tries the shard locks. `check.rs`:
+//! the consistency check; `history.rs`: the allocation history and snapshots.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -23,9 +25,11 @@ use super::shard::{ExpandablePolicy, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
+use crate::history::HistoryHook;
 use crate::stats::DeviceStats;
 
 mod check;
+mod history;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -53,6 +57,8 @@ pub(crate) struct DeviceAllocator {
     deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     expandable: Option<ExpandablePolicy>,
+    /// The allocation history: malloc and free read its flag.
+    history: HistoryHook,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -67,13 +73,14 @@ impl DeviceAllocator {
     /// The allocator of `device` with PyTorch's size `rules`. With `expandable`, its segments
     /// are expandable (`expandable_segments:True`) if the driver can map memory on it;
     /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
-    /// back.
+    /// back. Its events go to `history`.
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
         rules: SizeRules,
         expandable: bool,
+        history: HistoryHook,
     ) -> Self {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
@@ -89,6 +96,7 @@ impl DeviceAllocator {
             counters: DeviceCounters::default(),
             limit: MemoryLimit::default(),
             deferred: DeferredFrees::default(),
+            history,
         }
     }
 
@@ -103,6 +111,7 @@ impl DeviceAllocator {
             counters: &self.counters,
             deferred: &self.deferred,
             expandable: self.expandable.as_ref(),
+            history: &self.history,
         }
     }
 
@@ -142,6 +151,9 @@ impl DeviceAllocator {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
             if let Some(ptr) = self.serve(&mut st, &ctx, &req)? {
+                if self.history.on() {
+                    st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
+                }
                 return Ok(self.finish_call(st, ptr, hot));
             }
             drop(st);
@@ -168,7 +180,12 @@ impl DeviceAllocator {
         bump(&self.counters.num_alloc_retries);
         match self.serve_stream(stream, req)? {
             Some(ptr) => Ok(ptr),
-            None => Err(self.out_of_memory(req)),
+            None => {
+                if self.history.on() {
+                    self.record_oom(stream, req);
+                }
+                Err(self.out_of_memory(req))
+            }
         }
     }
 
@@ -183,12 +200,19 @@ impl DeviceAllocator {
             }
             let ctx = self.ctx(&shard);
             st.process_events(&ctx)?;
-            return Ok(self.serve(&mut st, &ctx, req)?.map(|ptr| self.finish(st, ptr)));
+            let served = self.serve(&mut st, &ctx, req)?;
+            if let Some(ptr) = served
+                && self.history.on()
+            {
+                st.record_alloc_at(&self.history, stream, ptr, req.size);
+            }
+            return Ok(served.map(|ptr| self.finish(st, ptr)));
         }
     }
 
     /// A block for `req` from the cache or a new segment; `Ok(None)` when the device is out of
-    /// memory for it.
+    /// memory for it. Its `alloc` event is the caller's to record (see
+    /// [`ShardState::record_alloc_at`]).
     #[inline]
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<DevicePtr>, Error> {
         let id = match st.take_cached(req, &self.rules) {
@@ -253,8 +277,33 @@ impl DeviceAllocator {
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
-        st.free(&ctx, ptr, segment)?;
+        if self.history.on() {
+            self.free_recorded(&mut st, shard, ptr, segment)?;
+        } else {
+            st.free(&ctx, ptr, segment)?;
+        }
         self.finish(st, ());
+        Ok(())
+    }
+
+    /// [`ShardState::free`] with its events recorded, once it succeeded (a free that fails,
+    /// or unwinds, leaves the block allocated and records nothing): `free_requested`, and
+    /// `free_completed` when the block went back to its pool at once (no other stream used
+    /// it); with the stack of the free if stacks are kept for frees, else the block's (PyTorch
+    /// `free`).
+    #[cold]
+    #[inline(never)]
+    fn free_recorded(
+        &self,
+        st: &mut ShardState,
+        shard: &Arc<Shard>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+    ) -> Result<(), Error> {
+        let ctx = self.ctx(shard);
+        let Some(freed) = st.about_to_free(&self.history, ptr) else { return st.free(&ctx, ptr, segment) };
+        st.free(&ctx, ptr, segment)?;
+        freed.record(&self.history, shard.stream);
         Ok(())
     }
 
@@ -263,7 +312,12 @@ impl DeviceAllocator {
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
+        let freed = if self.history.on() { st.about_to_free(&self.history, ptr) } else { None };
         let bytes = st.free_after_sync(&ctx, ptr, segment)?;
+        if let Some(mut freed) = freed {
+            freed.at_once = false;
+            freed.record(&self.history, shard.stream);
+        }
         self.finish(st, ());
         Ok(bytes)
     }
@@ -281,8 +335,9 @@ impl DeviceAllocator {
             .map_err(|e| Error::driver(e, "synchronising the device for blocks freed with free_after_device_sync"))?;
         let mut released = 0;
         for shard in self.shards.all() {
+            let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
-            let (blocks, bytes) = st.release_synced(epoch);
+            let (blocks, bytes) = st.release_synced(&ctx, epoch);
             self.deferred.release(blocks, bytes);
             released += blocks;
             self.finish(st, ());

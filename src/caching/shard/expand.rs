@@ -29,6 +29,7 @@ use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;
 use crate::driver::{DevicePtr, DriverError};
 use crate::error::Error;
+use crate::history::HistoryContext;
 
 /// How a device's expandable segments are laid out. Sizes in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,11 +116,16 @@ impl ShardState {
     /// room for the pages; any other failure of the virtual memory calls. The pages mapped
     /// for the request are unmapped again then; the shard is as it was, but for a new range
     /// that could not be given back (it stays, empty, until the cache is released).
+    ///
+    /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
+    /// failed call that the driver would not unmap included), with the call's stack, which is
+    /// left for the `alloc` event of the block handed out.
     pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<BlockId, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
+        let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
         let start = match self.find_expandable(pool, rounded) {
             Some(id) => id,
-            None => self.reserve_range(ctx, policy, pool, rounded)?,
+            None => self.reserve_range(ctx, policy, pool, rounded, c)?,
         };
         // The blocks to map, and how much of each: free and unmapped blocks from `start` on,
         // until `rounded` bytes are reached (PyTorch maps the same, block by block).
@@ -152,6 +158,11 @@ impl ShardState {
             let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
                 let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
                 charge.commit_part(grown.max(0) as usize);
+                if ctx.history.on() {
+                    for &(_, offset, len) in &plan[..*attempted] {
+                        st.record_pages(ctx, base, offset, len, true, c);
+                    }
+                }
             });
             let (st, attempted, _) = &mut *g;
             let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
@@ -167,6 +178,7 @@ impl ShardState {
         debug_assert!(b.state == BlockState::Free && b.size >= rounded);
         let (size, addr) = (b.size, b.addr);
         self.pool(pool).remove(size, addr, start);
+        self.pending_ctx = c;
         Ok(start)
     }
 
@@ -199,6 +211,7 @@ impl ShardState {
         policy: &ExpandablePolicy,
         pool: PoolKind,
         size: usize,
+        c: u32,
     ) -> Result<BlockId, DriverError> {
         let largest = self
             .expandables
@@ -220,9 +233,10 @@ impl ShardState {
             pool,
             expandable: true,
             event_count: 0,
-            stream_uses: Vec::new(),
+            stream_uses: Box::default(),
+            ctx: 0,
         });
-        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)) });
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c });
         self.expandables.push(base);
         self.unmapped_set(pool).insert((base, id));
         ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
@@ -333,7 +347,8 @@ impl ShardState {
                     pool,
                     expandable: true,
                     event_count: 0,
-                    stream_uses: Vec::new(),
+                    stream_uses: Box::default(),
+                    ctx: 0,
                 });
                 if next != NIL {
                     self.blocks[next].prev = nid;
@@ -414,17 +429,23 @@ impl ShardState {
         let mut failure = None;
         for (base, id) in candidates {
             let before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
-            // The block follows the page table whatever happens, unwinding included.
+            let (addr, size, page) = {
+                let b = &self.blocks[id];
+                (b.addr, b.size, self.segments[&base].exp.as_deref().expect("expandable").page as u64)
+            };
+            let lo = (addr - base).div_ceil(page) * page;
+            let hi = (addr + size as u64 - base) / page * page;
+            // The block follows the page table whatever happens, unwinding included, and the
+            // pages unmapped are recorded.
             let mut g = scopeguard::guard(&mut *self, |st| {
                 let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
                 ctx.limit.uncharge(shrunk.max(0) as usize);
+                if ctx.history.on() {
+                    let c = st.segments[&base].ctx;
+                    st.record_pages(ctx, base, lo as usize, (hi - lo) as usize, false, c);
+                }
             });
-            let b = &g.blocks[id];
-            let (addr, size) = (b.addr, b.size);
             let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let page = e.page as u64;
-            let lo = (addr - base).div_ceil(page) * page;
-            let hi = (addr + size as u64 - base) / page * page;
             let r = e.unmap(ctx.driver, ctx.device, lo as usize, (hi - lo) as usize);
             drop(g);
             released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
