@@ -10,8 +10,10 @@
  *
  * Environment: GPUPOOL_DRIVER (cuda | sim), GPUPOOL_SIM_CAPACITY, GPUPOOL_SIM_DEVICES,
  * GPUPOOL_CONF (PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax and keys; gpupool_set_config sets the
- * same before the first allocation), GPUPOOL_MAX_SPLIT_SIZE_MB (deprecated); read once, at the
- * first call.
+ * same before the first allocation), GPUPOOL_MAX_SPLIT_SIZE_MB (deprecated),
+ * GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>] (records the allocation history from the
+ * start, as gpupool_record_history; context none, state, alloc or all, default all); read once,
+ * at the first call.
  *
  * Other headers: gpupool_testing.h (the simulated device's hooks, for tests) and
  * gpupool_torch.h (PyTorch's pluggable-allocator functions).
@@ -22,6 +24,31 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/**
+ * `context` for `gpupool_record_history`: no call stacks (PyTorch `context=None`).
+ */
+#define GPUPOOL_HISTORY_CONTEXT_NONE 0
+
+/**
+ * `context` for `gpupool_record_history`: the call stack of each allocation, kept with its
+ * block while it is live, so that the snapshot's blocks and segments say who allocated them
+ * (PyTorch `context="state"`).
+ */
+#define GPUPOOL_HISTORY_CONTEXT_STATE 1
+
+/**
+ * `context` for `gpupool_record_history`: also a stack on each `alloc`, `segment_alloc`,
+ * `segment_map` and `oom` event of the trace; a block's `free_requested` and `free_completed`
+ * carry its allocation's stack (PyTorch `context="alloc"`).
+ */
+#define GPUPOOL_HISTORY_CONTEXT_ALLOC 2
+
+/**
+ * `context` for `gpupool_record_history`: also a stack captured at each free, on its
+ * `free_requested` event (PyTorch `context="all"`, its default).
+ */
+#define GPUPOOL_HISTORY_CONTEXT_ALL 3
 
 /**
  * The layout version of `gpupool_stats_t` this library writes.
@@ -307,6 +334,90 @@ gpupool_status gpupool_set_config(const char *conf);
  * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
  */
 gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
+
+/**
+ * Starts, changes or stops recording the allocation history of every device of the
+ * process-wide allocator (PyTorch `torch.cuda.memory._record_memory_history`), for
+ * `gpupool_dump_snapshot`.
+ *
+ * - `enabled`: non-zero to record, 0 to stop and forget every trace recorded (`max_entries`
+ *   and `context` are then not read).
+ * - `max_entries`: events kept per device, the newest ones (PyTorch `max_entries`); 0 keeps
+ *   no event, only the stacks of live blocks (PyTorch `enabled="state"`). The events, with
+ *   PyTorch's names: `alloc`, `free_requested` (the caller freed the block), `free_completed`
+ *   (it went back to its pool: at once, or after the events of `gpupool_record_stream` or a
+ *   device synchronisation), `segment_alloc`, `segment_free` (`cuMemAlloc`, `cuMemFree`),
+ *   `segment_map`, `segment_unmap` (pages of expandable segments), `oom` (a request failed
+ *   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
+ *   address, the bytes (those asked for, for a block), the stream, and the time in
+ *   microseconds since the Unix epoch. About 48 bytes of host memory each.
+ * - `context`: which native call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
+ *   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
+ *   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
+ *   microsecond or two of unwinding) and symbolised only by `gpupool_dump_snapshot`; each
+ *   distinct stack is kept once, for the life of the process. Frames of gpupool itself are
+ *   left out.
+ *
+ * Calling it again changes the settings: a trace keeps its newest events up to the new
+ * `max_entries`. When stacks stop being kept (`enabled` 0, or `context` below
+ * `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too. The environment
+ * variable `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>]` (`none`, `state`, `alloc`,
+ * `all`; default `all`) turns recording on from the start, when the process-wide allocator
+ * starts.
+ *
+ * Cost: off, one relaxed atomic load on each allocation and free. On, see the README (section
+ * "History and snapshots"): an event without a stack costs tens of nanoseconds, a stack
+ * microseconds.
+ *
+ * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` above 3 (the
+ * message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
+ * a process forked from one that used gpupool).
+ *
+ * Thread-safe; allocations made on other threads during the call are recorded with the old
+ * settings or the new ones. Starts the process-wide allocator if no call did yet, but no
+ * device.
+ */
+gpupool_status gpupool_record_history(int enabled, size_t max_entries, uint32_t context);
+
+/**
+ * Writes a snapshot of the process-wide allocator to the file at `path`, in the format of
+ * PyTorch's `torch.cuda.memory._dump_snapshot` (the pickle of `torch.cuda.memory._snapshot()`),
+ * which PyTorch's viewer renders: `python3 -m torch.cuda._memory_viz trace_plot FILE -o
+ * trace.html` (memory over time, from the trace) or `segment_plot` (segments and blocks at each
+ * event), or the file dropped on the memory_viz page.
+ *
+ * The file holds a dict: `segments`, every segment of every device in use (`device`,
+ * `address`, `total_size`, `stream`, `segment_type` `"large"`/`"small"`, `segment_pool_id`
+ * (0, 0), `allocated_size`, `active_size`, `requested_size`, `is_expandable`, `frames`, and
+ * `blocks`, which tile it in address order: `address`, `size`, `requested_size`, `state`
+ * (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
+ * synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
+ * run of mapped pages, as PyTorch shows it. `device_traces`, per device ordinal, the events
+ * `gpupool_record_history` recorded, oldest first (`action`, `addr` (`device_free` for `oom`),
+ * `size`, `stream`, `time_us`, `frames`). `allocator_settings`, the configuration (PyTorch's
+ * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
+ *
+ * With history on, each device's trace ends with the `snapshot` event this call records.
+ * Each device is read with all its streams locked, as one consistent state (allocations on
+ * it wait meanwhile); stacks are symbolised afterwards, reading the debug information of the
+ * libraries they pass through (seconds, the first time). Works with history off too: the
+ * segments, no events, no stacks. Pickle protocol 3, written with the opcodes Python's own
+ * pickler uses for dicts, lists, strings and integers; CPython's `pickle` reads it.
+ *
+ * - `path`: a NUL-terminated path, read during the call only; the file is created or
+ *   replaced.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL `path`, or when the file cannot be
+ * created (no snapshot is taken then) or written (what was written stays); the message has
+ * the path and the system's error. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator
+ * cannot start.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `path` must be NULL or point to a NUL-terminated string.
+ */
+gpupool_status gpupool_dump_snapshot(const char *path);
 
 /**
  * Allocates at least `size` bytes of device memory on `device` for use on `stream`, from

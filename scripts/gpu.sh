@@ -23,6 +23,9 @@
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
 #   traces      examples/python/record_trace.py into build-gpu/traces
+#   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
+#               under PyTorch's allocator and under gpupool, both rendered by PyTorch's viewer
+#               (trace_plot, segment_plot) into OUT/snapshot
 #   bench       examples/c/bench with DIR/traces and build-gpu/traces (recorded by this run or
 #               an earlier one); BENCH_ONLY=main or frag passes through to it
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
@@ -63,7 +66,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable examples preload python traces bench replay"
+all_sections="rust c gpu expandable examples preload python traces snapshot bench replay"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -217,6 +220,32 @@ if want traces; then
       -exec cp {} "$out/traces/" \;
   else
     echo "skipped: python3 lacks torch or transformers"
+  fi
+fi
+
+# The same model under both allocators with the history recorded, the two snapshots checked
+# against each other's keys, and each rendered with PyTorch's own viewer; the pickles and the
+# HTML pages go to OUT/snapshot (the pages load the viewer's script from the web when opened).
+if want snapshot; then
+  echo "== snapshot: PyTorch's memory viewer on PyTorch's allocator and on gpupool"
+  if python3 -c "import torch, torchvision" 2>/dev/null; then
+    mkdir -p "$out/snapshot"
+    python3 examples/python/dump_snapshot.py --lib "$prefix/lib/libgpupool.so" --out "$out/snapshot" 2>&1 |
+      tee "$out/snapshot.log" || status=1
+    for f in "$out"/snapshot/*.pickle; do
+      [ -e "$f" ] || continue
+      for plot in trace_plot segment_plot; do
+        html="${f%.pickle}-${plot}.html"
+        if python3 -m torch.cuda._memory_viz "$plot" "$f" -o "$html" >>"$out/snapshot.log" 2>&1 && [ -s "$html" ]; then
+          echo "rendered $(basename "$html") ($(wc -c <"$html") bytes)"
+        else
+          echo "$plot failed on $(basename "$f") (see snapshot.log)"
+          status=1
+        fi
+      done
+    done
+  else
+    echo "skipped: python3 lacks torch or torchvision"
   fi
 fi
 

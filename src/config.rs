@@ -29,6 +29,7 @@
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see the README's fragmentation table) |
+//! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
@@ -64,6 +65,7 @@ use std::ffi::{OsStr, OsString};
 use std::fmt::Write;
 
 use crate::error::Error;
+use crate::history::{HistoryContext, HistorySettings};
 
 mod conf;
 
@@ -162,6 +164,10 @@ pub struct Config {
     /// (since the cache was last emptied or the peaks reset), wholly free pages mapped anywhere
     /// on the device are unmapped (after a device synchronisation). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
+    /// The allocation history an allocator records from its start
+    /// ([`Allocator::new`](crate::Allocator::new); `GPUPOOL_RECORD_HISTORY`); `None` (the
+    /// default): none until [`Allocator::record_history`](crate::Allocator::record_history).
+    pub record_history: Option<HistorySettings>,
 }
 
 impl Default for Config {
@@ -187,6 +193,7 @@ impl Default for Config {
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
             expandable_reclaim: false,
+            record_history: None,
         }
     }
 }
@@ -202,6 +209,10 @@ pub enum Kind {
     Bool,
     /// One of these words (lower case; matched in any case).
     Word(&'static [&'static str]),
+    /// The allocation history's settings: `off`, or `<max_entries>[:<context>]`, the events
+    /// kept per device and which stacks (`none`, `state`, `alloc` or `all`; `all` when left
+    /// out, PyTorch's default).
+    History,
 }
 
 /// An option's value, as [`Kind`] reads it.
@@ -215,6 +226,8 @@ pub enum Value {
     Bool(bool),
     /// One of the row's words, as the row spells it.
     Word(&'static str),
+    /// History settings (`None`: off).
+    History(Option<HistorySettings>),
 }
 
 /// One option: a row of [`OPTIONS`].
@@ -237,7 +250,7 @@ const LARGE_SEGMENT: usize = 20 * MIB;
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 8] = [
+pub static OPTIONS: [Opt; 9] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -312,6 +325,21 @@ pub static OPTIONS: [Opt; 8] = [
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
     },
+    Opt {
+        name: "GPUPOOL_RECORD_HISTORY",
+        kind: Kind::History,
+        default: Value::History(None),
+        doc: "Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` \
+              would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call \
+              stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` \
+              writes them",
+        set: |c, v| {
+            if let Value::History(h) = v {
+                c.record_history = h;
+            }
+        },
+        get: |c| Value::History(c.record_history),
+    },
 ];
 
 impl Value {
@@ -343,6 +371,7 @@ impl Kind {
                 _ => None,
             },
             Kind::Word(words) => words.iter().find(|w| w.eq_ignore_ascii_case(text)).map(|&w| Value::Word(w)),
+            Kind::History => parse_history(text).map(Value::History),
         }
     }
 
@@ -360,6 +389,9 @@ impl Kind {
             Kind::Count { min, max } => format!("a whole number from {min} to {max}"),
             Kind::Bool => "a boolean: 1/0, true/false, yes/no or on/off".to_string(),
             Kind::Word(words) => words.join(" or "),
+            Kind::History => "off, or the events kept per device with an optional context: 100000 or 100000:alloc \
+                              (contexts none, state, alloc, all; all when left out)"
+                .to_string(),
         }
     }
 
@@ -372,6 +404,8 @@ impl Kind {
             (_, Value::Count(n)) => n.to_string(),
             (_, Value::Bool(b)) => (if b { "on" } else { "off" }).to_string(),
             (_, Value::Word(w)) => w.to_string(),
+            (_, Value::History(None)) => "off".to_string(),
+            (_, Value::History(Some(h))) => format!("{}:{}", h.max_entries, h.context.name()),
         }
     }
 
@@ -387,8 +421,28 @@ impl Kind {
             Kind::Count { min, max } => format!("count, {min} to {max}"),
             Kind::Bool => "boolean".to_string(),
             Kind::Word(words) => words.iter().map(|w| format!("`{w}`")).collect::<Vec<_>>().join(" or "),
+            Kind::History => "`off` or `<max_entries>[:<context>]`".to_string(),
         }
     }
+}
+
+/// Reads history settings: `off`, or `<max_entries>[:<context>]` (see [`Kind::History`]).
+fn parse_history(text: &str) -> Option<Option<HistorySettings>> {
+    if text.eq_ignore_ascii_case("off") {
+        return Some(None);
+    }
+    let (n, context) = match text.split_once(':') {
+        Some((n, c)) => {
+            let c = c.trim();
+            let context = [HistoryContext::None, HistoryContext::State, HistoryContext::Alloc, HistoryContext::All]
+                .into_iter()
+                .find(|h| h.name().eq_ignore_ascii_case(c))?;
+            (n, context)
+        }
+        None => (text, HistoryContext::All),
+    };
+    let max_entries = n.trim().parse().ok()?;
+    Some(Some(HistorySettings { max_entries, context }))
 }
 
 impl Opt {
@@ -739,6 +793,7 @@ mod tests {
             ("GPUPOOL_PRELOAD_SYNC_BYTES", "lots", "a size"),
             ("GPUPOOL_PRELOAD_STATS", "maybe", "a boolean"),
             ("GPUPOOL_EXPANDABLE_RECLAIM", "sometimes", "a boolean"),
+            ("GPUPOOL_RECORD_HISTORY", "100000:stacks", "100000:alloc"),
         ];
         assert_eq!(cases.len(), OPTIONS.len());
         for (name, value, want) in cases {
@@ -747,6 +802,24 @@ mod tests {
             assert!(matches!(e, Error::InvalidValue(_)));
             assert!(m.contains(name) && m.contains(&format!("{value:?}")) && m.contains(want), "{m}");
         }
+    }
+
+    #[test]
+    fn history_settings_parse() {
+        let h = |t: &str| one("GPUPOOL_RECORD_HISTORY", t).map(|c| c.record_history);
+        let on = |max_entries, context| Ok(Some(HistorySettings { max_entries, context }));
+        assert_eq!(h(""), Ok(None));
+        assert_eq!(h("off"), Ok(None));
+        assert_eq!(h("100000"), on(100000, HistoryContext::All));
+        assert_eq!(h(" 5000 : State "), on(5000, HistoryContext::State));
+        assert_eq!(h("0:none"), on(0, HistoryContext::None));
+        assert_eq!(h("7:alloc"), on(7, HistoryContext::Alloc));
+        for bad in ["on", "-1", "10:", "10:stacks", ":all", "1e5", "10:all:x"] {
+            assert!(h(bad).is_err(), "{bad}");
+        }
+        let row = opt("GPUPOOL_RECORD_HISTORY");
+        let v = Value::History(Some(HistorySettings { max_entries: 12, context: HistoryContext::Alloc }));
+        assert_eq!(row.kind.show(v), "12:alloc");
     }
 
     #[test]
@@ -768,6 +841,7 @@ mod tests {
              GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
              GPUPOOL_PRELOAD_STATS=on\n\
              GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
+             GPUPOOL_RECORD_HISTORY=off (default)\n\
              GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
              max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:False,\
              release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\

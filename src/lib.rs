@@ -5,6 +5,7 @@
 //! - `caching`: the allocator core, PyTorch's rules over a driver trait; no GPU needed.
 //! - [`driver`]: the CUDA driver (through cudarc) and the simulated device.
 //! - [`stats`]: statistics in PyTorch's terms, and the memory summary.
+//! - [`history`]: the allocation history and snapshots, in PyTorch's formats.
 //! - [`config`]: the `GPUPOOL_*` options.
 //!
 //! From Rust, build an [`Allocator`] over a driver:
@@ -24,6 +25,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod ffi;
+pub mod history;
 pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};

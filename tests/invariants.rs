@@ -9,17 +9,23 @@
 //! allocator counts as reserved; once the faults stop, everything can be freed, the cache
 //! emptied, and the memory fraction's whole allowance allocated again. And an allocator that is
 //! dropped gives the driver back all its memory and events.
+//!
+//! With the allocation history on, the same, and after every operation a snapshot that agrees
+//! with the statistics and with a replay of the whole trace (faults and panics included: no
+//! event for what was undone).
 
 mod common;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Once;
 
+use common::history::{record_all, snapshot_agrees};
 use common::{MIB, check, sim, sim_with};
 use gpupool::Error;
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SIM_PANIC_MARK, SimFault, SimOp};
+use gpupool::history::HistoryContext;
 use gpupool::stats::{DeviceStats, Stat};
 use proptest::prelude::*;
 
@@ -111,12 +117,15 @@ fn stamped(ptr: u64, size: usize, cookie: u64) -> bool {
     head[..n] == cookie.to_le_bytes()[..n] && (size < 16 || tail == cookie.to_le_bytes())
 }
 
-fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool) {
+fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: bool) {
     let streams = [0usize, 0x1000, 0x2000];
     // Half the cases with gpupool's high-water rule for expandable segments.
     let expandable_reclaim = ops.len() % 2 == 0;
     let (a, drv) =
         sim_with(1, 160 * MIB, Config { max_split_size, expandable_segments, expandable_reclaim, ..Config::default() });
+    if history {
+        record_all(&a, HistoryContext::All);
+    }
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
     let mut model_peak = currents(&a.stats(0).unwrap());
     let mut cookie = 1u64;
@@ -163,6 +172,9 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool) {
             _ => {}
         }
         check(&a);
+        if history {
+            snapshot_agrees(&a, true);
+        }
         let s = a.stats(0).unwrap();
         for (m, c) in model_peak.iter_mut().zip(currents(&s)) {
             *m = (*m).max(c);
@@ -209,17 +221,22 @@ proptest! {
 
     #[test]
     fn invariants_hold_after_every_operation(ops in proptest::collection::vec(op(), 1..160)) {
-        run(ops, usize::MAX, false);
+        run(ops, usize::MAX, false, false);
     }
 
     #[test]
     fn invariants_hold_with_expandable_segments(ops in proptest::collection::vec(op(), 1..160)) {
-        run(ops, usize::MAX, true);
+        run(ops, usize::MAX, true, false);
     }
 
     #[test]
     fn invariants_hold_with_max_split_size(ops in proptest::collection::vec(op(), 1..160)) {
-        run(ops, 24 * MIB, false);
+        run(ops, 24 * MIB, false, false);
+    }
+
+    #[test]
+    fn invariants_hold_with_history_on(ops in proptest::collection::vec(op(), 1..160)) {
+        run(ops, 24 * MIB, true, true);
     }
 }
 
@@ -309,7 +326,13 @@ fn peaks_are_consistent(s: &DeviceStats) {
     }
 }
 
-fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f64>, expandable_segments: bool) {
+fn run_with_faults(
+    ops: Vec<FaultOp>,
+    max_split_size: usize,
+    fraction: Option<f64>,
+    expandable_segments: bool,
+    history: bool,
+) {
     quiet_injected_panics();
     let streams = [0usize, 0x1000, 0x2000];
     let expandable_reclaim = ops.len() % 2 == 0;
@@ -323,6 +346,9 @@ fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f6
         ..Config::default()
     };
     let (a, drv) = sim_with(1, CAPACITY, config);
+    if history {
+        record_all(&a, HistoryContext::All);
+    }
     let fraction_or_all = fraction.unwrap_or(1.0);
     a.set_memory_fraction(fraction_or_all, 0).unwrap();
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
@@ -407,6 +433,9 @@ fn run_with_faults(ops: Vec<FaultOp>, max_split_size: usize, fraction: Option<f6
             },
         }
         check(&a);
+        if history {
+            snapshot_agrees(&a, true);
+        }
         let s = a.stats(0).unwrap();
         if expandable_segments {
             // A page handle the driver refused to release is held, not reserved, until the
@@ -458,21 +487,28 @@ proptest! {
 
     #[test]
     fn invariants_hold_under_driver_faults_and_panics(ops in proptest::collection::vec(fault_op(), 1..160)) {
-        run_with_faults(ops, usize::MAX, None, false);
+        run_with_faults(ops, usize::MAX, None, false, false);
     }
 
     #[test]
     fn invariants_hold_under_driver_faults_and_panics_with_expandable_segments(
         ops in proptest::collection::vec(fault_op(), 1..160)
     ) {
-        run_with_faults(ops, usize::MAX, Some(0.75), true);
+        run_with_faults(ops, usize::MAX, Some(0.75), true, false);
     }
 
     #[test]
     fn invariants_hold_under_driver_faults_and_panics_with_a_memory_fraction(
         ops in proptest::collection::vec(fault_op(), 1..160)
     ) {
-        run_with_faults(ops, 24 * MIB, Some(0.5), false);
+        run_with_faults(ops, 24 * MIB, Some(0.5), false, false);
+    }
+
+    #[test]
+    fn invariants_hold_under_driver_faults_and_panics_with_history_on(
+        ops in proptest::collection::vec(fault_op(), 1..160)
+    ) {
+        run_with_faults(ops, usize::MAX, Some(0.75), true, true);
     }
 }
 

@@ -13,7 +13,10 @@ hooks: init, reset (torch.cuda.empty_cache), memory fraction
 
 With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
 gpupool's figures; stats() and summary() here do, from gpupool_stats and
-gpupool_memory_summary.
+gpupool_memory_summary. Likewise torch.cuda.memory._record_memory_history() and
+_dump_snapshot() see nothing of gpupool's: record_history() and dump_snapshot() here are
+theirs, from gpupool_record_history and gpupool_dump_snapshot, and write the same file for
+the same viewer (python3 -m torch.cuda._memory_viz trace_plot FILE -o FILE.html).
 """
 
 import ctypes
@@ -79,6 +82,8 @@ def _bind(lib):
     lib.gpupool_reset_peak_stats.argtypes = [ctypes.c_int]
     lib.gpupool_memory_summary.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.gpupool_record_history.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_uint32]
+    lib.gpupool_dump_snapshot.argtypes = [ctypes.c_char_p]
     return lib
 
 
@@ -142,3 +147,21 @@ def summary(device=0):
     buf = ctypes.create_string_buffer(needed.value + 256)
     _check(_lib.gpupool_memory_summary(device, buf, len(buf), ctypes.byref(needed)), "gpupool_memory_summary")
     return buf.value.decode()
+
+
+# GPUPOOL_HISTORY_CONTEXT_* of gpupool.h, by PyTorch's names for them.
+_CONTEXTS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+
+
+def record_history(enabled=True, context="all", max_entries=100000):
+    """gpupool's torch.cuda.memory._record_memory_history: record the allocation history (the
+    newest max_entries events per device, with the native call stacks of `context`: None,
+    "state", "alloc" or "all"), or stop and forget it (enabled=False)."""
+    _check(_lib.gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context]),
+           "gpupool_record_history")
+
+
+def dump_snapshot(path):
+    """gpupool's torch.cuda.memory._dump_snapshot: write the snapshot pickle that PyTorch's
+    memory viewer reads."""
+    _check(_lib.gpupool_dump_snapshot(os.fsencode(path)), "gpupool_dump_snapshot")

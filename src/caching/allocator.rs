@@ -18,6 +18,7 @@ use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
+use crate::history::{AllocatorSettings, HistoryHook, HistorySettings, Recorder, Snapshot};
 use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
 
@@ -51,6 +52,8 @@ pub struct Allocator {
     devices: Box<[OnceLock<DeviceAllocator>]>,
     /// Shared with every device, which calls them when a request fails.
     observers: Arc<OomObservers>,
+    /// The allocation history of every device.
+    recorder: Arc<Recorder>,
 }
 
 /// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
@@ -88,12 +91,14 @@ thread_local! {
 }
 
 impl Allocator {
-    /// An allocator over `driver` with the allocation options of `config`. `config.driver` and
-    /// the `sim_*` fields are not used here (they choose the driver in
-    /// [`Allocator::from_config`]).
+    /// An allocator over `driver` with the allocation options of `config`, recording its
+    /// history from the start if `config.record_history` says so. `config.driver` and the
+    /// `sim_*` fields are not used here (they choose the driver in [`Allocator::from_config`]).
     pub fn new(driver: Arc<dyn Driver>, config: Config) -> Allocator {
         let count = driver.device_count().max(0) as usize;
         super::fork::watch();
+        let recorder = Arc::new(Recorder::new(count));
+        recorder.set(config.record_history);
         Allocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             driver,
@@ -102,6 +107,7 @@ impl Allocator {
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
             observers: Arc::default(),
+            recorder,
         }
     }
 
@@ -139,7 +145,8 @@ impl Allocator {
         self.config().conf_string()
     }
 
-    /// Replaces its options with `config`, as long as no device has started: a device starts
+    /// Replaces its options with `config`, as long as no device has started (but
+    /// `config.record_history`: [`Allocator::record_history`] turns the history on and off): a device starts
     /// at the first call that names it (or names -1 and it is current): an allocation, but
     /// also `stats`, `memory_summary`, `empty_cache`, `set_memory_fraction` and the like,
     /// which read or change its state. `device_count`, `config` and `owns` start none. The
@@ -200,7 +207,14 @@ impl Allocator {
             return Ok(dev);
         }
         let config = self.config.load();
-        let dev = DeviceAllocator::new(d, self.driver.clone(), self.index.clone(), &config, self.observers.clone());
+        let dev = DeviceAllocator::new(
+            d,
+            self.driver.clone(),
+            self.index.clone(),
+            &config,
+            self.observers.clone(),
+            HistoryHook::new(self.recorder.clone(), d as usize),
+        );
         if config.per_process_memory_fraction < 1.0 {
             dev.set_memory_fraction(config.per_process_memory_fraction)?;
         }
@@ -493,6 +507,67 @@ impl Allocator {
     pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
         let dev = self.device_or_init(device)?;
         Ok(memory_summary(dev.device, self.driver.name(), &dev.stats()))
+    }
+
+    /// Starts, changes or stops the allocation history of every device (PyTorch
+    /// `torch.cuda.memory._record_memory_history`): with `Some(settings)`, each device keeps
+    /// its newest `settings.max_entries` events (alloc, frees, segments, maps and unmaps,
+    /// out-of-memory, snapshots) and the call stacks `settings.context` asks for; a trace
+    /// recorded already keeps its newest events up to the new limit. `None` stops recording and
+    /// forgets every trace. When stacks stop being kept (`None`, or a context below
+    /// [`HistoryContext::State`](crate::history::HistoryContext::State)), the live blocks
+    /// forget theirs too.
+    ///
+    /// Costs, while off, one relaxed load per malloc and free; while on, see the README
+    /// (section "History and snapshots"). Calls that race with this one record with the old
+    /// settings or the new ones.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
+    pub fn record_history(&self, settings: Option<HistorySettings>) -> Result<(), Error> {
+        super::fork::check()?;
+        let _starting = self.starting.lock();
+        let level = self.recorder.set(settings);
+        for dev in self.devices.iter().filter_map(|d| d.get()) {
+            dev.set_history_level(level);
+        }
+        Ok(())
+    }
+
+    /// What the history records now; `None` when it is off.
+    pub fn history(&self) -> Option<HistorySettings> {
+        self.recorder.settings()
+    }
+
+    /// Every segment of every device in use, with its blocks, and each device's trace
+    /// (PyTorch `torch.cuda.memory._snapshot()`); [`Snapshot::to_pickle`] writes PyTorch's
+    /// file. Each device is taken with all its streams locked, as one consistent state; while
+    /// history is on, its trace ends with the `snapshot` event this call records. Stacks are
+    /// symbolised here, after the locks are released (the first time, reading the debug
+    /// information of every library in them can take seconds). Works with history off too:
+    /// the segments, no trace, no stacks.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
+    pub fn snapshot(&self) -> Result<Snapshot, Error> {
+        super::fork::check()?;
+        let mut segments = Vec::new();
+        let mut traces = vec![Vec::new(); self.devices.len()];
+        for (trace, dev) in traces.iter_mut().zip(self.devices.iter()) {
+            if let Some(dev) = dev.get() {
+                *trace = dev.snapshot_into(&mut segments);
+            }
+        }
+        let c = self.config();
+        let settings = AllocatorSettings {
+            conf: c.conf_string(),
+            max_split_size: c.max_split_size,
+            garbage_collection_threshold: c.garbage_collection_threshold,
+            expandable_segments: c.expandable_segments,
+            pinned_num_register_threads: c.pinned_num_register_threads,
+            release_lock_on_cudamalloc: c.release_lock_on_cudamalloc,
+            pinned_use_cuda_host_register: c.pinned_use_cuda_host_register,
+            roundup_power2_divisions: c.roundup_power2_divisions.to_vec(),
+        };
+        Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings))
     }
 
     /// Checks every invariant of every device, for tests: each segment's blocks cover it

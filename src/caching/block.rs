@@ -48,8 +48,15 @@ pub(crate) struct Block {
     pub expandable: bool,
     /// Events still outstanding for this block (PyTorch `event_count`).
     pub event_count: u32,
-    /// Streams other than the owning one that used the block (PyTorch `stream_uses`).
-    pub stream_uses: Vec<StreamHandle>,
+    /// Streams other than the owning one that used the block (PyTorch `stream_uses`). A boxed
+    /// slice rather than a `Vec`, so that a block takes 64 bytes: `record_stream` is rare, and
+    /// grows it by one each time ([`Block::add_stream_use`]).
+    pub stream_uses: Box<[StreamHandle]>,
+    /// The stack of its allocation in the history's table (`crate::history`; PyTorch
+    /// `context_when_allocated`), 0 for none. Set only while history keeps stacks
+    /// (`HistoryContext::State` or more), and cleared on every block when it stops keeping
+    /// them, so that it is never stale: while it keeps them, each allocation sets it.
+    pub ctx: u32,
     /// For a free block: its shard's count of frees when it was freed (PyTorch
     /// `gc_count_base`; see `device::gc`).
     pub freed_at: u32,
@@ -59,6 +66,13 @@ impl Block {
     /// PyTorch `Block::is_split`: the block shares its segment with other blocks.
     pub fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL
+    }
+
+    /// Adds `stream` to the streams that used the block.
+    pub fn add_stream_use(&mut self, stream: StreamHandle) {
+        let mut uses = std::mem::take(&mut self.stream_uses).into_vec();
+        uses.push(stream);
+        self.stream_uses = uses.into_boxed_slice();
     }
 }
 
@@ -83,7 +97,7 @@ impl Arena {
     /// Marks a slot reusable. The caller has unlinked the block from its segment and pool.
     pub fn remove(&mut self, id: BlockId) {
         let b = &mut self.slots[id as usize];
-        b.stream_uses = Vec::new();
+        b.stream_uses = Box::default();
         self.vacant.push(id);
     }
 }
@@ -100,5 +114,14 @@ impl std::ops::IndexMut<BlockId> for Arena {
     #[inline]
     fn index_mut(&mut self, id: BlockId) -> &mut Block {
         &mut self.slots[id as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_block_takes_64_bytes() {
+        // Every cached and live block has one: the arena's memory, and the lines a hit touches.
+        assert_eq!(std::mem::size_of::<super::Block>(), 64);
     }
 }

@@ -20,6 +20,7 @@
 //!   message.
 
 pub mod config;
+pub mod history;
 pub mod memory;
 pub mod oom;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.

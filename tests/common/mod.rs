@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: an allocator over a fresh simulated device.
 #![allow(dead_code)]
 
+pub mod history;
+
 use std::sync::Arc;
 
 use gpupool::Allocator;

@@ -2,11 +2,13 @@
 //! out-of-memory, `empty_cache`, and the device-wide statistics.
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
-//! lock but the segment index's writer lock and the dirty list's (`shard_table`), neither of
-//! which is held while taking another. The peak lock is taken with no shard lock held; under
-//! it a settle locks the shards it visits (one settle at a time), and `empty_cache` takes the
-//! shard table's lock and only tries the shard locks. Out-of-memory observers run with none of
-//! these held (`out_of_memory.rs`). `check.rs`: the consistency check.
+//! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
+//! history's (a device's trace, the table of stacks), none of which is held while taking
+//! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
+//! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
+//! and `empty_cache` takes the shard table's lock and only tries the shard locks. Out-of-memory
+//! observers run with none of these held (`out_of_memory.rs`). `check.rs`:
+//! the consistency check; `history.rs`: the allocation history and snapshots.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -25,10 +27,12 @@ use super::shard_table::ShardTable;
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
+use crate::history::HistoryHook;
 use crate::stats::DeviceStats;
 
 mod check;
 mod gc;
+mod history;
 mod out_of_memory;
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
@@ -63,6 +67,8 @@ pub(crate) struct DeviceAllocator {
     gc_threshold: f64,
     /// The allocator's out-of-memory observers, read only once a request has failed.
     observers: Arc<OomObservers>,
+    /// The allocation history: malloc and free read its flag.
+    history: HistoryHook,
 }
 
 /// What [`DeviceAllocator::serve`] obtained.
@@ -91,13 +97,15 @@ impl DeviceAllocator {
     /// `garbage_collection_threshold`), calling `observers` when a request fails. With
     /// `expandable_segments`, its segments are expandable if the driver can map memory on it;
     /// otherwise, or when asking the driver fails, they are ordinary segments, as PyTorch falls
-    /// back; with `expandable_reclaim` they keep to the high-water mark (see [`Reclaim`]).
+    /// back; with `expandable_reclaim` they keep to the high-water mark (see [`Reclaim`]). Its events go to
+    /// `history`.
     pub fn new(
         device: i32,
         driver: Arc<dyn Driver>,
         index: Arc<SegmentIndex<Arc<Shard>>>,
         config: &Config,
         observers: Arc<OomObservers>,
+        history: HistoryHook,
     ) -> Self {
         let rules = SizeRules::from_config(config);
         let (expandable, reclaim, gc_threshold) =
@@ -119,6 +127,7 @@ impl DeviceAllocator {
             limit: MemoryLimit::default(),
             deferred: DeferredFrees::default(),
             observers,
+            history,
         }
     }
 
@@ -134,6 +143,7 @@ impl DeviceAllocator {
             deferred: &self.deferred,
             expandable: self.expandable.as_ref(),
             reclaim: self.reclaim,
+            history: &self.history,
         }
     }
 
@@ -172,7 +182,12 @@ impl DeviceAllocator {
             let ctx = self.ctx(shard);
             st.process_events(&ctx)?;
             match self.serve(&mut st, &ctx, &req, true)? {
-                Served::Block(ptr) => return Ok(self.finish_call(st, ptr, hot)),
+                Served::Block(ptr) => {
+                    if self.history.on() {
+                        st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
+                    }
+                    return Ok(self.finish_call(st, ptr, hot));
+                }
                 other => Some(other),
             }
         } else {
@@ -229,7 +244,12 @@ impl DeviceAllocator {
             ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
             st.process_events(&ctx)?;
             return Ok(match self.serve(&mut st, &ctx, req, false)? {
-                Served::Block(ptr) => Some(self.finish(st, ptr)),
+                Served::Block(ptr) => {
+                    if self.history.on() {
+                        st.record_alloc_at(&self.history, stream, ptr, req.size);
+                    }
+                    Some(self.finish(st, ptr))
+                }
                 Served::OutOfMemory => None,
                 Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
             });
@@ -237,7 +257,8 @@ impl DeviceAllocator {
     }
 
     /// A block for `req` from the cache or from the driver. `collect`: answer
-    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due.
+    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due. Its
+    /// `alloc` event is the caller's to record (see [`ShardState::record_alloc_at`]).
     #[inline]
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
         let id = match st.take_cached(req, &self.rules) {
@@ -317,8 +338,33 @@ impl DeviceAllocator {
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
-        st.free(&ctx, ptr, segment)?;
+        if self.history.on() {
+            self.free_recorded(&mut st, shard, ptr, segment)?;
+        } else {
+            st.free(&ctx, ptr, segment)?;
+        }
         self.finish(st, ());
+        Ok(())
+    }
+
+    /// [`ShardState::free`] with its events recorded, once it succeeded (a free that fails,
+    /// or unwinds, leaves the block allocated and records nothing): `free_requested`, and
+    /// `free_completed` when the block went back to its pool at once (no other stream used
+    /// it); with the stack of the free if stacks are kept for frees, else the block's (PyTorch
+    /// `free`).
+    #[cold]
+    #[inline(never)]
+    fn free_recorded(
+        &self,
+        st: &mut ShardState,
+        shard: &Arc<Shard>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+    ) -> Result<(), Error> {
+        let ctx = self.ctx(shard);
+        let Some(freed) = st.about_to_free(&self.history, ptr) else { return st.free(&ctx, ptr, segment) };
+        st.free(&ctx, ptr, segment)?;
+        freed.record(&self.history, shard.stream);
         Ok(())
     }
 
@@ -327,7 +373,12 @@ impl DeviceAllocator {
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
+        let freed = if self.history.on() { st.about_to_free(&self.history, ptr) } else { None };
         let bytes = st.free_after_sync(&ctx, ptr, segment)?;
+        if let Some(mut freed) = freed {
+            freed.at_once = false;
+            freed.record(&self.history, shard.stream);
+        }
         self.finish(st, ());
         Ok(bytes)
     }
@@ -345,8 +396,9 @@ impl DeviceAllocator {
             .map_err(|e| Error::driver(e, "synchronising the device for blocks freed with free_after_device_sync"))?;
         let mut released = 0;
         for shard in self.shards.all() {
+            let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
-            let (blocks, bytes) = st.release_synced(epoch);
+            let (blocks, bytes) = st.release_synced(&ctx, epoch);
             self.deferred.release(blocks, bytes);
             released += blocks;
             self.finish(st, ());

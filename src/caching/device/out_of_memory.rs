@@ -34,6 +34,9 @@ impl DeviceAllocator {
         if let Some(ptr) = self.release_and_retry(stream, req)? {
             return Ok(ptr);
         }
+        if self.history.on() {
+            self.record_oom(stream, req);
+        }
         bump(&self.counters.num_ooms);
         if self.observers.notify(self.device, req.size, || self.stats()) {
             if let Some(ptr) = self.serve_stream(stream, req)? {

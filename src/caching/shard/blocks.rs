@@ -36,7 +36,8 @@ impl ShardState {
             pool,
             expandable,
             event_count: 0,
-            stream_uses: Vec::new(),
+            stream_uses: Box::default(),
+            ctx: 0,
             freed_at: 0,
         });
         if next != NIL {

@@ -31,6 +31,7 @@ use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;
 use crate::driver::{DevicePtr, DriverError};
 use crate::error::Error;
+use crate::history::HistoryContext;
 
 /// How a device's expandable segments are laid out. Sizes in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,9 +116,14 @@ impl ShardState {
     /// room for the pages; any other failure of the virtual memory calls. The pages mapped
     /// for the request are unmapped again then; the shard is as it was, but for a new range
     /// that could not be given back (it stays, empty, until the cache is released).
+    ///
+    /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
+    /// failed call that the driver would not unmap included), with the call's stack, which is
+    /// left for the `alloc` event of the block handed out.
     pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<Growth, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
-        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded)?;
+        let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
+        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
         let bytes: usize = plan.iter().map(|p| p.2).sum();
         let over = ctx.limit.over_mark(bytes);
         if over > 0 && ctx.reclaim != Reclaim::Off {
@@ -148,6 +154,11 @@ impl ShardState {
             let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
                 let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
                 charge.commit_part(grown.max(0) as usize);
+                if ctx.history.on() {
+                    for &(_, offset, len) in &plan[..*attempted] {
+                        st.record_pages(ctx, base, offset, len, true, c);
+                    }
+                }
             });
             let (st, attempted, _) = &mut *g;
             let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
@@ -163,6 +174,7 @@ impl ShardState {
         debug_assert!(b.state == BlockState::Free && b.size >= rounded);
         let (size, addr) = (b.size, b.addr);
         self.pool(pool).remove(size, addr, start);
+        self.pending_ctx = c;
         Ok(Growth::Block(start))
     }
 
@@ -170,16 +182,18 @@ impl ShardState {
     /// free and unmapped blocks that holds it (in a new range if no range has one), and the
     /// pages to map, as (block, offset in its range, bytes): free and unmapped blocks from the
     /// start on, until `rounded` bytes are reached (PyTorch maps the same, block by block).
+    /// `c`: the history's stack for a new range's event.
     fn plan_growth(
         &mut self,
         ctx: &ShardCtx,
         policy: &ExpandablePolicy,
         pool: PoolKind,
         rounded: usize,
+        c: u32,
     ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
         let start = match self.find_expandable(pool, rounded) {
             Some(id) => id,
-            None => self.reserve_range(ctx, policy, pool, rounded)?,
+            None => self.reserve_range(ctx, policy, pool, rounded, c)?,
         };
         let (base, page) = {
             let (base, e) = self.expandable_of(self.blocks[start].addr);
@@ -230,6 +244,7 @@ impl ShardState {
         policy: &ExpandablePolicy,
         pool: PoolKind,
         size: usize,
+        c: u32,
     ) -> Result<BlockId, DriverError> {
         let largest = self
             .expandables
@@ -251,10 +266,11 @@ impl ShardState {
             pool,
             expandable: true,
             event_count: 0,
-            stream_uses: Vec::new(),
+            stream_uses: Box::default(),
+            ctx: 0,
             freed_at: 0,
         });
-        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)) });
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c });
         self.expandables.push(base);
         self.unmapped_set(pool).insert((base, id));
         ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
@@ -365,7 +381,8 @@ impl ShardState {
                     pool,
                     expandable: true,
                     event_count: 0,
-                    stream_uses: Vec::new(),
+                    stream_uses: Box::default(),
+                    ctx: 0,
                     freed_at: 0,
                 });
                 if next != NIL {
@@ -484,15 +501,23 @@ impl ShardState {
             if released >= want {
                 break;
             }
-            let before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
-            // The block follows the page table whatever happens, unwinding included.
+            let (before, page) = {
+                let e = self.segments[&base].exp.as_deref().expect("expandable");
+                (e.mapped, e.page)
+            };
+            let left = (want - released) as u64;
+            let len = if left >= hi - lo { hi - lo } else { round_up(left as usize, page) as u64 };
+            // The block follows the page table whatever happens, unwinding included, and the
+            // pages unmapped are recorded.
             let mut g = scopeguard::guard(&mut *self, |st| {
                 let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
                 ctx.limit.uncharge(shrunk.max(0) as usize);
+                if ctx.history.on() {
+                    let c = st.segments[&base].ctx;
+                    st.record_pages(ctx, base, lo as usize, len as usize, false, c);
+                }
             });
             let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let left = (want - released) as u64;
-            let len = if left >= hi - lo { hi - lo } else { round_up(left as usize, e.page) as u64 };
             let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize);
             drop(g);
             released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;

@@ -11,12 +11,14 @@
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
-//! - [`check`]: the consistency check and the diagnosis of a bad pointer.
+//! - [`check`]: the consistency check and the diagnosis of a bad pointer;
+//! - [`record`]: its events in the allocation history, and its segments for a snapshot.
 
 mod blocks;
 mod check;
 mod expand;
 mod gc;
+mod record;
 mod segments;
 
 pub(crate) use expand::ExpandablePolicy;
@@ -39,6 +41,7 @@ use super::rules::{self, PoolKind, SizeRules};
 use super::segment_index::SegmentIndex;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
+use crate::history::HistoryHook;
 
 /// A shard: the state of one (device, stream) pair behind its own lock.
 pub(crate) struct Shard {
@@ -94,6 +97,8 @@ pub(crate) struct ShardCtx<'a> {
     pub expandable: Option<&'a ExpandablePolicy>,
     /// What growing an expandable segment past the device's high-water mark does first.
     pub reclaim: Reclaim,
+    /// The device's allocation history: each event is recorded while it is on.
+    pub history: &'a HistoryHook,
 }
 
 /// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
@@ -151,6 +156,9 @@ struct SegmentInfo {
     size: usize,
     /// An expandable segment's page table.
     exp: Option<Box<Expandable>>,
+    /// The stack of the call that made it in the history's table (PyTorch
+    /// `context_when_segment_allocated`), 0 for none; as [`super::block::Block::ctx`].
+    ctx: u32,
 }
 
 /// The state behind a shard's lock.
@@ -175,6 +183,9 @@ pub(crate) struct ShardState {
     /// Blocks freed on this shard, wrapping (the clock of `garbage_collection_threshold`'s
     /// ages, see `device::gc`).
     frees: u32,
+    /// The stack the history captured for the segment (or pages) the current malloc made,
+    /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
+    pending_ctx: u32,
 }
 
 impl ShardState {
@@ -235,13 +246,19 @@ impl ShardState {
     ///
     /// Errors: [`Error::InvalidPointer`] for a pointer that is not an allocated block of this
     /// shard (`segment` is the base of the segment that contains it); nothing changed.
+    ///
+    /// Inlined into both of the device's paths, with and without the history, so that the
+    /// path without keeps the code it would have alone (the cache-hit free).
+    #[inline(always)]
     pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
         // Events first, the block's state after: a driver call that fails or unwinds leaves
         // the block allocated, as it was.
-        let mut recorded = Vec::with_capacity(self.blocks[id].stream_uses.len());
+        // Empty, growing as events are recorded: most blocks have no other stream, and sizing
+        // it from `stream_uses` costs the hit path a capacity check.
+        let mut recorded = Vec::new();
         for &stream in &self.blocks[id].stream_uses {
             match self.events.record(ctx.driver, ctx.device, stream) {
                 Ok(ev) => recorded.push((stream, ev)),
@@ -260,7 +277,7 @@ impl ShardState {
             return Ok(());
         }
         let b = &mut self.blocks[id];
-        b.stream_uses.clear();
+        b.stream_uses = Box::default();
         b.state = BlockState::AwaitingEvents;
         b.event_count = recorded.len() as u32;
         for (stream, ev) in recorded {
@@ -310,6 +327,9 @@ impl ShardState {
             let b = &mut st.blocks[id];
             b.event_count -= 1;
             if b.event_count == 0 {
+                if ctx.history.on() {
+                    st.record_free_completed(ctx.history, ctx.shard.stream, id);
+                }
                 st.free_block(id);
             }
         });
@@ -330,9 +350,9 @@ impl ShardState {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
-        let uses = &mut self.blocks[id].stream_uses;
-        if stream != owner && !uses.contains(&stream) {
-            uses.push(stream);
+        let b = &mut self.blocks[id];
+        if stream != owner && !b.stream_uses.contains(&stream) {
+            b.add_stream_use(stream);
         }
         Ok(())
     }
@@ -355,7 +375,7 @@ impl ShardState {
     fn defer(&mut self, ctx: &ShardCtx, id: BlockId) -> usize {
         self.count_free(id, ctx.max_split_size);
         let b = &mut self.blocks[id];
-        b.stream_uses.clear();
+        b.stream_uses = Box::default();
         b.state = BlockState::AwaitingSync;
         let size = b.size;
         self.deferred.push(id, ctx.deferred.epoch());
@@ -364,11 +384,14 @@ impl ShardState {
 
     /// Returns to their pools the blocks freed in epochs up to `epoch`, which a device
     /// synchronisation has covered. Returns (blocks, bytes) released.
-    pub fn release_synced(&mut self, epoch: u64) -> (usize, usize) {
+    pub fn release_synced(&mut self, ctx: &ShardCtx, epoch: u64) -> (usize, usize) {
         let synced = self.deferred.take_synced(epoch);
         let mut bytes = 0;
         for &id in &synced {
             bytes += self.blocks[id].size;
+            if ctx.history.on() {
+                self.record_free_completed(ctx.history, ctx.shard.stream, id);
+            }
             self.free_block(id);
         }
         (synced.len(), bytes)

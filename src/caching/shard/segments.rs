@@ -7,6 +7,7 @@ use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS, bump};
 use crate::caching::segment_index::SegmentEntry;
 use crate::driver::DriverError;
 use crate::error::Error;
+use crate::history::Action;
 
 impl ShardState {
     /// A free block for `req` from the driver, taken out of the pool, when no cached block
@@ -14,6 +15,10 @@ impl ShardState {
     /// them, else as a new segment. A failure of the virtual memory calls other than out of
     /// memory (`CUDA_ERROR_NOT_PERMITTED` under a debugger, say) falls back to a new ordinary
     /// segment for this request.
+    ///
+    /// While history is on, the segment's events are recorded, and the stack captured for
+    /// them (if stacks are kept) is left for the `alloc` event of the block handed out
+    /// ([`ShardState::record_alloc_at`]).
     pub fn grow(&mut self, ctx: &ShardCtx, req: &Request) -> Result<Growth, DriverError> {
         if ctx.expandable.is_some() {
             match self.grow_expandable(ctx, req.rounded, req.pool) {
@@ -46,10 +51,12 @@ impl ShardState {
             pool: req.pool,
             expandable: false,
             event_count: 0,
-            stream_uses: Vec::new(),
+            stream_uses: Box::default(),
+            ctx: 0,
             freed_at: 0,
         });
-        self.segments.insert(addr, SegmentInfo { head: id, size, exp: None });
+        let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
+        self.segments.insert(addr, SegmentInfo { head: id, size, exp: None, ctx: c });
         ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
         self.counters.increase(Metric::Segment, req.pool, 1);
         self.counters.increase(Metric::ReservedBytes, req.pool, size as i64);
@@ -65,13 +72,19 @@ impl ShardState {
         let b = &self.blocks[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (addr, size, pool) = (b.addr, b.size, b.pool);
+        let c = self.segments[&addr].ctx;
         // Out of the index first: once the driver has the memory back, another stream's new
         // segment may start at the same address. Back in if the driver fails, or unwinds.
         ctx.index.remove(addr);
         let reindex = scopeguard::guard((), |()| {
             ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() })
         });
-        if let Err(e) = ctx.driver.mem_free(ctx.device, addr) {
+        // Recorded with the trace held across the call: the stream that gets the address next
+        // records its `segment_alloc` after this `segment_free`.
+        let freed = ctx.history.record_around(Action::SegmentFree, addr, size, ctx.shard.stream, c, || {
+            ctx.driver.mem_free(ctx.device, addr)
+        });
+        if let Err(e) = freed {
             return Err(Error::driver(e, "returning a cached segment to the driver"));
         }
         scopeguard::ScopeGuard::into_inner(reindex);

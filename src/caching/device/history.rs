@@ -1,0 +1,55 @@
+//! A device's part of the allocation history (`crate::history`): its recording level, its
+//! out-of-memory events, and its segments and trace for a snapshot (PyTorch
+//! `DeviceCachingAllocator::recordHistory`, the `OOM` event of `malloc`, `snapshot` and
+//! `trace`).
+
+use parking_lot::MutexGuard;
+
+use super::DeviceAllocator;
+use crate::caching::shard::{Request, ShardState};
+use crate::driver::StreamHandle;
+use crate::history::{Action, Entry, HistoryContext, RawSegment};
+
+impl DeviceAllocator {
+    /// Records at `level` from now on (what [`crate::history::Recorder::set`] returned). When
+    /// stacks stop being kept, every block and segment forgets its own, so that none is taken
+    /// for the stack of a later allocation made while they are not kept.
+    pub fn set_history_level(&self, level: u32) {
+        let kept = self.history.keeps(HistoryContext::State);
+        self.history.set_level(level);
+        if kept && !self.history.keeps(HistoryContext::State) {
+            for shard in self.shards.all() {
+                shard.lock().clear_contexts();
+            }
+        }
+    }
+
+    /// The `oom` event of a request of `stream` that failed for lack of memory, after every
+    /// retry (PyTorch `malloc`): the device's free bytes (`cuMemGetInfo`; 0 if it cannot say)
+    /// and the rounded size asked for, with the caller's stack if events keep stacks.
+    #[cold]
+    pub(super) fn record_oom(&self, stream: StreamHandle, req: &Request) {
+        let free = self.driver.mem_info(self.device).map_or(0, |i| i.free);
+        let c = self.history.capture(HistoryContext::Alloc);
+        self.history.record(Action::Oom, free as u64, req.rounded, req.rounded, stream, c);
+    }
+
+    /// Appends the device's segments to `out` and returns its trace, both taken with every
+    /// shard locked (one consistent state, as PyTorch takes it under its device lock); while
+    /// history is on, the trace ends with a `snapshot` event carrying the device's active
+    /// bytes (PyTorch `snapshot`).
+    pub fn snapshot_into(&self, out: &mut Vec<RawSegment>) -> Vec<Entry> {
+        let _peaks = self.peaks.lock();
+        let list = self.shards.all();
+        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        let start = out.len();
+        for (shard, st) in list.iter().zip(&guards) {
+            st.snapshot_into(self.device, shard.stream, out);
+        }
+        if self.history.on() {
+            let active = out[start..].iter().map(|r| r.segment.active_size).sum();
+            self.history.record(Action::Snapshot, 0, active, active, 0, 0);
+        }
+        self.history.recorder().trace(self.device as usize)
+    }
+}

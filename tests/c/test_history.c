@@ -1,0 +1,66 @@
+/* The allocation history from C: recorded from the start (GPUPOOL_RECORD_HISTORY=1000:all, set
+ * by CMake), a snapshot dumped in PyTorch's pickle (its protocol header, its keys and every
+ * action of the calls made, found in the file), the settings changed and stopped, and the
+ * errors. On the simulated device, and on the GPU with GPUPOOL_TEST_DRIVER=cuda. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "gpupool.h"
+
+static char file[1 << 20];
+static size_t file_len;
+
+/* Dumps a snapshot to `path` and reads it into `file`. */
+static int dump(const char *path) {
+  if (gpupool_dump_snapshot(path) != GPUPOOL_SUCCESS) return 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) return 0;
+  file_len = fread(file, 1, sizeof file, f);
+  fclose(f);
+  return file_len > 2;
+}
+
+/* Whether the dumped file holds the string `s` (the pickle writes its strings as they are). */
+static int has(const char *s) { return memmem(file, file_len, s, strlen(s)) != NULL; }
+
+int main(void) {
+  char path[] = "/tmp/gpupool-history-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+
+  void *a = NULL, *b = NULL;
+  CHECK_OK(gpupool_malloc(&a, 1000, 0, NULL));
+  CHECK_OK(gpupool_malloc(&b, 3 << 20, 0, NULL));
+  CHECK_OK(gpupool_free(a));
+  CHECK(dump(path));
+  /* Pickle protocol 3, a dict, as CPython's pickle and PyTorch's viewer read it. */
+  CHECK(file_len < sizeof file && (unsigned char)file[0] == 0x80 && file[1] == 3 && file[file_len - 1] == '.');
+  CHECK(has("segments") && has("device_traces") && has("allocator_settings") && has("blocks"));
+  CHECK(has("segment_alloc") && has("alloc") && has("free_requested") && has("free_completed"));
+  CHECK(has("active_allocated") && has("inactive") && has("snapshot"));
+  CHECK(has("segment_pool_id") && has("frames") && has("time_us"));
+
+  /* Fewer events, no stacks; then stopped: the trace is forgotten, the segments stay. */
+  CHECK_OK(gpupool_record_history(1, 1, GPUPOOL_HISTORY_CONTEXT_NONE));
+  CHECK(dump(path));
+  CHECK(!has("segment_alloc") && has("snapshot"));
+  CHECK_OK(gpupool_record_history(0, 0, 0));
+  CHECK(dump(path));
+  CHECK(!has("snapshot") && !has("free_requested") && has("active_allocated"));
+
+  /* Errors change nothing. */
+  CHECK(gpupool_record_history(1, 10, 4) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "gpupool_record_history: context 4") != NULL);
+  CHECK(gpupool_dump_snapshot(NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_dump_snapshot("/nonexistent-dir/x.pickle") == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "/nonexistent-dir/x.pickle") != NULL);
+
+  CHECK_OK(gpupool_free(b));
+  unlink(path);
+  return checks_report("test_history");
+}
