@@ -60,6 +60,8 @@ int main(void) {
       (any_fn)gpupool_attach_oom_observer,
       (any_fn)gpupool_detach_oom_observer,
       (any_fn)gpupool_oom_retry,
+      (any_fn)gpupool_record_history,
+      (any_fn)gpupool_dump_snapshot,
       (any_fn)gpupool_stats,
       (any_fn)gpupool_reset_peak_stats,
       (any_fn)gpupool_memory_summary,
@@ -80,5 +82,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 26 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 28 ? 0 : 1)) != 0;
 }
