@@ -232,6 +232,13 @@ if want snapshot; then
     mkdir -p "$out/snapshot"
     python3 examples/python/dump_snapshot.py --lib "$prefix/lib/libgpupool.so" --out "$out/snapshot" 2>&1 |
       tee "$out/snapshot.log" || status=1
+    # The C++ engine of examples/cpp (the examples section builds it), with its history.
+    if [ -x build-gpu/cpp/engine ]; then
+      GPUPOOL_RECORD_HISTORY=100000:alloc ./build-gpu/cpp/engine 200 4 "$out/snapshot/engine.pickle" 2>&1 |
+        tee -a "$out/snapshot.log" || status=1
+    else
+      echo "engine not built (run the examples section first): no engine snapshot"
+    fi
     for f in "$out"/snapshot/*.pickle; do
       [ -e "$f" ] || continue
       for plot in trace_plot segment_plot; do

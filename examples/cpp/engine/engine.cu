@@ -71,8 +71,11 @@ constexpr int max_batch = 96;
 int main(int argc, char **argv) {
   long long requests = argc > 1 ? std::atoll(argv[1]) : 400;
   int depth = argc > 2 ? std::atoi(argv[2]) : 4;
+  // Where to write gpupool's snapshot after the run (PyTorch's pickle: the history must be on,
+  // e.g. GPUPOOL_RECORD_HISTORY=100000:alloc, for its trace and stacks).
+  const char *snapshot = argc > 3 ? argv[3] : nullptr;
   if (requests < 1 || depth < 1) {
-    std::fprintf(stderr, "usage: engine [requests >= 1] [depth >= 1]\n");
+    std::fprintf(stderr, "usage: engine [requests >= 1] [depth >= 1] [snapshot.pickle]\n");
     return 1;
   }
   const char *driver = std::getenv("GPUPOOL_DRIVER");
@@ -192,6 +195,14 @@ int main(int argc, char **argv) {
                 static_cast<long long>(st.num_alloc_retries));
     long long expected_live = 2 * static_cast<long long>(layers.size());
     bool ok = mismatched == 0 && st.allocation.all.current == expected_live;
+    if (snapshot != nullptr) {
+      if (gpupool_dump_snapshot(snapshot) == GPUPOOL_SUCCESS) {
+        std::printf("engine: snapshot in %s\n", snapshot);
+      } else {
+        std::fprintf(stderr, "engine: gpupool_dump_snapshot: %s\n", gpupool_last_error_message());
+        ok = false;
+      }
+    }
     if (st.allocation.all.current != expected_live) {
       std::fprintf(stderr, "engine: %lld live blocks after the run, expected %lld (the weights)\n",
                    static_cast<long long>(st.allocation.all.current), expected_live);
