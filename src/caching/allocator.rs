@@ -18,7 +18,7 @@ use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
-use crate::history::{AllocatorSettings, HistoryHook, HistorySettings, Recorder, Snapshot};
+use crate::history::{AllocatorSettings, HistoryHook, HistorySettings, Recorder, Snapshot, TagStats, tags};
 use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
 
@@ -568,6 +568,44 @@ impl Allocator {
             roundup_power2_divisions: c.roundup_power2_divisions.to_vec(),
         };
         Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings))
+    }
+
+    /// The statistics of the blocks allocated under tag `name` (see [`crate::history::tags`]),
+    /// over every device: bytes (rounded, as `allocated_bytes`) and blocks, each current, peak,
+    /// allocated and freed. A block freed on another thread, or under another tag, counts to
+    /// the tag it was allocated under. Lock-free but for a read lock; the figures of a block
+    /// allocated or freed meanwhile may show in some and not yet in others.
+    ///
+    /// Errors: [`Error::InvalidValue`] when no thread of the process ever pushed `name`.
+    pub fn tag_stats(&self, name: &str) -> Result<TagStats, Error> {
+        let id = tags::id_of(name)
+            .ok_or_else(|| Error::InvalidValue(format!("no tag named {name:?} was ever pushed in this process")))?;
+        Ok(self.recorder.tags.get(id))
+    }
+
+    /// Every tag pushed in the process, in the order first pushed, with its statistics on this
+    /// allocator (as [`Allocator::tag_stats`]; zero where none of its blocks were allocated
+    /// here).
+    pub fn all_tag_stats(&self) -> Vec<(Arc<str>, TagStats)> {
+        tags::names().into_iter().enumerate().map(|(i, n)| (n, self.recorder.tags.get(i as u32 + 1))).collect()
+    }
+
+    /// The live report of `device` (-1: current): its allocated blocks grouped by tag, then
+    /// by the call stack that allocated them (where history kept stacks, with
+    /// [`HistoryContext::State`](crate::history::HistoryContext::State) or more, when they
+    /// were allocated), largest first (bytes, then blocks), one line a row. Stacks are
+    /// symbolised here (the first time, reading debug information can take seconds). Each
+    /// stream is read under its lock in turn: allocations on other streams go on meanwhile.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    pub fn live_report(&self, device: i32) -> Result<String, Error> {
+        let dev = self.device_or_init(device)?;
+        Ok(crate::history::live_report(dev.device, &self.recorder.contexts, &dev.live_blocks()))
+    }
+
+    /// The ordinals of the devices this allocator has started (used), in order.
+    pub fn devices_in_use(&self) -> Vec<i32> {
+        self.devices.iter().enumerate().filter(|(_, d)| d.get().is_some()).map(|(i, _)| i as i32).collect()
     }
 
     /// Checks every invariant of every device, for tests: each segment's blocks cover it
