@@ -611,8 +611,9 @@ impl Allocator {
     /// Checks every invariant of every device, for tests: each segment's blocks cover it
     /// exactly and in order, free neighbours are coalesced, each free block is in its pool
     /// once, the live map holds exactly the allocated blocks, pending events match the blocks
-    /// awaiting them, each statistic equals a recount, the peak credit adds up, and no two
-    /// segments overlap. Takes every lock; O(blocks).
+    /// awaiting them, each statistic equals a recount, the peak credit adds up, no two
+    /// segments overlap, and each tag's current figures are its live blocks'. Takes every
+    /// lock; O(blocks). Call it while no other thread allocates or frees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut end = 0;
         let mut per_device = vec![0i64; self.devices.len()];
@@ -632,6 +633,28 @@ impl Allocator {
                 }
             } else if per_device[i] != 0 {
                 return Err(format!("device {i} was never used but has segments"));
+            }
+        }
+        self.check_tags()
+    }
+
+    /// Each tag's current bytes and blocks equal those of the allocated blocks that carry it.
+    fn check_tags(&self) -> Result<(), String> {
+        let mut live: std::collections::BTreeMap<u32, (i64, i64)> = Default::default();
+        for dev in self.devices.iter().filter_map(|d| d.get()) {
+            for (ctx, size) in dev.live_blocks() {
+                let e = live.entry(self.recorder.contexts.tag_of(ctx)).or_default();
+                e.0 += size as i64;
+                e.1 += 1;
+            }
+        }
+        for (i, (name, s)) in self.all_tag_stats().into_iter().enumerate() {
+            let (bytes, blocks) = live.get(&(i as u32 + 1)).copied().unwrap_or_default();
+            if (s.bytes.current, s.blocks.current) != (bytes, blocks) {
+                return Err(format!(
+                    "tag {name:?} counts {} bytes in {} blocks; its live blocks hold {bytes} in {blocks}",
+                    s.bytes.current, s.blocks.current
+                ));
             }
         }
         Ok(())
