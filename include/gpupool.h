@@ -12,8 +12,9 @@
  * GPUPOOL_CONF (PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax and keys; gpupool_set_config sets the
  * same before the first allocation), GPUPOOL_MAX_SPLIT_SIZE_MB (deprecated),
  * GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>] (records the allocation history from the
- * start, as gpupool_record_history; context none, state, alloc or all, default all); read once,
- * at the first call.
+ * start, as gpupool_record_history; context none, state, alloc or all, default all),
+ * GPUPOOL_LIVE_REPORT_AT_EXIT=1 (gpupool_live_report of each device used, to stderr at exit);
+ * read once, at the first call.
  *
  * Other headers: gpupool_testing.h (the simulated device's hooks, for tests) and
  * gpupool_torch.h (PyTorch's pluggable-allocator functions).
@@ -261,6 +262,38 @@ typedef void (*gpupool_oom_observer_fn)(int device,
                                         size_t requested,
                                         const struct gpupool_stats_t *stats,
                                         void *user);
+
+/**
+ * What the blocks allocated under one tag hold, over every device, as PyTorch's `Stat`s:
+ * `current` (held now), `peak` (the most held at once since the process started),
+ * `allocated` and `freed` (the sums of every allocation and free).
+ */
+typedef struct gpupool_tag_stats_t {
+  /**
+   * Bytes, rounded as `allocated_bytes` counts them (not the sizes asked for), so that the
+   * tags' `current` add up to `allocated_bytes.all.current` when every block is tagged.
+   */
+  struct gpupool_stat_t bytes;
+  /**
+   * Blocks.
+   */
+  struct gpupool_stat_t blocks;
+} gpupool_tag_stats_t;
+
+/**
+ * A function `gpupool_for_each_tag` calls once per tag: its `name` (NUL-terminated, valid
+ * during the call only), its statistics (as `gpupool_tag_stats` writes them, valid during the
+ * call only) and the `user` pointer given. It runs on the calling thread with no lock of
+ * gpupool's held, and may call gpupool.
+ */
+typedef void (*gpupool_tag_fn)(const char *name, const struct gpupool_tag_stats_t *stats, void *user);
+
+/**
+ * Where `gpupool_live_report` writes: called once per line of the report, `text` the line
+ * with its `'\n'`, NUL-terminated, valid during the call only; `user` the pointer given
+ * (mimalloc's `mi_output_fun`). It runs on the calling thread with no lock of gpupool's held.
+ */
+typedef void (*gpupool_output_fn)(const char *text, void *user);
 
 #ifdef __cplusplus
 extern "C" {
@@ -707,6 +740,114 @@ const char *gpupool_status_string(uint32_t status);
  * Ownership: a static string; never free it. Thread-safe.
  */
 const char *gpupool_version(void);
+
+/**
+ * Pushes the tag `name` on the calling thread's stack of tags: every block this thread
+ * allocates until the matching `gpupool_pop_tag` carries it (the innermost tag, when several
+ * are pushed), whichever device and stream. Pair each push with a pop on the same thread (the
+ * C++ wrapper's `gpupool::tag_scope` does).
+ *
+ * A tagged block counts in its tag's statistics (`gpupool_tag_stats`) until it is freed, by
+ * whichever thread and under whichever tag; the snapshot of `gpupool_dump_snapshot` gives it
+ * an outermost frame `{"filename": "<tag>", "line": 0, "name": "tag NAME"}` (its trace events
+ * too), so that PyTorch's viewer groups a tag's blocks; `gpupool_live_report` groups by tag;
+ * the out-of-memory message names the three tags holding the most of the device's memory.
+ *
+ * - `name`: 1 to 255 bytes of UTF-8, NUL-terminated, read during the call only. Names are
+ *   interned for the life of the process (at most 65535 distinct names).
+ *
+ * Cost: no allocation pays anything for tags until the first push of the process but one
+ * relaxed atomic load; after it, each allocation and free reads the thread's tag and updates
+ * its counters (a few atomic operations). The push itself takes a process-wide lock.
+ *
+ * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL name, one that is
+ * not UTF-8, empty or over 255 bytes, a 65536th distinct name, or 1024 tags pushed on this
+ * thread already (a missing pop).
+ *
+ * Thread-safe: each thread has its own stack. Needs no device and starts nothing.
+ *
+ * # Safety
+ * `name` must be NULL or point to a NUL-terminated string.
+ */
+gpupool_status gpupool_push_tag(const char *name);
+
+/**
+ * Pops the calling thread's innermost tag (pushed by `gpupool_push_tag`); the blocks it
+ * allocates from now on carry the tag pushed before it, or none. Blocks allocated under the
+ * popped tag keep it.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when this thread has no tag pushed; nothing changes.
+ *
+ * Thread-safe: it changes the calling thread's stack only.
+ */
+gpupool_status gpupool_pop_tag(void);
+
+/**
+ * Writes the statistics of the blocks allocated under tag `name` on every device to `*out`:
+ * bytes and blocks, each current, peak, allocated and freed (see `gpupool_tag_stats_t`).
+ *
+ * Errors, `*out` untouched: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL or non-UTF-8 `name`, a
+ * name no thread of the process ever pushed, or a NULL `out`;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start.
+ *
+ * Thread-safe, and waits for no allocation: a block allocated or freed during the call may
+ * show in some figures and not yet in others.
+ *
+ * # Safety
+ * `name` must be NULL or point to a NUL-terminated string; `out` NULL or valid for a write.
+ */
+gpupool_status gpupool_tag_stats(const char *name, struct gpupool_tag_stats_t *out);
+
+/**
+ * Calls `fn` for every tag pushed in the process, in the order first pushed, with its
+ * statistics (zero for a tag under which nothing was allocated).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL `fn`; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`
+ * when the allocator cannot start. `fn` is not called on error.
+ *
+ * Thread-safe: the list is taken when the call starts; a tag pushed meanwhile may be left out.
+ *
+ * # Safety
+ * `fn` must be NULL or a function of the signature of `gpupool_tag_fn`, safe to call with
+ * `user`.
+ */
+gpupool_status gpupool_for_each_tag(gpupool_tag_fn fn, void *user);
+
+/**
+ * Writes the live report of `device` (-1: the current device) through `out` (stderr when
+ * NULL): its allocated blocks grouped by tag, then by the call stack that allocated them
+ * where the history kept stacks (`gpupool_record_history` with
+ * `GPUPOOL_HISTORY_CONTEXT_STATE` or more when they were allocated), each group's bytes
+ * (rounded) and blocks, largest first: what a leak hunt needs. For example:
+ *
+ * ```text
+ * gpupool live report, device 0: 12.00 MiB in 5 blocks
+ *   8.00 MiB in 2 blocks: tag encoder
+ *     8.00 MiB in 2 blocks, no call stack recorded
+ *   4.00 MiB in 3 blocks: no tag
+ *     4.00 MiB in 3 blocks, allocated at:
+ *       engine::step (engine.cpp:42)
+ *       main (engine.cpp:90)
+ * ```
+ *
+ * `GPUPOOL_LIVE_REPORT_AT_EXIT=1` prints it to stderr for every device used when the process
+ * exits.
+ *
+ * Each stream's blocks are read under its lock in turn (allocations on other streams go on);
+ * stacks are symbolised during the call (the first time, reading debug information can take
+ * seconds).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` for a device out of range;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`; `GPUPOOL_ERROR_CUDA` when the device cannot start.
+ * Nothing is written on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `out` must be NULL or a function of the signature of `gpupool_output_fn`, safe to call with
+ * `user`.
+ */
+gpupool_status gpupool_live_report(int device, gpupool_output_fn out, void *user);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -30,6 +30,7 @@
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see the README's fragmentation table) |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` writes them |
+//! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
@@ -168,6 +169,9 @@ pub struct Config {
     /// ([`Allocator::new`](crate::Allocator::new); `GPUPOOL_RECORD_HISTORY`); `None` (the
     /// default): none until [`Allocator::record_history`](crate::Allocator::record_history).
     pub record_history: Option<HistorySettings>,
+    /// The process-wide allocator prints the live report of each device it used to stderr at
+    /// exit (`GPUPOOL_LIVE_REPORT_AT_EXIT`; see [`Allocator::live_report`](crate::Allocator::live_report)).
+    pub live_report_at_exit: bool,
 }
 
 impl Default for Config {
@@ -194,6 +198,7 @@ impl Default for Config {
             preload_stats: false,
             expandable_reclaim: false,
             record_history: None,
+            live_report_at_exit: false,
         }
     }
 }
@@ -250,7 +255,7 @@ const LARGE_SEGMENT: usize = 20 * MIB;
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 9] = [
+pub static OPTIONS: [Opt; 10] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -339,6 +344,15 @@ pub static OPTIONS: [Opt; 9] = [
             }
         },
         get: |c| Value::History(c.record_history),
+    },
+    Opt {
+        name: "GPUPOOL_LIVE_REPORT_AT_EXIT",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and \
+              by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads",
+        set: |c, v| c.live_report_at_exit = v == Value::Bool(true),
+        get: |c| Value::Bool(c.live_report_at_exit),
     },
 ];
 
@@ -794,6 +808,7 @@ mod tests {
             ("GPUPOOL_PRELOAD_STATS", "maybe", "a boolean"),
             ("GPUPOOL_EXPANDABLE_RECLAIM", "sometimes", "a boolean"),
             ("GPUPOOL_RECORD_HISTORY", "100000:stacks", "100000:alloc"),
+            ("GPUPOOL_LIVE_REPORT_AT_EXIT", "later", "a boolean"),
         ];
         assert_eq!(cases.len(), OPTIONS.len());
         for (name, value, want) in cases {
@@ -842,6 +857,7 @@ mod tests {
              GPUPOOL_PRELOAD_STATS=on\n\
              GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
              GPUPOOL_RECORD_HISTORY=off (default)\n\
+             GPUPOOL_LIVE_REPORT_AT_EXIT=off (default)\n\
              GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
              max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:False,\
              release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\

@@ -5,6 +5,9 @@
 //   b.record_stream(other);                          // also used on `other`
 //   // ~buffer: gpupool_free; the block is reused on `stream` only after `other` has passed
 //
+//   { gpupool::tag_scope t("encoder");               // blocks allocated here carry "encoder"
+//     gpupool::buffer x(bytes, stream); }            // (gpupool_tag_stats, snapshots, reports)
+//
 // Errors become gpupool::error (a std::runtime_error with the status and gpupool's message).
 // A buffer owns its block alone (move-only, like std::unique_ptr) and frees it when destroyed.
 #pragma once
@@ -82,6 +85,34 @@ class buffer {
   std::size_t size_ = 0;
   gpupool_stream_t stream_ = nullptr;
 };
+
+// Tags the blocks this thread allocates while it lives (gpupool_push_tag, and gpupool_pop_tag
+// when destroyed): the innermost scope's name wins. Scopes nest on one thread; not movable, so
+// that each pop matches its push.
+class tag_scope {
+ public:
+  explicit tag_scope(const char *name) { check(gpupool_push_tag(name)); }
+  explicit tag_scope(const std::string &name) : tag_scope(name.c_str()) {}
+  tag_scope(const tag_scope &) = delete;
+  tag_scope &operator=(const tag_scope &) = delete;
+  // The pop cannot fail: this scope's push is on this thread's stack.
+  ~tag_scope() { gpupool_pop_tag(); }
+};
+
+// A tag's statistics: bytes (rounded) and blocks, each current, peak, allocated and freed.
+inline gpupool_tag_stats_t tag_stats(const char *name) {
+  gpupool_tag_stats_t s{};
+  check(gpupool_tag_stats(name, &s));
+  return s;
+}
+
+// The live report of `device` (blocks grouped by tag and call stack, largest first).
+inline std::string live_report(int device = -1) {
+  std::string text;
+  check(gpupool_live_report(
+      device, [](const char *line, void *user) { static_cast<std::string *>(user)->append(line); }, &text));
+  return text;
+}
 
 inline gpupool_stats_t stats(int device = -1) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;

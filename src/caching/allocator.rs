@@ -18,7 +18,7 @@ use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
-use crate::history::{AllocatorSettings, HistoryHook, HistorySettings, Recorder, Snapshot};
+use crate::history::{AllocatorSettings, HistoryHook, HistorySettings, Recorder, Snapshot, TagStats, tags};
 use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
 
@@ -570,11 +570,50 @@ impl Allocator {
         Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings))
     }
 
+    /// The statistics of the blocks allocated under tag `name` (see [`crate::history::tags`]),
+    /// over every device: bytes (rounded, as `allocated_bytes`) and blocks, each current, peak,
+    /// allocated and freed. A block freed on another thread, or under another tag, counts to
+    /// the tag it was allocated under. Lock-free but for a read lock; the figures of a block
+    /// allocated or freed meanwhile may show in some and not yet in others.
+    ///
+    /// Errors: [`Error::InvalidValue`] when no thread of the process ever pushed `name`.
+    pub fn tag_stats(&self, name: &str) -> Result<TagStats, Error> {
+        let id = tags::id_of(name)
+            .ok_or_else(|| Error::InvalidValue(format!("no tag named {name:?} was ever pushed in this process")))?;
+        Ok(self.recorder.tags.get(id))
+    }
+
+    /// Every tag pushed in the process, in the order first pushed, with its statistics on this
+    /// allocator (as [`Allocator::tag_stats`]; zero where none of its blocks were allocated
+    /// here).
+    pub fn all_tag_stats(&self) -> Vec<(Arc<str>, TagStats)> {
+        tags::names().into_iter().enumerate().map(|(i, n)| (n, self.recorder.tags.get(i as u32 + 1))).collect()
+    }
+
+    /// The live report of `device` (-1: current): its allocated blocks grouped by tag, then
+    /// by the call stack that allocated them (where history kept stacks, with
+    /// [`HistoryContext::State`](crate::history::HistoryContext::State) or more, when they
+    /// were allocated), largest first (bytes, then blocks), one line a row. Stacks are
+    /// symbolised here (the first time, reading debug information can take seconds). Each
+    /// stream is read under its lock in turn: allocations on other streams go on meanwhile.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    pub fn live_report(&self, device: i32) -> Result<String, Error> {
+        let dev = self.device_or_init(device)?;
+        Ok(crate::history::live_report(dev.device, &self.recorder.contexts, &dev.live_blocks()))
+    }
+
+    /// The ordinals of the devices this allocator has started (used), in order.
+    pub fn devices_in_use(&self) -> Vec<i32> {
+        self.devices.iter().enumerate().filter(|(_, d)| d.get().is_some()).map(|(i, _)| i as i32).collect()
+    }
+
     /// Checks every invariant of every device, for tests: each segment's blocks cover it
     /// exactly and in order, free neighbours are coalesced, each free block is in its pool
     /// once, the live map holds exactly the allocated blocks, pending events match the blocks
-    /// awaiting them, each statistic equals a recount, the peak credit adds up, and no two
-    /// segments overlap. Takes every lock; O(blocks).
+    /// awaiting them, each statistic equals a recount, the peak credit adds up, no two
+    /// segments overlap, and each tag's current figures are its live blocks'. Takes every
+    /// lock; O(blocks). Call it while no other thread allocates or frees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut end = 0;
         let mut per_device = vec![0i64; self.devices.len()];
@@ -594,6 +633,28 @@ impl Allocator {
                 }
             } else if per_device[i] != 0 {
                 return Err(format!("device {i} was never used but has segments"));
+            }
+        }
+        self.check_tags()
+    }
+
+    /// Each tag's current bytes and blocks equal those of the allocated blocks that carry it.
+    fn check_tags(&self) -> Result<(), String> {
+        let mut live: std::collections::BTreeMap<u32, (i64, i64)> = Default::default();
+        for dev in self.devices.iter().filter_map(|d| d.get()) {
+            for (ctx, size) in dev.live_blocks() {
+                let e = live.entry(self.recorder.contexts.tag_of(ctx)).or_default();
+                e.0 += size as i64;
+                e.1 += 1;
+            }
+        }
+        for (i, (name, s)) in self.all_tag_stats().into_iter().enumerate() {
+            let (bytes, blocks) = live.get(&(i as u32 + 1)).copied().unwrap_or_default();
+            if (s.bytes.current, s.blocks.current) != (bytes, blocks) {
+                return Err(format!(
+                    "tag {name:?} counts {} bytes in {} blocks; its live blocks hold {bytes} in {blocks}",
+                    s.bytes.current, s.blocks.current
+                ));
             }
         }
         Ok(())

@@ -52,10 +52,11 @@ pub(crate) struct Block {
     /// slice rather than a `Vec`, so that a block takes 64 bytes: `record_stream` is rare, and
     /// grows it by one each time ([`Block::add_stream_use`]).
     pub stream_uses: Box<[StreamHandle]>,
-    /// The stack of its allocation in the history's table (`crate::history`; PyTorch
-    /// `context_when_allocated`), 0 for none. Set only while history keeps stacks
-    /// (`HistoryContext::State` or more), and cleared on every block when it stops keeping
-    /// them, so that it is never stale: while it keeps them, each allocation sets it.
+    /// The context of its allocation in the history's table (`crate::history`, module
+    /// `stacks`): its tag and its stack (PyTorch `context_when_allocated`), 0 for neither. Set
+    /// by each allocation while history is on or tags are in use; its stack only while history
+    /// keeps stacks (`HistoryContext::State` or more), and every block's stack (not its tag) is
+    /// forgotten when it stops keeping them, so that it is never stale.
     pub ctx: u32,
     /// For a free block: its shard's count of frees when it was freed (PyTorch
     /// `gc_count_base`; see `device::gc`).

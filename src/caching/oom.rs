@@ -1,11 +1,10 @@
 //! The out-of-memory error's message: PyTorch's text (`CUDACachingAllocator.cpp`, the
 //! `OutOfMemoryError` raised at the end of `malloc`), with the device's figures, and what
 //! PyTorch's users have asked it to say of fragmentation (pytorch/pytorch#29554, #32101): the
-//! inactive split bytes and the largest free block of each pool.
-//!
-//! The top tags by bytes (issue 11, "Tags") belong here too, once blocks carry tags: a field of
-//! [`Report`] with the tags holding the most allocated bytes on the device, and a sentence in
-//! [`message`] at the place marked there, after the fragmentation and before the advice.
+//! inactive split bytes and the largest free block of each pool; and, when tags were used
+//! (`crate::history::tags`), the tags that hold the most of the device's allocated bytes.
+
+use std::sync::Arc;
 
 use super::shard::Request;
 use crate::driver::Driver;
@@ -24,6 +23,26 @@ pub(crate) struct Report<'a> {
     /// The largest free block of the small and of the large pool, in bytes, over every stream
     /// of the device (0: the pool has none).
     pub largest_free: [usize; 2],
+    /// The tags holding the most allocated bytes on the device, most first, at most
+    /// [`TOP_TAGS`]: name, bytes (rounded), blocks. Empty when no tag was ever pushed.
+    pub top_tags: Vec<(Arc<str>, usize, usize)>,
+}
+
+/// Tags the message names at most.
+pub(crate) const TOP_TAGS: usize = 3;
+
+/// The sentence naming `top` (see [`Report::top_tags`]), empty when there is none.
+fn tags_sentence(top: &[(Arc<str>, usize, usize)]) -> String {
+    if top.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = top
+        .iter()
+        .map(|(name, bytes, blocks)| {
+            format!("{name} {} in {blocks} block{}", format_size(*bytes as u64), if *blocks == 1 { "" } else { "s" })
+        })
+        .collect();
+    format!(" Tags holding the most allocated memory on this device: {}.", list.join(", "))
 }
 
 /// The error for the request in `r`. Asks `driver` for the free memory (`cuMemGetInfo`); says
@@ -52,11 +71,11 @@ pub(crate) fn message(driver: &dyn Driver, r: &Report) -> Error {
         largest(r.largest_free[0]),
         largest(r.largest_free[1]),
     );
-    // The top tags by bytes go here (see the module's documentation).
+    let tags = tags_sentence(&r.top_tags);
     Error::OutOfMemory(format!(
         "CUDA out of memory. Tried to allocate {} (for a request of {} bytes). {capacity}. \
          Of the allocated memory {} is allocated by gpupool, and {} is reserved by gpupool but unallocated.{fraction}\
-         {fragmentation} If reserved but unallocated memory is large, the cache is fragmented: see the memory summary.",
+         {fragmentation}{tags} If reserved but unallocated memory is large, the cache is fragmented: see the memory summary.",
         format_size(r.req.segment as u64),
         r.req.size,
         format_size(allocated),

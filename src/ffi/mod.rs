@@ -28,6 +28,7 @@ pub mod oom;
 pub mod sim;
 pub mod stats;
 pub mod status;
+pub mod tags;
 /// PyTorch's pluggable-allocator functions: `include/gpupool_torch.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod torch;
@@ -76,7 +77,13 @@ pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
     crate::caching::fork::check()?;
     let rt = RUNTIME.get_or_init(|| {
         let config = Config::from_env()?;
+        let report_at_exit = config.live_report_at_exit;
         let (allocator, sim) = Allocator::from_config(config)?;
+        if report_at_exit {
+            // SAFETY: registers a function of the signature `atexit` takes; it touches only
+            // the process-wide allocator, a static that outlives every `atexit` handler.
+            unsafe { libc::atexit(tags::live_report_at_exit) };
+        }
         Ok(Runtime { allocator, sim })
     });
     rt.as_ref().map_err(Clone::clone)

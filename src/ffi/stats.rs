@@ -92,7 +92,7 @@ pub struct gpupool_stats_t {
 // Each conversion names every field of both sides, with no `..`: a field added to the core's
 // statistics or to the C struct alone fails to compile here.
 
-fn stat(s: &Stat) -> gpupool_stat_t {
+pub(crate) fn stat(s: &Stat) -> gpupool_stat_t {
     let Stat { current, peak, allocated, freed } = *s;
     gpupool_stat_t { current, peak, allocated, freed }
 }

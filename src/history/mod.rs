@@ -11,7 +11,8 @@
 //! - `recorder`: the recorder of an allocator and the flag each device reads on its malloc
 //!   and free paths;
 //! - `snapshot`: what a snapshot holds ([`Snapshot`]);
-//! - `pickle`: the snapshot as PyTorch's pickle.
+//! - `pickle`: the snapshot as PyTorch's pickle;
+//! - [`tags`]: names a thread pushes, carried by the blocks it allocates, and counted per name.
 //!
 //! Recording costs the malloc and free paths one relaxed load of the device's flag while it is
 //! off. The allocator core calls the recorder at each event (`src/caching`), under the lock of
@@ -19,13 +20,18 @@
 
 mod pickle;
 mod recorder;
+mod report;
 mod ring;
 mod snapshot;
 mod stacks;
+pub mod tags;
 
 pub(crate) use recorder::{Entry, HistoryHook, Recorder};
+pub(crate) use report::live_report;
 pub(crate) use snapshot::RawSegment;
 pub use snapshot::{AllocatorSettings, BlockState, Frame, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry};
+pub(crate) use stacks::ContextTable;
+pub use tags::TagStats;
 
 /// Which call stacks are kept (PyTorch `RecordContext`, the `context` argument of
 /// `torch.cuda.memory._record_memory_history`). Each level keeps what the one before it keeps.

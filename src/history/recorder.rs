@@ -14,7 +14,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use super::ring::Ring;
-use super::stacks::ContextTable;
+use super::stacks::{self, ContextTable};
+use super::tags::{self, TagCounters};
 use super::{Action, HistoryContext, HistorySettings};
 use crate::driver::StreamHandle;
 
@@ -54,6 +55,8 @@ pub(crate) struct Recorder {
     /// Per device ordinal. Taken last: no other lock is taken while one is held.
     traces: Box<[Mutex<Ring<Entry>>]>,
     pub contexts: ContextTable,
+    /// The statistics of each tag, over every device.
+    pub tags: TagCounters,
     clock: Clock,
 }
 
@@ -69,6 +72,7 @@ impl Recorder {
             settings: Mutex::new(None),
             traces: (0..devices).map(|_| Mutex::new(Ring::default())).collect(),
             contexts: ContextTable::default(),
+            tags: TagCounters::default(),
             clock: Clock::new(),
         }
     }
@@ -122,6 +126,14 @@ impl HistoryHook {
         self.level.load(Ordering::Relaxed) != 0
     }
 
+    /// Whether a block's allocation and free must be seen: history is on for this device, or
+    /// some thread of the process pushed a tag. Two relaxed loads, the second only while
+    /// history is off.
+    #[inline(always)]
+    pub fn on_or_tagged(&self) -> bool {
+        self.on() || tags::in_use()
+    }
+
     /// Sets the level ([`Recorder::set`] says which).
     pub fn set_level(&self, level: u32) {
         self.level.store(level, Ordering::Relaxed);
@@ -132,10 +144,17 @@ impl HistoryHook {
         self.level.load(Ordering::Relaxed) > context as u32
     }
 
-    /// The calling thread's stack, if stacks are kept at `context`; else 0.
+    /// The calling thread's innermost tag with its stack if stacks are kept at `context`, else
+    /// without (see [`stacks`] for what a context holds).
     #[cold]
     pub fn capture(&self, context: HistoryContext) -> u32 {
-        if self.keeps(context) { self.recorder.contexts.capture() } else { 0 }
+        self.capture_tagged(context, tags::current())
+    }
+
+    /// `tag` with the calling thread's stack if stacks are kept at `context`, else without.
+    #[cold]
+    pub fn capture_tagged(&self, context: HistoryContext, tag: u32) -> u32 {
+        if self.keeps(context) { self.recorder.contexts.capture(tag) } else { stacks::tag_only(tag) }
     }
 
     /// The recorder.
@@ -152,8 +171,9 @@ impl HistoryHook {
         stream: StreamHandle,
         ctx: u32,
     ) -> Entry {
-        // PyTorch `record_trace`: events carry a stack only from `context="alloc"` on.
-        let ctx = if self.keeps(HistoryContext::Alloc) { ctx } else { 0 };
+        // PyTorch `record_trace`: events carry a stack only from `context="alloc"` on; a tag
+        // they always carry.
+        let ctx = if self.keeps(HistoryContext::Alloc) { ctx } else { self.recorder.contexts.without_stack(ctx) };
         Entry { action, ctx, addr, size, block_size, stream, time_us: self.recorder.clock.now_us() }
     }
 

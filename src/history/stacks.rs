@@ -6,7 +6,13 @@
 //!
 //! The table keeps every distinct stack for the allocator's life: an allocator's memory for
 //! stacks follows the number of distinct call paths that allocate and free, not the number of
-//! events. Id 0 is "no stack".
+//! events.
+//!
+//! A context (a block's `ctx`, an event's) names a tag (`super::tags`) and a stack at once, so
+//! that a block of 64 bytes has room for both in one `u32`: 0 is neither; with the top bit
+//! ([`TAG_ONLY`]) set, the rest is a tag id and there is no stack (what a tagged allocation
+//! records while history keeps no stacks, with no lock taken); otherwise it is an interned
+//! (tag, stack) pair, the tag 0 when none was pushed.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -18,6 +24,14 @@ use super::snapshot::Frame;
 
 /// Frames kept of a stack, innermost first; deeper callers are cut.
 const MAX_FRAMES: usize = 128;
+
+/// The bit of a context that holds a tag and no stack.
+pub(crate) const TAG_ONLY: u32 = 1 << 31;
+
+/// The context of `tag` with no stack (0 for no tag).
+pub(crate) fn tag_only(tag: u32) -> u32 {
+    if tag == 0 { 0 } else { TAG_ONLY | tag }
+}
 
 /// Interned stacks, and the symbols found for their instruction pointers.
 #[derive(Default)]
@@ -33,13 +47,17 @@ struct Interned {
     ids: FxHashMap<Arc<[usize]>, u32>,
     /// Stack `id` at `id - 1`.
     stacks: Vec<Arc<[usize]>>,
+    pair_ids: FxHashMap<(u32, u32), u32>,
+    /// Context `id` (a (tag, stack id) pair) at `id - 1`.
+    pairs: Vec<(u32, u32)>,
 }
 
 impl ContextTable {
-    /// The calling thread's stack, interned: its id (1 or more), or 0 when 4 billion distinct
-    /// stacks are stored already. Unwinds the stack (some microseconds) and resolves nothing.
+    /// The context of `tag` (0: none) and the calling thread's stack, interned: its id (1 or
+    /// more), or [`tag_only`] when 2 billion distinct contexts are stored already. Unwinds the
+    /// stack (some microseconds) and resolves nothing.
     #[inline(never)]
-    pub fn capture(&self) -> u32 {
+    pub fn capture(&self, tag: u32) -> u32 {
         let mut ips = [0usize; MAX_FRAMES];
         let mut n = 0;
         walk(|ip| {
@@ -49,14 +67,45 @@ impl ContextTable {
         });
         let stack = &ips[..n];
         let mut t = self.interned.lock();
-        if let Some(&id) = t.ids.get(stack) {
+        let sid = match t.ids.get(stack) {
+            Some(&id) => id,
+            None => {
+                let Ok(id) = u32::try_from(t.stacks.len() + 1) else { return tag_only(tag) };
+                let stack: Arc<[usize]> = stack.into();
+                t.stacks.push(stack.clone());
+                t.ids.insert(stack, id);
+                id
+            }
+        };
+        if let Some(&id) = t.pair_ids.get(&(tag, sid)) {
             return id;
         }
-        let Ok(id) = u32::try_from(t.stacks.len() + 1) else { return 0 };
-        let stack: Arc<[usize]> = stack.into();
-        t.stacks.push(stack.clone());
-        t.ids.insert(stack, id);
+        let id = t.pairs.len() as u32 + 1;
+        if id >= TAG_ONLY {
+            return tag_only(tag);
+        }
+        t.pairs.push((tag, sid));
+        t.pair_ids.insert((tag, sid), id);
         id
+    }
+
+    /// The tag and the stack id of context `ctx` (0 for none of either).
+    pub fn split(&self, ctx: u32) -> (u32, u32) {
+        if ctx & TAG_ONLY != 0 {
+            return (ctx & !TAG_ONLY, 0);
+        }
+        let Some(i) = (ctx as usize).checked_sub(1) else { return (0, 0) };
+        self.interned.lock().pairs.get(i).copied().unwrap_or((0, 0))
+    }
+
+    /// The tag of context `ctx` (0: none). Takes no lock for a context without a stack.
+    pub fn tag_of(&self, ctx: u32) -> u32 {
+        self.split(ctx).0
+    }
+
+    /// Context `ctx` without its stack: its tag alone.
+    pub fn without_stack(&self, ctx: u32) -> u32 {
+        tag_only(self.tag_of(ctx))
     }
 
     /// Distinct stacks stored.
@@ -67,27 +116,59 @@ impl ContextTable {
 
     /// A symboliser for one snapshot: holds the symbol cache until dropped.
     pub fn symbolizer(&self) -> Symbolizer<'_> {
-        Symbolizer { table: self, by_id: FxHashMap::default(), symbols: self.symbols.lock(), none: Arc::from([]) }
+        Symbolizer {
+            table: self,
+            by_id: FxHashMap::default(),
+            by_ctx: FxHashMap::default(),
+            symbols: self.symbols.lock(),
+            none: Arc::from([]),
+        }
     }
 
+    /// Stack `id` (not a context: see [`ContextTable::split`]).
     fn stack(&self, id: u32) -> Option<Arc<[usize]>> {
         let t = self.interned.lock();
         t.stacks.get((id as usize).checked_sub(1)?).cloned()
     }
 }
 
-/// Turns stack ids into frames for one snapshot; each stack is symbolised once.
+/// Turns contexts into frames for one snapshot; each stack is symbolised once.
 pub(crate) struct Symbolizer<'a> {
     table: &'a ContextTable,
+    /// By stack id.
     by_id: FxHashMap<u32, Arc<[Frame]>>,
+    /// By context.
+    by_ctx: FxHashMap<u32, Arc<[Frame]>>,
     symbols: MutexGuard<'a, FxHashMap<usize, Arc<[Frame]>>>,
     none: Arc<[Frame]>,
 }
 
 impl Symbolizer<'_> {
+    /// The frames of context `ctx`: its stack's ([`Symbolizer::stack_frames`]), then, when it
+    /// has a tag, the tag as the outermost frame ([`tag_frame`]); empty for 0.
+    pub fn frames(&mut self, ctx: u32) -> Arc<[Frame]> {
+        if ctx == 0 {
+            return self.none.clone();
+        }
+        if let Some(f) = self.by_ctx.get(&ctx) {
+            return f.clone();
+        }
+        let (tag, stack) = self.table.split(ctx);
+        let frames = match (tag, super::tags::name_of(tag)) {
+            (0, _) | (_, None) => self.stack_frames(stack),
+            (_, Some(name)) => {
+                let mut f = self.stack_frames(stack).to_vec();
+                f.push(tag_frame(&name));
+                f.into()
+            }
+        };
+        self.by_ctx.insert(ctx, frames.clone());
+        frames
+    }
+
     /// The frames of stack `id`, innermost first, without gpupool's own (see
     /// [`callers_only`]); empty for 0.
-    pub fn frames(&mut self, id: u32) -> Arc<[Frame]> {
+    pub fn stack_frames(&mut self, id: u32) -> Arc<[Frame]> {
         if id == 0 {
             return self.none.clone();
         }
@@ -104,6 +185,14 @@ impl Symbolizer<'_> {
         self.by_id.insert(id, frames.clone());
         frames
     }
+}
+
+/// The frame that names tag `name` in a snapshot: `{"filename": "<tag>", "line": 0, "name":
+/// "tag NAME"}`, the outermost of a block's frames, so that PyTorch's viewer, which groups
+/// blocks by their frames from the outermost in (`_memory_viz.py` reverses them for its flame
+/// graphs; the memory_viz page lists them), puts a tag's blocks together.
+pub(crate) fn tag_frame(name: &str) -> Frame {
+    Frame { name: format!("tag {name}"), filename: "<tag>".to_string(), line: 0 }
 }
 
 /// Calls `f` with each instruction pointer of the calling thread's stack, innermost first,
@@ -224,15 +313,17 @@ mod tests {
     fn stacks_are_interned_and_symbolised() {
         let t = ContextTable::default();
         // The same call site each time (a loop the optimiser cannot unroll).
-        let ids: Vec<u32> = (0..std::hint::black_box(3)).map(|_| t.capture()).collect();
+        let ids: Vec<u32> = (0..std::hint::black_box(3)).map(|_| t.capture(0)).collect();
         assert!(ids[0] >= 1);
         assert_eq!(ids[0], ids[1], "the same call site, the same stack");
-        let other = t.capture();
+        let other = t.capture(0);
         assert_ne!(other, ids[0], "another call site");
         assert_eq!(t.len(), 2);
+        assert_eq!(t.split(ids[0]), (0, 1));
         // Every frame of a unit test is gpupool's: symbolised, the raw stack names this test
         // (when the binary has its symbols: the GPU machine's copies are stripped).
-        let raw: Vec<Frame> = t.stack(ids[0]).unwrap().iter().flat_map(|&ip| symbolise(ip).to_vec()).collect();
+        let raw: Vec<Frame> =
+            t.stack(t.split(ids[0]).1).unwrap().iter().flat_map(|&ip| symbolise(ip).to_vec()).collect();
         // (`resolve` looks one byte before an address, a return address's call.)
         let here = symbolise as fn(usize) -> Arc<[Frame]> as usize + 1;
         if !symbolise(here).iter().all(|f| f.name.starts_with("0x")) {
@@ -243,5 +334,37 @@ mod tests {
         assert!(frames.iter().all(|f| !is_gpupool(f)), "{frames:?}");
         assert!(s.frames(0).is_empty());
         assert!(s.frames(999).is_empty());
+    }
+
+    #[test]
+    fn contexts_pair_a_tag_with_a_stack() {
+        let t = ContextTable::default();
+        let tag = crate::history::tags::push("stacks-unit").unwrap();
+        crate::history::tags::pop().unwrap();
+        // One call site, so one stack, with and without the tag.
+        #[inline(never)]
+        fn at_one_site(t: &ContextTable, tag: u32) -> u32 {
+            t.capture(std::hint::black_box(tag))
+        }
+        // A loop over a slice of unknown length: an optimised build must not unroll it into
+        // four call sites.
+        let tags = [0, tag, 0, tag];
+        let ids: Vec<u32> = std::hint::black_box(&tags[..]).iter().map(|&g| at_one_site(&t, g)).collect();
+        let (plain, tagged) = ([ids[0], ids[2]], [ids[1], ids[3]]);
+        assert_eq!(t.len(), 1, "one call site");
+        assert_ne!(plain[0], tagged[0], "the same stack with and without the tag");
+        assert_eq!(plain[0], plain[1]);
+        assert_eq!(tagged[0], tagged[1]);
+        assert_eq!(t.split(plain[0]).1, t.split(tagged[0]).1);
+        assert_eq!(t.split(tagged[0]).0, tag);
+        assert_eq!(t.tag_of(plain[0]), 0);
+        assert_eq!(t.split(tag_only(tag)), (tag, 0));
+        assert_eq!(t.without_stack(tagged[1]), tag_only(tag));
+        assert_eq!(tag_only(0), 0);
+        let mut s = t.symbolizer();
+        assert_eq!(s.frames(tag_only(tag)).to_vec(), [tag_frame("stacks-unit")]);
+        let f = s.frames(tagged[0]);
+        assert_eq!(f.last(), Some(&tag_frame("stacks-unit")), "the tag is the outermost frame");
+        assert_eq!(f.len(), s.frames(plain[0]).len() + 1);
     }
 }

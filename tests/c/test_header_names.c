@@ -62,6 +62,11 @@ int main(void) {
       (any_fn)gpupool_oom_retry,
       (any_fn)gpupool_record_history,
       (any_fn)gpupool_dump_snapshot,
+      (any_fn)gpupool_push_tag,
+      (any_fn)gpupool_pop_tag,
+      (any_fn)gpupool_tag_stats,
+      (any_fn)gpupool_for_each_tag,
+      (any_fn)gpupool_live_report,
       (any_fn)gpupool_stats,
       (any_fn)gpupool_reset_peak_stats,
       (any_fn)gpupool_memory_summary,
@@ -82,5 +87,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 28 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 33 ? 0 : 1)) != 0;
 }

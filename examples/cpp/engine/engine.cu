@@ -97,13 +97,18 @@ int main(int argc, char **argv) {
 
     // The weights live for the whole run, allocated on the compute stream that reads them.
     const auto net = engine::make_network(42);
+    // Each stage's blocks carry a tag (gpupool::tag_scope): per-tag statistics, the snapshot and
+    // the live report say which stage holds what.
     std::vector<device_layer> layers;
-    for (const auto &l : net) {
-      device_layer d{l.in, l.out, gpupool::buffer(l.weight.size() * sizeof(float), compute),
-                     gpupool::buffer(l.bias.size() * sizeof(float), compute)};
-      CUDA(cudaMemcpy(d.weight.get(), l.weight.data(), l.weight.size() * sizeof(float), cudaMemcpyHostToDevice));
-      CUDA(cudaMemcpy(d.bias.get(), l.bias.data(), l.bias.size() * sizeof(float), cudaMemcpyHostToDevice));
-      layers.push_back(std::move(d));
+    {
+      gpupool::tag_scope tag("weights");
+      for (const auto &l : net) {
+        device_layer d{l.in, l.out, gpupool::buffer(l.weight.size() * sizeof(float), compute),
+                       gpupool::buffer(l.bias.size() * sizeof(float), compute)};
+        CUDA(cudaMemcpy(d.weight.get(), l.weight.data(), l.weight.size() * sizeof(float), cudaMemcpyHostToDevice));
+        CUDA(cudaMemcpy(d.bias.get(), l.bias.data(), l.bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+        layers.push_back(std::move(d));
+      }
     }
     const int in_width = engine::widths().front(), out_width = engine::widths().back();
 
@@ -127,6 +132,9 @@ int main(int argc, char **argv) {
       s.request = -1;
     };
 
+    std::vector<std::string> layer_tags;
+    for (std::size_t li = 0; li < layers.size(); li++) layer_tags.push_back("layer " + std::to_string(li));
+
     long long device_allocs_warm = -1;
     auto start = std::chrono::steady_clock::now();
     for (long long r = 0; r < requests; r++) {
@@ -139,7 +147,11 @@ int main(int argc, char **argv) {
       std::memcpy(s.host_in, input.data(), input.size() * sizeof(float));
 
       // Input: allocated for the copy stream, read by compute.
-      gpupool::buffer x(input.size() * sizeof(float), copy);
+      gpupool::buffer x;
+      {
+        gpupool::tag_scope tag("input");
+        x = gpupool::buffer(input.size() * sizeof(float), copy);
+      }
       CUDA(cudaMemcpyAsync(x.get(), s.host_in, x.size(), cudaMemcpyHostToDevice, copy));
       CUDA(cudaEventRecord(s.uploaded, copy));
       CUDA(cudaStreamWaitEvent(compute, s.uploaded, 0));
@@ -149,6 +161,7 @@ int main(int argc, char **argv) {
       // the kernel that reads it is queued (stream order makes that safe on compute itself).
       for (std::size_t li = 0; li < layers.size(); li++) {
         const device_layer &l = layers[li];
+        gpupool::tag_scope tag(layer_tags[li]);
         gpupool::buffer y(static_cast<std::size_t>(s.batch) * l.out * sizeof(float), compute);
         dim3 grid((l.out + 127) / 128, s.batch);
         dense<<<grid, 128, 0, compute>>>(l.weight.as<float>(), l.bias.as<float>(), x.as<float>(), y.as<float>(),
@@ -194,7 +207,15 @@ int main(int argc, char **argv) {
                 static_cast<long long>(st.num_device_alloc - device_allocs_warm),
                 static_cast<long long>(st.num_alloc_retries));
     long long expected_live = 2 * static_cast<long long>(layers.size());
-    bool ok = mismatched == 0 && st.allocation.all.current == expected_live;
+    std::printf("engine: peak MiB allocated per tag:");
+    std::vector<std::string> tags = {"weights", "input"};
+    tags.insert(tags.end(), layer_tags.begin(), layer_tags.end());
+    for (const auto &t : tags) std::printf(" %s %.2f;", t.c_str(), gpupool::tag_stats(t.c_str()).bytes.peak / 1048576.0);
+    std::printf("\n");
+    // Every live block is a weight, and every weight is tagged.
+    gpupool_tag_stats_t weights = gpupool::tag_stats("weights");
+    bool ok = mismatched == 0 && st.allocation.all.current == expected_live && weights.blocks.current == expected_live &&
+              weights.bytes.current == st.allocated_bytes.all.current;
     if (snapshot != nullptr) {
       if (gpupool_dump_snapshot(snapshot) == GPUPOOL_SUCCESS) {
         std::printf("engine: snapshot in %s\n", snapshot);

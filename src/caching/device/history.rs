@@ -12,14 +12,14 @@ use crate::history::{Action, Entry, HistoryContext, RawSegment};
 
 impl DeviceAllocator {
     /// Records at `level` from now on (what [`crate::history::Recorder::set`] returned). When
-    /// stacks stop being kept, every block and segment forgets its own, so that none is taken
-    /// for the stack of a later allocation made while they are not kept.
+    /// stacks stop being kept, every block and segment forgets its own (keeping its tag), so
+    /// that none is taken for the stack of a later allocation made while they are not kept.
     pub fn set_history_level(&self, level: u32) {
         let kept = self.history.keeps(HistoryContext::State);
         self.history.set_level(level);
         if kept && !self.history.keeps(HistoryContext::State) {
             for shard in self.shards.all() {
-                shard.lock().clear_contexts();
+                shard.lock().clear_contexts(&self.history.recorder().contexts);
             }
         }
     }
@@ -32,6 +32,16 @@ impl DeviceAllocator {
         let free = self.driver.mem_info(self.device).map_or(0, |i| i.free);
         let c = self.history.capture(HistoryContext::Alloc);
         self.history.record(Action::Oom, free as u64, req.rounded, req.rounded, stream, c);
+    }
+
+    /// The context and size (rounded) of every allocated block of the device, one shard locked
+    /// at a time (a consistent state per stream, not across streams: enough for a report).
+    pub fn live_blocks(&self) -> Vec<(u32, usize)> {
+        let mut out = Vec::new();
+        for shard in self.shards.all() {
+            shard.lock().live_into(&mut out);
+        }
+        out
     }
 
     /// Appends the device's segments to `out` and returns its trace, both taken with every

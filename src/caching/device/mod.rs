@@ -183,7 +183,7 @@ impl DeviceAllocator {
             st.process_events(&ctx)?;
             match self.serve(&mut st, &ctx, &req, true)? {
                 Served::Block(ptr) => {
-                    if self.history.on() {
+                    if self.history.on_or_tagged() {
                         st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
                     }
                     return Ok(self.finish_call(st, ptr, hot));
@@ -245,7 +245,7 @@ impl DeviceAllocator {
             st.process_events(&ctx)?;
             return Ok(match self.serve(&mut st, &ctx, req, false)? {
                 Served::Block(ptr) => {
-                    if self.history.on() {
+                    if self.history.on_or_tagged() {
                         st.record_alloc_at(&self.history, stream, ptr, req.size);
                     }
                     Some(self.finish(st, ptr))
@@ -338,7 +338,7 @@ impl DeviceAllocator {
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
-        if self.history.on() {
+        if self.history.on_or_tagged() {
             self.free_recorded(&mut st, shard, ptr, segment)?;
         } else {
             st.free(&ctx, ptr, segment)?;
@@ -347,7 +347,8 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// [`ShardState::free`] with its events recorded, once it succeeded (a free that fails,
+    /// [`ShardState::free`] counted to the block's tag and with its events recorded while
+    /// history is on, once it succeeded (a free that fails,
     /// or unwinds, leaves the block allocated and records nothing): `free_requested`, and
     /// `free_completed` when the block went back to its pool at once (no other stream used
     /// it); with the stack of the free if stacks are kept for frees, else the block's (PyTorch
@@ -373,7 +374,7 @@ impl DeviceAllocator {
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
-        let freed = if self.history.on() { st.about_to_free(&self.history, ptr) } else { None };
+        let freed = if self.history.on_or_tagged() { st.about_to_free(&self.history, ptr) } else { None };
         let bytes = st.free_after_sync(&ctx, ptr, segment)?;
         if let Some(mut freed) = freed {
             freed.at_once = false;

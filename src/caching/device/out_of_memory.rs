@@ -8,12 +8,17 @@
 //! the next. (The thread's cache of recent shards is lent to this call, read-only: a nested call
 //! that misses it leaves it as it is, see `Allocator::with_shard`.)
 
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+
 use super::DeviceAllocator;
 use crate::caching::counters::bump;
 use crate::caching::oom;
 use crate::caching::shard::Request;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
+use crate::history::tags;
 
 impl DeviceAllocator {
     /// The out-of-memory path of `malloc` for `req` on `stream`:
@@ -71,8 +76,36 @@ impl DeviceAllocator {
         let stats = self.stats();
         oom::message(
             &*self.driver,
-            &oom::Report { device: self.device, req, stats: &stats, limit: self.limit.get(), largest_free },
+            &oom::Report {
+                device: self.device,
+                req,
+                stats: &stats,
+                limit: self.limit.get(),
+                largest_free,
+                top_tags: self.top_tags(oom::TOP_TAGS),
+            },
         )
+    }
+
+    /// The `n` tags holding the most allocated bytes on the device, most first (name, bytes,
+    /// blocks); none when no tag was ever pushed.
+    fn top_tags(&self, n: usize) -> Vec<(Arc<str>, usize, usize)> {
+        if !tags::in_use() {
+            return Vec::new();
+        }
+        let contexts = &self.history.recorder().contexts;
+        let mut by_tag: FxHashMap<u32, (usize, usize)> = FxHashMap::default();
+        for (ctx, size) in self.live_blocks() {
+            let tag = contexts.tag_of(ctx);
+            if tag != 0 {
+                let e = by_tag.entry(tag).or_default();
+                e.0 += size;
+                e.1 += 1;
+            }
+        }
+        let mut top: Vec<(u32, usize, usize)> = by_tag.into_iter().map(|(t, (b, c))| (t, b, c)).collect();
+        top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        top.into_iter().take(n).filter_map(|(t, b, c)| Some((tags::name_of(t)?, b, c))).collect()
     }
 
     /// The largest free block of each pool, `[small, large]` in bytes, over every stream's

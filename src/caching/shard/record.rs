@@ -2,8 +2,9 @@
 //! segments, recorded under its lock as they happen, and its segments for a snapshot (PyTorch
 //! `DeviceCachingAllocator::snapshot`).
 //!
-//! Called only while history is on (the callers test [`ShardCtx::history`] first), but for
-//! [`ShardState::snapshot_into`] and [`ShardState::clear_contexts`].
+//! Called only while history is on (the callers test [`ShardCtx::history`] first), or, for a
+//! block's allocation and free, while tags are in use (`crate::history::tags::in_use`); but for
+//! [`ShardState::snapshot_into`], [`ShardState::live_into`] and [`ShardState::clear_contexts`].
 
 use super::{ShardCtx, ShardState};
 use crate::caching::block::{BlockId, BlockState, NIL};
@@ -11,24 +12,29 @@ use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::history::{
-    Action, BlockState as SnapState, HistoryContext, HistoryHook, RawSegment, SnapshotBlock, SnapshotSegment,
+    Action, BlockState as SnapState, ContextTable, HistoryContext, HistoryHook, RawSegment, SnapshotBlock,
+    SnapshotSegment, tags,
 };
 
 impl ShardState {
-    /// The `alloc` event of the block at `ptr`, just handed out on `stream` for a request of
-    /// `requested` bytes, with its stack kept as the block's: the one captured for the segment
-    /// this call made, if any, else one captured now if stacks are kept (PyTorch
-    /// `alloc_found_block`).
+    /// The block at `ptr`, just handed out on `stream` for a request of `requested` bytes:
+    /// its context (the calling thread's tag, and its stack: the one captured for the segment
+    /// this call made, if any, else one captured now if stacks are kept), counted to its tag,
+    /// and, while history is on, its `alloc` event (PyTorch `alloc_found_block`).
     #[cold]
     pub fn record_alloc_at(&mut self, h: &HistoryHook, stream: StreamHandle, ptr: DevicePtr, requested: usize) {
         let Some(&id) = self.live.get(&ptr) else { return };
+        let tag = tags::current();
         let c = match std::mem::take(&mut self.pending_ctx) {
-            0 => h.capture(HistoryContext::State),
+            0 => h.capture_tagged(HistoryContext::State, tag),
             c => c,
         };
         let b = &mut self.blocks[id];
         b.ctx = c;
-        h.record(Action::Alloc, b.addr, requested, b.size, stream, c);
+        h.recorder().tags.alloc(tag, b.size);
+        if h.on() {
+            h.record(Action::Alloc, b.addr, requested, b.size, stream, c);
+        }
     }
 
     /// The `segment_alloc` event of the segment of `size` bytes at `addr` just made: returns
@@ -42,18 +48,18 @@ impl ShardState {
         c
     }
 
-    /// What the events of a free of the block at `ptr` need, read before the free merges it:
-    /// `None` for a pointer that is not an allocated block (the free fails). Captures the
-    /// stack of the free if stacks are kept for frees.
+    /// What the events and the tag's statistics of a free of the block at `ptr` need, read
+    /// before the free merges it: `None` for a pointer that is not an allocated block (the free
+    /// fails). Captures the stack of the free, with the block's tag, if stacks are kept for
+    /// frees.
     #[cold]
     pub fn about_to_free(&self, h: &HistoryHook, ptr: DevicePtr) -> Option<Freed> {
         let &id = self.live.get(&ptr)?;
         let b = &self.blocks[id];
-        let ctx = match h.capture(HistoryContext::All) {
-            0 => b.ctx,
-            c => c,
-        };
-        Some(Freed { addr: b.addr, size: b.size, requested: b.requested, ctx, at_once: b.stream_uses.is_empty() })
+        let contexts = &h.recorder().contexts;
+        let tag = contexts.tag_of(b.ctx);
+        let ctx = if h.keeps(HistoryContext::All) { contexts.capture(tag) } else { b.ctx };
+        Some(Freed { addr: b.addr, size: b.size, requested: b.requested, ctx, tag, at_once: b.stream_uses.is_empty() })
     }
 
     /// The `free_completed` event of block `id`, freed earlier, now that its events completed
@@ -155,19 +161,26 @@ impl ShardState {
         }
     }
 
-    /// Forgets the stacks of every block and segment (recording stopped keeping them: a block
-    /// allocated from now on has none, so none may linger from its last allocation).
-    pub fn clear_contexts(&mut self) {
+    /// Forgets the stacks of every block and segment, keeping their tags (recording stopped
+    /// keeping stacks: a block allocated from now on has none, so none may linger from its
+    /// last allocation).
+    pub fn clear_contexts(&mut self, contexts: &ContextTable) {
         self.pending_ctx = 0;
         for seg in self.segments.values_mut() {
-            seg.ctx = 0;
+            seg.ctx = contexts.without_stack(seg.ctx);
             let mut id = seg.head;
             while id != NIL {
                 let b = &mut self.blocks[id];
-                b.ctx = 0;
+                b.ctx = contexts.without_stack(b.ctx);
                 id = b.next;
             }
         }
+    }
+
+    /// Appends the context and the size (rounded) of each of this shard's allocated blocks to
+    /// `out`, for the live report and the out-of-memory message.
+    pub fn live_into(&self, out: &mut Vec<(u32, usize)>) {
+        out.extend(self.live.values().map(|&id| (self.blocks[id].ctx, self.blocks[id].size)));
     }
 }
 
@@ -178,16 +191,23 @@ pub(crate) struct Freed {
     requested: usize,
     /// The stack the events carry: the free's, or the block's.
     ctx: u32,
+    /// The block's tag.
+    tag: u32,
     /// It goes back to its pool at once (no other stream used it).
     pub at_once: bool,
 }
 
 impl Freed {
-    /// Its `free_requested` event, and its `free_completed` if it went back at once (PyTorch
+    /// Counts the free to the block's tag, and, while history is on, records its
+    /// `free_requested` event, and its `free_completed` if it went back at once (PyTorch
     /// `free`, and `free_block` when it is called from there). Call once the free succeeded,
     /// under the same lock.
     #[cold]
     pub fn record(&self, h: &HistoryHook, stream: StreamHandle) {
+        h.recorder().tags.free(self.tag, self.size);
+        if !h.on() {
+            return;
+        }
         h.record(Action::FreeRequested, self.addr, self.requested, self.size, stream, self.ctx);
         if self.at_once {
             h.record(Action::FreeCompleted, self.addr, self.requested, self.size, stream, self.ctx);
