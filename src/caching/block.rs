@@ -64,6 +64,25 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// A block of `size` bytes at `addr` in `pool`, alone in its segment (no neighbours), in
+    /// `state`, with no events, stream uses, context or free stamp.
+    pub fn new(addr: DevicePtr, size: usize, state: BlockState, pool: PoolKind, expandable: bool) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            prev: NIL,
+            next: NIL,
+            state,
+            pool,
+            expandable,
+            event_count: 0,
+            stream_uses: Box::default(),
+            ctx: 0,
+            freed_at: 0,
+        }
+    }
+
     /// PyTorch `Block::is_split`: the block shares its segment with other blocks.
     pub fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL

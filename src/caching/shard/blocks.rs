@@ -5,6 +5,7 @@ use super::ShardState;
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
 use crate::caching::counters::Metric;
 use crate::caching::rules;
+use crate::driver::DevicePtr;
 
 impl ShardState {
     /// PyTorch `malloc`'s split (`should_split`): the block `id`, taken from its pool, keeps
@@ -13,7 +14,7 @@ impl ShardState {
     /// an inactive split block; an inactive split block shrinks, or becomes active whole.
     pub(super) fn split(&mut self, id: BlockId, rounded: usize, max_split_size: usize) -> usize {
         let b = &self.blocks[id];
-        let (addr, size, pool, next, expandable) = (b.addr, b.size, b.pool, b.next, b.expandable);
+        let (addr, size, pool, expandable) = (b.addr, b.size, b.pool, b.expandable);
         // PyTorch counts no `inactive_split` in expandable segments: their wholly free pages
         // can always be given back.
         let already_split = b.is_split() && !expandable;
@@ -26,26 +27,8 @@ impl ShardState {
         }
         let rest_size = size - rounded;
         let rest_addr = addr + rounded as u64;
-        let rest = self.blocks.insert(Block {
-            addr: rest_addr,
-            size: rest_size,
-            requested: 0,
-            prev: id,
-            next,
-            state: BlockState::Free,
-            pool,
-            expandable,
-            event_count: 0,
-            stream_uses: Box::default(),
-            ctx: 0,
-            freed_at: 0,
-        });
-        if next != NIL {
-            self.blocks[next].prev = rest;
-        }
-        let b = &mut self.blocks[id];
-        b.size = rounded;
-        b.next = rest;
+        let rest = self.insert_after(id, rest_addr, rest_size, BlockState::Free);
+        self.blocks[id].size = rounded;
         self.pool(pool).insert(rest_size, rest_addr, rest);
         if expandable {
         } else if already_split {
@@ -55,6 +38,22 @@ impl ShardState {
             self.counters.increase(Metric::InactiveSplit, pool, 1);
         }
         rounded
+    }
+
+    /// A new block of `size` bytes at `addr` in `state`, linked into the segment's list right
+    /// after `prev`, in `prev`'s pool and kind of segment (the upper part of a block that is
+    /// split: the caller shrinks `prev`). Not filed in any pool or set.
+    pub(super) fn insert_after(&mut self, prev: BlockId, addr: DevicePtr, size: usize, state: BlockState) -> BlockId {
+        let p = &self.blocks[prev];
+        let (pool, expandable, next) = (p.pool, p.expandable, p.next);
+        let mut block = Block::new(addr, size, state, pool, expandable);
+        (block.prev, block.next) = (prev, next);
+        let id = self.blocks.insert(block);
+        if next != NIL {
+            self.blocks[next].prev = id;
+        }
+        self.blocks[prev].next = id;
+        id
     }
 
     /// PyTorch `free_block`: back to the pool, merged with free neighbours

@@ -256,20 +256,7 @@ impl ShardState {
         let va = policy.range_size(pool, size, largest).ok_or(DriverError::OutOfMemory)?;
         let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
         let base = exp.base;
-        let id = self.blocks.insert(Block {
-            addr: base,
-            size: va,
-            requested: 0,
-            prev: NIL,
-            next: NIL,
-            state: BlockState::Unmapped,
-            pool,
-            expandable: true,
-            event_count: 0,
-            stream_uses: Box::default(),
-            ctx: 0,
-            freed_at: 0,
-        });
+        let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));
         self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c });
         self.expandables.push(base);
         self.unmapped_set(pool).insert((base, id));
@@ -367,33 +354,14 @@ impl ShardState {
         let mut prev = id;
         for (i, &(start, mapped)) in cuts.iter().enumerate() {
             let stop = cuts.get(i + 1).map_or(end, |c| c.0);
+            let (size, state) = ((stop - start) as usize, if mapped { BlockState::Free } else { BlockState::Unmapped });
             let piece = if i == 0 {
+                let b = &mut self.blocks[id];
+                (b.size, b.state) = (size, state);
                 id
             } else {
-                let next = self.blocks[prev].next;
-                let nid = self.blocks.insert(Block {
-                    addr: start,
-                    size: 0,
-                    requested: 0,
-                    prev,
-                    next,
-                    state: BlockState::Free,
-                    pool,
-                    expandable: true,
-                    event_count: 0,
-                    stream_uses: Box::default(),
-                    ctx: 0,
-                    freed_at: 0,
-                });
-                if next != NIL {
-                    self.blocks[next].prev = nid;
-                }
-                self.blocks[prev].next = nid;
-                nid
+                self.insert_after(prev, start, size, state)
             };
-            let b = &mut self.blocks[piece];
-            b.size = (stop - start) as usize;
-            b.state = if mapped { BlockState::Free } else { BlockState::Unmapped };
             pieces.push((piece, mapped));
             prev = piece;
         }

@@ -2,7 +2,7 @@
 //! free (`empty_cache`, the out-of-memory path).
 
 use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
-use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::block::{Block, BlockId, BlockState};
 use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS, bump};
 use crate::caching::segment_index::SegmentEntry;
 use crate::driver::DriverError;
@@ -41,20 +41,7 @@ impl ShardState {
         let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
         let addr = ctx.driver.mem_alloc(ctx.device, size)?;
         charge.commit();
-        let id = self.blocks.insert(Block {
-            addr,
-            size,
-            requested: 0,
-            prev: NIL,
-            next: NIL,
-            state: BlockState::Free,
-            pool: req.pool,
-            expandable: false,
-            event_count: 0,
-            stream_uses: Box::default(),
-            ctx: 0,
-            freed_at: 0,
-        });
+        let id = self.blocks.insert(Block::new(addr, size, BlockState::Free, req.pool, false));
         let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
         self.segments.insert(addr, SegmentInfo { head: id, size, exp: None, ctx: c });
         ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
