@@ -43,12 +43,11 @@ impl ShardState {
     /// A new block of `size` bytes at `addr` in `state`, linked into the segment's list right
     /// after `prev`, in `prev`'s pool and kind of segment (the upper part of a block that is
     /// split: the caller shrinks `prev`). Not filed in any pool or set.
+    #[inline]
     pub(super) fn insert_after(&mut self, prev: BlockId, addr: DevicePtr, size: usize, state: BlockState) -> BlockId {
         let p = &self.blocks[prev];
         let (pool, expandable, next) = (p.pool, p.expandable, p.next);
-        let mut block = Block::new(addr, size, state, pool, expandable);
-        (block.prev, block.next) = (prev, next);
-        let id = self.blocks.insert(block);
+        let id = self.blocks.insert(Block { prev, next, ..Block::new(addr, size, state, pool, expandable) });
         if next != NIL {
             self.blocks[next].prev = id;
         }
