@@ -25,6 +25,13 @@ impl DeviceAllocator {
         if reserved != self.limit.reserved() {
             return fail(format!("reserved bytes {reserved}, but the limit check counts {}", self.limit.reserved()));
         }
+        // The high-water rule and `reset_mark` rely on it: every committed byte raised the mark.
+        if self.limit.over_mark(0) > 0 {
+            return fail(format!(
+                "reserved bytes {reserved} are over the high-water mark by {}",
+                self.limit.over_mark(0)
+            ));
+        }
         // Retired shards are out of the table: idle, with nothing unseen and no credit, they
         // add nothing below but their seen allocated/freed, which only the totals keep.
         let t = &ps.totals;
