@@ -8,9 +8,7 @@
 //! it.
 mod common;
 
-use std::process::Command;
-
-use common::history::{record_all, snapshot_agrees};
+use common::history::{python_reads, record_all, snapshot_agrees};
 use common::{MIB, check, sim, sim_with};
 use gpupool::Allocator;
 use gpupool::config::Config;
@@ -448,17 +446,6 @@ fn the_pickle_is_what_pythons_pickle_and_the_viewer_read() {
         snap.device_traces[0].len(),
         snap.device_traces[1].len(),
     );
-    let path = std::env::temp_dir().join(format!("gpupool-snapshot-{}.pickle", std::process::id()));
-    std::fs::write(&path, snap.to_pickle()).unwrap();
-    let out = Command::new("python3")
-        .args(["-c", CHECK_PICKLE])
-        .arg(&path)
-        .arg(VIEWER_OPCODES)
-        .arg(&want)
-        .output()
-        .unwrap_or_else(|e| panic!("python3 is needed to check the pickle against CPython's: {e}"));
-    let _ = std::fs::remove_file(&path);
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && text.starts_with("ok"), "{text}");
+    python_reads(&snap.to_pickle(), CHECK_PICKLE, &[VIEWER_OPCODES, &want]);
     drv.release_stream(T);
 }

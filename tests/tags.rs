@@ -11,6 +11,7 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
+use common::history::python_reads;
 use common::{MIB, check, sim};
 use gpupool::Allocator;
 use gpupool::history::{Frame, HistoryContext, HistorySettings, TagStats, tags};
@@ -143,18 +144,8 @@ print("ok")
 "#;
 
 fn check_pickle(a: &Allocator, want: &[(u64, &str)]) {
-    let path = std::env::temp_dir().join(format!("gpupool-tags-{}-{:p}.pickle", std::process::id(), a));
-    std::fs::write(&path, a.snapshot().unwrap().to_pickle()).unwrap();
     let want = format!("{{{}}}", want.iter().map(|(p, n)| format!("\"{p}\": \"{n}\"")).collect::<Vec<_>>().join(", "));
-    let out = Command::new("python3")
-        .args(["-c", CHECK_TAGS])
-        .arg(&path)
-        .arg(&want)
-        .output()
-        .unwrap_or_else(|e| panic!("python3 is needed to read the pickle: {e}"));
-    let _ = std::fs::remove_file(&path);
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && text.starts_with("ok"), "{text}");
+    python_reads(&a.snapshot().unwrap().to_pickle(), CHECK_TAGS, &[&want]);
 }
 
 #[test]

@@ -152,3 +152,25 @@ fn replay_matches(snap: &Snapshot, d: i32) {
     let shown: Vec<(u64, u64)> = segs.iter().map(|g| (g.address, g.address + g.total_size as u64)).collect();
     assert_eq!(merged(held), merged(shown), "device {d}: the memory the trace holds is not the snapshot's");
 }
+
+/// Writes `pickle` to a temporary file and runs CPython's `script` (`python3 -c`) on it with
+/// `args` after the path; the script must print a line starting with "ok". Fails the test with
+/// what it printed otherwise, or when python3 is missing (CI has it: the pickle is checked
+/// against CPython's own reader).
+pub fn python_reads(pickle: &[u8], script: &str, args: &[&str]) {
+    let path = std::env::temp_dir().join(format!(
+        "gpupool-pickle-{}-{:?}.pickle",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&path, pickle).unwrap();
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("python3 is needed to read the pickle with CPython's: {e}"));
+    let _ = std::fs::remove_file(&path);
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.starts_with("ok"), "{text}");
+}
