@@ -10,9 +10,9 @@
 //!
 //! Failures leave the page table true to the driver: a page counts as mapped exactly when its
 //! memory is mapped at its address with access set. [`Expandable::map`] is all or nothing: it
-//! undoes the pages it mapped when a later one fails. Only when the driver refuses the undoing
-//! too does a page stay mapped; it then counts as mapped, and the caller puts it in a block
-//! like any other mapped page.
+//! grants access to its pages only once all of them are mapped, and undoes them all when a
+//! call fails; a handle the driver will not give back is kept as an orphan, never counted,
+//! and released at the next chance.
 
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 
@@ -99,31 +99,58 @@ impl Expandable {
         self.pages.get(offset / self.page).is_some_and(Option::is_some)
     }
 
-    /// Maps `len` bytes at `offset` (both whole pages, all unmapped): a new handle per page,
-    /// mapped and made accessible (PyTorch `ExpandableSegment::map`). All or nothing: when a
-    /// page fails, the pages this call mapped are unmapped and released again.
+    /// Maps `len` bytes at `offset` (both whole pages, all unmapped): a new handle per page
+    /// (`cuMemCreate`, `cuMemMap`), then access to the whole run in one `cuMemSetAccess`, as
+    /// PyTorch `ExpandableSegment::map` does through `mapAndSetAccess`: access is the costly
+    /// call (it updates the page tables of the device and of its peers), and a growth of many
+    /// pages pays for it once. All or nothing: when a call fails, the pages this call created
+    /// are unmapped and released again.
     ///
     /// Errors: the first failure ([`DriverError::OutOfMemory`] when the device has no memory
-    /// for a page). Pages whose undoing the driver refused stay mapped (see the module docs);
-    /// [`Expandable::mapped`] counts them.
+    /// for a page). A page is counted in [`Expandable::mapped`] only once access to it was
+    /// granted, so none of a failed call's pages is; the handles whose undoing the driver
+    /// refused stay orphans (see the module docs).
     pub fn map(&mut self, driver: &dyn Driver, device: i32, offset: usize, len: usize) -> Result<(), DriverError> {
         debug_assert!(offset % self.page == 0 && len % self.page == 0 && offset + len <= self.size);
         let first = offset / self.page;
         let count = len / self.page;
+        let start = self.base + offset as u64;
+        let end = start + len as u64;
+        if self.orphans.iter().any(|o| o.1.is_some_and(|at| at >= start && at < end))
+            && let Some(e) = self.release_orphans(driver, device)
+        {
+            return Err(e);
+        }
         if self.pages.len() < first + count {
             self.pages.resize(first + count, None);
         }
+        // Until access is granted, the new handles are orphans: a failure at any step, or a
+        // call that unwinds, leaves the table true and the handles to
+        // [`Expandable::release_orphans`], which undoes them now or later.
+        let new = self.orphans.len();
+        let mut made = Ok(());
         for i in first..first + count {
             debug_assert!(self.pages[i].is_none(), "page {i} mapped twice");
-            if let Err(e) = self.map_page(driver, device, i) {
-                for j in (first..i).rev() {
-                    // A page the driver will not unmap stays mapped, and counted.
-                    let _ = self.unmap_page(driver, device, j);
-                }
-                self.trim();
-                return Err(e);
+            let at = self.base + (i * self.page) as u64;
+            made = driver.mem_create(device, self.page).and_then(|handle| {
+                self.orphans.push((handle, None));
+                driver.mem_map(device, at, self.page, handle)
+            });
+            if made.is_err() {
+                break;
             }
+            let last = self.orphans.len() - 1;
+            self.orphans[last].1 = Some(at);
         }
+        if let Err(e) = made.and_then(|()| driver.mem_set_access(device, start, len)) {
+            self.release_orphans(driver, device);
+            self.trim();
+            return Err(e);
+        }
+        for (k, (handle, _)) in self.orphans.drain(new..).enumerate() {
+            self.pages[first + k] = Some(handle);
+        }
+        self.mapped += len;
         Ok(())
     }
 
@@ -139,33 +166,6 @@ impl Expandable {
         let r = (first..first + len / self.page).try_for_each(|i| self.unmap_page(driver, device, i));
         self.trim();
         r
-    }
-
-    /// Creates, maps and grants access to page `i`. The handle is an orphan until all three
-    /// succeeded, so a failure at any step, or a call that unwinds, leaves the table true and
-    /// the handle to [`Expandable::release_orphans`], which undoes it now or later.
-    fn map_page(&mut self, driver: &dyn Driver, device: i32, i: usize) -> Result<(), DriverError> {
-        let at = self.base + (i * self.page) as u64;
-        if self.orphans.iter().any(|o| o.1 == Some(at))
-            && let Some(e) = self.release_orphans(driver, device)
-        {
-            return Err(e);
-        }
-        let handle = driver.mem_create(device, self.page)?;
-        self.orphans.push((handle, None));
-        let last = self.orphans.len() - 1;
-        let mapped = driver.mem_map(device, at, self.page, handle);
-        if mapped.is_ok() {
-            self.orphans[last].1 = Some(at);
-        }
-        if let Err(e) = mapped.and_then(|()| driver.mem_set_access(device, at, self.page)) {
-            self.release_orphans(driver, device);
-            return Err(e);
-        }
-        self.orphans.swap_remove(last);
-        self.pages[i] = Some(handle);
-        self.mapped += self.page;
-        Ok(())
     }
 
     /// Unmaps page `i` and releases its handle (later, if the driver refuses now: see
@@ -205,6 +205,8 @@ mod tests {
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
         e.map(&sim, 0, 2 * P, 3 * P).unwrap();
         assert_eq!((e.mapped, sim.used(0), sim.accessible(0)), (3 * P, 3 * P, 3 * P));
+        let c = sim.counts();
+        assert_eq!((c.mem_create, c.mem_map, c.mem_set_access), (3, 3, 1), "one access grant per run");
         assert!(!e.is_mapped(P) && e.is_mapped(2 * P) && e.is_mapped(4 * P) && !e.is_mapped(5 * P));
         // SAFETY: the three pages are mapped readable and writable by the simulated driver.
         unsafe {
@@ -233,8 +235,9 @@ mod tests {
     fn a_failed_map_undoes_its_pages() {
         let sim = SimDriver::new(1, 64 << 20);
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
-        for op in [SimOp::MemCreate, SimOp::MemMap, SimOp::MemSetAccess] {
-            sim.inject(op, 2, SimFault::Fail(DriverError::OutOfMemory));
+        // One access grant covers the whole run, so it fails at its first call.
+        for (op, at) in [(SimOp::MemCreate, 2), (SimOp::MemMap, 2), (SimOp::MemSetAccess, 0)] {
+            sim.inject(op, at, SimFault::Fail(DriverError::OutOfMemory));
             assert_eq!(e.map(&sim, 0, 0, 4 * P), Err(DriverError::OutOfMemory), "{op:?}");
             assert_eq!((e.mapped, sim.used(0), sim.live_vmm()), (0, 0, (1, 0)), "{op:?}");
         }
@@ -253,8 +256,8 @@ mod tests {
     fn a_page_without_access_is_never_counted_and_is_undone_later() {
         let sim = SimDriver::new(1, 64 << 20);
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
-        // Access fails on the first page, and unmapping it fails too: the page is mapped in
-        // the driver, without access, and not in the table.
+        // Access to the run fails, and unmapping its first page fails too: that page is mapped
+        // in the driver, without access, and not in the table.
         sim.inject(SimOp::MemSetAccess, 0, SimFault::Fail(DriverError::OutOfMemory));
         sim.inject(SimOp::MemUnmap, 0, SimFault::Fail(DriverError::OutOfMemory));
         assert!(e.map(&sim, 0, 0, 4 * P).is_err());

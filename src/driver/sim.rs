@@ -151,6 +151,7 @@ pub struct SimCounts {
     pub address_reserve: u64,
     pub mem_create: u64,
     pub mem_map: u64,
+    pub mem_set_access: u64,
     pub mem_unmap: u64,
 }
 
@@ -615,6 +616,7 @@ impl Driver for SimDriver {
 
     fn mem_set_access(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
         let mut st = self.state.lock();
+        st.counts.mem_set_access += 1;
         st.fault(SimOp::MemSetAccess)?;
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
