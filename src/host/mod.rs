@@ -44,7 +44,7 @@ mod stats;
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -66,10 +66,6 @@ const PAGE: usize = 4096;
 /// How often the background thread polls events (PyTorch: 100 µs).
 const BACKGROUND_PERIOD: Duration = Duration::from_micros(100);
 
-/// The block's flags (`Block::flags`).
-const ALLOCATED: u8 = 1;
-const HAS_STREAMS: u8 = 2;
-
 /// Where a block's memory came from, so that it goes back the same way (PyTorch keeps
 /// `use_host_register` per pointer for the same reason: the configuration may differ between
 /// the allocation and the release of a block only for the Rust API, but the rule costs nothing).
@@ -89,14 +85,16 @@ struct Block {
     size: usize,
     class: usize,
     origin: Origin,
-    /// [`ALLOCATED`] while handed out; [`HAS_STREAMS`] once `record_event` named a stream.
-    /// Written on the hit path without a lock: a block in a free list belongs to that list's
-    /// stripe, a handed-out block to its caller.
-    flags: AtomicU8,
-    /// The stripe that handed the block out last: where it goes back to.
+    /// The stripe that handed the block out last: where it goes back to, and where it is
+    /// listed while handed out.
     home: AtomicU32,
-    /// The streams (and their devices) named by `record_event` since the block was handed out.
-    streams: Mutex<Vec<(StreamHandle, i32)>>,
+}
+
+/// A block handed out, in its stripe's list, with the streams (and their devices) named by
+/// `record_event` since.
+struct HandedOut {
+    block: Arc<Block>,
+    streams: Vec<(StreamHandle, i32)>,
 }
 
 /// A freed block's event on one stream that has not been seen completed yet.
@@ -110,6 +108,10 @@ struct Pending {
 struct Stripe {
     /// Free blocks per size class, most recently freed last (PyTorch pops the back too).
     free: [Vec<Arc<Block>>; CLASSES],
+    /// Blocks this stripe handed out, by address: a free by a thread of the stripe finds its
+    /// block here, under the lock it takes anyway, and a block is allocated exactly while it
+    /// is listed in its home stripe.
+    handed_out: rustc_hash::FxHashMap<usize, HandedOut>,
     /// Events of freed blocks of this stripe, oldest first.
     pending: VecDeque<Pending>,
     /// How many pending events each block still waits for, by block address.
@@ -124,6 +126,7 @@ impl Default for Stripe {
     fn default() -> Self {
         Stripe {
             free: std::array::from_fn(|_| Vec::new()),
+            handed_out: Default::default(),
             pending: VecDeque::new(),
             waiting: Default::default(),
             idle_events: Vec::new(),
@@ -354,13 +357,18 @@ impl HostAllocator {
         if ptr == 0 {
             return Ok(());
         }
-        let block = self.inner.block_at(ptr, "free")?;
-        let prev = block.flags.swap(0, Ordering::AcqRel);
-        if prev & ALLOCATED == 0 {
-            return Err(freed_already(ptr));
+        let me = self.stripe_index();
+        let inner = &*self.inner;
+        {
+            let mut st = inner.stripes[me].0.lock();
+            if let Some(h) = st.handed_out.remove(&ptr) {
+                inner.give_back(&mut st, h.block, h.streams);
+                return Ok(());
+            }
         }
-        let streams = if prev & HAS_STREAMS != 0 { std::mem::take(&mut *block.streams.lock()) } else { Vec::new() };
-        self.inner.give_back(block, streams);
+        let (_, mut st) = inner.home_of(ptr, "free")?;
+        let h = st.handed_out.remove(&ptr).ok_or_else(|| freed_already(ptr))?;
+        inner.give_back(&mut st, h.block, h.streams);
         Ok(())
     }
 
@@ -378,23 +386,22 @@ impl HostAllocator {
         if ptr == 0 {
             return Ok(());
         }
-        let block = self.inner.block_at(ptr, "record an event for")?;
-        let device = self
-            .inner
+        let inner = &*self.inner;
+        inner.block_at(ptr, "record an event for")?;
+        let device = inner
             .driver
             .stream_device(stream)
             .map_err(|e| Error::driver_call(e, &format!("finding the device of stream {stream:#x}")))?;
-        let mut streams = block.streams.lock();
-        if block.flags.load(Ordering::Acquire) & ALLOCATED == 0 {
+        let (_, mut st) = inner.home_of(ptr, "record an event for")?;
+        let Some(h) = st.handed_out.get_mut(&ptr) else {
             return Err(Error::InvalidPointer(format!(
                 "the pinned block at {ptr:#x} is not allocated (it was freed): an event is recorded only for a block \
                  in use"
             )));
+        };
+        if !h.streams.iter().any(|&(s, _)| s == stream) {
+            h.streams.push((stream, device));
         }
-        if !streams.iter().any(|&(s, _)| s == stream) {
-            streams.push((stream, device));
-        }
-        block.flags.fetch_or(HAS_STREAMS, Ordering::AcqRel);
         Ok(())
     }
 
@@ -493,8 +500,8 @@ impl HostAllocator {
 
     /// The size class (bytes) of the allocated block at `ptr`, if `ptr` is the start of one.
     pub fn block_size(&self, ptr: HostPtr) -> Option<usize> {
-        let block = self.inner.block_at(ptr, "look up").ok()?;
-        (block.flags.load(Ordering::Acquire) & ALLOCATED != 0).then_some(block.size)
+        let (_, st) = self.inner.home_of(ptr, "look up").ok()?;
+        st.handed_out.get(&ptr).map(|h| h.block.size)
     }
 
     /// Frees the block at `ptr` for reuse only after a synchronisation of `device`, made by
@@ -506,14 +513,10 @@ impl HostAllocator {
     /// Errors: as [`HostAllocator::free`].
     pub fn free_after_device_sync(&self, ptr: HostPtr, device: i32) -> Result<usize, Error> {
         fork::check()?;
-        let block = self.inner.block_at(ptr, "free")?;
-        let prev = block.flags.swap(0, Ordering::AcqRel);
-        if prev & ALLOCATED == 0 {
-            return Err(freed_already(ptr));
-        }
-        if prev & HAS_STREAMS != 0 {
-            block.streams.lock().clear();
-        }
+        let block = {
+            let (_, mut st) = self.inner.home_of(ptr, "free")?;
+            st.handed_out.remove(&ptr).ok_or_else(|| freed_already(ptr))?.block
+        };
         let mut slow = self.inner.slow.lock();
         slow.deferred_bytes += block.size;
         slow.deferred.push((device, block));
@@ -559,7 +562,6 @@ impl HostAllocator {
             for (class, list) in st.free.iter().enumerate() {
                 for b in list {
                     assert_eq!(b.class, class, "block {:#x} in the wrong free list", b.ptr);
-                    assert_eq!(b.flags.load(Ordering::Acquire) & ALLOCATED, 0, "free block {:#x} is allocated", b.ptr);
                     place(b.ptr, "free");
                     free_blocks += 1;
                     free_bytes += b.size as i64;
@@ -573,6 +575,10 @@ impl HostAllocator {
             for &p in pending_blocks.keys() {
                 place(p, "pending");
             }
+            for (&p, h) in &st.handed_out {
+                assert_eq!(p, h.block.ptr);
+                place(p, "handed out");
+            }
         }
         for (_, b) in slow.deferred.iter().chain(&slow.stranded) {
             place(b.ptr, "deferred or stranded");
@@ -581,12 +587,7 @@ impl HostAllocator {
         let mut bytes = 0i64;
         for &(base, size, _) in &segments {
             bytes += size as i64;
-            if !seen.contains_key(&(base as usize)) {
-                inner.index.with_segment(base, |e| {
-                    let b = &e.expect("listed").owner;
-                    assert_ne!(b.flags.load(Ordering::Acquire) & ALLOCATED, 0, "block {base:#x} is nowhere");
-                });
-            }
+            assert!(seen.contains_key(&(base as usize)), "block {base:#x} is nowhere");
         }
         for &p in seen.keys() {
             assert!(segments.iter().any(|s| s.0 as usize == p), "block {p:#x} is cached but not in the index");
@@ -630,19 +631,27 @@ impl Inner {
     #[inline]
     fn hand_out(&self, st: &mut Stripe, me: usize, b: Arc<Block>) -> HostPtr {
         b.home.store(me as u32, Ordering::Relaxed);
-        b.flags.store(ALLOCATED, Ordering::Release);
         st.active_requests.increase(1);
         st.active_bytes.increase(b.size as i64);
-        b.ptr
+        let ptr = b.ptr;
+        st.handed_out.insert(ptr, HandedOut { block: b, streams: Vec::new() });
+        ptr
+    }
+
+    /// The stripe that handed out (or last handed out) the block at `ptr`, locked.
+    ///
+    /// Errors: as [`Inner::block_at`].
+    fn home_of(&self, ptr: HostPtr, doing: &str) -> Result<(usize, parking_lot::MutexGuard<'_, Stripe>), Error> {
+        let block = self.block_at(ptr, doing)?;
+        let home = block.home.load(Ordering::Relaxed) as usize;
+        Ok((home, self.stripes[home].0.lock()))
     }
 
     /// A freed block, with the streams that used it: back to its home stripe's free list, or
     /// into its event queue with one event per stream.
-    fn give_back(&self, block: Arc<Block>, streams: Vec<(StreamHandle, i32)>) {
-        let home = block.home.load(Ordering::Relaxed) as usize;
-        let mut st = self.stripes[home].0.lock();
+    fn give_back(&self, st: &mut Stripe, block: Arc<Block>, streams: Vec<(StreamHandle, i32)>) {
         if streams.is_empty() {
-            return Self::to_free_list(&mut st, block);
+            return Self::to_free_list(st, block);
         }
         let mut recorded = 0;
         let mut stranded = Vec::new();
@@ -686,7 +695,6 @@ impl Inner {
                 stranded.extend(kept.iter().map(|&(d, _)| d));
                 st.idle_events.extend(kept);
             }
-            drop(st);
             let mut slow = self.slow.lock();
             stranded.sort_unstable();
             stranded.dedup();
@@ -694,7 +702,7 @@ impl Inner {
             return;
         }
         if recorded == 0 {
-            Self::to_free_list(&mut st, block);
+            Self::to_free_list(st, block);
         } else {
             st.waiting.insert(block.ptr, recorded);
         }
@@ -800,15 +808,7 @@ impl Inner {
             Some(p) => (p, Origin::Reserve),
             None => self.pin(rounded)?,
         };
-        let block = Arc::new(Block {
-            ptr,
-            size: rounded,
-            class,
-            origin,
-            flags: AtomicU8::new(0),
-            home: AtomicU32::new(0),
-            streams: Mutex::new(Vec::new()),
-        });
+        let block = Arc::new(Block { ptr, size: rounded, class, origin, home: AtomicU32::new(0) });
         self.index.insert(SegmentEntry { base: ptr as u64, size: rounded, device: -1, owner: block.clone() });
         let mut slow = self.slow.lock();
         slow.allocations.increase(1);
