@@ -407,3 +407,159 @@ fn threads_on_their_own_streams_share_nothing_and_stay_consistent() {
     assert_eq!(sim.live_host(), (0, 0));
     assert_eq!(st.num_host_alloc, st.num_host_free);
 }
+
+mod model {
+    //! Random sequences of host calls against a model of what may not be reused: a block freed
+    //! after a record on a held stream stays out of reach until that stream is released. The
+    //! invariant checker runs after every step; faults are injected into the calls whose
+    //! failure must not weaken that rule.
+    use std::collections::HashSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Malloc { size: usize },
+        Free { pick: usize },
+        BadFree { pick: usize, offset: usize },
+        Record { pick: usize, stream: usize },
+        Hold { stream: usize },
+        Release { stream: usize },
+        EmptyCache,
+        Inject { kind: usize, skip: u32 },
+    }
+
+    /// Faults that may fire without loosening the reuse rule (a failed event create or record
+    /// falls back to a device synchronisation, which the simulated device cannot model).
+    const FAULTS: [SimOp; 6] = [
+        SimOp::HostAlloc,
+        SimOp::HostFree,
+        SimOp::EventQuery,
+        SimOp::StreamDevice,
+        SimOp::HostRegister,
+        SimOp::HostUnregister,
+    ];
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (1usize..(4 << 20)).prop_map(|size| Op::Malloc { size }),
+            5 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+            1 => (any::<usize>(), 1usize..64).prop_map(|(pick, offset)| Op::BadFree { pick, offset }),
+            4 => (any::<usize>(), 0usize..3).prop_map(|(pick, stream)| Op::Record { pick, stream }),
+            2 => (0usize..3).prop_map(|stream| Op::Hold { stream }),
+            2 => (0usize..3).prop_map(|stream| Op::Release { stream }),
+            1 => Just(Op::EmptyCache),
+            1 => (0..FAULTS.len(), 0u32..4).prop_map(|(kind, skip)| Op::Inject { kind, skip }),
+        ]
+    }
+
+    fn run(ops: Vec<Op>, register: bool) {
+        let config = Config { pinned_use_cuda_host_register: register, ..Config::default() };
+        let (h, sim) = host_with(config);
+        let streams = [0x100usize, 0x200, 0x300];
+        let mut held = [false; 3];
+        // Live blocks: (ptr, size, streams recorded, cookie).
+        let mut live: Vec<(usize, usize, HashSet<usize>, u64)> = Vec::new();
+        // Freed blocks still read by held streams: (ptr, size, the held streams).
+        let mut busy: Vec<(usize, usize, HashSet<usize>)> = Vec::new();
+        let mut freed: Vec<usize> = Vec::new();
+        let mut cookie = 1u64;
+        for op in ops {
+            match op {
+                Op::Malloc { size } => {
+                    if let Ok(p) = h.malloc(size) {
+                        let rounded = size.next_power_of_two();
+                        for &(q, qs, _) in &busy {
+                            assert!(p + rounded <= q || q + qs <= p, "{p:#x} reused while a held stream reads {q:#x}");
+                        }
+                        for &(q, qs, _, _) in &live {
+                            assert!(p + rounded <= q || q + qs <= p, "{p:#x} overlaps live {q:#x}");
+                        }
+                        // SAFETY: the block holds at least 8 bytes (sizes from 1 round up, and
+                        // the write is skipped below 8).
+                        if rounded >= 8 {
+                            unsafe { (p as *mut u64).write(cookie) };
+                        }
+                        live.push((p, rounded, HashSet::new(), cookie));
+                        freed.retain(|&f| f != p);
+                        cookie += 1;
+                    }
+                }
+                Op::Free { pick } if !live.is_empty() => {
+                    let (p, size, recorded, c) = live.swap_remove(pick % live.len());
+                    if size >= 8 {
+                        assert_eq!(unsafe { (p as *const u64).read() }, c, "a live block was overwritten");
+                    }
+                    h.free(p).unwrap();
+                    let holding: HashSet<usize> = recorded.into_iter().filter(|&s| held[s]).collect();
+                    if !holding.is_empty() {
+                        busy.push((p, size, holding));
+                    }
+                    freed.push(p);
+                }
+                Op::Free { .. } => {}
+                Op::BadFree { pick, offset } => {
+                    let before = h.stats();
+                    if let Some(&(p, size, _, _)) = live.get(pick % live.len().max(1)) {
+                        if offset < size {
+                            assert!(matches!(h.free(p + offset), Err(Error::InvalidPointer(_))));
+                        }
+                    }
+                    if let Some(&p) = freed.get(pick % freed.len().max(1)) {
+                        assert!(matches!(h.free(p), Err(Error::InvalidPointer(_))));
+                    }
+                    assert_eq!(h.stats(), before, "a refused free changed something");
+                }
+                Op::Record { pick, stream } if !live.is_empty() => {
+                    let n = live.len();
+                    let entry = &mut live[pick % n];
+                    if h.record_event(entry.0, streams[stream]).is_ok() {
+                        entry.2.insert(stream);
+                    }
+                }
+                Op::Record { .. } => {}
+                Op::Hold { stream } => {
+                    sim.hold_stream(streams[stream]);
+                    held[stream] = true;
+                }
+                Op::Release { stream } => {
+                    sim.release_stream(streams[stream]);
+                    held[stream] = false;
+                    for b in &mut busy {
+                        b.2.remove(&stream);
+                    }
+                    busy.retain(|b| !b.2.is_empty());
+                }
+                Op::EmptyCache => {
+                    let _ = h.empty_cache();
+                }
+                Op::Inject { kind, skip } => {
+                    sim.inject(FAULTS[kind], skip, SimFault::Fail(DriverError::OutOfMemory));
+                }
+            }
+            h.check_invariants();
+        }
+        sim.clear_faults();
+        for s in streams {
+            sim.release_stream(s);
+        }
+        for (p, ..) in live {
+            h.free(p).unwrap();
+        }
+        h.empty_cache().unwrap();
+        h.check_invariants();
+        let st = h.stats();
+        assert_eq!((st.allocations.current, st.active_requests.current), (0, 0));
+        assert_eq!(sim.live_host(), (0, 0));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn no_block_is_reused_while_a_held_stream_reads_it(ops in prop::collection::vec(op(), 1..200), register: bool) {
+            run(ops, register);
+        }
+    }
+}
