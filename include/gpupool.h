@@ -170,8 +170,9 @@ typedef struct gpupool_host_stats_t {
    */
   uint32_t version;
   /**
-   * Blocks handed out by `gpupool_host_malloc`, or freed and still waiting for the events
-   * of `gpupool_host_record_event` (PyTorch `active_requests`). Its peak, and that of
+   * Blocks handed out by `gpupool_host_malloc`, or freed and not yet seen free: their
+   * events (`gpupool_host_record_event`) not yet polled complete, or (under the LD_PRELOAD
+   * shim) waiting for a device synchronisation (PyTorch `active_requests`). Its peak, and that of
    * `active_bytes`, is exact while one thread allocates; with several, an upper bound
    * (gpupool keeps these counts per thread group and sums the peaks, as PyTorch sums its
    * per-size peaks).

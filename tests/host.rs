@@ -563,3 +563,23 @@ mod model {
         }
     }
 }
+
+#[test]
+fn a_miss_polls_past_a_busy_event_before_pinning_new_memory() {
+    let (h, sim) = host();
+    let (slow, fast) = (0x100, 0x200);
+    sim.hold_stream(slow);
+    sim.hold_stream(fast);
+    let a = h.malloc(4096).unwrap();
+    let b = h.malloc(4096).unwrap();
+    h.record_event(a, slow).unwrap();
+    h.record_event(b, fast).unwrap();
+    h.free(a).unwrap(); // the older event, on the stream that stays busy
+    h.free(b).unwrap();
+    sim.release_stream(fast);
+    let pinned = sim.counts().host_alloc;
+    assert_eq!(h.malloc(4096).unwrap(), b, "b's copy finished behind a's busy one");
+    assert_eq!(sim.counts().host_alloc, pinned);
+    sim.release_stream(slow);
+    h.check_invariants();
+}

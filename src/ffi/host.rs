@@ -38,8 +38,9 @@ pub struct gpupool_host_stats_t {
     pub size: u32,
     /// Out: `GPUPOOL_HOST_STATS_VERSION` of the library.
     pub version: u32,
-    /// Blocks handed out by `gpupool_host_malloc`, or freed and still waiting for the events
-    /// of `gpupool_host_record_event` (PyTorch `active_requests`). Its peak, and that of
+    /// Blocks handed out by `gpupool_host_malloc`, or freed and not yet seen free: their
+    /// events (`gpupool_host_record_event`) not yet polled complete, or (under the LD_PRELOAD
+    /// shim) waiting for a device synchronisation (PyTorch `active_requests`). Its peak, and that of
     /// `active_bytes`, is exact while one thread allocates; with several, an upper bound
     /// (gpupool keeps these counts per thread group and sums the peaks, as PyTorch sums its
     /// per-size peaks).

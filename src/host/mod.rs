@@ -317,14 +317,17 @@ impl HostAllocator {
         if inner.backing.background && !inner.background_started.swap(true, Ordering::AcqRel) {
             start_background(Arc::downgrade(&self.inner));
         }
-        // The other stripes' free blocks and finished events, then this stripe's events when
-        // the background thread is on (PyTorch `process_events_for_specific_size`).
+        // Every stripe's free blocks and finished events, this one's first (PyTorch
+        // `process_events_for_specific_size`, with the background thread on). The events are
+        // all polled here, not only up to the first busy one as on the hit path: a block whose
+        // copy finished behind a busier stream's is worth a few queries, pinning costs
+        // milliseconds.
         let n = inner.stripes.len();
         for k in 0..n {
             let s = (me + k) % n;
             let mut st = inner.stripes[s].0.lock();
             if !st.pending.is_empty() {
-                inner.process_events(&mut st, true)?;
+                inner.process_events(&mut st, false)?;
             }
             if let Some(b) = st.free[class].pop() {
                 drop(st);
