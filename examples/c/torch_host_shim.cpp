@@ -1,4 +1,4 @@
-// PyTorch's caching host allocator (at::getHostAllocator(at::kCUDA), what pin_memory() and
+// PyTorch's caching host allocator (at::getHostAllocator(c10::DeviceType::CUDA), what pin_memory() and
 // non_blocking copies use) behind a C interface, for bench_host.c. Built only when CMake is
 // given GPUPOOL_TORCH_DIR and GPUPOOL_BENCH_HOST_TORCH is on.
 #include <ATen/core/CachingHostAllocator.h>
@@ -12,7 +12,7 @@ static std::unordered_map<void *, at::DataPtr> *live = new std::unordered_map<vo
 
 extern "C" {
 void *torch_host_alloc(size_t n) {
-  at::DataPtr dp = at::getHostAllocator(at::kCUDA)->allocate(n);
+  at::DataPtr dp = at::getHostAllocator(c10::DeviceType::CUDA)->allocate(n);
   void *p = dp.get();
   live->emplace(p, std::move(dp));
   return p;
@@ -22,8 +22,8 @@ int torch_host_record_event(void *p, void *stream) {
   auto it = live->find(p);
   if (it == live->end()) return 0;
   c10::cuda::CUDAStream s = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), 0);
-  return at::getHostAllocator(at::kCUDA)->record_event(p, it->second.get_context(), s.unwrap()) ? 1 : 0;
+  return at::getHostAllocator(c10::DeviceType::CUDA)->record_event(p, it->second.get_context(), s.unwrap()) ? 1 : 0;
 }
 void torch_host_free(void *p) { live->erase(p); }
-void torch_host_empty_cache(void) { at::getHostAllocator(at::kCUDA)->empty_cache(); }
+void torch_host_empty_cache(void) { at::getHostAllocator(c10::DeviceType::CUDA)->empty_cache(); }
 }
