@@ -4,6 +4,7 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <chrono>
 #include <unordered_map>
 
 // PyTorch frees a block when its DataPtr dies: the live ones are kept here by address (the
@@ -25,5 +26,17 @@ int torch_host_record_event(void *p, void *stream) {
   return at::getHostAllocator(c10::DeviceType::CUDA)->record_event(p, it->second.get_context(), s.unwrap()) ? 1 : 0;
 }
 void torch_host_free(void *p) { live->erase(p); }
+// ns per allocate+free pair of `n` bytes, timed here with the DataPtr on the stack: the map
+// above would add its own cost to PyTorch's figure.
+double torch_host_pair_ns(size_t n, int pairs) {
+  at::HostAllocator *a = at::getHostAllocator(c10::DeviceType::CUDA);
+  { at::DataPtr warm = a->allocate(n); }
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < pairs; i++) {
+    at::DataPtr d = a->allocate(n);
+    static_cast<volatile char *>(d.get())[0] = static_cast<char>(i);
+  }
+  return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / pairs;
+}
 void torch_host_empty_cache(void) { at::getHostAllocator(c10::DeviceType::CUDA)->empty_cache(); }
 }
