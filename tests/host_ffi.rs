@@ -216,7 +216,7 @@ proptest! {
         for s in [0usize, 0x10, 0x20] {
             gpupool_sim_release_stream(s as gpupool_stream_t);
         }
-        for (&p, _) in &m.live {
+        for &p in m.live.keys() {
             // SAFETY: a live block of this case.
             assert_eq!(unsafe { gpupool_host_free(p as *mut c_void) }, GPUPOOL_SUCCESS);
         }
