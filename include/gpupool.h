@@ -52,6 +52,11 @@
 #define GPUPOOL_HISTORY_CONTEXT_ALL 3
 
 /**
+ * The layout version of `gpupool_host_stats_t` this library writes.
+ */
+#define GPUPOOL_HOST_STATS_VERSION 1
+
+/**
  * The layout version of `gpupool_stats_t` this library writes.
  */
 #define GPUPOOL_STATS_VERSION 1
@@ -135,6 +140,75 @@ typedef struct gpupool_stat_t {
   int64_t allocated;
   int64_t freed;
 } gpupool_stat_t;
+
+/**
+ * A duration statistic in microseconds (PyTorch `DurationStat`): `count` calls, their
+ * `total`, the longest (`max`) and the shortest (`min`, 0 before the first call).
+ */
+typedef struct gpupool_duration_stat_t {
+  int64_t count;
+  int64_t total;
+  int64_t max;
+  int64_t min;
+} gpupool_duration_stat_t;
+
+/**
+ * The statistics of pinned host memory: PyTorch 2.11's `HostStats`, the keys of
+ * `torch.cuda.host_memory_stats()`.
+ *
+ * Extensible as `gpupool_stats_t`: set `size` to `sizeof(gpupool_host_stats_t)` before the
+ * call (`GPUPOOL_HOST_STATS_INIT` does); the library writes the first `min(size, its own
+ * sizeof)` bytes and sets `size` to that count. Fields are only ever added at the end.
+ */
+typedef struct gpupool_host_stats_t {
+  /**
+   * In: `sizeof(gpupool_host_stats_t)` as the caller compiled it. Out: bytes written.
+   */
+  uint32_t size;
+  /**
+   * Out: `GPUPOOL_HOST_STATS_VERSION` of the library.
+   */
+  uint32_t version;
+  /**
+   * Blocks handed out by `gpupool_host_malloc`, or freed and not yet seen free: their
+   * events (`gpupool_host_record_event`) not yet polled complete, or (under the LD_PRELOAD
+   * shim) waiting for a device synchronisation (PyTorch `active_requests`). Its peak, and that of
+   * `active_bytes`, is exact while one thread allocates; with several, an upper bound
+   * (gpupool keeps these counts per thread group and sums the peaks, as PyTorch sums its
+   * per-size peaks).
+   */
+  struct gpupool_stat_t active_requests;
+  /**
+   * Bytes of those blocks, sizes rounded to powers of two (PyTorch `active_bytes`).
+   */
+  struct gpupool_stat_t active_bytes;
+  /**
+   * Blocks gpupool holds pinned, in use or cached (PyTorch `allocations`).
+   */
+  struct gpupool_stat_t allocations;
+  /**
+   * Bytes of those blocks (PyTorch `allocated_bytes`).
+   */
+  struct gpupool_stat_t allocated_bytes;
+  /**
+   * Each `cuMemHostAlloc` (or page touching and `cuMemHostRegister`), in microseconds
+   * (PyTorch `host_alloc_time`).
+   */
+  struct gpupool_duration_stat_t host_alloc_time;
+  /**
+   * Each `cuMemFreeHost` (or `cuMemHostUnregister` and `free`), in microseconds (PyTorch
+   * `host_free_time`).
+   */
+  struct gpupool_duration_stat_t host_free_time;
+  /**
+   * Calls that pinned new memory because no cached block fitted (PyTorch `num_host_alloc`).
+   */
+  int64_t num_host_alloc;
+  /**
+   * Calls that gave pinned memory back (PyTorch `num_host_free`).
+   */
+  int64_t num_host_free;
+} gpupool_host_stats_t;
 
 /**
  * A statistic for all blocks and per pool (PyTorch's `StatArray`; the keys `all`,
@@ -451,6 +525,129 @@ gpupool_status gpupool_record_history(int enabled, size_t max_entries, uint32_t 
  * `path` must be NULL or point to a NUL-terminated string.
  */
 gpupool_status gpupool_dump_snapshot(const char *path);
+
+/**
+ * Allocates at least `size` bytes of pinned (page-locked) host memory from gpupool's cache
+ * (PyTorch `CachingHostAllocator`'s `allocate`, what `pin_memory()` uses): copies between it
+ * and the device are asynchronous DMA. Use it to stage inputs and outputs.
+ *
+ * - `ptr`: out-pointer, written only on success. Must not be NULL.
+ * - `size`: bytes, rounded up to a power of two; each power of two has its own cache, and a
+ *   block is never split. 0 gives `*ptr = NULL` and success, as PyTorch.
+ *
+ * A cached block of the size is taken if one is free (its events, if any, completed);
+ * otherwise new memory is pinned with `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)`, or with
+ * `malloc` and `cuMemHostRegister` under `GPUPOOL_CONF=pinned_use_cuda_host_register:True`,
+ * which takes milliseconds. The memory is portable: usable with every device and context.
+ * It is not initialised. The caller owns the block until `gpupool_host_free`.
+ *
+ * A cache hit takes one lock that only the calling thread's group uses and makes no driver
+ * call, unless freed blocks' events are pending (then it polls them, never blocking).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `ptr`; `size` over 2^63 bytes);
+ * `GPUPOOL_ERROR_OUT_OF_MEMORY` (the host cannot pin more; gpupool does not release its cache
+ * and retry, as PyTorch does not: call `gpupool_host_empty_cache`); `GPUPOOL_ERROR_CUDA`;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `ptr` must be NULL or point to writable storage for one `void *`.
+ */
+gpupool_status gpupool_host_malloc(void **ptr, size_t size);
+
+/**
+ * Gives a block from `gpupool_host_malloc` back to gpupool's cache (PyTorch
+ * `CachingHostAllocator`'s `free`). Without `gpupool_host_record_event` it is reused by the
+ * next allocation of its size at once; otherwise gpupool records an event on each stream
+ * named and reuses the block only once all have completed (polled at later allocations,
+ * never waited for). Never blocks; the memory stays pinned until `gpupool_host_empty_cache`.
+ *
+ * - `ptr`: as returned by `gpupool_host_malloc`. NULL is a no-op.
+ *
+ * Copies queued on a stream that was not named by `gpupool_host_record_event` are not waited
+ * for: name every stream that reads or writes the block before freeing it.
+ *
+ * If an event cannot be created or recorded, gpupool synchronises that stream's device
+ * instead (PyTorch's free fails there); if even that fails, the free still succeeds and the
+ * block waits for `gpupool_host_empty_cache`, which synchronises that device first.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_POINTER` for a pointer gpupool did not pin, a pointer inside
+ * a block, or a block already freed; nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe: a block may be freed by another thread than the one that allocated it.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+gpupool_status gpupool_host_free(void *ptr);
+
+/**
+ * Says that the pinned block at `ptr` is used by work queued on `stream` (a copy from or to
+ * it), so that after `gpupool_host_free` it is not reused until that work, as queued at the
+ * time of the free, has completed (PyTorch `CachingHostAllocator_recordEvent`, which
+ * `Tensor.copy_(non_blocking=True)` calls). Naming a stream twice counts once.
+ *
+ * - `ptr`: as returned by `gpupool_host_malloc` and not yet freed. NULL is a no-op.
+ * - `stream`: any stream (`cudaStream_t`/`CUstream`; NULL is the legacy default stream).
+ *   Its device is found now, from the stream's context (`cuStreamGetCtx`); NULL,
+ *   `cudaStreamLegacy` and `cudaStreamPerThread` belong to the calling thread's current
+ *   device, as the runtime resolves them. The event is created in that device's primary
+ *   context: a stream of a context the program created itself (`cuCtxCreate`) makes the free
+ *   fall back to a device synchronisation.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_POINTER` when `ptr` is not the start of an allocated block;
+ * `GPUPOOL_ERROR_CUDA` when the stream's context cannot be found (a destroyed stream);
+ * nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; calling it for a block while another thread frees that block is the caller's
+ * error (PyTorch asserts): the event may then be missed.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+gpupool_status gpupool_host_record_event(void *ptr, gpupool_stream_t stream);
+
+/**
+ * Releases every cached free pinned block (`cuMemFreeHost`, or `cuMemHostUnregister` and
+ * `free`), after polling the events of freed blocks (PyTorch
+ * `torch._C._host_emptyCache`), and destroys the events kept for reuse. Blocks in use, or
+ * whose events have not completed, stay; so do the blocks of
+ * `pinned_reserve_segment_size_mb`'s segment, which is never released.
+ *
+ * Errors: `GPUPOOL_ERROR_CUDA` when a release or an event query fails (what was released
+ * before stays released; a block that could not be released stays cached);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; may block while it synchronises a device for blocks that wait for one.
+ */
+gpupool_status gpupool_host_empty_cache(void);
+
+/**
+ * Reads the pinned host memory statistics into `*out` (PyTorch
+ * `torch.cuda.host_memory_stats()`).
+ *
+ * - `out`: caller-owned; set `out->size = sizeof(gpupool_host_stats_t)` first
+ *   (`gpupool_host_stats_t s = GPUPOOL_HOST_STATS_INIT;`). Written only on success, and only
+ *   its first `out->size` bytes.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; takes each lock of the host allocator briefly.
+ *
+ * # Safety
+ * `out` must be NULL or point to writable storage of at least `out->size` bytes.
+ */
+gpupool_status gpupool_host_stats(struct gpupool_host_stats_t *out);
+
+/**
+ * Sets the peaks of the pinned host memory statistics to their current values, and clears
+ * the longest and shortest durations (PyTorch `torch.cuda.reset_peak_host_memory_stats()`).
+ *
+ * Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+ */
+gpupool_status gpupool_host_reset_peak_stats(void);
 
 /**
  * Allocates at least `size` bytes of device memory on `device` for use on `stream`, from
@@ -869,3 +1066,18 @@ static inline gpupool_stats_t gpupool_stats_init(void) {
 }
 #define GPUPOOL_STATS_INIT gpupool_stats_init()
 #endif /* GPUPOOL_STATS_INIT */
+
+#ifndef GPUPOOL_HOST_STATS_INIT
+/**
+ * A zeroed gpupool_host_stats_t with `size` set, ready for gpupool_host_stats():
+ * `gpupool_host_stats_t s = GPUPOOL_HOST_STATS_INIT;`.
+ */
+static inline gpupool_host_stats_t gpupool_host_stats_init(void) {
+  gpupool_host_stats_t s;
+  unsigned char *bytes = (unsigned char *)&s;
+  for (size_t i = 0; i < sizeof s; i++) bytes[i] = 0;
+  s.size = (uint32_t)sizeof s;
+  return s;
+}
+#define GPUPOOL_HOST_STATS_INIT gpupool_host_stats_init()
+#endif /* GPUPOOL_HOST_STATS_INIT */

@@ -44,6 +44,20 @@ gpupool_status gpupool_sim_release_stream(gpupool_stream_t stream);
  */
 gpupool_status gpupool_sim_set_device(int device);
 
+/**
+ * Simulated device only: writes to `*pinned` 1 when the `len` bytes at `ptr` lie wholly in
+ * pinned host memory of the simulated driver (from `gpupool_host_malloc`, its
+ * `cuMemHostAlloc` or `cuMemHostRegister`), else 0: what a copy must read from to be
+ * asynchronous on a GPU.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `pinned`
+ * is NULL. Thread-safe.
+ *
+ * # Safety
+ * `pinned` must be NULL or point to a writable `int`; `ptr` is never dereferenced.
+ */
+gpupool_status gpupool_sim_host_pinned(const void *ptr, size_t len, int *pinned);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

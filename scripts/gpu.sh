@@ -28,6 +28,9 @@
 #               (trace_plot, segment_plot) into OUT/snapshot
 #   bench       examples/c/bench with DIR/traces and build-gpu/traces (recorded by this run or
 #               an earlier one); BENCH_ONLY=main or frag passes through to it
+#   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
+#               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
+#               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults and with expandable_segments:True, then the same on the simulated
 #               device for comparison; table and JSON in OUT/replay-*
@@ -66,7 +69,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable examples preload python traces snapshot bench replay"
+all_sections="rust c gpu expandable examples preload python traces snapshot bench replay host"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -136,7 +139,7 @@ build_examples() {
   local torch_dir
   torch_dir=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
   if ! build_against_prefix examples/c build-gpu/examples -DGPUPOOL_TORCH_DIR="$torch_dir" \
-    >"$out/examples-build.log" 2>&1; then
+    -DGPUPOOL_BENCH_HOST_TORCH=OFF >"$out/examples-build.log" 2>&1; then
     echo "bench with PyTorch did not build (see examples-build.log); building it without"
     rm -rf build-gpu/examples
     build_against_prefix examples/c build-gpu/examples >>"$out/examples-build.log" 2>&1 ||
@@ -285,6 +288,29 @@ if want replay; then
   else
     echo "no $trace: scripts/gpu.sh prepare copies ../shared/traces there"
     status=1
+  fi
+fi
+# Pinned host memory: the GPU test, then the benchmark, built in a folder of its own with
+# PyTorch's host allocator when that builds, without it otherwise.
+if want host; then
+  echo "== pinned host memory"
+  if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >>"$out/gpu-tests-build.log" 2>&1; then
+    run_gpu_test test_host host-tests.log
+  else
+    echo "GPU tests did not configure (see gpu-tests-build.log)"
+    status=1
+  fi
+  torch_dir=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
+  hb=build-gpu/examples-host
+  if ! { build_against_prefix examples/c $hb -DGPUPOOL_TORCH_DIR="$torch_dir" -DGPUPOOL_BENCH_HOST_TORCH=ON &&
+    cmake --build $hb --target bench_host; } >"$out/bench-host-build.log" 2>&1; then
+    echo "bench_host with PyTorch did not build (see bench-host-build.log); building it without"
+    rm -rf $hb
+    { build_against_prefix examples/c $hb && cmake --build $hb --target bench_host; } >>"$out/bench-host-build.log" 2>&1 ||
+      { echo "bench_host did not build (see bench-host-build.log)"; status=1; }
+  fi
+  if [ -x $hb/bench_host ]; then
+    ./$hb/bench_host 2>&1 | tee "$out/bench-host.log" || status=1
   fi
 fi
 exit $status

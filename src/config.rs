@@ -53,10 +53,10 @@
 //! | `release_lock_on_cudamalloc` (also `release_lock_on_hipmalloc`) | `True` or `False` | False | PyTorch releases its device lock across `cudaMalloc`. Accepted and changes nothing: gpupool holds one lock per stream across `cuMemAlloc`, which blocks only that stream's callers. |
 //! | `per_process_memory_fraction` | a number from 0 to 1 | 1 | Each device, when it starts, reserves at most this fraction of its total memory, as `gpupool_set_memory_fraction` sets it (PyTorch `setMemoryFraction`). |
 //! | `graph_capture_record_stream_reuse` | `True` or `False` | False | PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the graph. Accepted and changes nothing: gpupool has no graph capture. |
-//! | `pinned_use_cuda_host_register` (also `pinned_use_hip_host_register`) | `True` or `False` | False | Pinned host memory: `malloc` then `cudaHostRegister` instead of `cudaHostAlloc`. Kept for gpupool's pinned host allocator; no effect yet. |
-//! | `pinned_num_register_threads` | a power of two, at most 128 | 1 | Pinned host memory: threads that register (page in) a block with `pinned_use_cuda_host_register`. Kept for the pinned host allocator; no effect yet. |
-//! | `pinned_use_background_threads` | `True` or `False` | False | Pinned host memory: a background thread processes the events of freed blocks. Kept for the pinned host allocator; no effect yet. |
-//! | `pinned_reserve_segment_size_mb` | whole MiB, at least 1 | none (0, which cannot be written) | Pinned host memory: one segment of this size reserved up front and carved for small requests. Kept for the pinned host allocator; no effect yet. Left out of the configuration string while unset. |
+//! | `pinned_use_cuda_host_register` (also `pinned_use_hip_host_register`) | `True` or `False` | False | Pinned host memory (`gpupool_host_malloc`): `malloc` then `cuMemHostRegister` instead of `cuMemHostAlloc` for new blocks. |
+//! | `pinned_num_register_threads` | a power of two, at most 128 | 1 | Pinned host memory: threads that touch (page in) a new block before `cuMemHostRegister` with `pinned_use_cuda_host_register` (PyTorch's bound, `pinned_max_register_threads`, is 128 and no key). |
+//! | `pinned_use_background_threads` | `True` or `False` | False | Pinned host memory: a background thread polls the events of freed blocks every 100 µs, and allocations no longer poll them on the hit path. |
+//! | `pinned_reserve_segment_size_mb` | whole MiB, at least 1 | none (0, which cannot be written) | Pinned host memory: one segment of this size pinned at the first miss and carved (4 KiB aligned) for new blocks while it has room; never released. Left out of the configuration string while unset. |
 //!
 //! `GPUPOOL_MAX_SPLIT_SIZE_MB` is the deprecated spelling of `max_split_size_mb`; both set to
 //! different sizes is an error naming both. [`Config::with_conf`] applies a string at run time
@@ -142,15 +142,16 @@ pub struct Config {
     /// PyTorch's `graph_capture_record_stream_reuse`. Changes nothing: gpupool has no CUDA graph
     /// capture.
     pub graph_capture_record_stream_reuse: bool,
-    /// PyTorch's `pinned_use_cuda_host_register`, for the pinned host allocator (not yet used).
+    /// PyTorch's `pinned_use_cuda_host_register`: the pinned host allocator (`crate::host`) pins
+    /// new blocks with `malloc` and `cuMemHostRegister`.
     pub pinned_use_cuda_host_register: bool,
-    /// PyTorch's `pinned_num_register_threads` (a power of two, at most 128; default 1), for the
-    /// pinned host allocator (not yet used).
+    /// PyTorch's `pinned_num_register_threads` (a power of two, at most 128; default 1): threads
+    /// that touch a new registered block's pages.
     pub pinned_num_register_threads: usize,
-    /// PyTorch's `pinned_use_background_threads`, for the pinned host allocator (not yet used).
+    /// PyTorch's `pinned_use_background_threads`: a thread polls freed pinned blocks' events.
     pub pinned_use_background_threads: bool,
-    /// PyTorch's `pinned_reserve_segment_size_mb`, in bytes (0, the default: none), for the
-    /// pinned host allocator (not yet used).
+    /// PyTorch's `pinned_reserve_segment_size_mb`, in bytes (0, the default: none): one pinned
+    /// segment carved for new pinned blocks, never released.
     pub pinned_reserve_segment_size: usize,
     /// The LD_PRELOAD shim's reuse rule for `cudaFree`/`cuMemFree`.
     pub preload_mode: PreloadMode,

@@ -7,6 +7,7 @@
 //! - [`stats`]: statistics in PyTorch's terms, and the memory summary.
 //! - [`history`]: the allocation history and snapshots, in PyTorch's formats.
 //! - [`config`]: the `GPUPOOL_*` options.
+//! - [`host`]: pinned host memory, PyTorch's caching host allocator.
 //!
 //! From Rust, build an [`Allocator`] over a driver:
 //!
@@ -26,6 +27,7 @@ pub mod driver;
 pub mod error;
 pub mod ffi;
 pub mod history;
+pub mod host;
 pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};

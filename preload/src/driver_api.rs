@@ -149,6 +149,65 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUs
     })
 }
 
+// Pinned host memory: `cuMemAllocHost_v2`, `cuMemHostAlloc` and `cuMemFreeHost`, served by
+// gpupool's caching host allocator.
+
+type HostAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> c_int;
+type HostFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+/// `CU_MEMHOSTALLOC_PORTABLE`: gpupool's pinned memory is portable. `DEVICEMAP` and
+/// `WRITECOMBINED` ask for memory of another kind, which the real function gives.
+const SERVED_HOST_FLAGS: u32 = 1;
+
+/// `CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)`: served by gpupool's pinned host
+/// allocator.
+///
+/// # Safety
+/// As CUDA's `cuMemAllocHost_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) -> c_int {
+    // SAFETY: as this function's contract.
+    unsafe { cuMemHostAlloc(pp, bytesize, 0) }
+}
+
+/// `CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)`: served by
+/// gpupool for flags 0 and `CU_MEMHOSTALLOC_PORTABLE`; others go to the real function.
+///
+/// # Safety
+/// As CUDA's `cuMemHostAlloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, flags: u32) -> c_int {
+    guard(UNKNOWN, || match shim() {
+        Some(s) if flags & !SERVED_HOST_FLAGS == 0 => {
+            if pp.is_null() {
+                return crate::shim::INVALID_VALUE;
+            }
+            // SAFETY (out): checked non-null; the caller passes a writable `void *`.
+            s.serve_host(&s.counters.cu_host_alloc, bytesize, |p| unsafe { *pp = p as *mut c_void })
+        }
+        s => {
+            if let Some(s) = s {
+                bump(&s.counters.passed_host_allocs);
+            }
+            call_real!(b"cuMemHostAlloc", HostAllocFn, pp, bytesize, flags)
+        }
+    })
+}
+
+/// `CUresult cuMemFreeHost(void *p)`: a gpupool block goes back to gpupool, reused only after
+/// a synchronisation of the current context's device (as `cudaFreeHost`); other pointers go
+/// to the real function.
+///
+/// # Safety
+/// As CUDA's `cuMemFreeHost`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> c_int {
+    guard(UNKNOWN, || match crate::shim::host_owner_of(p as usize) {
+        Some(s) => status(s.free_host(p as usize, s.alloc.driver().current_device().unwrap_or(0))),
+        None => call_real!(b"cuMemFreeHost", HostFreeFn, p),
+    })
+}
+
 /// The shim's definition of a driver symbol as `cuGetProcAddress` names it (the base name,
 /// for the CUDA version the caller was built for), if the shim has one.
 fn ours(symbol: &CStr, cuda_version: c_int) -> Option<*mut c_void> {
@@ -160,6 +219,9 @@ fn ours(symbol: &CStr, cuda_version: c_int) -> Option<*mut c_void> {
         b"cuMemFree" if v2 => cuMemFree_v2 as *mut c_void,
         b"cuMemAllocAsync" => cuMemAllocAsync as *mut c_void,
         b"cuMemFreeAsync" => cuMemFreeAsync as *mut c_void,
+        b"cuMemAllocHost" if v2 => cuMemAllocHost_v2 as *mut c_void,
+        b"cuMemHostAlloc" => cuMemHostAlloc as *mut c_void,
+        b"cuMemFreeHost" => cuMemFreeHost as *mut c_void,
         b"cuGetProcAddress" if cuda_version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         _ => return None,
@@ -184,7 +246,8 @@ unsafe fn substitute(r: c_int, symbol: *const c_char, pfn: *mut *mut c_void, cud
 
 /// `CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t
 /// flags)` (CUDA 11.3 to 11.8's signature): the real lookup, with the shim's functions for
-/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync`, `cuMemFreeAsync` and `cuGetProcAddress`.
+/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync`, `cuMemFreeAsync`, `cuMemAllocHost`, `cuMemHostAlloc`,
+/// `cuMemFreeHost` and `cuGetProcAddress`.
 ///
 /// # Safety
 /// As CUDA's `cuGetProcAddress`.
@@ -239,5 +302,9 @@ mod tests {
         assert_eq!(ours(c"cuMemAlloc", 3000), None);
         assert_eq!(ours(c"cuMemAlloc_v2", 12080), None);
         assert_eq!(ours(c"cuLaunchKernel", 12080), None);
+        assert_eq!(ours(c"cuMemAllocHost", 12080), Some(cuMemAllocHost_v2 as *mut c_void));
+        assert_eq!(ours(c"cuMemAllocHost", 3000), None);
+        assert_eq!(ours(c"cuMemHostAlloc", 12080), Some(cuMemHostAlloc as *mut c_void));
+        assert_eq!(ours(c"cuMemFreeHost", 12080), Some(cuMemFreeHost as *mut c_void));
     }
 }

@@ -14,7 +14,9 @@
 //! | `cuMemAlloc_v2`, `cuMemAllocAsync` | a primary context is current (the runtime API's) | the real function |
 //! | `cudaFree`, `cudaFreeAsync`, `cuMemFree_v2`, `cuMemFreeAsync` | the pointer is gpupool's | the real function |
 //! | `cudaFree(NULL)` | on the simulated device: success, as CUDA's no-op | the real function (it initialises the runtime) |
-//! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the four driver symbols above | - |
+//! | `cudaMallocHost`, `cudaHostAlloc`, `cuMemAllocHost_v2`, `cuMemHostAlloc` | flags default or portable (gpupool started): gpupool's pinned host allocator | the real function (other flags: mapped, write-combined) |
+//! | `cudaFreeHost`, `cuMemFreeHost` | the pointer is one of gpupool's pinned blocks | the real function |
+//! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the seven driver symbols above | - |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without
 //! `libcuda.so` (the simulated device, `GPUPOOL_DRIVER=sim`), a driver call that would go to the
@@ -52,6 +54,21 @@
 //! so the block is reused on its allocating stream at once if `stream` is that stream, and
 //! after `stream` has passed the free otherwise.
 //!
+//! ## Pinned host memory
+//!
+//! `cudaMallocHost`, `cudaHostAlloc` and their driver twins are served by gpupool's caching
+//! host allocator (`gpupool_host_malloc`: sizes rounded up to powers of two, blocks cached per
+//! size), so a program that pins and unpins staging buffers in a loop stops paying
+//! milliseconds per call. A program may rely on `cudaFreeHost` waiting for the device, so a
+//! block freed with `cudaFreeHost` or `cuMemFreeHost` is reused only after gpupool has
+//! synchronised the device that was current at the free: when a later pinned allocation of its
+//! size finds no other free block, when the waiting pinned bytes reach
+//! `GPUPOOL_PRELOAD_SYNC_BYTES`, or at `gpupool_host_empty_cache`. This holds in both modes:
+//! host memory has no stream order that `GPUPOOL_PRELOAD_MODE=stream` could rely on instead.
+//! `cudaHostAllocMapped` and `cudaHostAllocWriteCombined` (`CU_MEMHOSTALLOC_DEVICEMAP`,
+//! `CU_MEMHOSTALLOC_WRITECOMBINED`) ask for memory of another kind: those calls, and frees of
+//! their pointers, go to CUDA. `cudaHostRegister` is not interposed.
+//!
 //! ## What is not caught
 //!
 //! A statically linked CUDA runtime (nvcc's default, `-cudart static`) is part of the program:
@@ -59,7 +76,7 @@
 //! `libcuda.so`, so neither its runtime nor its driver calls reach the shim. Build with
 //! `-cudart shared` (PyTorch's libraries link `libcudart.so` dynamically). A program that calls
 //! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
-//! caught. `cudaMallocManaged`, `cudaMallocHost`, `cudaMallocPitch`, `cuMemCreate` and the
+//! caught. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
 //! other allocation functions are not interposed; their frees pass through.
 //!
 //! ## Statistics at exit
@@ -68,7 +85,7 @@
 //! refused (frees gpupool answered with an error: a pointer inside one of its blocks, or one
 //! freed already; they are not counted as frees) and passed through, the deferred frees, every
 //! option with its value (`Config::options_text`), and gpupool's memory summary of each device
-//! it used. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
+//! it used, and the same for pinned host memory. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
 //! down by then.
 
 mod driver_api;

@@ -133,3 +133,73 @@ pub unsafe extern "C" fn cudaFreeAsync(dev_ptr: *mut c_void, stream: *mut c_void
         None => real!(c"cudaFreeAsync", FreeAsyncFn).map_or(UNKNOWN, |f| unsafe { f(dev_ptr, stream) }),
     })
 }
+
+// Pinned host memory: `cudaMallocHost`, `cudaHostAlloc` and `cudaFreeHost`, served by gpupool's
+// caching host allocator (the one `gpupool_host_malloc` uses).
+
+type HostAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> c_int;
+
+/// `cudaHostAllocDefault` and `cudaHostAllocPortable`: what gpupool's pinned memory is (every
+/// block is portable). `cudaHostAllocMapped` and `cudaHostAllocWriteCombined` ask for memory
+/// of another kind, which the real function gives.
+const SERVED_HOST_FLAGS: u32 = 1;
+
+/// The device a pinned free waits for: the runtime's current device, else gpupool's.
+fn free_device(s: &crate::shim::Shim) -> i32 {
+    match runtime_device() {
+        -1 => s.alloc.driver().current_device().unwrap_or(0),
+        d => d,
+    }
+}
+
+/// `cudaError_t cudaMallocHost(void **ptr, size_t size)`, served by gpupool's pinned host
+/// allocator (size rounded up to a power of two; 0 gives NULL and success).
+///
+/// # Safety
+/// As CUDA's `cudaMallocHost`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> c_int {
+    // SAFETY: as this function's contract.
+    unsafe { cudaHostAlloc(ptr, size, 0) }
+}
+
+/// `cudaError_t cudaHostAlloc(void **pHost, size_t size, unsigned int flags)`: served by
+/// gpupool for `cudaHostAllocDefault` and `cudaHostAllocPortable`; other flags go to the real
+/// function.
+///
+/// # Safety
+/// As CUDA's `cudaHostAlloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaHostAlloc(ptr: *mut *mut c_void, size: usize, flags: u32) -> c_int {
+    guard(UNKNOWN, || match shim() {
+        // SAFETY (out): checked non-null; the caller passes a writable `void *`.
+        Some(s) if flags & !SERVED_HOST_FLAGS == 0 => {
+            if ptr.is_null() {
+                return INVALID_VALUE;
+            }
+            s.serve_host(&s.counters.cuda_host_alloc, size, |p| unsafe { *ptr = p as *mut c_void })
+        }
+        s => {
+            if let Some(s) = s {
+                bump(&s.counters.passed_host_allocs);
+            }
+            // SAFETY: the real function, with the caller's arguments.
+            real!(c"cudaHostAlloc", HostAllocFn).map_or(UNKNOWN, |f| unsafe { f(ptr, size, flags) })
+        }
+    })
+}
+
+/// `cudaError_t cudaFreeHost(void *ptr)`: a gpupool block goes back to gpupool, reused only
+/// after a synchronisation of the current device (CUDA's `cudaFreeHost` waits for it); every
+/// other pointer, NULL included, goes to the real function.
+///
+/// # Safety
+/// As CUDA's `cudaFreeHost`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaFreeHost(ptr: *mut c_void) -> c_int {
+    guard(UNKNOWN, || match crate::shim::host_owner_of(ptr as usize) {
+        Some(s) => status(s.free_host(ptr as usize, free_device(s))),
+        // SAFETY: the real function, with the caller's arguments.
+        None => real!(c"cudaFreeHost", FreeFn).map_or(UNKNOWN, |f| unsafe { f(ptr) }),
+    })
+}

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpupool::config::PreloadMode;
 use gpupool::driver::{DevicePtr, StreamHandle};
+use gpupool::host::HostAllocator;
 use gpupool::{Allocator, Error};
 
 /// What the shim did, for `GPUPOOL_PRELOAD_STATS`: counts of calls since the process started,
@@ -39,11 +40,24 @@ pub(crate) struct Counters {
     pub passed_allocs: AtomicU64,
     /// Frees passed to the real function (NULL, or pointers that are not gpupool's).
     pub passed_frees: AtomicU64,
+    /// `cudaMallocHost`/`cudaHostAlloc` calls served by gpupool's pinned host allocator.
+    pub cuda_host_alloc: AtomicU64,
+    /// `cuMemAllocHost_v2`/`cuMemHostAlloc` calls served by gpupool.
+    pub cu_host_alloc: AtomicU64,
+    /// `cudaFreeHost`/`cuMemFreeHost` of gpupool's pinned blocks that gpupool took (each waits
+    /// for a device synchronisation).
+    pub host_frees: AtomicU64,
+    /// `cudaFreeHost`/`cuMemFreeHost` that gpupool refused (inside a block, or freed already).
+    pub refused_host_frees: AtomicU64,
+    /// Pinned allocations passed to the real function (flags gpupool does not serve).
+    pub passed_host_allocs: AtomicU64,
 }
 
 pub(crate) struct Shim {
     /// gpupool's process-wide allocator; its `config()` holds the shim's options too.
     pub alloc: &'static Allocator,
+    /// gpupool's process-wide pinned host allocator (the one `gpupool_host_malloc` uses).
+    pub host: &'static HostAllocator,
     pub counters: Counters,
     /// `GPUPOOL_PRELOAD_MODE` and `GPUPOOL_PRELOAD_SYNC_BYTES`, read once at start: a free
     /// then reads no configuration (which `gpupool_set_config` may replace behind a lock-free
@@ -79,15 +93,15 @@ fn start() -> Result<Shim, Error> {
         // SAFETY: registers a plain function with no arguments.
         unsafe { libc::atexit(print_stats_at_exit) };
     }
-    Ok(Shim::new(alloc))
+    Ok(Shim::new(alloc, gpupool::ffi::process_host_allocator()?))
 }
 
 impl Shim {
     /// The shim over `alloc`, with the options of its configuration.
-    fn new(alloc: &'static Allocator) -> Shim {
+    fn new(alloc: &'static Allocator, host: &'static HostAllocator) -> Shim {
         let config = alloc.config();
         let (mode, sync_bytes) = (config.preload_mode, config.preload_sync_bytes);
-        Shim { alloc, counters: Counters::default(), mode, sync_bytes }
+        Shim { alloc, host, counters: Counters::default(), mode, sync_bytes }
     }
 }
 
@@ -209,6 +223,54 @@ impl Shim {
     }
 }
 
+/// The shim, when the pinned free of `ptr` is gpupool's to take (the pointer lies in one of
+/// its pinned blocks); `None` when it goes to the real function, counted as passed through if
+/// the shim runs.
+pub(crate) fn host_owner_of(ptr: usize) -> Option<&'static Shim> {
+    let s = shim()?;
+    if ptr != 0 && s.host.owns(ptr) {
+        return Some(s);
+    }
+    bump(&s.counters.passed_frees);
+    None
+}
+
+impl Shim {
+    /// A pinned allocation served by gpupool's host allocator, counted in `counter`; the
+    /// pointer given to `out` on success. Returns CUDA's status.
+    pub fn serve_host(&self, counter: &AtomicU64, size: usize, out: impl FnOnce(usize)) -> c_int {
+        bump(counter);
+        match self.host.malloc(size) {
+            Ok(p) => {
+                out(p);
+                SUCCESS
+            }
+            Err(e) => cuda_status(&e),
+        }
+    }
+
+    /// A pinned free (`cudaFreeHost`, `cuMemFreeHost`) of a pointer gpupool owns, in either
+    /// mode: `cudaFreeHost` waits for the device, and host memory has no stream order to rely
+    /// on instead, so the block is reused only after gpupool synchronised `device` (the device
+    /// current at the free): at a later allocation of its size that finds no other block,
+    /// once the waiting pinned bytes reach `GPUPOOL_PRELOAD_SYNC_BYTES`, or at
+    /// `gpupool_host_empty_cache`.
+    ///
+    /// Errors: [`Error::InvalidPointer`] for a pointer inside a block, or one already freed.
+    pub fn free_host(&self, ptr: usize, device: i32) -> Result<(), Error> {
+        let r = self.host.free_after_device_sync(ptr, device);
+        let c = &self.counters;
+        bump(if r.is_ok() { &c.host_frees } else { &c.refused_host_frees });
+        if let Ok(waiting) = r
+            && waiting >= self.sync_bytes
+            && let Err(e) = self.host.release_deferred()
+        {
+            say(&format!("releasing deferred pinned frees: {e}"));
+        }
+        r.map(|_| ())
+    }
+}
+
 extern "C" fn print_stats_at_exit() {
     guard((), || {
         if let Some(Some(s)) = SHIM.get() {
@@ -235,12 +297,15 @@ impl Shim {
                 d.released += x.released;
             }
         }
+        let h = self.host.deferred();
         let config = self.alloc.config();
         let mut out = format!(
             "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
              {} frees, {} stream-ordered frees; refused {} frees and {} stream-ordered frees; \
              passed through {} allocations and {} frees; \
-             {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit\n",
+             {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit; \
+             pinned: served {} cudaMallocHost/cudaHostAlloc, {} cuMemAllocHost/cuMemHostAlloc, passed through {}; \
+             {} frees, refused {}; {} device synchronisations released {} of them; {} ({} bytes) still deferred at exit\n",
             config.preload_mode,
             n(&c.cuda_malloc),
             n(&c.cuda_malloc_async),
@@ -256,6 +321,15 @@ impl Shim {
             d.released,
             d.blocks,
             d.bytes,
+            n(&c.cuda_host_alloc),
+            n(&c.cu_host_alloc),
+            n(&c.passed_host_allocs),
+            n(&c.host_frees),
+            n(&c.refused_host_frees),
+            h.syncs,
+            h.released,
+            h.blocks,
+            h.bytes,
         );
         for line in config.options_text().lines() {
             out.push_str("gpupool_preload: option ");
@@ -295,7 +369,9 @@ mod tests {
         let alloc: &'static Allocator =
             Box::leak(Box::new(Allocator::new(Arc::new(SimDriver::new(1, 64 << 20)), config)));
         KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(alloc);
-        Shim::new(alloc)
+        let host: &'static HostAllocator =
+            Box::leak(Box::new(HostAllocator::new(alloc.driver().clone(), &alloc.config())));
+        Shim::new(alloc, host)
     }
 
     #[test]
@@ -309,7 +385,14 @@ mod tests {
             let a = s.alloc.malloc(1 << 20, 0, 0x10).unwrap();
             assert!(s.free_async(a, 0x20).is_ok());
             assert!(s.free_async(a, 0x20).is_err());
+            let h = s.host.malloc(4096).unwrap();
+            assert!(s.free_host(h + 8, 0).is_err());
+            assert!(s.free_host(h, 0).is_ok());
+            assert!(s.free_host(h, 0).is_err());
             let r = s.report();
+            assert!(r.contains("pinned: served 0 cudaMallocHost/cudaHostAlloc, 0 cuMemAllocHost/cuMemHostAlloc, passed \
+                                through 0; 1 frees, refused 2; 0 device synchronisations released 0 of them; 1 (4096 bytes) \
+                                still deferred at exit"), "{r}");
             assert!(r.contains("1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees"), "{r}");
             assert!(r.contains(&format!("mode {mode:?};")), "{r}");
             assert!(r.contains("gpupool_preload: option GPUPOOL_DRIVER=sim\n"), "{r}");

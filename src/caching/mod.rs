@@ -29,6 +29,6 @@ mod oom;
 mod peaks;
 mod pool;
 pub(crate) mod rules;
-mod segment_index;
+pub(crate) mod segment_index;
 mod shard;
 mod shard_table;

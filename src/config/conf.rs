@@ -215,8 +215,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &["pinned_use_hip_host_register"],
         value: "`True` or `False`",
         default: "False",
-        doc: "Pinned host memory: `malloc` then `cudaHostRegister` instead of `cudaHostAlloc`. Kept for \
-              gpupool's pinned host allocator; no effect yet.",
+        doc: "Pinned host memory (`gpupool_host_malloc`): `malloc` then `cuMemHostRegister` instead of \
+              `cuMemHostAlloc` for new blocks.",
         apply: |c, v| v.boolean().map(|b| c.pinned_use_cuda_host_register = b),
         show: |c| Some(show_bool(c.pinned_use_cuda_host_register)),
     },
@@ -225,8 +225,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &[],
         value: "a power of two, at most 128",
         default: "1",
-        doc: "Pinned host memory: threads that register (page in) a block with `pinned_use_cuda_host_register`. \
-              Kept for the pinned host allocator; no effect yet.",
+        doc: "Pinned host memory: threads that touch (page in) a new block before `cuMemHostRegister` with \
+              `pinned_use_cuda_host_register` (PyTorch's bound, `pinned_max_register_threads`, is 128 and no key).",
         apply: |c, v| {
             let n = v.count()?;
             if !n.is_power_of_two() || n > MAX_REGISTER_THREADS {
@@ -242,8 +242,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &[],
         value: "`True` or `False`",
         default: "False",
-        doc: "Pinned host memory: a background thread processes the events of freed blocks. Kept for the pinned \
-              host allocator; no effect yet.",
+        doc: "Pinned host memory: a background thread polls the events of freed blocks every 100 µs, and \
+              allocations no longer poll them on the hit path.",
         apply: |c, v| v.boolean().map(|b| c.pinned_use_background_threads = b),
         show: |c| Some(show_bool(c.pinned_use_background_threads)),
     },
@@ -252,8 +252,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &[],
         value: "whole MiB, at least 1",
         default: "none (0, which cannot be written)",
-        doc: "Pinned host memory: one segment of this size reserved up front and carved for small requests. Kept \
-              for the pinned host allocator; no effect yet. Left out of the configuration string while unset.",
+        doc: "Pinned host memory: one segment of this size pinned at the first miss and carved (4 KiB aligned) \
+              for new blocks while it has room; never released. Left out of the configuration string while unset.",
         apply: |c, v| {
             let mb = v.count()?;
             match mb.checked_mul(MIB) {

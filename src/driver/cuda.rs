@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, PhysHandle, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle};
 
 /// Every driver function gpupool calls: checked at start, so that a library lacking one is
 /// refused with its name instead of panicking inside cudarc at the first call.
@@ -63,6 +63,11 @@ const VMM_FUNCTIONS: [&str; 10] = [
     "cuMemUnmap",
 ];
 
+/// The driver functions of pinned host memory (`crate::host`), required at start with
+/// [`REQUIRED`]: every driver since CUDA 4.0 has them.
+const HOST_FUNCTIONS: [&str; 5] =
+    ["cuMemHostAlloc", "cuMemFreeHost", "cuMemHostRegister_v2", "cuMemHostUnregister", "cuStreamGetCtx"];
+
 /// The first of `names` for which `present` is false, in the order of `names`.
 fn first_missing(names: &[&'static str], present: impl Fn(&str) -> bool) -> Option<&'static str> {
     names.iter().copied().find(|name| !present(name))
@@ -75,9 +80,10 @@ fn exported(name: &str) -> bool {
     unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok()
 }
 
-/// The first function of [`REQUIRED`] that the loaded driver library lacks.
+/// The first function of [`REQUIRED`], then of [`HOST_FUNCTIONS`], that the loaded driver
+/// library lacks.
 fn missing_function() -> Option<&'static str> {
-    first_missing(&REQUIRED, exported)
+    first_missing(&REQUIRED, exported).or_else(|| first_missing(&HOST_FUNCTIONS, exported))
 }
 
 /// What `cuMemCreate` is asked for, and what the granularity is queried for: pinned memory on
@@ -376,6 +382,53 @@ impl Driver for CudaDriver {
         Ok((primary == ctx).then_some(ordinal as i32))
     }
 
+    fn host_alloc(&self, device: i32, size: usize) -> Result<HostPtr, DriverError> {
+        self.in_context(device, || {
+            let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: writes one pointer; PORTABLE makes the memory usable from every context.
+            check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE) })?;
+            Ok(p as HostPtr)
+        })
+    }
+
+    fn host_free(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        // SAFETY: `ptr` came from host_alloc and no work uses it (the caller's duty).
+        self.in_context(device, || check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr as *mut _) }))
+    }
+
+    fn host_register(&self, device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: `ptr` points to `size` bytes the caller owns, allocated and not registered yet.
+        self.in_context(device, || {
+            check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(ptr as *mut _, size, flags) })
+        })
+    }
+
+    fn host_unregister(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        // SAFETY: `ptr` is the start of a range registered by host_register.
+        self.in_context(device, || check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(ptr as *mut _) }))
+    }
+
+    fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        // The legacy default stream and the two special handles name the current context's.
+        if stream <= 2 {
+            return self.current_device();
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is the caller's stream handle; writes one pointer.
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx) })?;
+        // SAFETY: a valid context from the driver, pushed for the query and popped after.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
+        let mut dev = 0;
+        // SAFETY: a context is current; writes one CUdevice.
+        let r = check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) });
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context pushed above.
+        check("cuCtxPopCurrent", unsafe { sys::cuCtxPopCurrent_v2(&mut popped) })?;
+        r?;
+        Ok(self.devices.iter().position(|&d| d == dev).map_or(0, |p| p as i32))
+    }
+
     fn vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError> {
         if self.vmm_missing.is_some() {
             return Ok(None);
@@ -516,7 +569,8 @@ mod tests {
     fn every_simulated_call_names_a_checked_function() {
         for op in crate::driver::sim::SimOp::ALL {
             let name = op.symbol();
-            assert!(REQUIRED.contains(&name) || VMM_FUNCTIONS.contains(&name), "{op:?}: {name} is never checked");
+            let checked = [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS].iter().any(|l| l.contains(&name));
+            assert!(checked, "{op:?}: {name} is never checked");
         }
     }
 

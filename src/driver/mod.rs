@@ -115,4 +115,30 @@ pub trait Driver: Send + Sync {
     /// context, or a context the program created itself (`cuCtxCreate`), is current. Memory
     /// from gpupool is valid only in primary contexts.
     fn current_primary_device(&self) -> Result<Option<i32>, DriverError>;
+
+    // Pinned host memory (the caching host allocator, `crate::host`). Host pointers are
+    // plain addresses ([`HostPtr`]); the calls run in `device`'s primary context, and the
+    // memory is portable (usable from every context), so which device is named matters only
+    // for where the driver books the call.
+
+    /// Allocates `size` bytes of page-locked host memory, portable to every context
+    /// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE`). [`DriverError::OutOfMemory`] when
+    /// the host cannot pin that much.
+    fn host_alloc(&self, device: i32, size: usize) -> Result<HostPtr, DriverError>;
+    /// Frees memory from [`Driver::host_alloc`] (`cuMemFreeHost`). Does not wait for work that
+    /// may still use it: the caller has made sure none does.
+    fn host_free(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError>;
+    /// Page-locks `size` bytes of ordinary host memory at `ptr`, portable to every context
+    /// (`cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`).
+    fn host_register(&self, device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError>;
+    /// Unlocks a range from [`Driver::host_register`], given by its start (`cuMemHostUnregister`).
+    fn host_unregister(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError>;
+    /// The device whose context `stream` belongs to (`cuStreamGetCtx`, then that context's
+    /// device), so that an event recorded on it is created in the right context. The legacy
+    /// default stream (0), `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD` (2) belong to the
+    /// calling thread's current context: [`Driver::current_device`].
+    fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError>;
 }
+
+/// A host address (a `void *` of page-locked host memory, as an integer).
+pub type HostPtr = usize;

@@ -9,6 +9,10 @@
 //!   ([`SimDriver::hold_stream`]); an event recorded on a held stream stays incomplete until
 //!   the stream is released. `event_synchronize` stands for waiting on the device: it completes
 //!   the stream's work up to the event.
+//! - Pinned host memory: `host_alloc` maps host memory, `host_register` records the caller's
+//!   range; the driver keeps which ranges are pinned ([`SimDriver::is_pinned`]), and a
+//!   simulated host-to-device copy from memory that is not is counted
+//!   ([`SimDriver::memcpy_htod_async`], [`SimCounts::unpinned_copies`]).
 //! - Faults: [`SimDriver::inject`] makes a chosen later call of one kind fail with an error,
 //!   fail as a driver library lacking the call's symbol would be reported
 //!   ([`SimFault::MissingSymbol`]), or panic as cudarc does when `libcuda.so.1` lacks the
@@ -23,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, MemInfo, PhysHandle, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle};
 
 /// The kinds of driver call a fault can be injected into: every call of [`Driver`] but
 /// `name` and `device_count`, which cannot fail.
@@ -50,6 +54,11 @@ pub enum SimOp {
     MemMap,
     MemSetAccess,
     MemUnmap,
+    HostAlloc,
+    HostFree,
+    HostRegister,
+    HostUnregister,
+    StreamDevice,
 }
 
 impl SimOp {
@@ -58,7 +67,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 19] = [
+    pub const ALL: [SimOp; 24] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -78,6 +87,11 @@ impl SimOp {
         SimOp::MemMap,
         SimOp::MemSetAccess,
         SimOp::MemUnmap,
+        SimOp::HostAlloc,
+        SimOp::HostFree,
+        SimOp::HostRegister,
+        SimOp::HostUnregister,
+        SimOp::StreamDevice,
     ];
 
     /// The CUDA driver function that [`super::cuda::CudaDriver`] calls for this kind (the
@@ -103,6 +117,11 @@ impl SimOp {
             SimOp::MemMap => "cuMemMap",
             SimOp::MemSetAccess => "cuMemSetAccess",
             SimOp::MemUnmap => "cuMemUnmap",
+            SimOp::HostAlloc => "cuMemHostAlloc",
+            SimOp::HostFree => "cuMemFreeHost",
+            SimOp::HostRegister => "cuMemHostRegister_v2",
+            SimOp::HostUnregister => "cuMemHostUnregister",
+            SimOp::StreamDevice => "cuStreamGetCtx",
         }
     }
 }
@@ -153,6 +172,13 @@ pub struct SimCounts {
     pub mem_map: u64,
     pub mem_set_access: u64,
     pub mem_unmap: u64,
+    pub host_alloc: u64,
+    pub host_free: u64,
+    pub host_register: u64,
+    pub host_unregister: u64,
+    /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
+    /// a GPU they would be synchronous staging copies, not asynchronous DMA.
+    pub unpinned_copies: u64,
 }
 
 #[derive(Default)]
@@ -197,6 +223,15 @@ struct Handle {
     mapped_at: Option<DevicePtr>,
 }
 
+/// How a range of host memory is pinned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HostKind {
+    /// Allocated and pinned by `host_alloc` (an anonymous mapping of the driver's).
+    Allocated,
+    /// The caller's memory, pinned by `host_register`.
+    Registered,
+}
+
 #[derive(Default)]
 struct State {
     used: Vec<usize>,
@@ -209,6 +244,10 @@ struct State {
     next_event: u64,
     faults: Vec<Fault>,
     counts: SimCounts,
+    /// Pinned host ranges: start -> (size, how).
+    host: std::collections::BTreeMap<HostPtr, (usize, HostKind)>,
+    /// Streams a test placed on a device ([`SimDriver::set_stream_device`]).
+    stream_devices: FxHashMap<StreamHandle, i32>,
 }
 
 impl State {
@@ -371,6 +410,44 @@ impl SimDriver {
     /// Allocations made by `mem_alloc` and not yet freed, on every device.
     pub fn live_allocations(&self) -> usize {
         self.state.lock().allocations.len()
+    }
+
+    /// Whether `[ptr, ptr + len)` lies wholly inside one pinned host range (from `host_alloc`
+    /// or `host_register`): what a copy must read from to be asynchronous on a GPU.
+    pub fn is_pinned(&self, ptr: HostPtr, len: usize) -> bool {
+        let st = self.state.lock();
+        st.host.range(..=ptr).next_back().is_some_and(|(&start, &(size, _))| ptr + len <= start + size)
+    }
+
+    /// A host-to-device copy of `len` bytes from `src` to `dst` on `stream` (the simulated
+    /// `cuMemcpyHtoDAsync`): the bytes are copied at once. Returns whether the source was
+    /// wholly pinned; a copy from memory that is not is counted in
+    /// [`SimCounts::unpinned_copies`], which is how a test sees a copy that on a GPU would
+    /// not have been asynchronous.
+    ///
+    /// # Safety
+    /// `src` must be readable and `dst` writable for `len` bytes, and not overlap.
+    pub unsafe fn memcpy_htod_async(&self, dst: DevicePtr, src: HostPtr, len: usize, _stream: StreamHandle) -> bool {
+        let pinned = self.is_pinned(src, len);
+        if !pinned {
+            self.state.lock().counts.unpinned_copies += 1;
+        }
+        // SAFETY: per this function's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+        pinned
+    }
+
+    /// Places `stream` on `device`, for [`Driver::stream_device`] (a stream no test placed
+    /// belongs to the calling thread's current device).
+    pub fn set_stream_device(&self, stream: StreamHandle, device: i32) {
+        self.state.lock().stream_devices.insert(stream, device);
+    }
+
+    /// Host ranges pinned now: (allocated by `host_alloc`, registered by `host_register`).
+    pub fn live_host(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        let allocated = st.host.values().filter(|(_, k)| *k == HostKind::Allocated).count();
+        (allocated, st.host.len() - allocated)
     }
 
     fn event_done(st: &State, event: EventHandle) -> Result<bool, DriverError> {
@@ -654,10 +731,120 @@ impl Driver for SimDriver {
         }
         Ok(())
     }
+
+    fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
+        self.sim_host_alloc(size)
+    }
+
+    fn host_free(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.sim_host_free(ptr)
+    }
+
+    fn host_register(&self, _device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.sim_host_register(ptr, size)
+    }
+
+    fn host_unregister(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.sim_host_unregister(ptr)
+    }
+
+    fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        self.sim_stream_device(stream)
+    }
+}
+
+impl SimDriver {
+    fn host_error(call: &'static str, code: i32, name: &str) -> DriverError {
+        DriverError::Cuda { call, code, name: name.into() }
+    }
+}
+
+// The pinned host memory calls, apart from the others so that they read as one group.
+impl SimDriver {
+    fn sim_host_alloc(&self, size: usize) -> Result<HostPtr, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_alloc += 1;
+        st.fault(SimOp::HostAlloc)?;
+        if size == 0 {
+            return Err(invalid("cuMemHostAlloc"));
+        }
+        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(DriverError::OutOfMemory);
+        }
+        st.host.insert(p as HostPtr, (size, HostKind::Allocated));
+        Ok(p as HostPtr)
+    }
+
+    fn sim_host_free(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_free += 1;
+        st.fault(SimOp::HostFree)?;
+        match st.host.get(&ptr) {
+            Some(&(size, HostKind::Allocated)) => {
+                st.host.remove(&ptr);
+                // SAFETY: exactly a mapping made by host_alloc and not yet unmapped.
+                unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+                Ok(())
+            }
+            _ => Err(invalid("cuMemFreeHost")),
+        }
+    }
+
+    fn sim_host_register(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_register += 1;
+        st.fault(SimOp::HostRegister)?;
+        if ptr == 0 || size == 0 {
+            return Err(invalid("cuMemHostRegister"));
+        }
+        let end = ptr + size;
+        let before = st.host.range(..end).next_back().is_some_and(|(&a, &(s, _))| a + s > ptr);
+        if before {
+            return Err(SimDriver::host_error("cuMemHostRegister", 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"));
+        }
+        st.host.insert(ptr, (size, HostKind::Registered));
+        Ok(())
+    }
+
+    fn sim_host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_unregister += 1;
+        st.fault(SimOp::HostUnregister)?;
+        match st.host.get(&ptr) {
+            Some(&(_, HostKind::Registered)) => {
+                st.host.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(SimDriver::host_error("cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")),
+        }
+    }
+
+    fn sim_stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamDevice)?;
+        Ok(st.stream_devices.get(&stream).copied().unwrap_or_else(|| CURRENT_DEVICE.with(|c| c.get())))
+    }
 }
 
 impl Drop for SimDriver {
     fn drop(&mut self) {
+        for (&ptr, &(size, kind)) in self.state.get_mut().host.iter() {
+            if kind == HostKind::Allocated {
+                // SAFETY: every such entry is a live mapping made by `host_alloc`.
+                unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+            }
+        }
         for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };

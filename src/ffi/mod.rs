@@ -21,6 +21,7 @@
 
 pub mod config;
 pub mod history;
+pub mod host;
 pub mod memory;
 pub mod oom;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
@@ -69,6 +70,15 @@ static RUNTIME: OnceLock<Result<Runtime, Error>> = OnceLock::new();
 /// [`Error::InvalidValue`] for a bad variable), every time.
 pub fn process_allocator() -> Result<&'static Allocator, Error> {
     runtime().map(|rt| &rt.allocator)
+}
+
+/// The process-wide pinned host allocator behind `gpupool_host_*`, over the process-wide
+/// allocator's driver and configuration (its `pinned_*` keys), started on first use. For the
+/// LD_PRELOAD shim, which serves `cudaHostAlloc` and friends from it.
+///
+/// Errors: as [`process_allocator`].
+pub fn process_host_allocator() -> Result<&'static crate::host::HostAllocator, Error> {
+    runtime().map(|rt| crate::host::process_host(&rt.allocator))
 }
 
 /// The process-wide allocator, started on first use from the `GPUPOOL_*` variables.

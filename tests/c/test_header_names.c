@@ -46,6 +46,7 @@ int main(void) {
   Stat stat = MIN_BLOCK_SIZE + SMALL_SIZE + SMALL_BUFFER + LARGE_BUFFER + MIN_LARGE_ALLOC + ROUND_LARGE + HEADER;
   Block b = MESSAGE_CAPACITY + TRUNCATED + SUCCESS + INVALID_VALUE + OUT_OF_MEMORY;
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
+  gpupool_host_stats_t hs = GPUPOOL_HOST_STATS_INIT;
   gpupool_status status = GPUPOOL_SUCCESS;
   /* Every function of the three headers is named, so a missing declaration fails too
    * (void (*)(void) is the type a function pointer may be cast to without a warning). */
@@ -70,6 +71,12 @@ int main(void) {
       (any_fn)gpupool_stats,
       (any_fn)gpupool_reset_peak_stats,
       (any_fn)gpupool_memory_summary,
+      (any_fn)gpupool_host_malloc,
+      (any_fn)gpupool_host_free,
+      (any_fn)gpupool_host_record_event,
+      (any_fn)gpupool_host_empty_cache,
+      (any_fn)gpupool_host_stats,
+      (any_fn)gpupool_host_reset_peak_stats,
       (any_fn)gpupool_set_config,
       (any_fn)gpupool_config_string,
       (any_fn)gpupool_last_error_message,
@@ -78,6 +85,7 @@ int main(void) {
       (any_fn)gpupool_sim_hold_stream,
       (any_fn)gpupool_sim_release_stream,
       (any_fn)gpupool_sim_set_device,
+      (any_fn)gpupool_sim_host_pinned,
       (any_fn)gpupool_torch_malloc,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
@@ -87,5 +95,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 33 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 40 ? 0 : 1)) != 0;
 }

@@ -36,6 +36,8 @@ typedef int (*cu_free_fn)(uint64_t);
 typedef int (*cu_free_async_fn)(uint64_t, void *);
 typedef int (*cu_get_proc_fn)(const char *, void **, int, uint64_t, int *);
 typedef gpupool_status (*stats_fn)(int, gpupool_stats_t *);
+typedef int (*host_alloc_fn)(void **, size_t, unsigned);
+typedef gpupool_status (*host_stats_fn)(gpupool_host_stats_t *);
 
 static stats_fn get_stats;
 
@@ -113,6 +115,53 @@ static void check_exit_report(void) {
   CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
   CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
+}
+
+/* Pinned host memory: cudaMallocHost, cudaHostAlloc and the driver's cuMemHostAlloc served by
+ * gpupool's host allocator; a block freed with cudaFreeHost is reused only after a device
+ * synchronisation (made when an allocation of its size finds no other block). */
+static void check_pinned(void) {
+  malloc_fn cuda_malloc_host = NULL;
+  host_alloc_fn cuda_host_alloc = NULL, cu_host_alloc = NULL;
+  free_fn cuda_free_host = NULL, cu_free_host = NULL;
+  host_stats_fn get_host_stats = NULL;
+  LOOKUP(cuda_malloc_host, "cudaMallocHost");
+  LOOKUP(cuda_host_alloc, "cudaHostAlloc");
+  LOOKUP(cuda_free_host, "cudaFreeHost");
+  LOOKUP(cu_host_alloc, "cuMemHostAlloc");
+  LOOKUP(cu_free_host, "cuMemFreeHost");
+  LOOKUP(get_host_stats, "gpupool_host_stats");
+  CHECK(cuda_malloc_host && cuda_host_alloc && cuda_free_host && cu_host_alloc && cu_free_host && get_host_stats);
+  if (!cuda_malloc_host || !cuda_host_alloc || !cuda_free_host || !cu_host_alloc || !cu_free_host || !get_host_stats)
+    return;
+  gpupool_host_stats_t hs = GPUPOOL_HOST_STATS_INIT;
+  void *h = NULL, *other = NULL, *again = NULL, *d = NULL;
+  CHECK(cuda_malloc_host(&h, 1000) == 0);
+  CHECK(h != NULL);
+  if (h) memset(h, 0x11, 1024); /* rounded up to 1 KiB, all the caller's */
+  CHECK(cuda_malloc_host(NULL, 16) == 1);
+  CHECK(cuda_free_host((char *)h + 8) == 1); /* inside a block: refused */
+  CHECK(cuda_free_host(h) == 0);
+  CHECK(cuda_free_host(h) == 1); /* freed already */
+  /* Another size: no reason to synchronise; h still waits (counted active). */
+  CHECK(cuda_host_alloc(&other, 5000, 1 /* cudaHostAllocPortable */) == 0);
+  CHECK(other != h);
+  CHECK(get_host_stats(&hs) == GPUPOOL_SUCCESS);
+  CHECK(hs.active_requests.current == 2);
+  /* h's size: gpupool synchronises the device, then hands h out again. */
+  CHECK(cuda_malloc_host(&again, 700) == 0);
+  CHECK(again == h);
+  CHECK(cuda_free_host(again) == 0);
+  CHECK(cuda_free_host(other) == 0);
+  /* The driver API's. */
+  CHECK(cu_host_alloc(&d, 4096, 0) == 0);
+  CHECK(d != NULL);
+  CHECK(cu_free_host(d) == 0);
+  /* Mapped memory is another kind: the real function's, absent here (cudaErrorUnknown). */
+  void *mapped = NULL;
+  CHECK(cuda_host_alloc(&mapped, 4096, 2 /* cudaHostAllocMapped */) == 999);
+  CHECK(get_host_stats(&hs) == GPUPOOL_SUCCESS);
+  CHECK(hs.num_host_alloc == 3);
 }
 
 static gpupool_stats_t stats(void) {
@@ -233,6 +282,7 @@ int main(int argc, char **argv) {
     printf("test_preload: libcuda.so.1 is present: the checks without a driver are skipped\n");
   }
 
+  check_pinned();
   check_exit_report();
   return checks_report(stream_mode ? "test_preload (stream)" : "test_preload (safe)");
 }

@@ -114,8 +114,11 @@ int main(int argc, char **argv) {
 
     std::vector<slot> slots(depth);
     for (auto &s : slots) {
-      CUDA(cudaMallocHost(&s.host_in, sizeof(float) * max_batch * in_width));
-      CUDA(cudaMallocHost(&s.host_out, sizeof(float) * max_batch * out_width));
+      // Staging buffers are pinned host blocks from gpupool's cache (gpupool_host_malloc): the
+      // copies through them are asynchronous, and a later engine reuses the pinned memory
+      // instead of paying cudaMallocHost's milliseconds again.
+      gpupool::check(gpupool_host_malloc(reinterpret_cast<void **>(&s.host_in), sizeof(float) * max_batch * in_width));
+      gpupool::check(gpupool_host_malloc(reinterpret_cast<void **>(&s.host_out), sizeof(float) * max_batch * out_width));
       CUDA(cudaEventCreateWithFlags(&s.uploaded, cudaEventDisableTiming));
       CUDA(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
       CUDA(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
@@ -231,8 +234,11 @@ int main(int argc, char **argv) {
 
     layers.clear();
     for (auto &s : slots) {
-      CUDA(cudaFreeHost(s.host_in));
-      CUDA(cudaFreeHost(s.host_out));
+      // The copy stream may still read or write them: gpupool reuses them only after it passed.
+      gpupool::check(gpupool_host_record_event(s.host_in, copy));
+      gpupool::check(gpupool_host_record_event(s.host_out, copy));
+      gpupool::check(gpupool_host_free(s.host_in));
+      gpupool::check(gpupool_host_free(s.host_out));
       CUDA(cudaEventDestroy(s.uploaded));
       CUDA(cudaEventDestroy(s.computed));
       CUDA(cudaEventDestroy(s.done));

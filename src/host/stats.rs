@@ -1,0 +1,85 @@
+//! The counters of PyTorch 2.11's `HostStats` (`torch.cuda.host_memory_stats()`), as the
+//! caching host allocator reports them.
+
+use crate::stats::Stat;
+
+/// A duration statistic in microseconds (PyTorch `DurationStat`): how many times, their sum,
+/// the longest and the shortest (0 until the first).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DurationStat {
+    pub count: i64,
+    pub total: i64,
+    pub max: i64,
+    pub min: i64,
+}
+
+impl DurationStat {
+    /// One more duration of `us` microseconds (PyTorch `DurationStat::increase`).
+    pub(crate) fn add(&mut self, us: i64) {
+        self.count += 1;
+        self.total += us;
+        self.max = self.max.max(us);
+        self.min = if self.count == 1 { us } else { self.min.min(us) };
+    }
+}
+
+/// The pinned host memory statistics (PyTorch 2.11 `at::HostStats`, the keys of
+/// `torch.cuda.host_memory_stats()`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Blocks handed out, or freed and waiting for their events or for a device
+    /// synchronisation (PyTorch `active_requests`).
+    pub active_requests: Stat,
+    /// Bytes of those blocks (rounded sizes; PyTorch `active_bytes`).
+    pub active_bytes: Stat,
+    /// Blocks gpupool holds, in use or cached (PyTorch `allocations`).
+    pub allocations: Stat,
+    /// Bytes of those blocks (PyTorch `allocated_bytes`): what gpupool holds pinned, the
+    /// reserve segment's blocks included.
+    pub allocated_bytes: Stat,
+    /// Time in `cuMemHostAlloc`, or in touching the pages and `cuMemHostRegister`, per call,
+    /// in microseconds (PyTorch `host_alloc_time`).
+    pub host_alloc_time: DurationStat,
+    /// Time in `cuMemFreeHost`, or `cuMemHostUnregister` and `free`, per call, in microseconds
+    /// (PyTorch `host_free_time`).
+    pub host_free_time: DurationStat,
+    /// `cuMemHostAlloc`/`cuMemHostRegister` calls made because no cached block fitted (PyTorch
+    /// `num_host_alloc`), the reserve segment's own included.
+    pub num_host_alloc: i64,
+    /// `cuMemFreeHost`/`cuMemHostUnregister` calls (PyTorch `num_host_free`).
+    pub num_host_free: i64,
+}
+
+/// `Stat` with PyTorch's updates (`Stat::increase`, `decrease`, `reset_peak`).
+pub(crate) trait StatExt {
+    fn increase(&mut self, n: i64);
+    fn decrease(&mut self, n: i64);
+    fn reset_peak(&mut self);
+    /// Adds `other` into `self`, peaks summed: an upper bound of the peak of the sum (PyTorch
+    /// sums its per-bucket peaks the same way in `getStats`).
+    fn merge(&mut self, other: &Stat);
+}
+
+impl StatExt for Stat {
+    fn increase(&mut self, n: i64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    fn decrease(&mut self, n: i64) {
+        self.current -= n;
+        self.freed += n;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn merge(&mut self, other: &Stat) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.allocated += other.allocated;
+        self.freed += other.freed;
+    }
+}
