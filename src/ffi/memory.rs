@@ -33,6 +33,13 @@ use crate::error::Error;
 /// for lack of memory (an event query is no allocation: not `OUT_OF_MEMORY`, not in
 /// `num_ooms`, and the event stays pending).
 ///
+/// While a route to a private pool is active on the device (`gpupool_begin_allocate_to_pool`
+/// and its variants), an allocation the route takes comes from that pool instead. While
+/// `stream` captures a CUDA graph, gpupool makes no call CUDA forbids then: a request that no
+/// cached block of the default pools fits fails with `GPUPOOL_ERROR_STREAM_CAPTURE` (the
+/// capture stays intact; route the stream to a private pool, or warm up first), and a private
+/// pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`).
+///
 /// Thread-safe.
 ///
 /// # Safety

@@ -23,6 +23,7 @@ pub mod config;
 pub mod history;
 pub mod memory;
 pub mod oom;
+pub mod pools;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;

@@ -131,3 +131,41 @@ mod tests {
         assert!(text.contains("Non-releasable allocs"));
     }
 }
+
+/// The private pools of a device, after [`memory_summary`]'s table: per pool (by id) its state
+/// and its allocated and reserved bytes, current and peak, and its segments (the table's
+/// totals include them). Not in PyTorch, whose summary does not list pools.
+pub fn pools_summary(pools: &[crate::PoolStats]) -> String {
+    let mut out = String::new();
+    if pools.is_empty() {
+        return out;
+    }
+    let line = |out: &mut String, pool: &str, state: &str, alloc: &str, reserved: &str, segments: &str| {
+        let _ = writeln!(out, "| {pool:>6} {state:<10} | {alloc:^23} | {reserved:^23} | {segments:>8} |");
+    };
+    let mut header = String::new();
+    line(&mut header, "Pool", "State", "Allocated cur / peak", "Reserved cur / peak", "Segments");
+    let inner = header.trim_end().chars().count() - 2;
+    let bar = |out: &mut String, c: char| {
+        out.push('|');
+        out.extend(std::iter::repeat_n(c, inner));
+        out.push_str("|\n");
+    };
+    let _ = writeln!(out, "|{:^inner$}|", "Private pools (counted in the table above)");
+    bar(&mut out, '-');
+    out.push_str(&header);
+    bar(&mut out, '-');
+    for p in pools {
+        let state = if p.released {
+            "released".to_string()
+        } else {
+            format!("{} route{}", p.routes, if p.routes == 1 { "" } else { "s" })
+        };
+        let (a, r) = (&p.stats.allocated_bytes.all, &p.stats.reserved_bytes.all);
+        let alloc = format!("{} / {}", table_size(a.current, a.peak), table_size(a.peak, a.peak));
+        let reserved = format!("{} / {}", table_size(r.current, r.peak), table_size(r.peak, r.peak));
+        line(&mut out, &p.pool.to_string(), &state, &alloc, &reserved, &p.stats.segment.all.current.to_string());
+    }
+    bar(&mut out, '=');
+    out
+}

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use super::capture::{self, CaptureProbe};
 use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
@@ -25,7 +26,7 @@ use super::segment_index::SegmentIndex;
 use super::shard::{ExpandablePolicy, Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
 use crate::config::Config;
-use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
+use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 use crate::stats::DeviceStats;
@@ -34,6 +35,10 @@ mod check;
 mod gc;
 mod history;
 mod out_of_memory;
+mod pools;
+
+pub use pools::PoolStats;
+pub(crate) use pools::{RouteFilter, RouteTo};
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -69,6 +74,10 @@ pub(crate) struct DeviceAllocator {
     observers: Arc<OomObservers>,
     /// The allocation history: malloc and free read its flag.
     history: HistoryHook,
+    /// Whether a CUDA graph capture may be under way (see `capture`).
+    capture: CaptureProbe,
+    /// The private pools and the routes to them (see `pools`).
+    pools: pools::Pools,
 }
 
 /// What [`DeviceAllocator::serve`] obtained.
@@ -77,6 +86,12 @@ enum Served {
     /// The device is out of memory for the request (after this stream's oversize segments
     /// were released).
     OutOfMemory,
+    /// The stream captures a CUDA graph and the default pools cannot serve the request without
+    /// the driver (see `capture`).
+    Capturing(CaptureStatus),
+    /// A private pool could not grow during capture: the device is out of memory, and
+    /// releasing the cache would synchronise.
+    CapturingOom,
     /// See [`Growth::PastMark`].
     PastMark(usize),
     /// No cached block fits and reserved bytes are over `garbage_collection_threshold`: the
@@ -116,7 +131,7 @@ impl DeviceAllocator {
             reclaim: if expandable.is_some() && reclaim { Reclaim::Device } else { Reclaim::Off },
             expandable,
             device,
-            driver,
+            driver: driver.clone(),
             index,
             rules,
             max_split_size: rules.max_split_size,
@@ -128,10 +143,16 @@ impl DeviceAllocator {
             deferred: DeferredFrees::default(),
             observers,
             history,
+            capture: CaptureProbe::new(driver.clone(), device),
+            pools: pools::Pools::default(),
         }
     }
 
+    /// What a call on `shard` needs. A private pool's segments are ordinary ones: a graph
+    /// replays at fixed addresses, which an expandable segment unmapping its free pages would
+    /// take away.
     fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
+        let private = shard.pool != 0;
         ShardCtx {
             driver: &*self.driver,
             device: self.device,
@@ -141,15 +162,22 @@ impl DeviceAllocator {
             limit: &self.limit,
             counters: &self.counters,
             deferred: &self.deferred,
-            expandable: self.expandable.as_ref(),
-            reclaim: self.reclaim,
+            expandable: if private { None } else { self.expandable.as_ref() },
+            reclaim: if private { Reclaim::Off } else { self.reclaim },
             history: &self.history,
+            capture: &self.capture,
         }
     }
 
-    /// The shard of `stream`, created on first use.
+    /// The shard of `stream` in the default pools, created on first use.
     pub fn shard_or_create(&self, stream: StreamHandle) -> Arc<Shard> {
-        self.shards.get_or_create(stream)
+        self.shards.get_or_create(0, stream)
+    }
+
+    /// Whether a route to a private pool is active on the device (one relaxed load).
+    #[inline(always)]
+    pub fn routes_active(&self) -> bool {
+        self.capture.routes() != 0
     }
 
     /// Size bins in the pools of every shard (host memory, for tests).
@@ -177,12 +205,22 @@ impl DeviceAllocator {
     /// keeps no credit past the call).
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size, &self.rules)?;
+        self.malloc_req(shard, &req, hot, false)
+    }
+
+    /// [`DeviceAllocator::malloc`] of a rounded request. `graph`: the stream captures into a
+    /// private pool, whose segment the block is from is then kept for the graph.
+    #[inline]
+    fn malloc_req(&self, shard: &Arc<Shard>, req: &Request, hot: bool, graph: bool) -> Result<DevicePtr, Error> {
         let mut st = self.shards.lock_for_change(shard);
         let detour = if !shard.is_retired() {
             let ctx = self.ctx(shard);
-            st.process_events(&ctx)?;
-            match self.serve(&mut st, &ctx, &req, true)? {
+            self.process_events(&mut st, &ctx)?;
+            match self.serve(&mut st, &ctx, req, true)? {
                 Served::Block(ptr) => {
+                    if graph {
+                        st.mark_graph(ptr);
+                    }
                     if self.history.on_or_tagged() {
                         st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
                     }
@@ -199,12 +237,33 @@ impl DeviceAllocator {
             Some(Served::Collect) => {
                 self.collect_garbage();
             }
+            Some(Served::Capturing(status)) => {
+                return Err(capture::needs_private_pool(self.device, shard.stream, req.size, status));
+            }
+            Some(Served::CapturingOom) => return Err(self.out_of_memory_capturing(shard, req)),
             _ => {}
         }
-        match self.serve_stream(shard.stream, &req)? {
+        match self.serve_stream(shard.pool, shard.stream, req)? {
             Some(ptr) => Ok(ptr),
-            None => self.malloc_after_oom(shard.stream, &req),
+            None => self.malloc_after_oom(shard.pool, shard.stream, req),
         }
+    }
+
+    /// PyTorch `process_events`, skipped while a capture may be under way (PyTorch skips it
+    /// while `captures_underway` is not empty: an event query is illegal during capture).
+    /// Inlined: the hit path tests one length.
+    #[inline(always)]
+    fn process_events(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if st.events_pending() { self.process_events_slow(st, ctx) } else { Ok(()) }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn process_events_slow(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if self.routes_active() || self.capture.status(ctx.shard.stream)?.is_capturing() {
+            return Ok(());
+        }
+        st.process_events(ctx)
     }
 
     /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
@@ -233,16 +292,16 @@ impl DeviceAllocator {
     /// retired by `empty_cache` meanwhile), growing past the high-water mark once this
     /// shard's free pages are unmapped ([`Reclaim::Shard`]): the other streams' were, or
     /// the device is out of memory.
-    fn serve_stream(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+    fn serve_stream(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
         loop {
-            let shard = self.shards.get_or_create(stream);
+            let shard = self.shards.get_or_create(pool, stream);
             let mut st = self.shards.lock_for_change(&shard);
             if shard.is_retired() {
                 continue;
             }
             let mut ctx = self.ctx(&shard);
             ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
-            st.process_events(&ctx)?;
+            self.process_events(&mut st, &ctx)?;
             return Ok(match self.serve(&mut st, &ctx, req, false)? {
                 Served::Block(ptr) => {
                     if self.history.on_or_tagged() {
@@ -251,6 +310,14 @@ impl DeviceAllocator {
                     Some(self.finish(st, ptr))
                 }
                 Served::OutOfMemory => None,
+                Served::Capturing(status) => {
+                    drop(st);
+                    return Err(capture::needs_private_pool(self.device, stream, req.size, status));
+                }
+                Served::CapturingOom => {
+                    drop(st);
+                    return Err(self.out_of_memory_capturing(&shard, req));
+                }
                 Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
             });
         }
@@ -263,14 +330,67 @@ impl DeviceAllocator {
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
         let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
-            None if collect && self.gc_due() => return Ok(Served::Collect),
-            None => match self.grow(st, ctx, req)? {
-                Some(Growth::Block(id)) => id,
-                Some(Growth::PastMark(short)) => return Ok(Served::PastMark(short)),
-                None => return Ok(Served::OutOfMemory),
+            None => match self.serve_miss(st, ctx, req, collect)? {
+                Ok(id) => id,
+                Err(served) => return Ok(served),
             },
         };
         Ok(Served::Block(st.hand_out(id, req, self.max_split_size)))
+    }
+
+    /// The rest of [`DeviceAllocator::serve`] when no cached block fits: a new segment, unless
+    /// the stream captures a CUDA graph. Then the default pools refuse ([`Served::Capturing`]:
+    /// the driver may not be called, nor the cache released, which synchronises), and a
+    /// private pool takes a new segment with the thread's capture mode relaxed for the call
+    /// (PyTorch `cudaMallocMaybeCapturing`: a `cuMemAlloc` made so is not captured, and the
+    /// graph keeps the address). Blocks freed during a capture that awaited its end get their
+    /// events here once it has ended.
+    #[cold]
+    #[inline(never)]
+    fn serve_miss(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        collect: bool,
+    ) -> Result<Result<super::block::BlockId, Served>, Error> {
+        let status = self.capture.status(ctx.shard.stream)?;
+        if status.is_capturing() {
+            if ctx.shard.pool == 0 || st.released {
+                return Ok(Err(Served::Capturing(status)));
+            }
+            return match self.new_segment_relaxed(st, ctx, req) {
+                Ok(id) => Ok(Ok(id)),
+                Err(DriverError::OutOfMemory) => Ok(Err(Served::CapturingOom)),
+                Err(e) => Err(Error::driver(e, "allocating a segment for a private pool during capture")),
+            };
+        }
+        if st.has_capture_deferred() && !self.routes_active() {
+            st.insert_deferred_events(ctx)?;
+        }
+        if collect && self.gc_due() {
+            return Ok(Err(Served::Collect));
+        }
+        Ok(match self.grow(st, ctx, req)? {
+            Some(Growth::Block(id)) => Ok(id),
+            Some(Growth::PastMark(short)) => Err(Served::PastMark(short)),
+            None => Err(Served::OutOfMemory),
+        })
+    }
+
+    /// A new ordinary segment made with the calling thread's capture mode relaxed, and the mode
+    /// set back after (PyTorch's `CUDAStreamCaptureModeGuard` in `cudaMallocMaybeCapturing`).
+    fn new_segment_relaxed(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+    ) -> Result<super::block::BlockId, DriverError> {
+        let old = self.driver.exchange_capture_mode(CaptureMode::Relaxed)?;
+        let _restore = scopeguard::guard((), |()| {
+            let _ = self.driver.exchange_capture_mode(old);
+        });
+        st.new_segment(ctx, req)
     }
 
     /// [`ShardState::grow`], after releasing this stream's oversize segments if the device is
@@ -342,6 +462,9 @@ impl DeviceAllocator {
             self.free_recorded(&mut st, shard, ptr, segment)?;
         } else {
             st.free(&ctx, ptr, segment)?;
+        }
+        if st.released {
+            self.release_emptied(&mut st, &ctx);
         }
         self.finish(st, ());
         Ok(())
@@ -437,6 +560,9 @@ impl DeviceAllocator {
         for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
+            if st.has_capture_deferred() && !self.routes_active() {
+                st.insert_deferred_events(&ctx)?;
+            }
             st.synchronize_events(&ctx)?;
             st.release_cached(&ctx)?;
             self.finish(st, ());
@@ -550,6 +676,7 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
+        self.reset_pool_peaks();
         self.limit.reset_mark();
     }
 }

@@ -257,7 +257,7 @@ impl ShardState {
         let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
         let base = exp.base;
         let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));
-        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c });
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c, graph: false });
         self.expandables.push(base);
         self.unmapped_set(pool).insert((base, id));
         ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
