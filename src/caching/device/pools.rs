@@ -158,14 +158,18 @@ impl DeviceAllocator {
     }
 
     /// What waited for no capture to be under way: blocks freed during one get their events,
-    /// and released pools give back their wholly free segments. Best effort: a failure leaves
-    /// the rest for `empty_cache`.
+    /// the events of private pools' shards are processed (no route reaches those shards now,
+    /// so no malloc would), and released pools give back their wholly free segments. Best
+    /// effort: a failure leaves the rest for `empty_cache`.
     fn after_captures(&self) {
         for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
             if st.has_capture_deferred() {
                 let _ = st.insert_deferred_events(&ctx);
+            }
+            if shard.pool != 0 && st.events_pending() && !self.routes_active() {
+                let _ = self.process_events(&mut st, &ctx);
             }
             if st.released {
                 self.release_emptied(&mut st, &ctx);
