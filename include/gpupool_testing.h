@@ -69,6 +69,16 @@ gpupool_status gpupool_sim_begin_capture(gpupool_stream_t stream, int mode);
  */
 gpupool_status gpupool_sim_end_capture(gpupool_stream_t stream, int *valid);
 
+/**
+ * Simulated device only: invalidates the capture of `stream`, as a call of the program's own
+ * that CUDA forbids during capture would (a `cudaMalloc` in global mode, a kernel launch that
+ * fails): `gpupool_sim_end_capture` then reports it failed.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
+ * not capturing. Thread-safe.
+ */
+gpupool_status gpupool_sim_invalidate_capture(gpupool_stream_t stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -7,13 +7,20 @@
 //! `record_stream` frees, and when freeing a block that other streams used. The hit path
 //! (malloc and free served from the cache) asks nothing.
 //!
-//! Two signals, as in PyTorch (`CUDACachingAllocator.cpp`): the routes to private pools
+//! Three signals. As in PyTorch (`CUDACachingAllocator.cpp`): the routes to private pools
 //! active on the device (PyTorch `captures_underway`, set by `beginAllocateToPool`): while any
 //! is, no event is queried or recorded for a free; and the capture status of the streams
-//! concerned (`cuStreamGetCaptureInfo`, PyTorch `currentStreamCaptureStatusMayInitCtx`).
+//! concerned (`cuStreamGetCaptureInfo`, PyTorch `currentStreamCaptureStatusMayInitCtx`). And,
+//! not in PyTorch: the streams gpupool found capturing, remembered until found otherwise. A
+//! global-mode capture forbids `cuMemFree` and synchronisation to every thread, whichever
+//! stream it allocates for: while one of those streams still captures (or a route is active),
+//! gpupool gives nothing back to the driver and synchronises nothing, and makes its new
+//! segments with the thread's capture mode relaxed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
 
 use crate::driver::{CaptureStatus, Driver, StreamHandle};
 use crate::error::Error;
@@ -25,11 +32,25 @@ pub(crate) struct CaptureProbe {
     /// Routes to private pools active on the device (see `device::pools`); malloc reads it
     /// with one relaxed load to know whether to look for a route.
     routes: AtomicUsize,
+    /// Of those, the routes by stream or by filter: `torch.cuda.graph`'s, made for a capture.
+    /// A route by thread (`use_mem_pool`) is not.
+    capture_routes: AtomicUsize,
+    /// Streams of the device found capturing and not yet found otherwise.
+    seen: Mutex<Vec<StreamHandle>>,
+    /// `seen.len()`, read without the lock.
+    seen_count: AtomicUsize,
 }
 
 impl CaptureProbe {
     pub fn new(driver: Arc<dyn Driver>, device: i32) -> CaptureProbe {
-        CaptureProbe { driver, device, routes: AtomicUsize::new(0) }
+        CaptureProbe {
+            driver,
+            device,
+            routes: AtomicUsize::new(0),
+            capture_routes: AtomicUsize::new(0),
+            seen: Mutex::new(Vec::new()),
+            seen_count: AtomicUsize::new(0),
+        }
     }
 
     /// How many routes are active: 0 on every path of a program that uses no private pool.
@@ -38,18 +59,81 @@ impl CaptureProbe {
         self.routes.load(Ordering::Relaxed)
     }
 
-    /// Counts a route begun (`+1`) or ended (`-n`); called with the device's pool lock held.
-    pub fn set_routes(&self, n: usize) {
-        self.routes.store(n, Ordering::Relaxed);
+    /// Sets the count of active routes, and of those made for a capture; called with the
+    /// device's pool lock held.
+    pub fn set_routes(&self, all: usize, for_capture: usize) {
+        self.routes.store(all, Ordering::Relaxed);
+        self.capture_routes.store(for_capture, Ordering::Relaxed);
     }
 
     /// The capture status of `stream` on this device (`cuStreamGetCaptureInfo`).
     ///
     /// Errors: [`Error::Cuda`] when the driver cannot say.
     pub fn status(&self, stream: StreamHandle) -> Result<CaptureStatus, Error> {
-        self.driver
+        let status = self
+            .driver
             .stream_capture_status(self.device, stream)
-            .map_err(|e| Error::driver_call(e, "asking whether the stream captures a CUDA graph"))
+            .map_err(|e| Error::driver_call(e, "asking whether the stream captures a CUDA graph"))?;
+        if status.is_capturing() {
+            let mut seen = self.seen.lock();
+            if !seen.contains(&stream) {
+                seen.push(stream);
+                self.seen_count.store(seen.len(), Ordering::Relaxed);
+            }
+        }
+        Ok(status)
+    }
+
+    /// Whether a capture may be under way on the device: a route by stream or filter is active,
+    /// or a stream found capturing still is (each asked again; those that ended are
+    /// forgotten). Asked before giving memory back to the driver, synchronising, or making a
+    /// segment.
+    ///
+    /// Errors: [`Error::Cuda`] when the driver cannot say.
+    pub fn any_underway(&self) -> Result<bool, Error> {
+        if self.capture_routes.load(Ordering::Relaxed) > 0 {
+            return Ok(true);
+        }
+        if self.seen_count.load(Ordering::Relaxed) == 0 {
+            return Ok(false);
+        }
+        let streams = self.seen.lock().clone();
+        let mut ended = Vec::new();
+        let mut underway = false;
+        for s in streams {
+            let st = self
+                .driver
+                .stream_capture_status(self.device, s)
+                .map_err(|e| Error::driver_call(e, "asking whether the stream captures a CUDA graph"))?;
+            if st.is_capturing() {
+                underway = true;
+            } else {
+                ended.push(s);
+            }
+        }
+        let mut seen = self.seen.lock();
+        seen.retain(|s| !ended.contains(s));
+        self.seen_count.store(seen.len(), Ordering::Relaxed);
+        Ok(underway)
+    }
+
+    /// Runs `f` with the calling thread's capture mode relaxed when a capture may be under
+    /// way (see [`CaptureProbe::any_underway`]), so that the driver call it makes (a new
+    /// segment) breaks no capture of another stream or thread; as PyTorch's
+    /// `cudaMallocMaybeCapturing` does for the capturing stream.
+    pub fn relaxed_if_underway<R>(
+        &self,
+        underway: bool,
+        f: impl FnOnce() -> Result<R, crate::driver::DriverError>,
+    ) -> Result<R, crate::driver::DriverError> {
+        if !underway {
+            return f();
+        }
+        let old = self.driver.exchange_capture_mode(crate::driver::CaptureMode::Relaxed)?;
+        let _restore = scopeguard::guard((), |()| {
+            let _ = self.driver.exchange_capture_mode(old);
+        });
+        f()
     }
 
     /// Whether a capture may be under way for a free whose block other streams used: a route
@@ -66,6 +150,17 @@ impl CaptureProbe {
         }
         Ok(false)
     }
+}
+
+/// The error of a call that would synchronise or give memory back to the driver while a capture
+/// may be under way: `doing` says what was asked.
+pub(crate) fn refused_during_capture(device: i32, doing: &str) -> Error {
+    Error::Capture(format!(
+        "{doing} on device {device} would synchronise the device or give memory back to the driver while a CUDA \
+         graph capture may be under way there (a route to a private pool by stream or filter is active, or a \
+         stream gpupool saw capturing still is), which would break the capture; nothing was done: call it once the capture and \
+         gpupool_end_allocate_to_pool are done"
+    ))
 }
 
 /// The message of a request that a stream under capture cannot have: the default pools would

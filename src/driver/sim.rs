@@ -448,6 +448,14 @@ impl SimDriver {
         Ok(st.captures.remove(i).valid)
     }
 
+    /// Invalidates the capture of `stream`, as a call of the program's own that CUDA forbids
+    /// during capture would (a `cudaMalloc` in global mode, a kernel launch that fails). Returns
+    /// whether the stream was capturing.
+    pub fn invalidate_capture(&self, stream: StreamHandle) -> bool {
+        let mut st = self.state.lock();
+        st.captures.iter_mut().find(|c| c.stream == stream).map(|c| c.valid = false).is_some()
+    }
+
     /// The capture status of `stream`, counting no call (for tests).
     pub fn capture_status(&self, stream: StreamHandle) -> CaptureStatus {
         let st = self.state.lock();

@@ -103,3 +103,19 @@ pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid
         Ok(())
     })
 }
+
+/// Simulated device only: invalidates the capture of `stream`, as a call of the program's own
+/// that CUDA forbids during capture would (a `cudaMalloc` in global mode, a kernel launch that
+/// fails): `gpupool_sim_end_capture` then reports it failed.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
+/// not capturing. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_sim_invalidate_capture", || {
+        if !sim()?.1.invalidate_capture(stream as usize) {
+            return Err(Error::InvalidValue(format!("stream {:#x} is not capturing", stream as usize)));
+        }
+        Ok(())
+    })
+}

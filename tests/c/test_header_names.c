@@ -87,6 +87,7 @@ int main(void) {
       (any_fn)gpupool_sim_set_device,
       (any_fn)gpupool_sim_begin_capture,
       (any_fn)gpupool_sim_end_capture,
+      (any_fn)gpupool_sim_invalidate_capture,
       (any_fn)gpupool_torch_malloc,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
@@ -96,5 +97,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 42 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (present == 43 ? 0 : 1)) != 0;
 }

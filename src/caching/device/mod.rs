@@ -370,10 +370,11 @@ impl DeviceAllocator {
         if st.has_capture_deferred() && !self.routes_active() {
             st.insert_deferred_events(ctx)?;
         }
-        if collect && self.gc_due() {
+        let underway = self.capture.any_underway()?;
+        if collect && !underway && self.gc_due() {
             return Ok(Err(Served::Collect));
         }
-        Ok(match self.grow(st, ctx, req)? {
+        Ok(match self.grow(st, ctx, req, underway)? {
             Some(Growth::Block(id)) => Ok(id),
             Some(Growth::PastMark(short)) => Err(Served::PastMark(short)),
             None => Err(Served::OutOfMemory),
@@ -398,14 +399,31 @@ impl DeviceAllocator {
     /// [`ShardState::grow`], after releasing this stream's oversize segments if the device is
     /// out of memory (PyTorch `release_available_cached_blocks`); `None` when it still is.
     /// With [`Reclaim::Device`] and no other stream on the device, [`Reclaim::Shard`].
-    fn grow(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<Growth>, Error> {
+    ///
+    /// `underway`: a capture may be under way on the device (see `capture`): the segment is
+    /// made with the thread's capture mode relaxed, nothing is unmapped (which synchronises)
+    /// and no cached segment is given back to make room.
+    fn grow(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        underway: bool,
+    ) -> Result<Option<Growth>, Error> {
         // Without another stream there is nothing to unmap with this shard's lock dropped.
         let alone = ctx.reclaim == Reclaim::Device && self.shards.len() <= 1;
-        let grown = if alone { st.grow(&ShardCtx { reclaim: Reclaim::Shard, ..*ctx }, req) } else { st.grow(ctx, req) };
+        let reclaim = if underway {
+            Reclaim::Off
+        } else if alone {
+            Reclaim::Shard
+        } else {
+            ctx.reclaim
+        };
+        let grown = self.capture.relaxed_if_underway(underway, || st.grow(&ShardCtx { reclaim, ..*ctx }, req));
         match grown {
             Ok(g) => Ok(Some(g)),
             Err(DriverError::OutOfMemory) => {
-                if !st.release_available(ctx, req)? {
+                if underway || !st.release_available(ctx, req)? {
                     return Ok(None);
                 }
                 match st.grow(&ShardCtx { reclaim: Reclaim::Off, ..*ctx }, req) {
@@ -514,6 +532,11 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::Cuda`] when the synchronisation fails; the blocks stay deferred.
     pub fn release_deferred(&self) -> Result<usize, Error> {
+        // A device synchronisation would break a capture under way: the blocks wait for the
+        // next synchronisation after it.
+        if self.deferred.stats().blocks == 0 || self.capture.any_underway()? {
+            return Ok(0);
+        }
         let Some(epoch) = self.deferred.begin_sync() else {
             return Ok(0);
         };
@@ -556,7 +579,13 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
     /// done, and the rest stays cached.
+    ///
+    /// Errors: [`Error::Capture`], nothing done, while a capture may be under way on the device
+    /// (see `capture`).
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
+        if self.capture.any_underway()? {
+            return Err(capture::refused_during_capture(self.device, "releasing the cache"));
+        }
         bump(&self.counters.num_sync_all_streams);
         self.release_deferred()?;
         for shard in self.shards.all() {

@@ -68,6 +68,13 @@ struct PoolEntry {
     peak: [i64; CELLS],
 }
 
+impl PoolsState {
+    /// Routes made for a capture: by stream or by filter.
+    fn capture_routes(&self) -> usize {
+        self.routes.iter().filter(|r| !matches!(r.to, RouteTo::Thread(_))).count()
+    }
+}
+
 #[derive(Default)]
 struct PoolsState {
     /// In the order begun: the first that matches an allocation takes it (as PyTorch's search
@@ -128,7 +135,7 @@ impl DeviceAllocator {
         }
         ps.pools.entry(pool).or_insert(PoolEntry { released: false, peak: [0; CELLS] });
         ps.routes.push(Route { pool, to });
-        self.capture.set_routes(ps.routes.len());
+        self.capture.set_routes(ps.routes.len(), ps.capture_routes());
         Ok(())
     }
 
@@ -138,19 +145,19 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::InvalidValue`] when no route to `pool` is active on this device.
     pub fn end_routes(&self, pool: u64) -> Result<(), Error> {
-        let left = {
+        let (left, ended) = {
             let mut ps = self.pools.state.lock();
-            let before = ps.routes.len();
-            ps.routes.retain(|r| r.pool != pool);
-            if ps.routes.len() == before {
+            let ended = take_routes(&mut ps.routes, pool);
+            if ended.is_empty() {
                 return Err(Error::InvalidValue(format!(
                     "no allocation is routed to pool {pool} on device {}: nothing to end",
                     self.device
                 )));
             }
-            self.capture.set_routes(ps.routes.len());
-            ps.routes.len()
+            self.capture.set_routes(ps.routes.len(), ps.capture_routes());
+            (ps.routes.len(), ended)
         };
+        self.note_captures(&ended);
         if left == 0 {
             self.after_captures();
         }
@@ -193,10 +200,12 @@ impl DeviceAllocator {
                 return Err(Error::InvalidValue(format!("pool {pool} was released on device {} already", self.device)));
             }
             entry.released = true;
-            ps.routes.retain(|r| r.pool != pool);
-            self.capture.set_routes(ps.routes.len());
-            ps.routes.len()
+            let ended = take_routes(&mut ps.routes, pool);
+            self.capture.set_routes(ps.routes.len(), ps.capture_routes());
+            (ps.routes.len(), ended)
         };
+        let (left, ended) = left;
+        self.note_captures(&ended);
         for shard in self.shards.of_pool(pool) {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
@@ -211,15 +220,18 @@ impl DeviceAllocator {
     }
 
     /// Gives back to the driver the wholly free segments of a released pool's shard, its
-    /// events processed first (without waiting), unless a capture may be under way (a route
-    /// is active, or the shard's stream captures): freeing device memory then would break it.
+    /// events processed first (without waiting), unless a capture may be under way (see
+    /// `capture`): freeing device memory then would break it.
     /// Best effort: what fails stays cached, for `empty_cache`.
     pub(super) fn release_emptied(
         &self,
         st: &mut crate::caching::shard::ShardState,
         ctx: &crate::caching::shard::ShardCtx,
     ) {
-        if self.routes_active() || !matches!(self.capture.status(ctx.shard.stream), Ok(s) if !s.is_capturing()) {
+        // Asked first, so that the shard's own stream counts if it captures.
+        if !matches!(self.capture.status(ctx.shard.stream), Ok(s) if !s.is_capturing())
+            || !matches!(self.capture.any_underway(), Ok(false))
+        {
             return;
         }
         if st.has_capture_deferred() {
@@ -227,6 +239,17 @@ impl DeviceAllocator {
         }
         let _ = st.process_events(ctx);
         let _ = st.release_cached(ctx);
+    }
+
+    /// Asks whether the streams of ended routes still capture, so that a capture that outlives
+    /// its route (its end or its pool's release came first) is known as under way (see
+    /// `capture`). A failure to ask is left for the next question.
+    fn note_captures(&self, ended: &[Route]) {
+        for r in ended {
+            if let RouteTo::Stream(s) = r.to {
+                let _ = self.capture.status(s);
+            }
+        }
     }
 
     /// The pool an allocation on `stream` by the calling thread goes to, if a route takes it.
@@ -360,6 +383,13 @@ impl DeviceAllocator {
         }
         Ok(())
     }
+}
+
+/// Takes the routes to `pool` out of `routes`, in order.
+fn take_routes(routes: &mut Vec<Route>, pool: u64) -> Vec<Route> {
+    let (ended, kept): (Vec<Route>, Vec<Route>) = routes.drain(..).partition(|r| r.pool == pool);
+    *routes = kept;
+    ended
 }
 
 /// The current, allocated and freed sums of `pool`'s shards, each locked in turn.

@@ -459,7 +459,9 @@ impl ShardState {
         }
         candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
         let mut released = 0;
-        if candidates.is_empty() {
+        // The device synchronisation below would break a capture, which may be under way while
+        // a route to a private pool is active: the pages stay mapped until then.
+        if candidates.is_empty() || !matches!(ctx.capture.any_underway(), Ok(false)) {
             return Ok(0);
         }
         ctx.driver.device_synchronize(ctx.device).map_err(|e| {
