@@ -290,6 +290,9 @@ fn a_failed_capture_releases_its_pool_to_the_byte() {
     assert_eq!((s.reserved_bytes.all.current, s.segment.all.current, s.allocated_bytes.all.current), (0, 0, 0));
     assert_eq!(sim.used(0), used, "the device has every byte back");
     assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, reserved);
+    // Holding nothing, the released pool leaves the summary; its id stays known as released.
+    assert!(!a.memory_summary(0).unwrap().contains("Private pools"));
+    assert!(a.pool_stats(0, pool).unwrap().released);
     // The pool's id is refused on this device from now on; allocations go to the default pools.
     assert!(matches!(a.begin_allocate_to_pool(0, pool, S), Err(Error::InvalidValue(m)) if m.contains("released")));
     a.free(keep).unwrap();

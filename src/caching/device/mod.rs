@@ -599,6 +599,7 @@ impl DeviceAllocator {
             self.finish(st, ());
         }
         self.retire_idle_shards();
+        self.prune_released();
         self.limit.reset_mark();
         Ok(())
     }

@@ -80,8 +80,16 @@ struct PoolsState {
     /// In the order begun: the first that matches an allocation takes it (as PyTorch's search
     /// of `captures_underway`).
     routes: Vec<Route>,
-    /// Every pool routed to on this device, released ones included (their ids stay refused).
+    /// Every pool routed to on this device, and the released ones that still hold memory.
     pools: FxHashMap<u64, PoolEntry>,
+    /// The released pools that hold nothing any more: their ids stay refused (8 bytes each).
+    released: rustc_hash::FxHashSet<u64>,
+}
+
+impl PoolsState {
+    fn is_released(&self, pool: u64) -> bool {
+        self.released.contains(&pool) || self.pools.get(&pool).is_some_and(|p| p.released)
+    }
 }
 
 /// A device's private pools and the routes to them.
@@ -112,7 +120,7 @@ impl DeviceAllocator {
     /// or the stream (the thread) is routed already, to this pool or another.
     pub fn begin_route(&self, pool: u64, to: RouteTo) -> Result<(), Error> {
         let mut ps = self.pools.state.lock();
-        if ps.pools.get(&pool).is_some_and(|p| p.released) {
+        if ps.is_released(pool) {
             return Err(Error::InvalidValue(format!(
                 "pool {pool} was released on device {}: its id cannot be routed to again there; create a new pool",
                 self.device
@@ -195,6 +203,9 @@ impl DeviceAllocator {
     pub fn release_pool(&self, pool: u64) -> Result<(), Error> {
         let left = {
             let mut ps = self.pools.state.lock();
+            if ps.released.contains(&pool) {
+                return Err(Error::InvalidValue(format!("pool {pool} was released on device {} already", self.device)));
+            }
             let entry = ps.pools.entry(pool).or_insert(PoolEntry { released: false, peak: [0; CELLS] });
             if entry.released {
                 return Err(Error::InvalidValue(format!("pool {pool} was released on device {} already", self.device)));
@@ -216,7 +227,26 @@ impl DeviceAllocator {
         if left == 0 {
             self.after_captures();
         }
+        self.prune_released();
         Ok(())
+    }
+
+    /// Forgets the released pools that hold nothing any more but their ids (see
+    /// `PoolsState::released`), so that churning pools grows neither the device's state nor its
+    /// summary.
+    pub(super) fn prune_released(&self) {
+        let candidates: Vec<u64> =
+            self.pools.state.lock().pools.iter().filter(|(_, e)| e.released).map(|(&id, _)| id).collect();
+        let seg = counters::cell(counters::Metric::Segment, counters::StatType::All);
+        let active = counters::cell(counters::Metric::Active, counters::StatType::All);
+        for pool in candidates {
+            let (current, _, _) = sum_pool(&self.shards, pool);
+            if current[seg] == 0 && current[active] == 0 {
+                let mut ps = self.pools.state.lock();
+                ps.pools.remove(&pool);
+                ps.released.insert(pool);
+            }
+        }
     }
 
     /// Gives back to the driver the wholly free segments of a released pool's shard, its
@@ -322,7 +352,7 @@ impl DeviceAllocator {
                 }
                 (e.peak, e.released)
             }
-            None => (current, false),
+            None => (current, ps.released.contains(&pool)),
         };
         let t = Totals { peak, current, allocated, freed, held: [0; CELLS] };
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
@@ -332,6 +362,7 @@ impl DeviceAllocator {
 
     /// Every pool routed to on this device, by id, with its statistics.
     pub fn all_pool_stats(&self) -> Vec<PoolStats> {
+        self.prune_released();
         let mut ids: Vec<u64> = self.pools.state.lock().pools.keys().copied().collect();
         ids.sort_unstable();
         ids.into_iter().map(|p| self.pool_stats(p)).collect()
@@ -350,7 +381,7 @@ impl DeviceAllocator {
             return Err(format!("{} routes counted, {} active", self.capture.routes(), ps.routes.len()));
         }
         for r in &ps.routes {
-            if ps.pools.get(&r.pool).is_none_or(|p| p.released) {
+            if ps.pools.get(&r.pool).is_none_or(|p| p.released) || ps.released.contains(&r.pool) {
                 return Err(format!("a route leads to pool {}, which is released or unknown", r.pool));
             }
         }
@@ -365,13 +396,25 @@ impl DeviceAllocator {
                 }
                 continue;
             }
-            let Some(p) = ps.pools.get(&shard.pool) else {
-                return Err(format!(
-                    "stream {:#x} holds memory of pool {}, which is unknown",
-                    shard.stream, shard.pool
-                ));
+            let released = match ps.pools.get(&shard.pool) {
+                Some(p) => p.released,
+                None if ps.released.contains(&shard.pool) => {
+                    if st.segment_count() != 0 {
+                        return Err(format!(
+                            "pool {} was forgotten, but stream {:#x} holds memory of it",
+                            shard.pool, shard.stream
+                        ));
+                    }
+                    true
+                }
+                None => {
+                    return Err(format!(
+                        "stream {:#x} holds memory of pool {}, which is unknown",
+                        shard.stream, shard.pool
+                    ));
+                }
             };
-            if p.released != st.released {
+            if released != st.released {
                 return Err(format!(
                     "pool {}: stream {:#x} disagrees on whether it is released",
                     shard.pool, shard.stream

@@ -538,6 +538,11 @@ impl ShardState {
         self.segments.get(&base).is_none_or(|s| !s.graph)
     }
 
+    /// Segments of the shard (for the check).
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
     /// Segments a CUDA graph keeps reserved (for the statistics of pools and the check).
     pub fn graph_segments(&self) -> usize {
         self.segments.values().filter(|s| s.graph).count()
