@@ -59,6 +59,12 @@ impl CaptureProbe {
         self.routes.load(Ordering::Relaxed)
     }
 
+    /// Whether a route by stream or filter (made for a capture) is active.
+    #[inline]
+    pub fn capture_routed(&self) -> bool {
+        self.capture_routes.load(Ordering::Relaxed) > 0
+    }
+
     /// Sets the count of active routes, and of those made for a capture; called with the
     /// device's pool lock held.
     pub fn set_routes(&self, all: usize, for_capture: usize) {
@@ -91,7 +97,7 @@ impl CaptureProbe {
     ///
     /// Errors: [`Error::Cuda`] when the driver cannot say.
     pub fn any_underway(&self) -> Result<bool, Error> {
-        if self.capture_routes.load(Ordering::Relaxed) > 0 {
+        if self.capture_routed() {
             return Ok(true);
         }
         if self.seen_count.load(Ordering::Relaxed) == 0 {
@@ -137,10 +143,12 @@ impl CaptureProbe {
     }
 
     /// Whether a capture may be under way for a free whose block other streams used: a route
-    /// is active on the device (PyTorch's test, `captures_underway`), or one of `streams`
-    /// captures. Asks the driver only when no route is active.
+    /// by stream or filter is active on the device (PyTorch's test, `captures_underway`, but for
+    /// the routes by thread of `use_mem_pool`, which capture nothing: deferring every
+    /// `record_stream` free of the device while one lasts would hold their memory back), or
+    /// one of `streams` captures. Asks the driver only when no such route is active.
     pub fn underway(&self, streams: impl IntoIterator<Item = StreamHandle>) -> Result<bool, Error> {
-        if self.routes() > 0 {
+        if self.capture_routed() {
             return Ok(true);
         }
         for s in streams {

@@ -252,7 +252,8 @@ impl DeviceAllocator {
     }
 
     /// PyTorch `process_events`, skipped while a capture may be under way (PyTorch skips it
-    /// while `captures_underway` is not empty: an event query is illegal during capture).
+    /// while `captures_underway` is not empty: an event query is illegal during capture): a
+    /// route by stream or filter is active, or the stream captures.
     /// Inlined: the hit path tests one length.
     #[inline(always)]
     fn process_events(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
@@ -262,7 +263,7 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn process_events_slow(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
-        if self.routes_active() || self.capture.status(ctx.shard.stream)?.is_capturing() {
+        if self.capture.capture_routed() || self.capture.status(ctx.shard.stream)?.is_capturing() {
             return Ok(());
         }
         st.process_events(ctx)
@@ -367,7 +368,7 @@ impl DeviceAllocator {
                 Err(e) => Err(Error::driver(e, "allocating a segment for a private pool during capture")),
             };
         }
-        if st.has_capture_deferred() && !self.routes_active() {
+        if st.has_capture_deferred() && !self.capture.capture_routed() {
             st.insert_deferred_events(ctx)?;
         }
         let underway = self.capture.any_underway()?;
@@ -591,7 +592,7 @@ impl DeviceAllocator {
         for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
-            if st.has_capture_deferred() && !self.routes_active() {
+            if st.has_capture_deferred() && !self.capture.capture_routed() {
                 st.insert_deferred_events(&ctx)?;
             }
             st.synchronize_events(&ctx)?;

@@ -147,9 +147,9 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// Ends every route to `pool` (PyTorch `endAllocateToPool`). Once no route is left on the
-    /// device, the blocks freed during captures get their events and the released pools'
-    /// wholly free segments go back to the driver.
+    /// Ends every route to `pool` (PyTorch `endAllocateToPool`). Once no route by stream or
+    /// filter is left on the device, the blocks freed during captures get their events and the
+    /// released pools' wholly free segments go back to the driver.
     ///
     /// Errors: [`Error::InvalidValue`] when no route to `pool` is active on this device.
     pub fn end_routes(&self, pool: u64) -> Result<(), Error> {
@@ -163,7 +163,7 @@ impl DeviceAllocator {
                 )));
             }
             self.capture.set_routes(ps.routes.len(), ps.capture_routes());
-            (ps.routes.len(), ended)
+            (ps.capture_routes(), ended)
         };
         self.note_captures(&ended);
         if left == 0 {
@@ -183,7 +183,7 @@ impl DeviceAllocator {
             if st.has_capture_deferred() {
                 let _ = st.insert_deferred_events(&ctx);
             }
-            if shard.pool != 0 && st.events_pending() && !self.routes_active() {
+            if shard.pool != 0 && st.events_pending() && !self.capture.capture_routed() {
                 let _ = self.process_events(&mut st, &ctx);
             }
             if st.released {
@@ -213,7 +213,7 @@ impl DeviceAllocator {
             entry.released = true;
             let ended = take_routes(&mut ps.routes, pool);
             self.capture.set_routes(ps.routes.len(), ps.capture_routes());
-            (ps.routes.len(), ended)
+            (ps.capture_routes(), ended)
         };
         let (left, ended) = left;
         self.note_captures(&ended);
