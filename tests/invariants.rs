@@ -188,12 +188,12 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
         match op {
             Op::Malloc { stream, .. } if capture.is_some_and(|c| c.0 != stream) => {}
             Op::EmptyCache | Op::ReleaseDeferred if capture.is_some() => {}
-            Op::Capture { stream, pool, global } if capture.is_none() => {
-                if a.begin_allocate_to_pool(0, pools[pool], streams[stream]).is_ok() {
-                    let mode = if global { CaptureMode::Global } else { CaptureMode::Relaxed };
-                    drv.begin_capture(streams[stream], mode).unwrap();
-                    capture = Some((stream, pool, global));
-                }
+            Op::Capture { stream, pool, global }
+                if capture.is_none() && a.begin_allocate_to_pool(0, pools[pool], streams[stream]).is_ok() =>
+            {
+                let mode = if global { CaptureMode::Global } else { CaptureMode::Relaxed };
+                drv.begin_capture(streams[stream], mode).unwrap();
+                capture = Some((stream, pool, global));
             }
             Op::EndCapture => {
                 if let Some((stream, pool, _)) = capture.take() {

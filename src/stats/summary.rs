@@ -106,32 +106,6 @@ pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_read_like_pytorch() {
-        assert_eq!(format_size(512), "512 bytes");
-        assert_eq!(format_size(1536), "1.50 KiB");
-        assert_eq!(format_size(20 << 20), "20.00 MiB");
-        assert_eq!(format_size(3 << 30), "3.00 GiB");
-        assert_eq!(table_size(2 << 20, 2 << 20), "  2048 KiB");
-        assert_eq!(table_size(1 << 30, 1 << 30), "  1024 MiB");
-        assert_eq!(table_count(12, 12), "     12   ");
-    }
-
-    #[test]
-    fn every_row_has_the_table_width() {
-        let text = memory_summary(0, "sim", &DeviceStats::default());
-        for line in text.lines() {
-            assert_eq!(line.chars().count(), WIDTH + 2, "{line:?}");
-        }
-        assert!(text.contains("Allocated memory"));
-        assert!(text.contains("Non-releasable allocs"));
-    }
-}
-
 /// The private pools of a device, after [`memory_summary`]'s table: per pool (by id) its state
 /// and its allocated and reserved bytes, current and peak, and its segments (the table's
 /// totals include them). Not in PyTorch, whose summary does not list pools.
@@ -168,4 +142,43 @@ pub fn pools_summary(pools: &[crate::PoolStats]) -> String {
     }
     bar(&mut out, '=');
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_like_pytorch() {
+        assert_eq!(format_size(512), "512 bytes");
+        assert_eq!(format_size(1536), "1.50 KiB");
+        assert_eq!(format_size(20 << 20), "20.00 MiB");
+        assert_eq!(format_size(3 << 30), "3.00 GiB");
+        assert_eq!(table_size(2 << 20, 2 << 20), "  2048 KiB");
+        assert_eq!(table_size(1 << 30, 1 << 30), "  1024 MiB");
+        assert_eq!(table_count(12, 12), "     12   ");
+    }
+
+    #[test]
+    fn every_row_has_the_table_width() {
+        let text = memory_summary(0, "sim", &DeviceStats::default());
+        for line in text.lines() {
+            assert_eq!(line.chars().count(), WIDTH + 2, "{line:?}");
+        }
+        assert!(text.contains("Allocated memory"));
+        assert!(text.contains("Non-releasable allocs"));
+    }
+
+    #[test]
+    fn the_pools_table_lines_up() {
+        let mut live = crate::PoolStats { pool: 7, routes: 1, ..Default::default() };
+        live.stats.reserved_bytes.all = Stat { current: 20 << 20, peak: 40 << 20, allocated: 0, freed: 0 };
+        let released = crate::PoolStats { pool: 12345, released: true, ..Default::default() };
+        let text = pools_summary(&[live, released]);
+        let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
+        assert!(widths.windows(2).all(|w| w[0] == w[1]), "{text}");
+        assert!(text.contains("      7 1 route") && text.contains("  12345 released"), "{text}");
+        assert!(text.contains("20480 KiB /  40960 KiB"), "{text}");
+        assert_eq!(pools_summary(&[]), "");
+    }
 }
