@@ -499,7 +499,9 @@ gpupool_status gpupool_dump_snapshot(const char *path);
  * `stream` captures a CUDA graph, gpupool makes no call CUDA forbids then: a request that no
  * cached block of the default pools fits fails with `GPUPOOL_ERROR_STREAM_CAPTURE` (the
  * capture stays intact; route the stream to a private pool, or warm up first), and a private
- * pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`).
+ * pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`). While a capture may be
+ * under way on the device, the out-of-memory path cannot release the cache (that would break
+ * the capture): a request that needs it fails with `GPUPOOL_ERROR_STREAM_CAPTURE`.
  *
  * Thread-safe.
  *
@@ -570,9 +572,15 @@ gpupool_status gpupool_record_stream(void *ptr, gpupool_stream_t stream);
  * pending event): a program that used many streams once gets that memory back, and a later
  * call on such a stream starts afresh. Empty size bins of the pools are dropped.
  *
+ * Private pools: their wholly free segments go back too, but those a CUDA graph captured into
+ * stay until `gpupool_release_pool` (see `gpupool_begin_allocate_to_pool`).
+ *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
  * waiting or freeing fails, a wait that fails for lack of memory included (what was released
- * before stays released); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ * before stays released); `GPUPOOL_ERROR_STREAM_CAPTURE`, nothing done on that device, while
+ * a capture may be under way there (a route by stream or filter is active, or a stream gpupool
+ * found capturing still captures): waiting and freeing would break it;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
  *
  * Thread-safe; blocks the calling thread while it waits for events.
  */
@@ -708,7 +716,9 @@ gpupool_status gpupool_begin_allocate_to_pool(int device, uint64_t pool, gpupool
 /**
  * Routes the allocations the calling thread makes on `device` (-1: current), on any stream,
  * to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
- * `torch.cuda.use_mem_pool`). Other threads' allocations are not routed.
+ * `torch.cuda.use_mem_pool`). Other threads' allocations are not routed. Each routed
+ * allocation asks the driver whether its stream captures (`cuStreamGetCaptureInfo`), so it
+ * costs a driver call more than a cache hit of the default pools.
  *
  * Errors: as `gpupool_begin_allocate_to_pool`, and `GPUPOOL_ERROR_INVALID_VALUE` when the
  * calling thread is routed already on this device.
@@ -767,9 +777,11 @@ gpupool_status gpupool_end_allocate_to_pool(int device, uint64_t pool);
  *
  * Where gpupool differs: PyTorch frees a pool only once every block is free and its use count
  * is 0, and leaks the pool of a failed capture; gpupool releases on this call. If a capture may
- * be under way on the device (another route is active, or the pool's stream still captures),
- * the segments go back at the next free, `gpupool_end_allocate_to_pool` or
- * `gpupool_empty_cache` instead, so that no `cuMemFree` breaks that capture.
+ * be under way on the device (a route by stream or filter is active, or a stream gpupool found
+ * capturing, the pool's own included, still captures), the segments go back at the next free,
+ * `gpupool_end_allocate_to_pool` or `gpupool_empty_cache` instead, so that no `cuMemFree`
+ * breaks that capture. A released pool that holds nothing is forgotten but for its id (8 bytes
+ * a pool, for the life of the process).
  *
  * Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created, a
  * pool released on this device already, a device out of range;

@@ -22,9 +22,18 @@
 //!   released. Other wholly free segments of a live pool go back to the driver at
 //!   `gpupool_empty_cache` (PyTorch keeps a live pool's memory, issue #167745), and a live
 //!   pool's freed blocks are reused by later allocations routed to it.
-//! - Frees of blocks that other streams used (`gpupool_record_stream`) while a route is active
-//!   or a stream concerned captures wait, active, until no capture is under way (PyTorch
-//!   `insert_events_deferred_until_no_capture`): then gpupool records their events.
+//! - Frees of blocks that other streams used (`gpupool_record_stream`) while a route by stream
+//!   or filter is active, or a stream concerned captures, wait, active, until no capture is
+//!   under way (PyTorch `insert_events_deferred_until_no_capture`): then gpupool records their
+//!   events. Event queries pause meanwhile. Routes by thread (`use_mem_pool`) capture nothing
+//!   and do not count (PyTorch counts them).
+//! - While a capture may be under way on a device (a route by stream or filter is active, or a
+//!   stream gpupool found capturing still captures), gpupool gives no memory back to the
+//!   driver, unmaps nothing and synchronises nothing there: `gpupool_empty_cache` and the
+//!   out-of-memory path's release-and-retry return `GPUPOOL_ERROR_STREAM_CAPTURE` having done
+//!   nothing, and new segments for other streams are made with the thread's capture mode
+//!   relaxed. A program's own forbidden calls (a `cudaMalloc` in global mode on the capturing
+//!   thread) still break its capture, as with PyTorch.
 //! - `gpupool_release_pool` releases a pool even if blocks are still allocated: those go back
 //!   to the driver as they are freed (PyTorch leaks the pool of a failed capture, PR #190348).
 //!
@@ -89,7 +98,9 @@ pub extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool: u64, strea
 
 /// Routes the allocations the calling thread makes on `device` (-1: current), on any stream,
 /// to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
-/// `torch.cuda.use_mem_pool`). Other threads' allocations are not routed.
+/// `torch.cuda.use_mem_pool`). Other threads' allocations are not routed. Each routed
+/// allocation asks the driver whether its stream captures (`cuStreamGetCaptureInfo`), so it
+/// costs a driver call more than a cache hit of the default pools.
 ///
 /// Errors: as `gpupool_begin_allocate_to_pool`, and `GPUPOOL_ERROR_INVALID_VALUE` when the
 /// calling thread is routed already on this device.
@@ -173,9 +184,11 @@ pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool: u64) -> gpup
 ///
 /// Where gpupool differs: PyTorch frees a pool only once every block is free and its use count
 /// is 0, and leaks the pool of a failed capture; gpupool releases on this call. If a capture may
-/// be under way on the device (another route is active, or the pool's stream still captures),
-/// the segments go back at the next free, `gpupool_end_allocate_to_pool` or
-/// `gpupool_empty_cache` instead, so that no `cuMemFree` breaks that capture.
+/// be under way on the device (a route by stream or filter is active, or a stream gpupool found
+/// capturing, the pool's own included, still captures), the segments go back at the next free,
+/// `gpupool_end_allocate_to_pool` or `gpupool_empty_cache` instead, so that no `cuMemFree`
+/// breaks that capture. A released pool that holds nothing is forgotten but for its id (8 bytes
+/// a pool, for the life of the process).
 ///
 /// Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created, a
 /// pool released on this device already, a device out of range;

@@ -6,8 +6,11 @@
 //! history's (a device's trace, the table of stacks), none of which is held while taking
 //! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
 //! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
-//! and `empty_cache` takes the shard table's lock and only tries the shard locks. Out-of-memory
-//! observers run with none of these held (`out_of_memory.rs`). `check.rs`:
+//! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
+//! pools' lock (`pools.rs`) and the capture probe's list of streams seen capturing
+//! (`capture.rs`) are leaves: taken with or without shard locks held, never held while taking
+//! another lock. Out-of-memory observers and route filters run with none of these held
+//! (`out_of_memory.rs`, `pools.rs`). `check.rs`:
 //! the consistency check; `history.rs`: the allocation history and snapshots.
 
 use std::sync::Arc;
@@ -369,9 +372,9 @@ impl DeviceAllocator {
             };
         }
         if st.has_capture_deferred() && !self.capture.capture_routed() {
-            st.insert_deferred_events(ctx)?;
+            st.insert_deferred_events(ctx);
         }
-        let underway = self.capture.any_underway()?;
+        let underway = self.capture.any_underway();
         if collect && !underway && self.gc_due() {
             return Ok(Err(Served::Collect));
         }
@@ -535,7 +538,7 @@ impl DeviceAllocator {
     pub fn release_deferred(&self) -> Result<usize, Error> {
         // A device synchronisation would break a capture under way: the blocks wait for the
         // next synchronisation after it.
-        if self.deferred.stats().blocks == 0 || self.capture.any_underway()? {
+        if self.deferred.stats().blocks == 0 || self.capture.any_underway() {
             return Ok(0);
         }
         let Some(epoch) = self.deferred.begin_sync() else {
@@ -584,7 +587,7 @@ impl DeviceAllocator {
     /// Errors: [`Error::Capture`], nothing done, while a capture may be under way on the device
     /// (see `capture`).
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
-        if self.capture.any_underway()? {
+        if self.capture.any_underway() {
             return Err(capture::refused_during_capture(self.device, "releasing the cache"));
         }
         bump(&self.counters.num_sync_all_streams);
@@ -593,7 +596,7 @@ impl DeviceAllocator {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
             if st.has_capture_deferred() && !self.capture.capture_routed() {
-                st.insert_deferred_events(&ctx)?;
+                st.insert_deferred_events(&ctx);
             }
             st.synchronize_events(&ctx)?;
             st.release_cached(&ctx)?;

@@ -181,7 +181,7 @@ impl DeviceAllocator {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
             if st.has_capture_deferred() {
-                let _ = st.insert_deferred_events(&ctx);
+                st.insert_deferred_events(&ctx);
             }
             if shard.pool != 0 && st.events_pending() && !self.capture.capture_routed() {
                 let _ = self.process_events(&mut st, &ctx);
@@ -258,14 +258,13 @@ impl DeviceAllocator {
         st: &mut crate::caching::shard::ShardState,
         ctx: &crate::caching::shard::ShardCtx,
     ) {
-        // Asked first, so that the shard's own stream counts if it captures.
-        if !matches!(self.capture.status(ctx.shard.stream), Ok(s) if !s.is_capturing())
-            || !matches!(self.capture.any_underway(), Ok(false))
-        {
+        // Asked first, so that the shard's own stream counts if it captures; a stream the
+        // driver no longer knows (destroyed since) captures nothing.
+        if matches!(self.capture.status(ctx.shard.stream), Ok(s) if s.is_capturing()) || self.capture.any_underway() {
             return;
         }
         if st.has_capture_deferred() {
-            let _ = st.insert_deferred_events(ctx);
+            st.insert_deferred_events(ctx);
         }
         let _ = st.process_events(ctx);
         let _ = st.release_cached(ctx);

@@ -461,7 +461,7 @@ impl ShardState {
         let mut released = 0;
         // The device synchronisation below would break a capture, which may be under way while
         // a route to a private pool is active: the pages stay mapped until then.
-        if candidates.is_empty() || !matches!(ctx.capture.any_underway(), Ok(false)) {
+        if candidates.is_empty() || ctx.capture.any_underway() {
             return Ok(0);
         }
         ctx.driver.device_synchronize(ctx.device).map_err(|e| {

@@ -291,7 +291,7 @@ impl ShardState {
     #[cold]
     #[inline(never)]
     fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
-        if ctx.capture.underway(std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied()))? {
+        if ctx.capture.underway(std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied())) {
             self.live.remove(&ptr);
             self.count_free(id, ctx.max_split_size);
             let b = &mut self.blocks[id];
@@ -330,25 +330,14 @@ impl ShardState {
     /// no capture is under way on their streams (PyTorch
     /// `insert_events_deferred_until_no_capture`). A block whose event cannot be recorded
     /// waits for the next device synchronisation instead, as in [`ShardState::free`].
-    ///
-    /// Errors: [`Error::Cuda`] when asking whether a stream captures fails; the blocks wait.
-    pub fn insert_deferred_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
+    pub fn insert_deferred_events(&mut self, ctx: &ShardCtx) {
         let ids = std::mem::take(&mut self.capture_deferred);
         let mut waiting = Vec::new();
-        let mut result = Ok(());
         for id in ids {
             let streams = std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied());
-            match ctx.capture.underway(streams) {
-                Ok(false) => {}
-                Ok(true) => {
-                    waiting.push(id);
-                    continue;
-                }
-                Err(e) => {
-                    waiting.push(id);
-                    result = Err(e);
-                    continue;
-                }
+            if ctx.capture.underway(streams) {
+                waiting.push(id);
+                continue;
             }
             let uses = std::mem::take(&mut self.blocks[id].stream_uses);
             let mut recorded = Vec::new();
@@ -378,7 +367,6 @@ impl ShardState {
         }
         waiting.append(&mut self.capture_deferred);
         self.capture_deferred = waiting;
-        result
     }
 
     /// Whether blocks freed during a capture wait for it to end.
