@@ -18,6 +18,15 @@ use gpupool::driver::sim::SimDriver;
 use gpupool::driver::{CaptureMode, CaptureStatus, Driver, DriverError};
 
 const S: usize = 0x51;
+
+/// Prints "ok" when the pickle's segments carry, in order, the `segment_pool_id` pairs of
+/// argv[2] ("a,b a,b ...").
+const CHECK_POOL_IDS: &str = r#"
+import pickle, sys
+snap = pickle.load(open(sys.argv[1], "rb"))
+got = " ".join("%d,%d" % tuple(seg["segment_pool_id"]) for seg in snap["segments"])
+print("ok" if got == sys.argv[2] else "segment_pool_id: got %r, want %r" % (got, sys.argv[2]))
+"#;
 const S2: usize = 0x52;
 
 fn code(e: DriverError) -> i32 {
@@ -364,6 +373,10 @@ fn statistics_summary_and_snapshot_know_the_pools() {
     let pools: Vec<u64> = snap.segments.iter().map(|g| g.pool).collect();
     assert_eq!(pools.iter().filter(|&&p| p == pool).count(), 2);
     assert_eq!(pools.iter().filter(|&&p| p == 0).count(), 1);
+    // PyTorch's `segment_pool_id`, read back by CPython: (0, pool), and (0, 0) for the default
+    // pools, in address order as the snapshot lists them.
+    let want: Vec<String> = pools.iter().map(|p| format!("0,{p}")).collect();
+    common::history::python_reads(&snap.to_pickle(), CHECK_POOL_IDS, &[&want.join(" ")]);
     a.reset_peak_stats(0).unwrap();
     assert_eq!(a.pool_stats(0, pool).unwrap().stats.allocated_bytes.all.peak, 512);
     a.end_allocate_to_pool(0, pool).unwrap();
