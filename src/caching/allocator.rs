@@ -719,7 +719,10 @@ impl Allocator {
     /// exactly and in order, free neighbours are coalesced, each free block is in its pool
     /// once, the live map holds exactly the allocated blocks, pending events match the blocks
     /// awaiting them, each statistic equals a recount, the peak credit adds up, no two
-    /// segments overlap, and each tag's current figures are its live blocks'. Takes every
+    /// segments overlap, each tag's current figures are its live blocks', and the private
+    /// pools agree with their routes (counted routes, none to a released pool, each pool
+    /// shard's release state, segments kept for a graph only in live pools, never expandable,
+    /// blocks deferred until no capture listed as such). Takes every
     /// lock; O(blocks). Call it while no other thread allocates or frees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut end = 0;
