@@ -106,6 +106,14 @@ enum gpupool_status
    * A bug in gpupool (it panicked); the message says where. Please report it.
    */
   GPUPOOL_ERROR_INTERNAL = 6,
+  /**
+   * The stream captures a CUDA graph and the request needs what CUDA forbids during capture:
+   * no cached block of the default pools fits, and a new segment (`cuMemAlloc`) would break
+   * the capture. Nothing was done and the capture is intact. Route the stream's allocations
+   * to a private pool (`gpupool_begin_allocate_to_pool`) or warm up (run the work once
+   * before capturing, so that its blocks are cached).
+   */
+  GPUPOOL_ERROR_STREAM_CAPTURE = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -336,6 +344,12 @@ typedef void (*gpupool_oom_observer_fn)(int device,
                                         size_t requested,
                                         const struct gpupool_stats_t *stats,
                                         void *user);
+
+/**
+ * A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
+ * allocations on `stream` go to the pool. `user` is the pointer given with it.
+ */
+typedef int (*gpupool_stream_filter_t)(void *user, gpupool_stream_t stream);
 
 /**
  * What the blocks allocated under one tag hold, over every device, as PyTorch's `Stat`s:
@@ -677,6 +691,15 @@ gpupool_status gpupool_host_reset_peak_stats(void);
  * for lack of memory (an event query is no allocation: not `OUT_OF_MEMORY`, not in
  * `num_ooms`, and the event stays pending).
  *
+ * While a route to a private pool is active on the device (`gpupool_begin_allocate_to_pool`
+ * and its variants), an allocation the route takes comes from that pool instead. While
+ * `stream` captures a CUDA graph, gpupool makes no call CUDA forbids then: a request that no
+ * cached block of the default pools fits fails with `GPUPOOL_ERROR_STREAM_CAPTURE` (the
+ * capture stays intact; route the stream to a private pool, or warm up first), and a private
+ * pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`). While a capture may be
+ * under way on the device, the out-of-memory path cannot release the cache (that would break
+ * the capture): a request that needs it fails with `GPUPOOL_ERROR_STREAM_CAPTURE`.
+ *
  * Thread-safe.
  *
  * # Safety
@@ -746,9 +769,15 @@ gpupool_status gpupool_record_stream(void *ptr, gpupool_stream_t stream);
  * pending event): a program that used many streams once gets that memory back, and a later
  * call on such a stream starts afresh. Empty size bins of the pools are dropped.
  *
+ * Private pools: their wholly free segments go back too, but those a CUDA graph captured into
+ * stay until `gpupool_release_pool` (see `gpupool_begin_allocate_to_pool`).
+ *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
  * waiting or freeing fails, a wait that fails for lack of memory included (what was released
- * before stays released); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ * before stays released); `GPUPOOL_ERROR_STREAM_CAPTURE`, nothing done on that device, while
+ * a capture may be under way there (a route by stream or filter is active, or a stream gpupool
+ * found capturing still captures): waiting and freeing would break it;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
  *
  * Thread-safe; blocks the calling thread while it waits for events.
  */
@@ -847,6 +876,139 @@ gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, voi
  * Thread-safe: it reads and writes the calling thread's state only.
  */
 gpupool_status gpupool_oom_retry(void);
+
+/**
+ * Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
+ * `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
+ * process-wide, and a pool's memory is per device: made on the devices whose allocations are
+ * routed to it. Creating a pool takes no device memory and needs no release if never used.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `pool` must be NULL or point to writable storage for one `uint64_t`.
+ */
+gpupool_status gpupool_pool_create(uint64_t *pool);
+
+/**
+ * Routes every allocation on `stream` of `device` (-1: the calling thread's current device),
+ * from any thread, to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
+ * `beginAllocateToPool`, with the filter `torch.cuda.graph` sets: its capture stream). Call it
+ * before `cudaStreamBeginCapture` on `stream`, and end it after `cudaStreamEndCapture`.
+ *
+ * While a route is active on the device, allocations look for a route first (the first begun
+ * that matches takes them); without routes that costs the hit path one relaxed load. Frees
+ * need no route: a block goes back to its pool wherever it is freed.
+ *
+ * Errors (each leaves everything as it was): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool
+ * never created, a pool released on this device, a stream routed already on this device (to
+ * any pool), a device out of range; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ */
+gpupool_status gpupool_begin_allocate_to_pool(int device, uint64_t pool, gpupool_stream_t stream);
+
+/**
+ * Routes the allocations the calling thread makes on `device` (-1: current), on any stream,
+ * to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
+ * `torch.cuda.use_mem_pool`). Other threads' allocations are not routed. Each routed
+ * allocation asks the driver whether its stream captures (`cuStreamGetCaptureInfo`), so it
+ * costs a driver call more than a cache hit of the default pools.
+ *
+ * Errors: as `gpupool_begin_allocate_to_pool`, and `GPUPOOL_ERROR_INVALID_VALUE` when the
+ * calling thread is routed already on this device.
+ *
+ * Thread-safe; the route belongs to the calling thread, but any thread may end it.
+ */
+gpupool_status gpupool_begin_allocate_to_pool_thread(int device, uint64_t pool);
+
+/**
+ * Routes the allocations on `device` (-1: current) on the streams for which `filter(user,
+ * stream)` returns nonzero to private pool `pool` until `gpupool_end_allocate_to_pool`
+ * (PyTorch `beginAllocateToPool(device, mempool_id, filter)`; `torch.cuda.graph`'s filter
+ * accepts the streams whose capture id is the graph's, which lets work forked onto side
+ * streams during capture allocate from the pool too).
+ *
+ * `filter` is called only on allocations made while some route is active on the device, on the
+ * allocating thread, with no lock of gpupool's held (it may call gpupool and CUDA, e.g.
+ * `cudaStreamGetCaptureInfo`); never on the hit path otherwise. It and `user` must stay valid
+ * until the route ends, and `filter` must be safe to call from any thread at once. gpupool
+ * does not own `user`. Routes may overlap: no conflict with other routes is checked, and the
+ * route begun first takes an allocation.
+ *
+ * Errors: as `gpupool_begin_allocate_to_pool` (a NULL `filter` is `GPUPOOL_ERROR_INVALID_VALUE`).
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `filter` must be NULL or a function callable as declared, with `user`, from any thread,
+ * until the route ends.
+ */
+gpupool_status gpupool_begin_allocate_to_pool_filter(int device,
+                                                     uint64_t pool,
+                                                     gpupool_stream_filter_t filter,
+                                                     void *user);
+
+/**
+ * Ends every route to private pool `pool` on `device` (-1: current), of every kind and
+ * thread (PyTorch `endAllocateToPool`). Later allocations go to the default pools again;
+ * blocks of the pool stay where they are, and are reused when the pool is routed to again.
+ * Once no route is left on the device, blocks freed during captures get their events.
+ *
+ * Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created,
+ * no active route to the pool on this device, a device out of range;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ */
+gpupool_status gpupool_end_allocate_to_pool(int device, uint64_t pool);
+
+/**
+ * Says that the graphs that used private pool `pool` on `device` (-1: current) are destroyed,
+ * or that the capture failed or was abandoned (PyTorch `releasePool`): the pool's routes on the
+ * device end, its wholly free segments go back to the driver now (`cuMemFree`), and the others
+ * as their last block is freed, even if blocks are still allocated (they stay valid until
+ * freed). The pool's cached blocks are never reused. The id stays valid on other devices.
+ *
+ * Where gpupool differs: PyTorch frees a pool only once every block is free and its use count
+ * is 0, and leaks the pool of a failed capture; gpupool releases on this call. If a capture may
+ * be under way on the device (a route by stream or filter is active, or a stream gpupool found
+ * capturing, the pool's own included, still captures), the segments go back at the next free,
+ * `gpupool_end_allocate_to_pool` or `gpupool_empty_cache` instead, so that no `cuMemFree`
+ * breaks that capture. A released pool that holds nothing is forgotten but for its id (8 bytes
+ * a pool, for the life of the process).
+ *
+ * Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created, a
+ * pool released on this device already, a device out of range;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ */
+gpupool_status gpupool_release_pool(int device, uint64_t pool);
+
+/**
+ * Reads the statistics of private pool `pool` on `device` (-1: current) into `*out`: the
+ * counters of `gpupool_stats` (bytes and counts, as there) over the pool's blocks and
+ * segments only. The device's `gpupool_stats` includes every pool.
+ *
+ * - `out`: caller-owned; set `out->size = sizeof(gpupool_stats_t)` first, as for
+ *   `gpupool_stats`. Written only on success.
+ *
+ * `current`, `allocated` and `freed` are exact; a `peak` is the highest value seen after an
+ * allocation from the pool or at a read (exact for a pool used by one stream at a time). The
+ * device event counts (`num_*`) are 0 here. A pool never used on the device reads as zeros.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, pool 0, a pool never
+ * created, device out of range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; locks the pool's streams one at a time.
+ *
+ * # Safety
+ * `out` must be NULL or point to writable storage of at least `out->size` bytes.
+ */
+gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stats_t *out);
 
 /**
  * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as

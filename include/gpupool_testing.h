@@ -58,6 +58,41 @@ gpupool_status gpupool_sim_set_device(int device);
  */
 gpupool_status gpupool_sim_host_pinned(const void *ptr, size_t len, int *pinned);
 
+/**
+ * Simulated device only: begins capturing `stream` into a CUDA graph on the calling thread
+ * (the simulated `cudaStreamBeginCapture`), in `mode`: 0 global, 1 thread-local, 2 relaxed
+ * (`cudaStreamCaptureMode`). Until `gpupool_sim_end_capture`, the calls CUDA forbids during
+ * capture fail in the simulated driver as on the GPU and invalidate the capture (see
+ * `SimDriver::begin_capture`).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `mode` is
+ * not 0, 1 or 2; `GPUPOOL_ERROR_CUDA` when the stream captures already. Thread-safe.
+ */
+gpupool_status gpupool_sim_begin_capture(gpupool_stream_t stream, int mode);
+
+/**
+ * Simulated device only: ends the capture of `stream` (the simulated `cudaStreamEndCapture`)
+ * and writes to `*valid` 1 when the capture is valid (a graph would be made), 0 when a
+ * forbidden call invalidated it.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `valid` is
+ * NULL; `GPUPOOL_ERROR_CUDA` when the stream is not capturing. Thread-safe.
+ *
+ * # Safety
+ * `valid` must be NULL or point to writable storage for one `int`.
+ */
+gpupool_status gpupool_sim_end_capture(gpupool_stream_t stream, int *valid);
+
+/**
+ * Simulated device only: invalidates the capture of `stream`, as a call of the program's own
+ * that CUDA forbids during capture would (a `cudaMalloc` in global mode, a kernel launch that
+ * fails): `gpupool_sim_end_capture` then reports it failed.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
+ * not capturing. Thread-safe.
+ */
+gpupool_status gpupool_sim_invalidate_capture(gpupool_stream_t stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -19,6 +19,7 @@
 #   c           the C API tests on the real driver
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
+#   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools)
 #   examples    hello, the C++ consumer and engine
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
@@ -69,7 +70,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable examples preload python traces snapshot bench replay host"
+all_sections="rust c gpu expandable graphs examples preload python traces snapshot bench replay host"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -120,11 +121,12 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable; then
+if want gpu || want expandable || want graphs; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
+    if want graphs; then run_gpu_test test_graphs graphs.log; fi
   else
     echo "GPU tests did not configure (see gpu-tests-build.log)"
     status=1

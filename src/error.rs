@@ -19,6 +19,9 @@ pub enum Error {
     Cuda(String),
     /// A bug in gpupool (a caught panic, a broken invariant).
     Internal(String),
+    /// The request needs a driver call that CUDA forbids while the stream captures a CUDA
+    /// graph (a new segment for the default pools); nothing was done and the capture is intact.
+    Capture(String),
 }
 
 impl Error {
@@ -30,7 +33,8 @@ impl Error {
             | Error::InvalidPointer(m)
             | Error::DriverUnavailable(m)
             | Error::Cuda(m)
-            | Error::Internal(m) => m,
+            | Error::Internal(m)
+            | Error::Capture(m) => m,
         }
     }
 

@@ -32,5 +32,6 @@ pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
+pub use caching::device::PoolStats;
 pub use caching::observers::{OomEvent, OomObserverId};
 pub use error::Error;

@@ -13,6 +13,11 @@
 //! With the allocation history on, the same, and after every operation a snapshot that agrees
 //! with the statistics and with a replay of the whole trace (faults and panics included: no
 //! event for what was undone).
+//!
+//! The operations include private pools (routes by stream and by thread, release) and CUDA
+//! graph captures on the simulated device: gpupool never makes a call that CUDA forbids during
+//! capture (the simulated driver counts them), every capture ends valid, and a released pool
+//! gives its memory back.
 
 mod common;
 
@@ -23,23 +28,56 @@ use common::history::{record_all, snapshot_agrees};
 use common::{MIB, check, sim, sim_with};
 use gpupool::Error;
 use gpupool::config::Config;
-use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SIM_PANIC_MARK, SimFault, SimOp};
+use gpupool::driver::{CaptureMode, DriverError};
 use gpupool::history::HistoryContext;
 use gpupool::stats::{DeviceStats, Stat};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Malloc { size: usize, stream: usize },
-    Free { pick: usize },
-    FreeAfterSync { pick: usize },
+    Malloc {
+        size: usize,
+        stream: usize,
+    },
+    Free {
+        pick: usize,
+    },
+    FreeAfterSync {
+        pick: usize,
+    },
     ReleaseDeferred,
-    RecordStream { pick: usize, stream: usize },
-    Hold { stream: usize },
-    Release { stream: usize },
+    RecordStream {
+        pick: usize,
+        stream: usize,
+    },
+    Hold {
+        stream: usize,
+    },
+    Release {
+        stream: usize,
+    },
     EmptyCache,
     ResetPeaks,
+    /// Routes `stream` to a pool and begins capturing it (global or relaxed mode).
+    Capture {
+        stream: usize,
+        pool: usize,
+        global: bool,
+    },
+    /// Ends the capture under way, and its route.
+    EndCapture,
+    /// Routes the thread's allocations to a pool (`use_mem_pool`).
+    RouteThread {
+        pool: usize,
+    },
+    EndRoutes {
+        pool: usize,
+    },
+    /// Releases a pool; a new one takes its place.
+    ReleasePool {
+        pool: usize,
+    },
 }
 
 fn size() -> impl Strategy<Value = usize> {
@@ -62,6 +100,11 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..3).prop_map(|stream| Op::Release { stream }),
         1 => Just(Op::EmptyCache),
         1 => Just(Op::ResetPeaks),
+        1 => (0usize..3, 0usize..2, any::<bool>()).prop_map(|(stream, pool, global)| Op::Capture { stream, pool, global }),
+        1 => Just(Op::EndCapture),
+        1 => (0usize..2).prop_map(|pool| Op::RouteThread { pool }),
+        1 => (0usize..2).prop_map(|pool| Op::EndRoutes { pool }),
+        1 => (0usize..2).prop_map(|pool| Op::ReleasePool { pool }),
     ]
 }
 
@@ -132,10 +175,46 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     // Blocks freed with free_after_device_sync since the last device synchronisation: gpupool
     // must not hand them out, so their contents stay as they were.
     let mut deferred: Vec<(u64, usize, u64)> = Vec::new();
+    let mut pools = [a.pool_create(), a.pool_create()];
+    // The capture under way: its stream, pool index and mode. Meanwhile the program allocates
+    // only on the capturing stream, and neither empties the cache nor asks for a device
+    // synchronisation: those are its own calls that CUDA forbids (a new segment for another
+    // stream, made on this thread, or the out-of-memory path's synchronisation), which gpupool
+    // cannot see coming once no route is active (PyTorch's rule too).
+    let mut capture: Option<(usize, usize, bool)> = None;
     for op in ops {
         let before = (a.stats(0).unwrap().num_alloc_retries, drv.counts());
         let mut simple = true;
         match op {
+            Op::Malloc { stream, .. } if capture.is_some_and(|c| c.0 != stream) => {}
+            Op::EmptyCache | Op::ReleaseDeferred if capture.is_some() => {}
+            Op::Capture { stream, pool, global }
+                if capture.is_none() && a.begin_allocate_to_pool(0, pools[pool], streams[stream]).is_ok() =>
+            {
+                let mode = if global { CaptureMode::Global } else { CaptureMode::Relaxed };
+                drv.begin_capture(streams[stream], mode).unwrap();
+                capture = Some((stream, pool, global));
+            }
+            Op::EndCapture => {
+                if let Some((stream, pool, _)) = capture.take() {
+                    assert!(drv.end_capture(streams[stream]).unwrap(), "a capture was invalidated");
+                    // The route may have ended already (EndRoutes, ReleasePool).
+                    let _ = a.end_allocate_to_pool(0, pools[pool]);
+                    simple = false;
+                }
+            }
+            Op::RouteThread { pool } => {
+                let _ = a.begin_allocate_to_pool_thread(0, pools[pool]);
+            }
+            Op::EndRoutes { pool } => {
+                let _ = a.end_allocate_to_pool(0, pools[pool]);
+                simple = false;
+            }
+            Op::ReleasePool { pool } => {
+                a.release_pool(0, pools[pool]).unwrap();
+                pools[pool] = a.pool_create();
+                simple = false;
+            }
             Op::Malloc { size, stream } => {
                 if let Ok(p) = a.malloc(size, 0, streams[stream]) {
                     cookie += 1;
@@ -172,6 +251,7 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
             _ => {}
         }
         check(&a);
+        assert_eq!(drv.counts().capture_violations, 0, "gpupool made a call CUDA forbids during capture");
         if history {
             snapshot_agrees(&a, true);
         }
@@ -202,6 +282,12 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
             model_peak = peaks(&s);
         }
         assert_eq!(s.reserved_bytes.all.current as usize, drv.used(0), "reserved differs from what the driver holds");
+    }
+    if let Some((stream, _, _)) = capture {
+        assert!(drv.end_capture(streams[stream]).unwrap(), "a capture was invalidated");
+    }
+    for pool in pools {
+        a.release_pool(0, pool).unwrap();
     }
     for (p, size, c) in live.drain(..) {
         assert!(stamped(p, size, c), "block {p:#x} was overwritten while live");

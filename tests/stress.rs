@@ -1,6 +1,8 @@
 //! Threads on several streams at once (two threads a stream, so shards see real contention),
-//! with record_stream across streams, held streams and empty_cache calls; every block carries a
-//! cookie checked before it is freed, and the invariant checker runs at the end.
+//! with record_stream across streams, held streams and empty_cache calls, and some threads
+//! routing their allocations to a private pool of their own for a while (pools released with
+//! blocks still live); every block carries a cookie checked before it is freed, and the
+//! invariant checker runs at the end.
 
 mod common;
 
@@ -56,8 +58,23 @@ fn threads_on_several_streams_with(config: Config) {
                 let stream = 0x100 * (t % 4 + 1);
                 let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1);
                 let mut live: Vec<(u64, usize, u64)> = Vec::new();
+                let mut pool = a.pool_create();
+                let (mut routed, mut toggles) = (false, 0);
                 for i in 0..OPS {
                     let r = xorshift(&mut rng);
+                    if t % 4 == 3 && i % 200 == 0 {
+                        if routed {
+                            a.end_allocate_to_pool(0, pool).unwrap();
+                        } else {
+                            a.begin_allocate_to_pool_thread(0, pool).unwrap();
+                        }
+                        routed = !routed;
+                        toggles += 1;
+                        if !routed && toggles % 6 == 0 {
+                            a.release_pool(0, pool).unwrap();
+                            pool = a.pool_create();
+                        }
+                    }
                     if live.len() < 32 && (r % 3 != 0 || live.is_empty()) {
                         let size = match r % 10 {
                             0 => (r >> 8) as usize % (24 * MIB),
@@ -93,6 +110,10 @@ fn threads_on_several_streams_with(config: Config) {
                         a.empty_cache(0).unwrap();
                     }
                 }
+                if routed {
+                    a.end_allocate_to_pool(0, pool).unwrap();
+                }
+                a.release_pool(0, pool).unwrap();
                 for (p, _, _) in live {
                     a.free(p).unwrap();
                 }

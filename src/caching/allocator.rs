@@ -9,7 +9,7 @@ use arc_swap::{ArcSwap, Guard};
 use parking_lot::Mutex;
 
 use super::deferred::DeferredStats;
-use super::device::DeviceAllocator;
+use super::device::{DeviceAllocator, PoolStats, RouteFilter, RouteTo};
 use super::observers::{OomEvent, OomObserverId, OomObservers};
 use super::segment_index::SegmentIndex;
 use super::shard::Shard;
@@ -23,6 +23,9 @@ use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// The next private pool id: ids are process-wide (one id names the pool on every device and
+/// in every allocator), never 0 (the default pools).
+static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
 
 /// An allocated block, as [`Allocator::block_info`] describes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -283,7 +286,109 @@ impl Allocator {
         if size == 0 {
             return Ok(0);
         }
+        if dev.routes_active()
+            && let Some(pool) = dev.route_for(stream)
+        {
+            return dev.malloc_in_pool(pool, stream, size);
+        }
         self.with_shard(dev, stream, |shard, hot| dev.malloc(shard, size, hot))
+    }
+
+    /// A new private pool (PyTorch `graph_pool_handle()` / `MemPool()`): its id, never 0 (the
+    /// default pools). Ids are process-wide; the pool's memory is per device, made on the
+    /// devices whose allocations are routed to it. Takes no lock and no memory.
+    pub fn pool_create(&self) -> u64 {
+        NEXT_POOL.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `pool` names a pool made by [`Allocator::pool_create`].
+    fn check_pool(pool: u64) -> Result<(), Error> {
+        if pool == 0 {
+            return Err(Error::InvalidValue(
+                "pool 0 names the default pools, which are not a private pool: create one with gpupool_pool_create"
+                    .into(),
+            ));
+        }
+        if pool >= NEXT_POOL.load(Ordering::Relaxed) {
+            return Err(Error::InvalidValue(format!(
+                "pool {pool} was never created (gpupool_pool_create makes pools)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Routes the allocations on `stream` of `device` (-1: current), from any thread, to
+    /// `pool` until [`Allocator::end_allocate_to_pool`] (PyTorch `beginAllocateToPool` with
+    /// `torch.cuda.graph`'s capture stream). See `device::pools` for the rules.
+    ///
+    /// Errors: [`Error::InvalidValue`], nothing changed: pool 0, a pool never created, a pool
+    /// released on the device, a stream routed already, a device out of range.
+    pub fn begin_allocate_to_pool(&self, device: i32, pool: u64, stream: StreamHandle) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Stream(stream))
+    }
+
+    /// Routes the allocations the calling thread makes on `device` (any stream) to `pool`
+    /// (PyTorch `torch.cuda.use_mem_pool`).
+    ///
+    /// Errors: as [`Allocator::begin_allocate_to_pool`]; the thread routed already.
+    pub fn begin_allocate_to_pool_thread(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Thread(std::thread::current().id()))
+    }
+
+    /// Routes the allocations on `device` on the streams for which `filter` is true to `pool`
+    /// (PyTorch `beginAllocateToPool(device, mempool_id, filter)`). `filter` is called only on
+    /// allocations made while some route is active on the device, from the allocating thread,
+    /// with no lock of gpupool's held.
+    ///
+    /// Errors: as [`Allocator::begin_allocate_to_pool`] (no conflict is checked: filters may
+    /// overlap; the route begun first takes an allocation).
+    pub fn begin_allocate_to_pool_filter(
+        &self,
+        device: i32,
+        pool: u64,
+        filter: impl Fn(StreamHandle) -> bool + Send + Sync + 'static,
+    ) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        let filter: RouteFilter = Arc::new(filter);
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Filter(filter))
+    }
+
+    /// Ends every route to `pool` on `device` (PyTorch `endAllocateToPool`). Blocks freed
+    /// during captures get their events once no route is left on the device.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, no route to it on the device.
+    pub fn end_allocate_to_pool(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.end_routes(pool)
+    }
+
+    /// Releases `pool` on `device` (PyTorch `releasePool`): the graphs that used it are gone,
+    /// or the capture failed. Its routes end; its wholly free segments go back to the driver
+    /// now, the others as their last block is freed, even if blocks are still allocated; its
+    /// cached blocks are never reused and its id is refused for new routes on the device.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, released already on the device.
+    pub fn release_pool(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.release_pool(pool)
+    }
+
+    /// The statistics of `pool` on `device` (zero where it was never used). The device's
+    /// [`Allocator::stats`] include every pool.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, device out of range.
+    pub fn pool_stats(&self, device: i32, pool: u64) -> Result<PoolStats, Error> {
+        Self::check_pool(pool)?;
+        Ok(self.device_or_init(device)?.pool_stats(pool))
+    }
+
+    /// The statistics of every private pool routed to on `device`, by id.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range).
+    pub fn all_pool_stats(&self, device: i32) -> Result<Vec<PoolStats>, Error> {
+        Ok(self.device_or_init(device)?.all_pool_stats())
     }
 
     /// Attaches `observer`, called when a request fails for lack of memory on any device of
@@ -506,7 +611,9 @@ impl Allocator {
     /// Errors: as [`Allocator::stats`].
     pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
         let dev = self.device_or_init(device)?;
-        Ok(memory_summary(dev.device, self.driver.name(), &dev.stats()))
+        let mut text = memory_summary(dev.device, self.driver.name(), &dev.stats());
+        text.push_str(&crate::stats::summary::pools_summary(&dev.all_pool_stats()));
+        Ok(text)
     }
 
     /// Starts, changes or stops the allocation history of every device (PyTorch
@@ -612,7 +719,10 @@ impl Allocator {
     /// exactly and in order, free neighbours are coalesced, each free block is in its pool
     /// once, the live map holds exactly the allocated blocks, pending events match the blocks
     /// awaiting them, each statistic equals a recount, the peak credit adds up, no two
-    /// segments overlap, and each tag's current figures are its live blocks'. Takes every
+    /// segments overlap, each tag's current figures are its live blocks', and the private
+    /// pools agree with their routes (counted routes, none to a released pool, each pool
+    /// shard's release state, segments kept for a graph only in live pools, never expandable,
+    /// blocks deferred until no capture listed as such). Takes every
     /// lock; O(blocks). Call it while no other thread allocates or frees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut end = 0;

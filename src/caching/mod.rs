@@ -12,14 +12,17 @@
 //!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
 //!   `observers`: the functions called when a request fails.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
+//! - `capture`: knowing whether a CUDA graph capture is under way; `device::pools`: private
+//!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
 
 pub(crate) mod allocator;
 mod block;
+mod capture;
 pub(crate) mod counters;
 pub(crate) mod deferred;
-mod device;
+pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;

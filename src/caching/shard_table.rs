@@ -21,7 +21,8 @@ use super::shard::{Shard, ShardState};
 use crate::driver::StreamHandle;
 
 pub(crate) struct ShardTable {
-    by_stream: Mutex<FxHashMap<StreamHandle, Arc<Shard>>>,
+    /// By (private pool, stream); pool 0 is the device's default pools.
+    by_stream: Mutex<FxHashMap<(u64, StreamHandle), Arc<Shard>>>,
     /// Starts at 1: a new shard's `dirty_epoch` is 0, so its first call puts it on the list.
     epoch: AtomicU64,
     dirty: Mutex<Vec<Arc<Shard>>>,
@@ -34,9 +35,15 @@ impl Default for ShardTable {
 }
 
 impl ShardTable {
-    /// The shard of `stream`, created on first use (or after its last one was retired).
-    pub fn get_or_create(&self, stream: StreamHandle) -> Arc<Shard> {
-        self.by_stream.lock().entry(stream).or_insert_with(|| Arc::new(Shard::new(stream))).clone()
+    /// The shard of `stream` in `pool` (0: the default pools), created on first use (or after
+    /// its last one was retired).
+    pub fn get_or_create(&self, pool: u64, stream: StreamHandle) -> Arc<Shard> {
+        self.by_stream.lock().entry((pool, stream)).or_insert_with(|| Arc::new(Shard::new(pool, stream))).clone()
+    }
+
+    /// The shards of private pool `pool`.
+    pub fn of_pool(&self, pool: u64) -> Vec<Arc<Shard>> {
+        self.by_stream.lock().iter().filter(|(k, _)| k.0 == pool).map(|(_, s)| s.clone()).collect()
     }
 
     /// Every shard in the table (for the slow paths that visit them all).
@@ -81,7 +88,8 @@ impl ShardTable {
     }
 
     /// Takes out of the table every shard for which `idle` (called with its lock held, and
-    /// given the current epoch) says so, flagging it retired. Call with the device's peak lock
+    /// given the current epoch) says so, flagging it retired. The shards of a private pool not
+    /// yet released stay: they keep the pool's statistics. Call with the device's peak lock
     /// held, after a settle. Returns how many were retired.
     pub fn retire_idle(&self, mut idle: impl FnMut(&mut ShardState, u64) -> bool) -> usize {
         let epoch = self.epoch.load(Ordering::Relaxed);
@@ -89,7 +97,7 @@ impl ShardTable {
         let before = table.len();
         table.retain(|_, shard| {
             let Some(mut st) = shard.try_lock() else { return true };
-            if st.dirty_epoch == epoch || !idle(&mut st, epoch) {
+            if st.dirty_epoch == epoch || (shard.pool != 0 && !st.released) || !idle(&mut st, epoch) {
                 return true;
             }
             shard.retire(&mut st);

@@ -21,7 +21,10 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle};
+use super::{
+    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle,
+    StreamHandle,
+};
 
 /// Every driver function gpupool calls: checked at start, so that a library lacking one is
 /// refused with its name instead of panicking inside cudarc at the first call.
@@ -67,6 +70,13 @@ const VMM_FUNCTIONS: [&str; 10] = [
 /// [`REQUIRED`]: every driver since CUDA 4.0 has them.
 const HOST_FUNCTIONS: [&str; 5] =
     ["cuMemHostAlloc", "cuMemFreeHost", "cuMemHostRegister_v2", "cuMemHostUnregister", "cuStreamGetCtx"];
+
+/// The driver functions of stream capture (CUDA 11.3 and later). Not in [`REQUIRED`]: a
+/// driver without them still starts, and no stream can capture there, so every stream reads
+/// as not capturing. `cuStreamGetCaptureInfo_v2` is the symbol behind CUDA 12's
+/// `cuStreamGetCaptureInfo`, still exported by CUDA 13's drivers (whose `cuStreamGetCaptureInfo`
+/// has the third version's signature).
+const CAPTURE_FUNCTIONS: [&str; 2] = ["cuStreamGetCaptureInfo_v2", "cuThreadExchangeStreamCaptureMode"];
 
 /// The first of `names` for which `present` is false, in the order of `names`.
 fn first_missing(names: &[&'static str], present: impl Fn(&str) -> bool) -> Option<&'static str> {
@@ -166,6 +176,8 @@ pub struct CudaDriver {
     /// Per device: the virtual memory granularity, `None` where the device cannot manage
     /// virtual memory; set on the first answer (a failed query is asked again next time).
     granularity: Vec<OnceLock<Option<usize>>>,
+    /// Whether the driver library has every function of [`CAPTURE_FUNCTIONS`].
+    capture: bool,
     /// Per device: the access descriptors of [`Driver::mem_set_access`] (the device, then its
     /// peers); set on the first success.
     access: Vec<OnceLock<Vec<sys::CUmemAccessDesc>>>,
@@ -216,7 +228,9 @@ impl CudaDriver {
             (0..count).map(|_| OnceLock::new()).collect()
         }
         let vmm_missing = first_missing(&VMM_FUNCTIONS, exported);
+        let capture = first_missing(&CAPTURE_FUNCTIONS, exported).is_none();
         Ok(CudaDriver {
+            capture,
             devices,
             contexts: per_device(count),
             vmm_missing,
@@ -550,6 +564,58 @@ impl Driver for CudaDriver {
         // SAFETY: whole mappings made by mem_map; no work uses them (the caller's duty).
         self.in_context(device, || check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) }))
     }
+
+    /// In the device's primary context, where the legacy default stream (0) is the one the
+    /// runtime API's kernels use.
+    fn stream_capture_status(&self, device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
+        if !self.capture {
+            return Ok(CaptureStatus::None);
+        }
+        self.in_context(device, || {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            let mut id: sys::cuuint64_t = 0;
+            // SAFETY: writes the status and the id; the graph and dependency outputs are
+            // optional (NULL). The stream is the caller's handle.
+            check("cuStreamGetCaptureInfo", unsafe {
+                sys::cuStreamGetCaptureInfo_v2(
+                    stream as sys::CUstream,
+                    &mut status,
+                    &mut id,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+            })?;
+            Ok(capture_status(status, id))
+        })
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        if !self.capture {
+            return Ok(mode);
+        }
+        let mut m = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: reads and writes one mode; affects the calling thread only.
+        check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) })?;
+        Ok(match m {
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+        })
+    }
+}
+
+/// The status `cuStreamGetCaptureInfo` wrote, with the capture's id when active.
+fn capture_status(status: sys::CUstreamCaptureStatus, id: u64) -> CaptureStatus {
+    match status {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active(id),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
+    }
 }
 
 #[cfg(test)]
@@ -569,8 +635,23 @@ mod tests {
     fn every_simulated_call_names_a_checked_function() {
         for op in crate::driver::sim::SimOp::ALL {
             let name = op.symbol();
-            let checked = [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS].iter().any(|l| l.contains(&name));
+            let checked =
+                [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS, &CAPTURE_FUNCTIONS].iter().any(|l| l.contains(&name));
             assert!(checked, "{op:?}: {name} is never checked");
+        }
+    }
+
+    #[test]
+    fn capture_statuses_and_modes_have_cuda_h_values() {
+        use sys::CUstreamCaptureStatus as S;
+        assert_eq!(capture_status(S::CU_STREAM_CAPTURE_STATUS_NONE, 9), CaptureStatus::None);
+        assert_eq!(capture_status(S::CU_STREAM_CAPTURE_STATUS_ACTIVE, 9), CaptureStatus::Active(9));
+        assert_eq!(capture_status(S::CU_STREAM_CAPTURE_STATUS_INVALIDATED, 9), CaptureStatus::Invalidated);
+        assert_eq!(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as u32, 2);
+        assert_eq!(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as u32, 900);
+        assert_eq!(sys::CUresult::CUDA_ERROR_CAPTURED_EVENT as u32, 907);
+        for name in CAPTURE_FUNCTIONS {
+            assert!(!REQUIRED.contains(&name), "{name} is required at start, so a driver without it would not start");
         }
     }
 

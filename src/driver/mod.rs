@@ -33,6 +33,41 @@ pub struct MemInfo {
     pub total: usize,
 }
 
+/// Whether a stream is capturing work into a CUDA graph (`CUstreamCaptureStatus`, with the
+/// capture's id from `cuStreamGetCaptureInfo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Not capturing (`CU_STREAM_CAPTURE_STATUS_NONE`): work runs as it is queued.
+    None,
+    /// Capturing (`CU_STREAM_CAPTURE_STATUS_ACTIVE`); the id is unique to this capture
+    /// sequence in the process.
+    Active(u64),
+    /// The capture was invalidated by an illegal call (`CU_STREAM_CAPTURE_STATUS_INVALIDATED`)
+    /// and is not yet ended; the stream is still in capture mode.
+    Invalidated,
+}
+
+impl CaptureStatus {
+    /// Whether the stream is in capture mode (active or invalidated): nothing may wait on it.
+    pub fn is_capturing(self) -> bool {
+        self != CaptureStatus::None
+    }
+}
+
+/// How a capture, or a thread, restricts the "potentially unsafe" calls made while a capture is
+/// underway (CUDA `CUstreamCaptureMode`; the CUDA Runtime API's
+/// `cudaThreadExchangeStreamCaptureMode` describes the rules).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL`: a thread whose own capture was not begun relaxed, or
+    /// any thread while another thread's global capture is underway, may not make unsafe calls.
+    Global,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: only the thread's own captures restrict it.
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: the thread is not restricted.
+    Relaxed,
+}
+
 /// What a driver call can fail with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DriverError {
@@ -138,6 +173,18 @@ pub trait Driver: Send + Sync {
     /// default stream (0), `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD` (2) belong to the
     /// calling thread's current context: [`Driver::current_device`].
     fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError>;
+    // Stream capture (CUDA graphs). The allocator asks before a call that CUDA forbids
+    // while a stream captures, never on the cache-hit path.
+
+    /// Whether `stream` (a stream of `device`; 0 is the legacy default stream in the device's
+    /// primary context) is capturing, and the capture's id (`cuStreamGetCaptureInfo`). A
+    /// driver without the capture calls answers [`CaptureStatus::None`]: nothing can capture.
+    fn stream_capture_status(&self, device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError>;
+    /// Sets the calling thread's capture mode to `mode` and returns the one it replaces
+    /// (`cuThreadExchangeStreamCaptureMode`). [`CaptureMode::Relaxed`] lets the thread make
+    /// calls such as `cuMemAlloc` while a stream captures (PyTorch's
+    /// `cudaMallocMaybeCapturing`); the caller sets the old mode back after.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError>;
 }
 
 /// A host address (a `void *` of page-locked host memory, as an integer).

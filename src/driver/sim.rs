@@ -18,6 +18,13 @@
 //!   ([`SimFault::MissingSymbol`]), or panic as cudarc does when `libcuda.so.1` lacks the
 //!   symbol ([`SimFault::Panic`]): the allocator above must survive each of them.
 //!
+//! - Stream capture: a test begins and ends a capture on a stream ([`SimDriver::begin_capture`],
+//!   [`SimDriver::end_capture`]) in one of CUDA's modes. While a stream captures, the calls
+//!   CUDA forbids fail as on the GPU, with CUDA's codes, and invalidate the capture (see
+//!   [`SimDriver::begin_capture`]); [`SimCounts::capture_violations`] counts them. The
+//!   simulated streams belong to no device, so synchronising any device waits on every
+//!   capturing stream.
+//!
 //! Selected with `GPUPOOL_DRIVER=sim`; capacity and device count from `GPUPOOL_SIM_CAPACITY`
 //! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
 
@@ -27,7 +34,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::{DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle};
+use super::{
+    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle,
+    StreamHandle,
+};
 
 /// The kinds of driver call a fault can be injected into: every call of [`Driver`] but
 /// `name` and `device_count`, which cannot fail.
@@ -59,6 +69,8 @@ pub enum SimOp {
     HostRegister,
     HostUnregister,
     StreamDevice,
+    StreamGetCaptureInfo,
+    ThreadExchangeCaptureMode,
 }
 
 impl SimOp {
@@ -67,7 +79,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 24] = [
+    pub const ALL: [SimOp; 26] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -92,6 +104,8 @@ impl SimOp {
         SimOp::HostRegister,
         SimOp::HostUnregister,
         SimOp::StreamDevice,
+        SimOp::StreamGetCaptureInfo,
+        SimOp::ThreadExchangeCaptureMode,
     ];
 
     /// The CUDA driver function that [`super::cuda::CudaDriver`] calls for this kind (the
@@ -122,6 +136,8 @@ impl SimOp {
             SimOp::HostRegister => "cuMemHostRegister_v2",
             SimOp::HostUnregister => "cuMemHostUnregister",
             SimOp::StreamDevice => "cuStreamGetCtx",
+            SimOp::StreamGetCaptureInfo => "cuStreamGetCaptureInfo_v2",
+            SimOp::ThreadExchangeCaptureMode => "cuThreadExchangeStreamCaptureMode",
         }
     }
 }
@@ -179,6 +195,28 @@ pub struct SimCounts {
     /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
     /// a GPU they would be synchronous staging copies, not asynchronous DMA.
     pub unpinned_copies: u64,
+    /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
+    pub capture_info: u64,
+    /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
+    /// invalidated a capture. A capture-safe allocator keeps this at 0.
+    pub capture_violations: u64,
+}
+
+/// A capture under way on a stream.
+struct Capture {
+    id: u64,
+    stream: StreamHandle,
+    mode: CaptureMode,
+    /// The thread that began it (CUDA's "local thread" of the capture).
+    thread: std::thread::ThreadId,
+    /// Cleared by a forbidden call; [`SimDriver::end_capture`] then reports the capture
+    /// failed.
+    valid: bool,
+}
+
+/// What CUDA answers a call it forbids during capture.
+fn capture_unsupported(call: &'static str) -> DriverError {
+    DriverError::Cuda { call, code: 900, name: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED".into() }
 }
 
 #[derive(Default)]
@@ -241,6 +279,11 @@ struct State {
     next_handle: u64,
     streams: FxHashMap<StreamHandle, SimStream>,
     events: FxHashMap<u64, Option<(StreamHandle, u64)>>,
+    /// Events last recorded on a stream during its capture, by event, with the capture's id:
+    /// a node of the graph, which cannot be queried or waited for.
+    captured_events: FxHashMap<u64, u64>,
+    captures: Vec<Capture>,
+    next_capture: u64,
     next_event: u64,
     faults: Vec<Fault>,
     counts: SimCounts,
@@ -297,6 +340,72 @@ fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
 
 thread_local! {
     static CURRENT_DEVICE: Cell<i32> = const { Cell::new(0) };
+    /// The thread's capture mode (`cuThreadExchangeStreamCaptureMode`); CUDA starts every
+    /// thread in global mode.
+    static THREAD_CAPTURE_MODE: Cell<CaptureMode> = const { Cell::new(CaptureMode::Global) };
+}
+
+impl State {
+    /// CUDA's rule for a "potentially unsafe" call (`cuMemAlloc`, `cuMemFree`, the virtual
+    /// memory calls) made by the calling thread, from `cudaThreadExchangeStreamCaptureMode`:
+    /// in global mode, the thread may not make one while a capture it began (not relaxed) is
+    /// under way, nor while another thread's global-mode capture is; in thread-local mode,
+    /// only its own captures count; in relaxed mode, none. A forbidden call fails with
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the captures that forbade it.
+    fn unsafe_call(&mut self, call: &'static str) -> Result<(), DriverError> {
+        if self.captures.is_empty() {
+            return Ok(());
+        }
+        let mode = THREAD_CAPTURE_MODE.with(|m| m.get());
+        let me = std::thread::current().id();
+        let mut forbidden = false;
+        for c in &mut self.captures {
+            let blocks = match mode {
+                CaptureMode::Relaxed => false,
+                CaptureMode::ThreadLocal => c.thread == me && c.mode != CaptureMode::Relaxed,
+                CaptureMode::Global => {
+                    (c.thread == me && c.mode != CaptureMode::Relaxed)
+                        || (c.thread != me && c.mode == CaptureMode::Global)
+                }
+            };
+            if blocks {
+                c.valid = false;
+                forbidden = true;
+            }
+        }
+        if forbidden {
+            self.counts.capture_violations += 1;
+            return Err(capture_unsupported(call));
+        }
+        Ok(())
+    }
+
+    /// Waiting on `stream` (or, `None`, on the whole device): forbidden while the stream (any
+    /// stream) captures, in every mode; the capture is invalidated.
+    fn wait_on(&mut self, stream: Option<StreamHandle>, call: &'static str) -> Result<(), DriverError> {
+        let mut forbidden = false;
+        for c in self.captures.iter_mut().filter(|c| stream.is_none_or(|s| s == c.stream)) {
+            c.valid = false;
+            forbidden = true;
+        }
+        if forbidden {
+            self.counts.capture_violations += 1;
+            return Err(capture_unsupported(call));
+        }
+        Ok(())
+    }
+
+    /// An event recorded during a capture is a node of the graph: querying or waiting for it
+    /// fails with `CUDA_ERROR_CAPTURED_EVENT` (and, while its capture is under way, invalidates
+    /// it).
+    fn captured_event(&mut self, event: EventHandle, call: &'static str) -> Result<(), DriverError> {
+        let Some(&id) = self.captured_events.get(&event.0) else { return Ok(()) };
+        if let Some(c) = self.captures.iter_mut().find(|c| c.id == id) {
+            c.valid = false;
+        }
+        self.counts.capture_violations += 1;
+        Err(DriverError::Cuda { call, code: 907, name: "CUDA_ERROR_CAPTURED_EVENT".into() })
+    }
 }
 
 /// A simulated set of devices. Thread-safe; all state sits behind one mutex (the simulated
@@ -337,6 +446,65 @@ impl SimDriver {
         let s = st.streams.entry(stream).or_default();
         s.held = false;
         s.completed = s.recorded;
+    }
+
+    /// Begins capturing `stream` in `mode` on the calling thread (`cuStreamBeginCapture`). Until
+    /// [`SimDriver::end_capture`], the calls CUDA forbids fail as on the GPU and invalidate
+    /// the capture: `cuMemAlloc`, `cuMemFree` and the virtual memory calls from a thread the
+    /// capture modes restrict (see `cuThreadExchangeStreamCaptureMode`: a global-mode capture
+    /// restricts every thread in global mode, a thread-local one its own thread, a relaxed one
+    /// none), synchronising the device or the stream, and querying or synchronising an event
+    /// recorded on the stream during the capture. Recording events is allowed.
+    ///
+    /// Errors: `CUDA_ERROR_ILLEGAL_STATE` (401) when the stream captures already.
+    pub fn begin_capture(&self, stream: StreamHandle, mode: CaptureMode) -> Result<u64, DriverError> {
+        let mut st = self.state.lock();
+        if st.captures.iter().any(|c| c.stream == stream) {
+            return Err(DriverError::Cuda {
+                call: "cuStreamBeginCapture",
+                code: 401,
+                name: "CUDA_ERROR_ILLEGAL_STATE".into(),
+            });
+        }
+        st.next_capture += 1;
+        let id = st.next_capture;
+        st.captures.push(Capture { id, stream, mode, thread: std::thread::current().id(), valid: true });
+        Ok(id)
+    }
+
+    /// Ends the capture of `stream` (`cuStreamEndCapture`): true when it is valid (a graph
+    /// would be made), false when a forbidden call invalidated it (CUDA answers
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
+    ///
+    /// Errors: `CUDA_ERROR_ILLEGAL_STATE` (401) when the stream is not capturing.
+    pub fn end_capture(&self, stream: StreamHandle) -> Result<bool, DriverError> {
+        let mut st = self.state.lock();
+        let Some(i) = st.captures.iter().position(|c| c.stream == stream) else {
+            return Err(DriverError::Cuda {
+                call: "cuStreamEndCapture",
+                code: 401,
+                name: "CUDA_ERROR_ILLEGAL_STATE".into(),
+            });
+        };
+        Ok(st.captures.remove(i).valid)
+    }
+
+    /// Invalidates the capture of `stream`, as a call of the program's own that CUDA forbids
+    /// during capture would (a `cudaMalloc` in global mode, a kernel launch that fails). Returns
+    /// whether the stream was capturing.
+    pub fn invalidate_capture(&self, stream: StreamHandle) -> bool {
+        let mut st = self.state.lock();
+        st.captures.iter_mut().find(|c| c.stream == stream).map(|c| c.valid = false).is_some()
+    }
+
+    /// The capture status of `stream`, counting no call (for tests).
+    pub fn capture_status(&self, stream: StreamHandle) -> CaptureStatus {
+        let st = self.state.lock();
+        match st.captures.iter().find(|c| c.stream == stream) {
+            None => CaptureStatus::None,
+            Some(c) if c.valid => CaptureStatus::Active(c.id),
+            Some(_) => CaptureStatus::Invalidated,
+        }
     }
 
     /// Makes a later call of kind `op` fail with `error`: the call after `skip` successful ones.
@@ -481,6 +649,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_alloc += 1;
         st.fault(SimOp::MemAlloc)?;
+        st.unsafe_call("cuMemAlloc")?;
         if size == 0 {
             return Err(invalid("cuMemAlloc"));
         }
@@ -511,6 +680,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_free += 1;
         st.fault(SimOp::MemFree)?;
+        st.unsafe_call("cuMemFree")?;
         let (device, size) = st.allocations.remove(&ptr).ok_or_else(|| invalid("cuMemFree"))?;
         st.used[device as usize] -= size;
         // SAFETY: `ptr` and `size` are exactly a mapping made by `mem_alloc` and not yet unmapped.
@@ -541,6 +711,12 @@ impl Driver for SimDriver {
         if !st.events.contains_key(&event.0) {
             return Err(invalid("cuEventRecord"));
         }
+        // Recorded into the graph, not run: the stream's work does not advance.
+        if let Some(id) = st.captures.iter().find(|c| c.stream == stream).map(|c| c.id) {
+            st.captured_events.insert(event.0, id);
+            return Ok(());
+        }
+        st.captured_events.remove(&event.0);
         let s = st.streams.entry(stream).or_default();
         s.recorded += 1;
         if !s.held {
@@ -555,6 +731,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.event_query += 1;
         st.fault(SimOp::EventQuery)?;
+        st.captured_event(event, "cuEventQuery")?;
         SimDriver::event_done(&st, event)
     }
 
@@ -562,6 +739,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.event_synchronize += 1;
         st.fault(SimOp::EventSynchronize)?;
+        st.captured_event(event, "cuEventSynchronize")?;
         if let Some(Some((stream, ticket))) = st.events.get(&event.0).copied() {
             let s = st.streams.entry(stream).or_default();
             s.completed = s.completed.max(ticket);
@@ -576,21 +754,40 @@ impl Driver for SimDriver {
         st.counts.event_destroy += 1;
         if st.fault(SimOp::EventDestroy).is_ok() {
             st.events.remove(&event.0);
+            st.captured_events.remove(&event.0);
         }
     }
 
     /// The simulated device runs no work, so there is nothing to wait for (a held stream stays
-    /// held): counts the call, or fails or panics with an injected fault.
+    /// held): counts the call, or fails or panics with an injected fault, or fails as CUDA
+    /// does while a stream captures.
     fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
         let mut st = self.state.lock();
         st.counts.device_synchronize += 1;
         st.fault(SimOp::DeviceSynchronize)?;
+        st.wait_on(None, "cuCtxSynchronize")?;
         Ok(())
     }
 
     fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
         self.lock_free_fault(SimOp::CurrentPrimaryDevice)?;
         Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
+    }
+
+    fn stream_capture_status(&self, _device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.capture_info += 1;
+        st.fault(SimOp::StreamGetCaptureInfo)?;
+        Ok(match st.captures.iter().find(|c| c.stream == stream) {
+            None => CaptureStatus::None,
+            Some(c) if c.valid => CaptureStatus::Active(c.id),
+            Some(_) => CaptureStatus::Invalidated,
+        })
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        self.lock_free_fault(SimOp::ThreadExchangeCaptureMode)?;
+        Ok(THREAD_CAPTURE_MODE.with(|m| m.replace(mode)))
     }
 
     fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
@@ -602,6 +799,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.address_reserve += 1;
         st.fault(SimOp::AddressReserve)?;
+        st.unsafe_call("cuMemAddressReserve")?;
         if size == 0 || size % SIM_GRANULARITY != 0 {
             return Err(invalid("cuMemAddressReserve"));
         }
@@ -634,6 +832,7 @@ impl Driver for SimDriver {
     fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
         let mut st = self.state.lock();
         st.fault(SimOp::AddressFree)?;
+        st.unsafe_call("cuMemAddressFree")?;
         match st.ranges.get(&ptr) {
             Some(r) if r.size == size && r.mapped.is_empty() => {}
             _ => return Err(invalid("cuMemAddressFree")),
@@ -648,6 +847,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_create += 1;
         st.fault(SimOp::MemCreate)?;
+        st.unsafe_call("cuMemCreate")?;
         if size == 0 || size % SIM_GRANULARITY != 0 {
             return Err(invalid("cuMemCreate"));
         }
@@ -665,6 +865,7 @@ impl Driver for SimDriver {
     fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
         let mut st = self.state.lock();
         st.fault(SimOp::MemRelease)?;
+        st.unsafe_call("cuMemRelease")?;
         match st.handles.get(&handle.0) {
             Some(h) if h.mapped_at.is_none() => {}
             _ => return Err(invalid("cuMemRelease")),
@@ -678,6 +879,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_map += 1;
         st.fault(SimOp::MemMap)?;
+        st.unsafe_call("cuMemMap")?;
         let fits = st.handles.get(&handle.0).is_some_and(|h| h.size == size && h.mapped_at.is_none());
         let Some((_, r)) = st.range_of(ptr, size).filter(|_| fits && ptr % SIM_GRANULARITY as u64 == 0) else {
             return Err(invalid("cuMemMap"));
@@ -695,6 +897,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_set_access += 1;
         st.fault(SimOp::MemSetAccess)?;
+        st.unsafe_call("cuMemSetAccess")?;
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
@@ -712,6 +915,7 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.counts.mem_unmap += 1;
         st.fault(SimOp::MemUnmap)?;
+        st.unsafe_call("cuMemUnmap")?;
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemUnmap"));
         };

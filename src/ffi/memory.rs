@@ -33,6 +33,15 @@ use crate::error::Error;
 /// for lack of memory (an event query is no allocation: not `OUT_OF_MEMORY`, not in
 /// `num_ooms`, and the event stays pending).
 ///
+/// While a route to a private pool is active on the device (`gpupool_begin_allocate_to_pool`
+/// and its variants), an allocation the route takes comes from that pool instead. While
+/// `stream` captures a CUDA graph, gpupool makes no call CUDA forbids then: a request that no
+/// cached block of the default pools fits fails with `GPUPOOL_ERROR_STREAM_CAPTURE` (the
+/// capture stays intact; route the stream to a private pool, or warm up first), and a private
+/// pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`). While a capture may be
+/// under way on the device, the out-of-memory path cannot release the cache (that would break
+/// the capture): a request that needs it fails with `GPUPOOL_ERROR_STREAM_CAPTURE`.
+///
 /// Thread-safe.
 ///
 /// # Safety
@@ -116,9 +125,15 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 /// pending event): a program that used many streams once gets that memory back, and a later
 /// call on such a stream starts afresh. Empty size bins of the pools are dropped.
 ///
+/// Private pools: their wholly free segments go back too, but those a CUDA graph captured into
+/// stay until `gpupool_release_pool` (see `gpupool_begin_allocate_to_pool`).
+///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
 /// waiting or freeing fails, a wait that fails for lack of memory included (what was released
-/// before stays released); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+/// before stays released); `GPUPOOL_ERROR_STREAM_CAPTURE`, nothing done on that device, while
+/// a capture may be under way there (a route by stream or filter is active, or a stream gpupool
+/// found capturing still captures): waiting and freeing would break it;
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
 ///
 /// Thread-safe; blocks the calling thread while it waits for events.
 #[unsafe(no_mangle)]

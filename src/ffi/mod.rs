@@ -24,6 +24,7 @@ pub mod history;
 pub mod host;
 pub mod memory;
 pub mod oom;
+pub mod pools;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;

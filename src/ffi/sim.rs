@@ -5,6 +5,7 @@ use std::ffi::{c_int, c_void};
 
 use super::status::{boundary, gpupool_status};
 use super::{Runtime, gpupool_stream_t, runtime};
+use crate::driver::CaptureMode;
 use crate::driver::sim::SimDriver;
 use crate::error::Error;
 
@@ -78,6 +79,64 @@ pub unsafe extern "C" fn gpupool_sim_host_pinned(ptr: *const c_void, len: usize,
         let is = sim()?.1.is_pinned(ptr as usize, len);
         // SAFETY: the caller passes storage for one `int`.
         unsafe { out.write(c_int::from(is)) };
+        Ok(())
+    })
+}
+
+/// Simulated device only: begins capturing `stream` into a CUDA graph on the calling thread
+/// (the simulated `cudaStreamBeginCapture`), in `mode`: 0 global, 1 thread-local, 2 relaxed
+/// (`cudaStreamCaptureMode`). Until `gpupool_sim_end_capture`, the calls CUDA forbids during
+/// capture fail in the simulated driver as on the GPU and invalidate the capture (see
+/// `SimDriver::begin_capture`).
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `mode` is
+/// not 0, 1 or 2; `GPUPOOL_ERROR_CUDA` when the stream captures already. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_int) -> gpupool_status {
+    boundary("gpupool_sim_begin_capture", || {
+        let mode = match mode {
+            0 => CaptureMode::Global,
+            1 => CaptureMode::ThreadLocal,
+            2 => CaptureMode::Relaxed,
+            m => return Err(Error::InvalidValue(format!("capture mode {m} is not 0, 1 or 2"))),
+        };
+        sim()?.1.begin_capture(stream as usize, mode).map_err(|e| Error::driver(e, "beginning a capture"))?;
+        Ok(())
+    })
+}
+
+/// Simulated device only: ends the capture of `stream` (the simulated `cudaStreamEndCapture`)
+/// and writes to `*valid` 1 when the capture is valid (a graph would be made), 0 when a
+/// forbidden call invalidated it.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `valid` is
+/// NULL; `GPUPOOL_ERROR_CUDA` when the stream is not capturing. Thread-safe.
+///
+/// # Safety
+/// `valid` must be NULL or point to writable storage for one `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid: *mut c_int) -> gpupool_status {
+    boundary("gpupool_sim_end_capture", || {
+        let valid = super::status::out_ptr(valid, "valid")?;
+        let ok = sim()?.1.end_capture(stream as usize).map_err(|e| Error::driver(e, "ending a capture"))?;
+        // SAFETY: the caller passes storage for one int.
+        unsafe { valid.write(c_int::from(ok)) };
+        Ok(())
+    })
+}
+
+/// Simulated device only: invalidates the capture of `stream`, as a call of the program's own
+/// that CUDA forbids during capture would (a `cudaMalloc` in global mode, a kernel launch that
+/// fails): `gpupool_sim_end_capture` then reports it failed.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
+/// not capturing. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_sim_invalidate_capture", || {
+        if !sim()?.1.invalidate_capture(stream as usize) {
+            return Err(Error::InvalidValue(format!("stream {:#x} is not capturing", stream as usize)));
+        }
         Ok(())
     })
 }

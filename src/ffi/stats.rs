@@ -174,20 +174,33 @@ const HEADER: usize = 8;
 pub unsafe extern "C" fn gpupool_stats(device: c_int, out: *mut gpupool_stats_t) -> gpupool_status {
     boundary("gpupool_stats", || {
         let out = out_ptr(out, "out")?.as_ptr();
-        // SAFETY: `out` is non-NULL and points to at least the 4-byte `size` field.
-        let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
-        if caller_size < HEADER {
-            return Err(Error::InvalidValue(format!(
-                "out->size is {caller_size}; set it to sizeof(gpupool_stats_t) first"
-            )));
-        }
-        let mut full = gpupool_stats_t::from(&runtime()?.allocator.stats(device)?);
-        let n = caller_size.min(size_of::<gpupool_stats_t>());
-        full.size = n as u32;
-        // SAFETY: the caller's struct is at least `caller_size >= n` bytes, per the contract.
-        unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out.cast::<u8>(), n) };
-        Ok(())
+        let stats = runtime()?.allocator.stats(device)?;
+        // SAFETY: the caller's pointer, per this function's contract.
+        unsafe { write_stats(out, &stats) }
     })
+}
+
+/// Writes `stats` to the caller's extensible struct: its first `min(out->size, sizeof)` bytes,
+/// and `out->size` to that count.
+///
+/// Errors: [`Error::InvalidValue`] when `out->size` is under 8 (nothing written).
+///
+/// # Safety
+/// `out` is non-NULL and points to writable storage of at least `out->size` bytes.
+pub(crate) unsafe fn write_stats(out: *mut gpupool_stats_t, stats: &DeviceStats) -> Result<(), Error> {
+    // SAFETY: `out` is non-NULL and points to at least the 4-byte `size` field.
+    let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
+    if caller_size < HEADER {
+        return Err(Error::InvalidValue(format!(
+            "out->size is {caller_size}; set it to sizeof(gpupool_stats_t) first"
+        )));
+    }
+    let mut full = gpupool_stats_t::from(stats);
+    let n = caller_size.min(size_of::<gpupool_stats_t>());
+    full.size = n as u32;
+    // SAFETY: the caller's struct is at least `caller_size >= n` bytes, per the contract.
+    unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out.cast::<u8>(), n) };
+    Ok(())
 }
 
 /// Sets every peak of `device` (-1: current) to its current value (PyTorch

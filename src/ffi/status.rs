@@ -38,12 +38,18 @@ pub enum gpupool_status {
     GPUPOOL_ERROR_CUDA = 5,
     /// A bug in gpupool (it panicked); the message says where. Please report it.
     GPUPOOL_ERROR_INTERNAL = 6,
+    /// The stream captures a CUDA graph and the request needs what CUDA forbids during capture:
+    /// no cached block of the default pools fits, and a new segment (`cuMemAlloc`) would break
+    /// the capture. Nothing was done and the capture is intact. Route the stream's allocations
+    /// to a private pool (`gpupool_begin_allocate_to_pool`) or warm up (run the work once
+    /// before capturing, so that its blocks are cached).
+    GPUPOOL_ERROR_STREAM_CAPTURE = 7,
 }
 
 impl gpupool_status {
     /// Every status, for [`gpupool_status::from_u32`]; the test below checks it against the
     /// variants' values.
-    const ALL: [gpupool_status; 7] = [
+    const ALL: [gpupool_status; 8] = [
         gpupool_status::GPUPOOL_SUCCESS,
         gpupool_status::GPUPOOL_ERROR_INVALID_VALUE,
         gpupool_status::GPUPOOL_ERROR_OUT_OF_MEMORY,
@@ -51,6 +57,7 @@ impl gpupool_status {
         gpupool_status::GPUPOOL_ERROR_DRIVER_UNAVAILABLE,
         gpupool_status::GPUPOOL_ERROR_CUDA,
         gpupool_status::GPUPOOL_ERROR_INTERNAL,
+        gpupool_status::GPUPOOL_ERROR_STREAM_CAPTURE,
     ];
 
     /// The status whose value is `value`, if there is one: C passes any `uint32_t`, and a
@@ -69,6 +76,7 @@ impl gpupool_status {
             gpupool_status::GPUPOOL_ERROR_DRIVER_UNAVAILABLE => c"driver unavailable",
             gpupool_status::GPUPOOL_ERROR_CUDA => c"CUDA error",
             gpupool_status::GPUPOOL_ERROR_INTERNAL => c"internal error",
+            gpupool_status::GPUPOOL_ERROR_STREAM_CAPTURE => c"not allowed during stream capture",
         }
     }
 
@@ -80,6 +88,7 @@ impl gpupool_status {
             Error::DriverUnavailable(_) => gpupool_status::GPUPOOL_ERROR_DRIVER_UNAVAILABLE,
             Error::Cuda(_) => gpupool_status::GPUPOOL_ERROR_CUDA,
             Error::Internal(_) => gpupool_status::GPUPOOL_ERROR_INTERNAL,
+            Error::Capture(_) => gpupool_status::GPUPOOL_ERROR_STREAM_CAPTURE,
         }
     }
 }

@@ -112,8 +112,9 @@ impl Serialize for Item<'_, SnapshotSegment> {
             m.serialize_entry("requested_size", &int(g.requested_size))?;
             m.serialize_entry("stream", &int(g.stream))?;
             m.serialize_entry("segment_type", if g.is_large { "large" } else { "small" })?;
-            // The default pool: gpupool has no private pools (CUDA graphs, `MemPool`).
-            m.serialize_entry("segment_pool_id", &(0i64, 0i64))?;
+            // PyTorch's `MempoolId_t` is a pair; its first half is 0 for pools made by
+            // `graph_pool_handle()`, as gpupool's ids, and (0, 0) names the default pools.
+            m.serialize_entry("segment_pool_id", &(0i64, int(g.pool)))?;
             m.serialize_entry("is_expandable", &g.is_expandable)?;
             m.serialize_entry("frames", &List(&g.frames[..]))?;
             m.serialize_entry("blocks", &List(&g.blocks))

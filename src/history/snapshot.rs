@@ -75,6 +75,9 @@ pub struct SnapshotSegment {
     pub total_size: usize,
     /// The stream whose pools it belongs to.
     pub stream: StreamHandle,
+    /// The private pool it belongs to (PyTorch `segment_pool_id`, written as the tuple
+    /// `(0, pool)`); 0 for the default pools.
+    pub pool: u64,
     /// In the large pool (`segment_type` `large`) or the small one (`small`).
     pub is_large: bool,
     /// Bytes of its blocks that are allocated.

@@ -106,6 +106,44 @@ pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
     out
 }
 
+/// The private pools of a device, after [`memory_summary`]'s table: per pool (by id) its state
+/// and its allocated and reserved bytes, current and peak, and its segments (the table's
+/// totals include them). Not in PyTorch, whose summary does not list pools.
+pub fn pools_summary(pools: &[crate::PoolStats]) -> String {
+    let mut out = String::new();
+    if pools.is_empty() {
+        return out;
+    }
+    let line = |out: &mut String, pool: &str, state: &str, alloc: &str, reserved: &str, segments: &str| {
+        let _ = writeln!(out, "| {pool:>6} {state:<10} | {alloc:^23} | {reserved:^23} | {segments:>8} |");
+    };
+    let mut header = String::new();
+    line(&mut header, "Pool", "State", "Allocated cur / peak", "Reserved cur / peak", "Segments");
+    let inner = header.trim_end().chars().count() - 2;
+    let bar = |out: &mut String, c: char| {
+        out.push('|');
+        out.extend(std::iter::repeat_n(c, inner));
+        out.push_str("|\n");
+    };
+    let _ = writeln!(out, "|{:^inner$}|", "Private pools (counted in the table above)");
+    bar(&mut out, '-');
+    out.push_str(&header);
+    bar(&mut out, '-');
+    for p in pools {
+        let state = if p.released {
+            "released".to_string()
+        } else {
+            format!("{} route{}", p.routes, if p.routes == 1 { "" } else { "s" })
+        };
+        let (a, r) = (&p.stats.allocated_bytes.all, &p.stats.reserved_bytes.all);
+        let alloc = format!("{} / {}", table_size(a.current, a.peak), table_size(a.peak, a.peak));
+        let reserved = format!("{} / {}", table_size(r.current, r.peak), table_size(r.peak, r.peak));
+        line(&mut out, &p.pool.to_string(), &state, &alloc, &reserved, &p.stats.segment.all.current.to_string());
+    }
+    bar(&mut out, '=');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +167,18 @@ mod tests {
         }
         assert!(text.contains("Allocated memory"));
         assert!(text.contains("Non-releasable allocs"));
+    }
+
+    #[test]
+    fn the_pools_table_lines_up() {
+        let mut live = crate::PoolStats { pool: 7, routes: 1, ..Default::default() };
+        live.stats.reserved_bytes.all = Stat { current: 20 << 20, peak: 40 << 20, allocated: 0, freed: 0 };
+        let released = crate::PoolStats { pool: 12345, released: true, ..Default::default() };
+        let text = pools_summary(&[live, released]);
+        let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
+        assert!(widths.windows(2).all(|w| w[0] == w[1]), "{text}");
+        assert!(text.contains("      7 1 route") && text.contains("  12345 released"), "{text}");
+        assert!(text.contains("20480 KiB /  40960 KiB"), "{text}");
+        assert_eq!(pools_summary(&[]), "");
     }
 }

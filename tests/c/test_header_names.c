@@ -82,10 +82,20 @@ int main(void) {
       (any_fn)gpupool_last_error_message,
       (any_fn)gpupool_status_string,
       (any_fn)gpupool_version,
+      (any_fn)gpupool_pool_create,
+      (any_fn)gpupool_begin_allocate_to_pool,
+      (any_fn)gpupool_begin_allocate_to_pool_thread,
+      (any_fn)gpupool_begin_allocate_to_pool_filter,
+      (any_fn)gpupool_end_allocate_to_pool,
+      (any_fn)gpupool_release_pool,
+      (any_fn)gpupool_pool_stats,
       (any_fn)gpupool_sim_hold_stream,
       (any_fn)gpupool_sim_release_stream,
       (any_fn)gpupool_sim_set_device,
       (any_fn)gpupool_sim_host_pinned,
+      (any_fn)gpupool_sim_begin_capture,
+      (any_fn)gpupool_sim_end_capture,
+      (any_fn)gpupool_sim_invalidate_capture,
       (any_fn)gpupool_torch_malloc,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
@@ -95,5 +105,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 40 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 50 ? 0 : 1)) != 0;
 }

@@ -19,6 +19,11 @@
  * every freed block whose record_stream events cannot have completed (used on a held side
  * stream, not yet released): a block handed out that overlaps either is an error.
  *
+ * Each worker also routes its allocations on one device to a private pool of its own for a
+ * while (gpupool_begin_allocate_to_pool_thread, PyTorch's use_mem_pool), ends the route, and
+ * now and then releases the pool with blocks of it still live (some in other threads'
+ * mailboxes), which then go back to the driver as they are freed, and takes a new pool.
+ *
  * A concurrent thread reads gpupool_stats of every device in a loop and checks each snapshot
  * (current <= peak, allocated - freed == current, all == small + large, all.peak <=
  * small.peak + large.peak), and calls gpupool_reset_peak_stats, gpupool_memory_summary and
@@ -237,6 +242,8 @@ typedef struct {
   int own;          /* allocated on the owner's own stream (only that thread allocates there) */
   int tracked;      /* in the index (not when it clashed) */
   unsigned side_uses; /* side streams named to gpupool_record_stream */
+  int pooled;       /* from the thread's private pool, whose segments may go back to the driver
+                       as soon as they are wholly free once it is released */
 } block_t;
 
 static void stamp(const block_t *b) {
@@ -269,7 +276,13 @@ static long ops_per_thread;
 static uint64_t seed;
 static mailbox_t mailboxes[MAX_THREADS];
 static atomic_int workers_done;
-static atomic_long n_malloc, n_free, n_handed, n_bad, n_record, n_hold;
+static atomic_long n_malloc, n_free, n_handed, n_bad, n_record, n_hold, n_pooled, n_pool_releases;
+
+/* Releases `pool` on every device (a pool never used on a device releases nothing there). */
+static void release_pool_everywhere(uint64_t pool) {
+  for (int d = 0; d < ndevices; d++) EXPECT_STATUS(gpupool_release_pool(d, pool), GPUPOOL_SUCCESS);
+  atomic_fetch_add(&n_pool_releases, 1);
+}
 
 static size_t draw_size(uint64_t *rng) {
   uint64_t r = below(rng, 1000);
@@ -332,9 +345,26 @@ static void *worker(void *arg) {
   block_t live[LIVE_CAP];
   int nlive = 0;
   uint64_t counter = 0;
+  uint64_t pool = 0;
+  EXPECT_STATUS(gpupool_pool_create(&pool), GPUPOOL_SUCCESS);
+  int routed = -1; /* the device whose allocations this thread routes to `pool`, or -1 */
   for (long i = 0; i < ops_per_thread; i++) {
     uint64_t r = below(&rng, 1000);
     if (below(&rng, 8) == 0) drain_mailbox(t);
+    if (below(&rng, 64) == 0) {
+      /* Begin or end the route to the thread's pool; now and then release the pool. */
+      if (routed >= 0) {
+        EXPECT_STATUS(gpupool_end_allocate_to_pool(routed, pool), GPUPOOL_SUCCESS);
+        routed = -1;
+        if (below(&rng, 4) == 0) {
+          release_pool_everywhere(pool);
+          EXPECT_STATUS(gpupool_pool_create(&pool), GPUPOOL_SUCCESS);
+        }
+      } else {
+        routed = (int)below(&rng, (uint64_t)ndevices);
+        EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(routed, pool), GPUPOOL_SUCCESS);
+      }
+    }
     /* Snapshots from the workers too, so that even when the statistics thread gets little CPU
      * the statistics are read while other threads are in the middle of their calls. */
     if ((i & 63) == 63) check_snapshot((int)below(&rng, (uint64_t)ndevices));
@@ -369,6 +399,8 @@ static void *worker(void *arg) {
              gpupool_status_string(st), gpupool_last_error_message());
         continue;
       }
+      b.pooled = device == routed;
+      if (b.pooled) atomic_fetch_add(&n_pooled, 1);
       b.cookie = ((uint64_t)(t + 1) << 48) | ++counter;
       pthread_mutex_lock(&index_lock);
       b.tracked = index_add((uintptr_t)b.p, b.size, b.stream);
@@ -415,9 +447,11 @@ static void *worker(void *arg) {
           continue;
         }
       }
-      free_block(&b, b.own && what >= 80 && !collects);
+      free_block(&b, b.own && !b.pooled && what >= 80 && !collects);
     }
   }
+  if (routed >= 0) EXPECT_STATUS(gpupool_end_allocate_to_pool(routed, pool), GPUPOOL_SUCCESS);
+  release_pool_everywhere(pool);
   for (int i = 0; i < nlive; i++) free_block(&live[i], 0);
   atomic_fetch_add(&workers_done, 1);
   return NULL;
@@ -596,10 +630,11 @@ int main(int argc, char **argv) {
            s.num_device_free);
   }
   double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-  printf("soak: %ld mallocs, %ld frees (%ld by another thread), %ld record_stream, %ld holds/releases, "
-         "%ld refused bad pointers, %ld statistics snapshots, %.2f s\n",
-         atomic_load(&n_malloc), atomic_load(&n_free), atomic_load(&n_handed), atomic_load(&n_record),
-         atomic_load(&n_hold), atomic_load(&n_bad), atomic_load(&snapshots), secs);
+  printf("soak: %ld mallocs (%ld from private pools, %ld pools released), %ld frees (%ld by another thread), "
+         "%ld record_stream, %ld holds/releases, %ld refused bad pointers, %ld statistics snapshots, %.2f s\n",
+         atomic_load(&n_malloc), atomic_load(&n_pooled), atomic_load(&n_pool_releases), atomic_load(&n_free),
+         atomic_load(&n_handed), atomic_load(&n_record), atomic_load(&n_hold), atomic_load(&n_bad),
+         atomic_load(&snapshots), secs);
   long e = atomic_load(&errors);
   printf("soak: %ld ops, %d threads: %ld errors\n", ops_per_thread * nthreads, nthreads, e);
   free(ranges);

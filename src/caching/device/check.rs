@@ -20,6 +20,8 @@ impl DeviceAllocator {
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
         }
+        let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
+        self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
         let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
         if reserved != self.limit.reserved() {

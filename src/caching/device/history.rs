@@ -54,7 +54,7 @@ impl DeviceAllocator {
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
         let start = out.len();
         for (shard, st) in list.iter().zip(&guards) {
-            st.snapshot_into(self.device, shard.stream, out);
+            st.snapshot_into(self.device, shard.stream, shard.pool, out);
         }
         if self.history.on() {
             let active = out[start..].iter().map(|r| r.segment.active_size).sum();

@@ -6,8 +6,11 @@
 //! history's (a device's trace, the table of stacks), none of which is held while taking
 //! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
 //! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
-//! and `empty_cache` takes the shard table's lock and only tries the shard locks. Out-of-memory
-//! observers run with none of these held (`out_of_memory.rs`). `check.rs`:
+//! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
+//! pools' lock (`pools.rs`) and the capture probe's list of streams seen capturing
+//! (`capture.rs`) are leaves: taken with or without shard locks held, never held while taking
+//! another lock. Out-of-memory observers and route filters run with none of these held
+//! (`out_of_memory.rs`, `pools.rs`). `check.rs`:
 //! the consistency check; `history.rs`: the allocation history and snapshots.
 
 use std::sync::Arc;
@@ -15,6 +18,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use super::capture::{self, CaptureProbe};
 use super::counters::{self, DeviceCounters, ShardCounters, bump};
 use super::deferred::{DeferredFrees, DeferredStats};
 use super::limit::MemoryLimit;
@@ -25,7 +29,7 @@ use super::segment_index::SegmentIndex;
 use super::shard::{ExpandablePolicy, Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
 use crate::config::Config;
-use crate::driver::{DevicePtr, Driver, DriverError, StreamHandle};
+use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 use crate::stats::DeviceStats;
@@ -34,6 +38,10 @@ mod check;
 mod gc;
 mod history;
 mod out_of_memory;
+mod pools;
+
+pub use pools::PoolStats;
+pub(crate) use pools::{RouteFilter, RouteTo};
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -69,6 +77,10 @@ pub(crate) struct DeviceAllocator {
     observers: Arc<OomObservers>,
     /// The allocation history: malloc and free read its flag.
     history: HistoryHook,
+    /// Whether a CUDA graph capture may be under way (see `capture`).
+    capture: CaptureProbe,
+    /// The private pools and the routes to them (see `pools`).
+    pools: pools::Pools,
 }
 
 /// What [`DeviceAllocator::serve`] obtained.
@@ -77,6 +89,12 @@ enum Served {
     /// The device is out of memory for the request (after this stream's oversize segments
     /// were released).
     OutOfMemory,
+    /// The stream captures a CUDA graph and the default pools cannot serve the request without
+    /// the driver (see `capture`).
+    Capturing(CaptureStatus),
+    /// A private pool could not grow during capture: the device is out of memory, and
+    /// releasing the cache would synchronise.
+    CapturingOom,
     /// See [`Growth::PastMark`].
     PastMark(usize),
     /// No cached block fits and reserved bytes are over `garbage_collection_threshold`: the
@@ -116,7 +134,7 @@ impl DeviceAllocator {
             reclaim: if expandable.is_some() && reclaim { Reclaim::Device } else { Reclaim::Off },
             expandable,
             device,
-            driver,
+            driver: driver.clone(),
             index,
             rules,
             max_split_size: rules.max_split_size,
@@ -128,10 +146,16 @@ impl DeviceAllocator {
             deferred: DeferredFrees::default(),
             observers,
             history,
+            capture: CaptureProbe::new(driver.clone(), device),
+            pools: pools::Pools::default(),
         }
     }
 
+    /// What a call on `shard` needs. A private pool's segments are ordinary ones: a graph
+    /// replays at fixed addresses, which an expandable segment unmapping its free pages would
+    /// take away.
     fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
+        let private = shard.pool != 0;
         ShardCtx {
             driver: &*self.driver,
             device: self.device,
@@ -141,15 +165,22 @@ impl DeviceAllocator {
             limit: &self.limit,
             counters: &self.counters,
             deferred: &self.deferred,
-            expandable: self.expandable.as_ref(),
-            reclaim: self.reclaim,
+            expandable: if private { None } else { self.expandable.as_ref() },
+            reclaim: if private { Reclaim::Off } else { self.reclaim },
             history: &self.history,
+            capture: &self.capture,
         }
     }
 
-    /// The shard of `stream`, created on first use.
+    /// The shard of `stream` in the default pools, created on first use.
     pub fn shard_or_create(&self, stream: StreamHandle) -> Arc<Shard> {
-        self.shards.get_or_create(stream)
+        self.shards.get_or_create(0, stream)
+    }
+
+    /// Whether a route to a private pool is active on the device (one relaxed load).
+    #[inline(always)]
+    pub fn routes_active(&self) -> bool {
+        self.capture.routes() != 0
     }
 
     /// Size bins in the pools of every shard (host memory, for tests).
@@ -177,12 +208,24 @@ impl DeviceAllocator {
     /// keeps no credit past the call).
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size, &self.rules)?;
+        self.malloc_req(shard, &req, hot, false)
+    }
+
+    /// [`DeviceAllocator::malloc`] of a rounded request. `graph`: the stream captures into a
+    /// private pool, whose segment the block is from is then kept for the graph. Inlined into
+    /// both callers: called out of line, the hit path paid about 35 instructions a malloc
+    /// (callgrind, `examples/hit_loop`).
+    #[inline(always)]
+    fn malloc_req(&self, shard: &Arc<Shard>, req: &Request, hot: bool, graph: bool) -> Result<DevicePtr, Error> {
         let mut st = self.shards.lock_for_change(shard);
         let detour = if !shard.is_retired() {
             let ctx = self.ctx(shard);
-            st.process_events(&ctx)?;
-            match self.serve(&mut st, &ctx, &req, true)? {
+            self.process_events(&mut st, &ctx)?;
+            match self.serve(&mut st, &ctx, req, true)? {
                 Served::Block(ptr) => {
+                    if graph {
+                        st.mark_graph(ptr);
+                    }
                     if self.history.on_or_tagged() {
                         st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
                     }
@@ -199,12 +242,34 @@ impl DeviceAllocator {
             Some(Served::Collect) => {
                 self.collect_garbage();
             }
+            Some(Served::Capturing(status)) => {
+                return Err(capture::needs_private_pool(self.device, shard.stream, req.size, status));
+            }
+            Some(Served::CapturingOom) => return Err(self.out_of_memory_capturing(shard, req)),
             _ => {}
         }
-        match self.serve_stream(shard.stream, &req)? {
+        match self.serve_stream(shard.pool, shard.stream, req)? {
             Some(ptr) => Ok(ptr),
-            None => self.malloc_after_oom(shard.stream, &req),
+            None => self.malloc_after_oom(shard.pool, shard.stream, req),
         }
+    }
+
+    /// PyTorch `process_events`, skipped while a capture may be under way (PyTorch skips it
+    /// while `captures_underway` is not empty: an event query is illegal during capture): a
+    /// route by stream or filter is active, or the stream captures.
+    /// Inlined: the hit path tests one length.
+    #[inline(always)]
+    fn process_events(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if st.events_pending() { self.process_events_slow(st, ctx) } else { Ok(()) }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn process_events_slow(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if self.capture.capture_routed() || self.capture.status(ctx.shard.stream)?.is_capturing() {
+            return Ok(());
+        }
+        st.process_events(ctx)
     }
 
     /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
@@ -233,16 +298,16 @@ impl DeviceAllocator {
     /// retired by `empty_cache` meanwhile), growing past the high-water mark once this
     /// shard's free pages are unmapped ([`Reclaim::Shard`]): the other streams' were, or
     /// the device is out of memory.
-    fn serve_stream(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+    fn serve_stream(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
         loop {
-            let shard = self.shards.get_or_create(stream);
+            let shard = self.shards.get_or_create(pool, stream);
             let mut st = self.shards.lock_for_change(&shard);
             if shard.is_retired() {
                 continue;
             }
             let mut ctx = self.ctx(&shard);
             ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
-            st.process_events(&ctx)?;
+            self.process_events(&mut st, &ctx)?;
             return Ok(match self.serve(&mut st, &ctx, req, false)? {
                 Served::Block(ptr) => {
                     if self.history.on_or_tagged() {
@@ -251,6 +316,14 @@ impl DeviceAllocator {
                     Some(self.finish(st, ptr))
                 }
                 Served::OutOfMemory => None,
+                Served::Capturing(status) => {
+                    drop(st);
+                    return Err(capture::needs_private_pool(self.device, stream, req.size, status));
+                }
+                Served::CapturingOom => {
+                    drop(st);
+                    return Err(self.out_of_memory_capturing(&shard, req));
+                }
                 Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
             });
         }
@@ -263,27 +336,98 @@ impl DeviceAllocator {
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
         let id = match st.take_cached(req, &self.rules) {
             Some(id) => id,
-            None if collect && self.gc_due() => return Ok(Served::Collect),
-            None => match self.grow(st, ctx, req)? {
-                Some(Growth::Block(id)) => id,
-                Some(Growth::PastMark(short)) => return Ok(Served::PastMark(short)),
-                None => return Ok(Served::OutOfMemory),
+            None => match self.serve_miss(st, ctx, req, collect)? {
+                Ok(id) => id,
+                Err(served) => return Ok(served),
             },
         };
         Ok(Served::Block(st.hand_out(id, req, self.max_split_size)))
     }
 
+    /// The rest of [`DeviceAllocator::serve`] when no cached block fits: a new segment, unless
+    /// the stream captures a CUDA graph. Then the default pools refuse ([`Served::Capturing`]:
+    /// the driver may not be called, nor the cache released, which synchronises), and a
+    /// private pool takes a new segment with the thread's capture mode relaxed for the call
+    /// (PyTorch `cudaMallocMaybeCapturing`: a `cuMemAlloc` made so is not captured, and the
+    /// graph keeps the address). Blocks freed during a capture that awaited its end get their
+    /// events here once it has ended.
+    #[cold]
+    #[inline(never)]
+    fn serve_miss(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        collect: bool,
+    ) -> Result<Result<super::block::BlockId, Served>, Error> {
+        let status = self.capture.status(ctx.shard.stream)?;
+        if status.is_capturing() {
+            if ctx.shard.pool == 0 || st.released {
+                return Ok(Err(Served::Capturing(status)));
+            }
+            return match self.new_segment_relaxed(st, ctx, req) {
+                Ok(id) => Ok(Ok(id)),
+                Err(DriverError::OutOfMemory) => Ok(Err(Served::CapturingOom)),
+                Err(e) => Err(Error::driver(e, "allocating a segment for a private pool during capture")),
+            };
+        }
+        if st.has_capture_deferred() && !self.capture.capture_routed() {
+            st.insert_deferred_events(ctx);
+        }
+        let underway = self.capture.any_underway();
+        if collect && !underway && self.gc_due() {
+            return Ok(Err(Served::Collect));
+        }
+        Ok(match self.grow(st, ctx, req, underway)? {
+            Some(Growth::Block(id)) => Ok(id),
+            Some(Growth::PastMark(short)) => Err(Served::PastMark(short)),
+            None => Err(Served::OutOfMemory),
+        })
+    }
+
+    /// A new ordinary segment made with the calling thread's capture mode relaxed, and the mode
+    /// set back after (PyTorch's `CUDAStreamCaptureModeGuard` in `cudaMallocMaybeCapturing`).
+    fn new_segment_relaxed(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+    ) -> Result<super::block::BlockId, DriverError> {
+        let old = self.driver.exchange_capture_mode(CaptureMode::Relaxed)?;
+        let _restore = scopeguard::guard((), |()| {
+            let _ = self.driver.exchange_capture_mode(old);
+        });
+        st.new_segment(ctx, req)
+    }
+
     /// [`ShardState::grow`], after releasing this stream's oversize segments if the device is
     /// out of memory (PyTorch `release_available_cached_blocks`); `None` when it still is.
     /// With [`Reclaim::Device`] and no other stream on the device, [`Reclaim::Shard`].
-    fn grow(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<Option<Growth>, Error> {
+    ///
+    /// `underway`: a capture may be under way on the device (see `capture`): the segment is
+    /// made with the thread's capture mode relaxed, nothing is unmapped (which synchronises)
+    /// and no cached segment is given back to make room.
+    fn grow(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        underway: bool,
+    ) -> Result<Option<Growth>, Error> {
         // Without another stream there is nothing to unmap with this shard's lock dropped.
         let alone = ctx.reclaim == Reclaim::Device && self.shards.len() <= 1;
-        let grown = if alone { st.grow(&ShardCtx { reclaim: Reclaim::Shard, ..*ctx }, req) } else { st.grow(ctx, req) };
+        let reclaim = if underway {
+            Reclaim::Off
+        } else if alone {
+            Reclaim::Shard
+        } else {
+            ctx.reclaim
+        };
+        let grown = self.capture.relaxed_if_underway(underway, || st.grow(&ShardCtx { reclaim, ..*ctx }, req));
         match grown {
             Ok(g) => Ok(Some(g)),
             Err(DriverError::OutOfMemory) => {
-                if !st.release_available(ctx, req)? {
+                if underway || !st.release_available(ctx, req)? {
                     return Ok(None);
                 }
                 match st.grow(&ShardCtx { reclaim: Reclaim::Off, ..*ctx }, req) {
@@ -343,6 +487,9 @@ impl DeviceAllocator {
         } else {
             st.free(&ctx, ptr, segment)?;
         }
+        if st.released {
+            self.release_emptied(&mut st, &ctx);
+        }
         self.finish(st, ());
         Ok(())
     }
@@ -389,6 +536,11 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::Cuda`] when the synchronisation fails; the blocks stay deferred.
     pub fn release_deferred(&self) -> Result<usize, Error> {
+        // A device synchronisation would break a capture under way: the blocks wait for the
+        // next synchronisation after it.
+        if self.deferred.stats().blocks == 0 || self.capture.any_underway() {
+            return Ok(0);
+        }
         let Some(epoch) = self.deferred.begin_sync() else {
             return Ok(0);
         };
@@ -431,17 +583,27 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
     /// done, and the rest stays cached.
+    ///
+    /// Errors: [`Error::Capture`], nothing done, while a capture may be under way on the device
+    /// (see `capture`).
     pub fn release_cached_blocks(&self) -> Result<(), Error> {
+        if self.capture.any_underway() {
+            return Err(capture::refused_during_capture(self.device, "releasing the cache"));
+        }
         bump(&self.counters.num_sync_all_streams);
         self.release_deferred()?;
         for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
+            if st.has_capture_deferred() && !self.capture.capture_routed() {
+                st.insert_deferred_events(&ctx);
+            }
             st.synchronize_events(&ctx)?;
             st.release_cached(&ctx)?;
             self.finish(st, ());
         }
         self.retire_idle_shards();
+        self.prune_released();
         self.limit.reset_mark();
         Ok(())
     }
@@ -550,6 +712,7 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
+        self.reset_pool_peaks();
         self.limit.reset_mark();
     }
 }

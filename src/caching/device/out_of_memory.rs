@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 use super::DeviceAllocator;
 use crate::caching::counters::bump;
 use crate::caching::oom;
-use crate::caching::shard::Request;
+use crate::caching::shard::{Request, Shard};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
 use crate::history::tags;
@@ -35,8 +35,8 @@ impl DeviceAllocator {
     /// way.
     #[cold]
     #[inline(never)]
-    pub fn malloc_after_oom(&self, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
-        if let Some(ptr) = self.release_and_retry(stream, req)? {
+    pub fn malloc_after_oom(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
+        if let Some(ptr) = self.release_and_retry(pool, stream, req)? {
             return Ok(ptr);
         }
         if self.history.on() {
@@ -44,10 +44,10 @@ impl DeviceAllocator {
         }
         bump(&self.counters.num_ooms);
         if self.observers.notify(self.device, req.size, || self.stats()) {
-            if let Some(ptr) = self.serve_stream(stream, req)? {
+            if let Some(ptr) = self.serve_stream(pool, stream, req)? {
                 return Ok(ptr);
             }
-            if let Some(ptr) = self.release_and_retry(stream, req)? {
+            if let Some(ptr) = self.release_and_retry(pool, stream, req)? {
                 return Ok(ptr);
             }
         }
@@ -58,15 +58,31 @@ impl DeviceAllocator {
     /// are tried before the whole cache goes back to the driver (not in PyTorch, which has no
     /// such blocks); then PyTorch's `release_cached_blocks` and one retry
     /// (`num_alloc_retries`). `Ok(None)`: still out of memory.
-    fn release_and_retry(&self, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+    fn release_and_retry(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
         if self.release_deferred()? > 0
-            && let Some(ptr) = self.serve_stream(stream, req)?
+            && let Some(ptr) = self.serve_stream(pool, stream, req)?
         {
             return Ok(Some(ptr));
         }
         self.release_cached_blocks()?;
         bump(&self.counters.num_alloc_retries);
-        self.serve_stream(stream, req)
+        self.serve_stream(pool, stream, req)
+    }
+
+    /// The error of a private pool that cannot grow while its stream captures: the device is
+    /// out of memory, and gpupool may not release its cache then (that synchronises, which
+    /// would break the capture). Counted in `num_ooms`; the observers are not called (they
+    /// may empty the cache).
+    #[cold]
+    pub(super) fn out_of_memory_capturing(&self, shard: &Arc<Shard>, req: &Request) -> Error {
+        bump(&self.counters.num_ooms);
+        let base = self.out_of_memory(req);
+        Error::OutOfMemory(format!(
+            "{} (private pool {} could not grow while stream {:#x} captures a CUDA graph; gpupool does not release              its cache during capture: free memory or call gpupool_empty_cache before capturing)",
+            base.message(),
+            shard.pool,
+            shard.stream
+        ))
     }
 
     /// PyTorch's out-of-memory error for `req`, with the device's figures as they are now (not

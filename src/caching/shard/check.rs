@@ -73,6 +73,11 @@ impl ShardState {
             }
             let pool = head.pool;
             let exp = seg.exp.as_deref();
+            if seg.graph && (exp.is_some() || self.released) {
+                return Err(format!(
+                    "stream {owner:#x}: segment {base:#x} is kept for a graph, but is expandable or released"
+                ));
+            }
             add(Metric::Segment, pool, 1);
             match exp {
                 Some(e) => add(Metric::ReservedBytes, pool, e.mapped as i64),
@@ -165,6 +170,14 @@ impl ShardState {
         }
         if self.live.len() != recount[cell(Metric::Allocation, StatType::All)] as usize {
             return Err(format!("stream {owner:#x}: the live map holds blocks that are not allocated"));
+        }
+        // Blocks freed during a capture await its end with no event yet.
+        for &id in &self.capture_deferred {
+            if awaiting.remove(&id) != Some(0) {
+                return Err(format!(
+                    "stream {owner:#x}: a block deferred until no capture is not awaiting, or has events"
+                ));
+            }
         }
         let (queued, pending) = self.events.per_block();
         if queued != awaiting || pending != queued.values().sum::<u32>() as usize {

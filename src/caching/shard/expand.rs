@@ -257,7 +257,7 @@ impl ShardState {
         let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
         let base = exp.base;
         let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));
-        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c });
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c, graph: false });
         self.expandables.push(base);
         self.unmapped_set(pool).insert((base, id));
         ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
@@ -459,7 +459,9 @@ impl ShardState {
         }
         candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
         let mut released = 0;
-        if candidates.is_empty() {
+        // The device synchronisation below would break a capture, which may be under way while
+        // a route to a private pool is active: the pages stay mapped until then.
+        if candidates.is_empty() || ctx.capture.any_underway() {
             return Ok(0);
         }
         ctx.driver.device_synchronize(ctx.device).map_err(|e| {

@@ -15,7 +15,7 @@ impl ShardState {
     pub fn collectable(&self, out: &mut Vec<(DevicePtr, usize, u32)>) {
         for (size, addr, id) in self.large.iter() {
             let b = &self.blocks[id];
-            if !b.is_split() && !b.expandable {
+            if !b.is_split() && !b.expandable && self.releasable(addr) {
                 out.push((addr, size, self.frees.wrapping_sub(b.freed_at)));
             }
         }
@@ -31,7 +31,12 @@ impl ShardState {
         let Some(seg) = self.segments.get(&addr) else { return Ok(0) };
         let (id, size) = (seg.head, seg.size);
         let b = &self.blocks[id];
-        if b.state != BlockState::Free || b.is_split() || b.expandable || b.pool != PoolKind::Large {
+        if b.state != BlockState::Free
+            || b.is_split()
+            || b.expandable
+            || b.pool != PoolKind::Large
+            || !self.releasable(addr)
+        {
             return Ok(0);
         }
         self.release_segment(ctx, id)?;

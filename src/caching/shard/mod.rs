@@ -43,9 +43,12 @@ use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 
-/// A shard: the state of one (device, stream) pair behind its own lock.
+/// A shard: the state of one (device, stream) pair of a pool behind its own lock: the
+/// device's default pools (pool 0) or a private pool (see `device::pools`).
 pub(crate) struct Shard {
     pub stream: StreamHandle,
+    /// The private pool the shard belongs to; 0 for the device's default pools.
+    pub pool: u64,
     /// Set, under the lock, when the shard is taken out of its device's table (see
     /// `shard_table`); a thread that kept it in its cache of recent shards then fetches the
     /// stream's new shard.
@@ -54,8 +57,8 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    pub fn new(stream: StreamHandle) -> Shard {
-        Shard { stream, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
+    pub fn new(pool: u64, stream: StreamHandle) -> Shard {
+        Shard { stream, pool, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
     }
 
     #[inline]
@@ -99,6 +102,8 @@ pub(crate) struct ShardCtx<'a> {
     pub reclaim: Reclaim,
     /// The device's allocation history: each event is recorded while it is on.
     pub history: &'a HistoryHook,
+    /// Whether a capture is under way, asked only before a call CUDA forbids during one.
+    pub capture: &'a crate::caching::capture::CaptureProbe,
 }
 
 /// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
@@ -142,6 +147,9 @@ impl Request {
     /// `size` rounded and placed by the device's `rules`.
     ///
     /// Errors: [`Error::InvalidValue`] when rounding the size overflows.
+    ///
+    /// Inlined: malloc's hit path calls it, and out of line it cost a call there.
+    #[inline(always)]
     pub fn new(size: usize, rules: &SizeRules) -> Result<Request, Error> {
         let overflow = || Error::InvalidValue(format!("size {size} bytes overflows when rounded to a block size"));
         let rounded = rules::round_size(size, rules).ok_or_else(overflow)?;
@@ -159,6 +167,10 @@ struct SegmentInfo {
     /// The stack of the call that made it in the history's table (PyTorch
     /// `context_when_segment_allocated`), 0 for none; as [`super::block::Block::ctx`].
     ctx: u32,
+    /// A block of it was handed out while the allocating stream captured a CUDA graph: the
+    /// graph's kernels use its addresses at every replay, so it stays reserved, wholly free or
+    /// not, until its private pool is released (see `device::pools`).
+    graph: bool,
 }
 
 /// The state behind a shard's lock.
@@ -186,6 +198,14 @@ pub(crate) struct ShardState {
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
     pending_ctx: u32,
+    /// Blocks freed while a capture was under way whose other streams (`record_stream`) need
+    /// events, which may not be recorded and queried then: they wait, active, until no capture
+    /// is (PyTorch `needs_events_deferred_until_no_capture`). Each is in
+    /// [`BlockState::AwaitingEvents`] with no event yet.
+    capture_deferred: Vec<BlockId>,
+    /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
+    /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
+    pub released: bool,
 }
 
 impl ShardState {
@@ -254,10 +274,34 @@ impl ShardState {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        if !self.blocks[id].stream_uses.is_empty() {
+            return self.free_used(ctx, ptr, id);
+        }
+        self.live.remove(&ptr);
+        self.count_free(id, ctx.max_split_size);
+        self.free_block(id);
+        Ok(())
+    }
+
+    /// [`ShardState::free`] of a block that other streams used: one event per stream, or, while
+    /// a capture is under way (a route to a private pool is active on the device, or one of
+    /// the streams captures), no event yet: recording one into a capture and querying it
+    /// later is illegal, so the block waits in `capture_deferred` (PyTorch `free`, with
+    /// `insert_events_deferred_until_no_capture`).
+    #[cold]
+    #[inline(never)]
+    fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
+        if ctx.capture.underway(std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied())) {
+            self.live.remove(&ptr);
+            self.count_free(id, ctx.max_split_size);
+            let b = &mut self.blocks[id];
+            b.state = BlockState::AwaitingEvents;
+            b.event_count = 0;
+            self.capture_deferred.push(id);
+            return Ok(());
+        }
         // Events first, the block's state after: a driver call that fails or unwinds leaves
         // the block allocated, as it was.
-        // Empty, growing as events are recorded: most blocks have no other stream, and sizing
-        // it from `stream_uses` costs the hit path a capacity check.
         let mut recorded = Vec::new();
         for &stream in &self.blocks[id].stream_uses {
             match self.events.record(ctx.driver, ctx.device, stream) {
@@ -272,10 +316,6 @@ impl ShardState {
         }
         self.live.remove(&ptr);
         self.count_free(id, ctx.max_split_size);
-        if recorded.is_empty() {
-            self.free_block(id);
-            return Ok(());
-        }
         let b = &mut self.blocks[id];
         b.stream_uses = Box::default();
         b.state = BlockState::AwaitingEvents;
@@ -284,6 +324,55 @@ impl ShardState {
             self.events.push(stream, ev, id);
         }
         Ok(())
+    }
+
+    /// Records the events of the blocks freed during a capture (see `capture_deferred`) once
+    /// no capture is under way on their streams (PyTorch
+    /// `insert_events_deferred_until_no_capture`). A block whose event cannot be recorded
+    /// waits for the next device synchronisation instead, as in [`ShardState::free`].
+    pub fn insert_deferred_events(&mut self, ctx: &ShardCtx) {
+        let ids = std::mem::take(&mut self.capture_deferred);
+        let mut waiting = Vec::new();
+        for id in ids {
+            let streams = std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied());
+            if ctx.capture.underway(streams) {
+                waiting.push(id);
+                continue;
+            }
+            let uses = std::mem::take(&mut self.blocks[id].stream_uses);
+            let mut recorded = Vec::new();
+            let mut failed = false;
+            for &stream in uses.iter() {
+                match self.events.record(ctx.driver, ctx.device, stream) {
+                    Ok(ev) => recorded.push((stream, ev)),
+                    Err(_) => {
+                        failed = true;
+                        break;
+                    }
+                }
+            }
+            if failed {
+                self.events.unused(recorded.iter().map(|r| r.1));
+                let b = &mut self.blocks[id];
+                b.state = BlockState::AwaitingSync;
+                let size = b.size;
+                self.deferred.push(id, ctx.deferred.epoch());
+                ctx.deferred.add(size);
+                continue;
+            }
+            self.blocks[id].event_count = recorded.len() as u32;
+            for (stream, ev) in recorded {
+                self.events.push(stream, ev, id);
+            }
+        }
+        waiting.append(&mut self.capture_deferred);
+        self.capture_deferred = waiting;
+    }
+
+    /// Whether blocks freed during a capture wait for it to end.
+    #[inline]
+    pub fn has_capture_deferred(&self) -> bool {
+        !self.capture_deferred.is_empty()
     }
 
     /// The statistics of a block that stops being allocated (it stays active until
@@ -296,6 +385,12 @@ impl ShardState {
         if size >= max_split_size {
             self.counters.decrease_single(OVERSIZE_ALLOCATIONS);
         }
+    }
+
+    /// Whether events of freed blocks are pending (the hit path's test).
+    #[inline(always)]
+    pub fn events_pending(&self) -> bool {
+        !self.events.is_empty()
     }
 
     /// PyTorch `process_events`: returns to their pools the blocks whose events have all
@@ -401,6 +496,44 @@ impl ShardState {
     /// Its counters' current values are then all zero.
     pub fn is_idle(&self) -> bool {
         self.segments.is_empty() && self.events.is_unused() && self.deferred.len() == 0
+    }
+
+    /// Flags as used by a CUDA graph the segment holding the allocated block at `ptr` (see
+    /// `SegmentInfo::graph`).
+    pub fn mark_graph(&mut self, ptr: DevicePtr) {
+        let Some(&id) = self.live.get(&ptr) else { return };
+        let mut head = id;
+        while self.blocks[head].prev != super::block::NIL {
+            head = self.blocks[head].prev;
+        }
+        let base = self.blocks[head].addr;
+        if let Some(seg) = self.segments.get_mut(&base) {
+            seg.graph = true;
+        }
+    }
+
+    /// Lets every segment go back to the driver once wholly free: the pool is released.
+    pub fn release_graph_segments(&mut self) {
+        self.released = true;
+        for seg in self.segments.values_mut() {
+            seg.graph = false;
+        }
+    }
+
+    /// Whether the segment at `base` may go back to the driver when wholly free: not while a
+    /// live CUDA graph may use it.
+    fn releasable(&self, base: DevicePtr) -> bool {
+        self.segments.get(&base).is_none_or(|s| !s.graph)
+    }
+
+    /// Segments of the shard (for the check).
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// Segments a CUDA graph keeps reserved (for the statistics of pools and the check).
+    pub fn graph_segments(&self) -> usize {
+        self.segments.values().filter(|s| s.graph).count()
     }
 
     /// Size bins of both pools, empty or not (host memory, for tests).

@@ -102,7 +102,7 @@ impl ShardState {
     /// Appends this shard's segments to `out` as a snapshot shows them: each ordinary
     /// segment, and each run of mapped blocks of an expandable segment, with its blocks in
     /// address order and the stacks recorded for it and its active blocks.
-    pub fn snapshot_into(&self, device: i32, stream: StreamHandle, out: &mut Vec<RawSegment>) {
+    pub fn snapshot_into(&self, device: i32, stream: StreamHandle, pool: u64, out: &mut Vec<RawSegment>) {
         for seg in self.segments.values() {
             let head = &self.blocks[seg.head];
             let mut run: Option<RawSegment> = None;
@@ -124,6 +124,7 @@ impl ShardState {
                                 address: b.addr,
                                 total_size: 0,
                                 stream,
+                                pool,
                                 is_large: head.pool == PoolKind::Large,
                                 allocated_size: 0,
                                 active_size: 0,

@@ -43,7 +43,7 @@ impl ShardState {
         charge.commit();
         let id = self.blocks.insert(Block::new(addr, size, BlockState::Free, req.pool, false));
         let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
-        self.segments.insert(addr, SegmentInfo { head: id, size, exp: None, ctx: c });
+        self.segments.insert(addr, SegmentInfo { head: id, size, exp: None, ctx: c, graph: false });
         ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() });
         self.counters.increase(Metric::Segment, req.pool, 1);
         self.counters.increase(Metric::ReservedBytes, req.pool, size as i64);
@@ -103,6 +103,7 @@ impl ShardState {
             .chain(self.large.iter())
             .map(|(_, _, id)| id)
             .filter(|&id| !self.blocks[id].is_split() && !self.blocks[id].expandable)
+            .filter(|&id| self.releasable(self.blocks[id].addr))
             .collect();
         for id in whole {
             self.release_segment(ctx, id)?;
@@ -123,7 +124,7 @@ impl ShardState {
         let want = req.rounded.max(max);
         let pool = self.pool(req.pool);
         if let Some((_, _, id)) = pool.best_fit(want) {
-            if self.blocks[id].is_split() || self.blocks[id].expandable {
+            if self.blocks[id].is_split() || self.blocks[id].expandable || !self.releasable(self.blocks[id].addr) {
                 return Ok(false);
             }
             self.release_segment(ctx, id)?;
@@ -136,7 +137,7 @@ impl ShardState {
             if released >= want {
                 break;
             }
-            if !self.blocks[id].is_split() && !self.blocks[id].expandable {
+            if !self.blocks[id].is_split() && !self.blocks[id].expandable && self.releasable(self.blocks[id].addr) {
                 self.release_segment(ctx, id)?;
                 released += size;
             }

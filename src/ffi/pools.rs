@@ -1,0 +1,229 @@
+//! Private memory pools and CUDA graph capture (PyTorch `torch.cuda.graph`,
+//! `torch.cuda.graph_pool_handle`, `torch.cuda.MemPool`, `torch.cuda.use_mem_pool`).
+//!
+//! A CUDA graph replays its kernels at the addresses they had during capture, so its buffers
+//! must stay reserved, and unused by anything else, for as long as the graph lives. A private
+//! pool gives them that: the allocations routed to it (by stream, by thread, or by a filter)
+//! take memory that nothing else shares. While a stream captures, gpupool makes no call that
+//! CUDA forbids during capture on its behalf: no `cuMemAlloc` for the default pools, no event
+//! query or record for a free, no synchronisation; a request that the default pools cannot
+//! serve from their cache fails with `GPUPOOL_ERROR_STREAM_CAPTURE` and leaves the capture
+//! intact.
+//!
+//! The rules (PyTorch's `CUDACachingAllocator.cpp` unless said):
+//! - Inside a pool, blocks freed during a capture are reused within the same capture, so a
+//!   captured forward pass takes no more memory than an eager one. Several graphs may share a
+//!   pool (PyTorch's `pool=` argument) when they replay in the order they were captured.
+//! - A private pool grows during capture: its new segments are made with the calling thread's
+//!   capture mode relaxed for the call (`cuThreadExchangeStreamCaptureMode`, as PyTorch's
+//!   `cudaMallocMaybeCapturing`); `cuMemAlloc` is not a stream operation, so it is not captured
+//!   and the graph keeps the address. A pool's segments are ordinary ones, never expandable.
+//! - A segment that served a block while its stream captured stays reserved until the pool is
+//!   released. Other wholly free segments of a live pool go back to the driver at
+//!   `gpupool_empty_cache` (PyTorch keeps a live pool's memory, issue #167745), and a live
+//!   pool's freed blocks are reused by later allocations routed to it.
+//! - Frees of blocks that other streams used (`gpupool_record_stream`) while a route by stream
+//!   or filter is active, or a stream concerned captures, wait, active, until no capture is
+//!   under way (PyTorch `insert_events_deferred_until_no_capture`): then gpupool records their
+//!   events. Event queries pause meanwhile. Routes by thread (`use_mem_pool`) capture nothing
+//!   and do not count (PyTorch counts them).
+//! - While a capture may be under way on a device (a route by stream or filter is active, or a
+//!   stream gpupool found capturing still captures), gpupool gives no memory back to the
+//!   driver, unmaps nothing and synchronises nothing there: `gpupool_empty_cache` and the
+//!   out-of-memory path's release-and-retry return `GPUPOOL_ERROR_STREAM_CAPTURE` having done
+//!   nothing, and new segments for other streams are made with the thread's capture mode
+//!   relaxed. A program's own forbidden calls (a `cudaMalloc` in global mode on the capturing
+//!   thread) still break its capture, as with PyTorch.
+//! - `gpupool_release_pool` releases a pool even if blocks are still allocated: those go back
+//!   to the driver as they are freed (PyTorch leaks the pool of a failed capture, PR #190348).
+//!
+//! Statistics: `gpupool_stats` of a device includes its pools; `gpupool_pool_stats` reads one
+//! pool; `gpupool_memory_summary` lists them; snapshots carry each segment's pool as
+//! PyTorch's `segment_pool_id` (`(0, pool)`, `(0, 0)` for the default pools).
+
+use std::ffi::{c_int, c_void};
+
+use super::stats::gpupool_stats_t;
+use super::status::{boundary, gpupool_status, out_ptr};
+use super::{gpupool_stream_t, runtime};
+use crate::error::Error;
+
+/// A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
+/// allocations on `stream` go to the pool. `user` is the pointer given with it.
+#[allow(non_camel_case_types)]
+pub type gpupool_stream_filter_t = Option<unsafe extern "C" fn(user: *mut c_void, stream: gpupool_stream_t) -> c_int>;
+
+/// Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
+/// `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
+/// process-wide, and a pool's memory is per device: made on the devices whose allocations are
+/// routed to it. Creating a pool takes no device memory and needs no release if never used.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `pool` must be NULL or point to writable storage for one `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_pool_create(pool: *mut u64) -> gpupool_status {
+    boundary("gpupool_pool_create", || {
+        let pool = out_ptr(pool, "pool")?;
+        let id = runtime()?.allocator.pool_create();
+        // SAFETY: the caller passes storage for one uint64_t.
+        unsafe { pool.write(id) };
+        Ok(())
+    })
+}
+
+/// Routes every allocation on `stream` of `device` (-1: the calling thread's current device),
+/// from any thread, to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
+/// `beginAllocateToPool`, with the filter `torch.cuda.graph` sets: its capture stream). Call it
+/// before `cudaStreamBeginCapture` on `stream`, and end it after `cudaStreamEndCapture`.
+///
+/// While a route is active on the device, allocations look for a route first (the first begun
+/// that matches takes them); without routes that costs the hit path one relaxed load. Frees
+/// need no route: a block goes back to its pool wherever it is freed.
+///
+/// Errors (each leaves everything as it was): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool
+/// never created, a pool released on this device, a stream routed already on this device (to
+/// any pool), a device out of range; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool: u64, stream: gpupool_stream_t) -> gpupool_status {
+    boundary("gpupool_begin_allocate_to_pool", || {
+        runtime()?.allocator.begin_allocate_to_pool(device, pool, stream as usize)
+    })
+}
+
+/// Routes the allocations the calling thread makes on `device` (-1: current), on any stream,
+/// to private pool `pool` until `gpupool_end_allocate_to_pool` (PyTorch
+/// `torch.cuda.use_mem_pool`). Other threads' allocations are not routed. Each routed
+/// allocation asks the driver whether its stream captures (`cuStreamGetCaptureInfo`), so it
+/// costs a driver call more than a cache hit of the default pools.
+///
+/// Errors: as `gpupool_begin_allocate_to_pool`, and `GPUPOOL_ERROR_INVALID_VALUE` when the
+/// calling thread is routed already on this device.
+///
+/// Thread-safe; the route belongs to the calling thread, but any thread may end it.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_begin_allocate_to_pool_thread(device: c_int, pool: u64) -> gpupool_status {
+    boundary("gpupool_begin_allocate_to_pool_thread", || {
+        runtime()?.allocator.begin_allocate_to_pool_thread(device, pool)
+    })
+}
+
+/// Routes the allocations on `device` (-1: current) on the streams for which `filter(user,
+/// stream)` returns nonzero to private pool `pool` until `gpupool_end_allocate_to_pool`
+/// (PyTorch `beginAllocateToPool(device, mempool_id, filter)`; `torch.cuda.graph`'s filter
+/// accepts the streams whose capture id is the graph's, which lets work forked onto side
+/// streams during capture allocate from the pool too).
+///
+/// `filter` is called only on allocations made while some route is active on the device, on the
+/// allocating thread, with no lock of gpupool's held (it may call gpupool and CUDA, e.g.
+/// `cudaStreamGetCaptureInfo`); never on the hit path otherwise. It and `user` must stay valid
+/// until the route ends, and `filter` must be safe to call from any thread at once. gpupool
+/// does not own `user`. Routes may overlap: no conflict with other routes is checked, and the
+/// route begun first takes an allocation.
+///
+/// Errors: as `gpupool_begin_allocate_to_pool` (a NULL `filter` is `GPUPOOL_ERROR_INVALID_VALUE`).
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `filter` must be NULL or a function callable as declared, with `user`, from any thread,
+/// until the route ends.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_begin_allocate_to_pool_filter(
+    device: c_int,
+    pool: u64,
+    filter: gpupool_stream_filter_t,
+    user: *mut c_void,
+) -> gpupool_status {
+    boundary("gpupool_begin_allocate_to_pool_filter", || {
+        let f = filter
+            .ok_or_else(|| Error::InvalidValue("filter is NULL; pass the function that tests a stream".into()))?;
+        let user = UserPtr(user);
+        runtime()?.allocator.begin_allocate_to_pool_filter(device, pool, move |stream| {
+            let user = &user;
+            // SAFETY: the caller promised a function callable with `user` from any thread
+            // until the route ends, which is before this closure is dropped.
+            unsafe { f(user.0, stream as gpupool_stream_t) != 0 }
+        })
+    })
+}
+
+/// The caller's `user` pointer: passed back to its filter, never dereferenced by gpupool.
+struct UserPtr(*mut c_void);
+// SAFETY: gpupool only hands the pointer back to the caller's filter, which the caller made
+// callable from any thread (the contract of `gpupool_begin_allocate_to_pool_filter`).
+unsafe impl Send for UserPtr {}
+// SAFETY: as above.
+unsafe impl Sync for UserPtr {}
+
+/// Ends every route to private pool `pool` on `device` (-1: current), of every kind and
+/// thread (PyTorch `endAllocateToPool`). Later allocations go to the default pools again;
+/// blocks of the pool stay where they are, and are reused when the pool is routed to again.
+/// Once no route is left on the device, blocks freed during captures get their events.
+///
+/// Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created,
+/// no active route to the pool on this device, a device out of range;
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool: u64) -> gpupool_status {
+    boundary("gpupool_end_allocate_to_pool", || runtime()?.allocator.end_allocate_to_pool(device, pool))
+}
+
+/// Says that the graphs that used private pool `pool` on `device` (-1: current) are destroyed,
+/// or that the capture failed or was abandoned (PyTorch `releasePool`): the pool's routes on the
+/// device end, its wholly free segments go back to the driver now (`cuMemFree`), and the others
+/// as their last block is freed, even if blocks are still allocated (they stay valid until
+/// freed). The pool's cached blocks are never reused. The id stays valid on other devices.
+///
+/// Where gpupool differs: PyTorch frees a pool only once every block is free and its use count
+/// is 0, and leaks the pool of a failed capture; gpupool releases on this call. If a capture may
+/// be under way on the device (a route by stream or filter is active, or a stream gpupool found
+/// capturing, the pool's own included, still captures), the segments go back at the next free,
+/// `gpupool_end_allocate_to_pool` or `gpupool_empty_cache` instead, so that no `cuMemFree`
+/// breaks that capture. A released pool that holds nothing is forgotten but for its id (8 bytes
+/// a pool, for the life of the process).
+///
+/// Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for pool 0, a pool never created, a
+/// pool released on this device already, a device out of range;
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_release_pool(device: c_int, pool: u64) -> gpupool_status {
+    boundary("gpupool_release_pool", || runtime()?.allocator.release_pool(device, pool))
+}
+
+/// Reads the statistics of private pool `pool` on `device` (-1: current) into `*out`: the
+/// counters of `gpupool_stats` (bytes and counts, as there) over the pool's blocks and
+/// segments only. The device's `gpupool_stats` includes every pool.
+///
+/// - `out`: caller-owned; set `out->size = sizeof(gpupool_stats_t)` first, as for
+///   `gpupool_stats`. Written only on success.
+///
+/// `current`, `allocated` and `freed` are exact; a `peak` is the highest value seen after an
+/// allocation from the pool or at a read (exact for a pool used by one stream at a time). The
+/// device event counts (`num_*`) are 0 here. A pool never used on the device reads as zeros.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, pool 0, a pool never
+/// created, device out of range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe; locks the pool's streams one at a time.
+///
+/// # Safety
+/// `out` must be NULL or point to writable storage of at least `out->size` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_pool_stats(device: c_int, pool: u64, out: *mut gpupool_stats_t) -> gpupool_status {
+    boundary("gpupool_pool_stats", || {
+        let out = out_ptr(out, "out")?.as_ptr();
+        let stats = runtime()?.allocator.pool_stats(device, pool)?.stats;
+        // SAFETY: as `gpupool_stats`, whose contract this function shares.
+        unsafe { super::stats::write_stats(out, &stats) }
+    })
+}
