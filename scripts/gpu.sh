@@ -19,9 +19,10 @@
 #   c           the C API tests on the real driver
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
-#   examples    hello, the C++ consumer and engine
+#   examples    hello, the C++ consumer, engine and engine_graphs
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
+#   graphs      examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
 #   traces      examples/python/record_trace.py into build-gpu/traces
 #   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
 #               under PyTorch's allocator and under gpupool, both rendered by PyTorch's viewer
@@ -66,7 +67,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable examples preload python traces snapshot bench replay"
+all_sections="rust c gpu expandable examples preload python graphs traces snapshot bench replay"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -153,6 +154,7 @@ if want examples; then
     { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
   ./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
   ./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
+  ./build-gpu/cpp/engine_graphs 2>&1 | tee "$out/engine_graphs.log" || status=1
 fi
 
 preload="$prefix/lib/libgpupool_preload.so"
@@ -204,6 +206,16 @@ if want python; then
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
   else
     echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
+fi
+
+if want graphs; then
+  echo "== PyTorch: torch.cuda.graph on gpupool's private pools"
+  if python3 -c "import torch" 2>/dev/null; then
+    python3 examples/python/graphs.py --lib "$prefix/lib/libgpupool.so" --out "$out/graphs" 2>&1 |
+      tee "$out/graphs.log" || status=1
+  else
+    echo "skipped: python3 lacks torch"
   fi
 fi
 
