@@ -19,8 +19,9 @@
 #   c           the C API tests on the real driver
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
-#   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools)
-#   examples    hello, the C++ consumer and engine
+#   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools) and
+#               examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
+#   examples    hello, the C++ consumer, engine and engine_graphs
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
 #   traces      examples/python/record_trace.py into build-gpu/traces
@@ -158,6 +159,7 @@ if want examples; then
     { echo "C++ examples did not build (see cpp-build.log)"; status=1; }
   ./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
   ./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
+  ./build-gpu/cpp/engine_graphs 2>&1 | tee "$out/engine_graphs.log" || status=1
 fi
 
 preload="$prefix/lib/libgpupool_preload.so"
@@ -209,6 +211,16 @@ if want python; then
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
   else
     echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
+fi
+
+if want graphs; then
+  echo "== PyTorch: torch.cuda.graph on gpupool's private pools"
+  if python3 -c "import torch" 2>/dev/null; then
+    python3 examples/python/graphs.py --lib "$prefix/lib/libgpupool.so" --out "$out/torch_graphs" 2>&1 |
+      tee "$out/torch_graphs.log" || status=1
+  else
+    echo "skipped: python3 lacks torch"
   fi
 fi
 

@@ -8,11 +8,17 @@
 //   { gpupool::tag_scope t("encoder");               // blocks allocated here carry "encoder"
 //     gpupool::buffer x(bytes, stream); }            // (gpupool_tag_stats, snapshots, reports)
 //
+//   gpupool::pool graphs(device);                    // a private pool (CUDA graphs)
+//   { gpupool::pool_scope route(graphs, stream);     // this stream's allocations go to it
+//     ... capture ... }                              // until the scope ends
+//   // ~pool: gpupool_release_pool; a capture that threw on the way releases it too
+//
 // Errors become gpupool::error (a std::runtime_error with the status and gpupool's message).
 // A buffer owns its block alone (move-only, like std::unique_ptr) and frees it when destroyed.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -137,5 +143,67 @@ inline std::string summary(int device = -1) {
 }
 
 inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
+
+// A private pool on one device (PyTorch's graph pool, `torch.cuda.graph_pool_handle()`): memory
+// for CUDA graphs, whose blocks keep their addresses for as long as the graphs replay. The pool
+// is released when the object is destroyed (gpupool_release_pool): destroy it after the graphs
+// that use its memory (or destroy them first), and a capture that fails on the way, by
+// exception or by an early return, gives the pool's memory back instead of leaking it.
+// Move-only.
+class pool {
+ public:
+  explicit pool(int device) : device_(device) { check(gpupool_pool_create(&id_)); }
+  pool(const pool &) = delete;
+  pool &operator=(const pool &) = delete;
+  pool(pool &&other) noexcept : device_(other.device_), id_(std::exchange(other.id_, 0)) {}
+  pool &operator=(pool &&other) noexcept {
+    if (this != &other) {
+      release();
+      device_ = other.device_;
+      id_ = std::exchange(other.id_, 0);
+    }
+    return *this;
+  }
+  ~pool() { release(); }
+
+  std::uint64_t id() const noexcept { return id_; }
+  int device() const noexcept { return device_; }
+
+  // The pool's statistics (bytes and blocks, as gpupool_stats).
+  gpupool_stats_t stats() const {
+    gpupool_stats_t s = GPUPOOL_STATS_INIT;
+    check(gpupool_pool_stats(device_, id_, &s));
+    return s;
+  }
+
+  // Gives the pool's memory back now (its free segments at once, the rest as blocks are freed).
+  // A failure here can only be a gpupool bug; it is not thrown from a destructor.
+  void release() noexcept {
+    if (id_ != 0) gpupool_release_pool(device_, id_);
+    id_ = 0;
+  }
+
+ private:
+  int device_;
+  std::uint64_t id_ = 0;
+};
+
+// Routes the allocations made on (pool's device, stream) to `p` while it lives
+// (gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool when destroyed): what a
+// capture on `stream` allocates comes from the private pool. Not movable, so that each end
+// matches its begin.
+class pool_scope {
+ public:
+  pool_scope(const pool &p, gpupool_stream_t stream) : device_(p.device()), id_(p.id()) {
+    check(gpupool_begin_allocate_to_pool(device_, id_, stream));
+  }
+  pool_scope(const pool_scope &) = delete;
+  pool_scope &operator=(const pool_scope &) = delete;
+  ~pool_scope() { gpupool_end_allocate_to_pool(device_, id_); }
+
+ private:
+  int device_;
+  std::uint64_t id_;
+};
 
 }  // namespace gpupool

@@ -11,6 +11,12 @@ torch.cuda.memory.CUDAPluggableAllocator and change_current_allocator, and wires
 hooks: init, reset (torch.cuda.empty_cache), memory fraction
 (torch.cuda.set_per_process_memory_fraction) and record_stream (Tensor.record_stream).
 
+CUDA graphs: when libgpupool_torch_graphs.so (built from gpupool_torch_graphs.cpp, installed
+beside libgpupool.so) is found, install() also wires PyTorch's private-pool hooks, so that
+torch.cuda.graph captures into a gpupool private pool and its memory goes back when the graphs
+are reset. torch.cuda.graph leaks the pool of a capture that fails; capture it through
+gpupool_torch.graph(g) instead, which releases it (and re-raises).
+
 With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
 gpupool's figures; stats() and summary() here do, from gpupool_stats and
 gpupool_memory_summary. Likewise torch.cuda.memory._record_memory_history() and
@@ -19,6 +25,7 @@ theirs, from gpupool_record_history and gpupool_dump_snapshot, and write the sam
 the same viewer (python3 -m torch.cuda._memory_viz trace_plot FILE -o FILE.html).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -78,6 +85,7 @@ def _check(status, call):
 
 def _bind(lib):
     lib.gpupool_last_error_message.restype = ctypes.c_char_p
+    lib.gpupool_pool_stats.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_Stats)]
     lib.gpupool_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
     lib.gpupool_reset_peak_stats.argtypes = [ctypes.c_int]
     lib.gpupool_memory_summary.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
@@ -105,8 +113,56 @@ def install(path=None):
     ]
     for setter, symbol in hooks:
         getattr(native, setter)(ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value)
+    global _graphs
+    graphs_path = os.path.join(os.path.dirname(path), "libgpupool_torch_graphs.so")
+    if os.path.exists(graphs_path):
+        _graphs = ctypes.CDLL(graphs_path)
+        _graphs.gpupool_torch_abandon_pool.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
+        _graphs.gpupool_torch_pool_id.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
+        _graphs.gpupool_torch_pool_id.restype = ctypes.c_uint64
+        for setter, symbol in [
+            ("set_begin_allocate_to_pool", "gpupool_torch_begin_allocate_to_pool"),
+            ("set_end_allocate_to_pool_fn", "gpupool_torch_end_allocate_to_pool"),
+            ("set_release_pool", "gpupool_torch_release_pool"),
+        ]:
+            getattr(native, setter)(ctypes.cast(getattr(_graphs, symbol), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(allocator)
     return allocator
+
+
+_graphs = None
+
+
+@contextlib.contextmanager
+def graph(cuda_graph, **kwargs):
+    """torch.cuda.graph(cuda_graph, **kwargs), which also releases the graph's private pool when
+    the capture fails (torch.cuda.graph leaves it routed and allocated until the process ends),
+    then re-raises."""
+    import torch
+
+    device = torch.cuda.current_device()
+    try:
+        with torch.cuda.graph(cuda_graph, **kwargs):
+            yield
+    except BaseException:
+        if _graphs is not None:
+            first, second = cuda_graph.pool()
+            _graphs.gpupool_torch_abandon_pool(device, first, second)
+        raise
+
+
+def pool_stats(pool, device=0):
+    """gpupool's statistics of PyTorch's private pool `pool` (a graph's .pool(), or
+    torch.cuda.graph_pool_handle()) as stats() gives them; None when gpupool has no such pool."""
+    if _graphs is None:
+        return None
+    pid = _graphs.gpupool_torch_pool_id(device, pool[0], pool[1])
+    if pid == 0:
+        return None
+    s = _Stats()
+    s.size = ctypes.sizeof(_Stats)
+    _check(_lib.gpupool_pool_stats(device, pid, ctypes.byref(s)), "gpupool_pool_stats")
+    return _flat(s)
 
 
 def attach(lib=None):
@@ -122,6 +178,10 @@ def stats(device=0):
     s = _Stats()
     s.size = ctypes.sizeof(_Stats)
     _check(_lib.gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
+    return _flat(s)
+
+
+def _flat(s):
     out = {}
     for name in _ARRAYS:
         arr = getattr(s, name)

@@ -27,34 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "common.cuh"
 #include "gpupool.hpp"
 #include "network.hpp"
 
 namespace {
-
-void cuda_check(cudaError_t e, const char *call) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(call) + ": " + cudaGetErrorString(e));
-}
-#define CUDA(call) cuda_check((call), #call)
-
-// One output element per thread: y[b, j] = act(bias[j] + sum_k w[j, k] * x[b, k]), the sum as
-// fused multiply-adds in index order, exactly as engine::reference computes it.
-__global__ void dense(const float *__restrict__ w, const float *__restrict__ bias, const float *__restrict__ x,
-                      float *__restrict__ y, int in, int out, int relu) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  int b = blockIdx.y;
-  if (j >= out) return;
-  const float *wr = w + static_cast<size_t>(j) * in;
-  const float *xr = x + static_cast<size_t>(b) * in;
-  float acc = bias[j];
-  for (int k = 0; k < in; k++) acc = fmaf(wr[k], xr[k], acc);
-  y[static_cast<size_t>(b) * out + j] = (relu && acc < 0.0f) ? 0.0f : acc;
-}
-
-struct device_layer {
-  int in, out;
-  gpupool::buffer weight, bias;
-};
 
 // One request in flight: its pinned host buffers and the events that order its streams.
 struct slot {
@@ -102,13 +79,7 @@ int main(int argc, char **argv) {
     std::vector<device_layer> layers;
     {
       gpupool::tag_scope tag("weights");
-      for (const auto &l : net) {
-        device_layer d{l.in, l.out, gpupool::buffer(l.weight.size() * sizeof(float), compute),
-                       gpupool::buffer(l.bias.size() * sizeof(float), compute)};
-        CUDA(cudaMemcpy(d.weight.get(), l.weight.data(), l.weight.size() * sizeof(float), cudaMemcpyHostToDevice));
-        CUDA(cudaMemcpy(d.bias.get(), l.bias.data(), l.bias.size() * sizeof(float), cudaMemcpyHostToDevice));
-        layers.push_back(std::move(d));
-      }
+      layers = upload(net, compute);
     }
     const int in_width = engine::widths().front(), out_width = engine::widths().back();
 
