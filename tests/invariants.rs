@@ -180,7 +180,10 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     // only on the capturing stream, and neither empties the cache nor asks for a device
     // synchronisation: those are its own calls that CUDA forbids (a new segment for another
     // stream, made on this thread, or the out-of-memory path's synchronisation), which gpupool
-    // cannot see coming once no route is active (PyTorch's rule too).
+    // cannot see coming once no route is active (PyTorch's rule too). Nor does it end the
+    // capturing pool's routes or release it before the capture ends: gpupool would then give
+    // its memory back during the capture, since it asks no stream after the fact (a stream the
+    // program destroyed would crash the driver).
     let mut capture: Option<(usize, usize, bool)> = None;
     for op in ops {
         let before = (a.stats(0).unwrap().num_alloc_retries, drv.counts());
@@ -188,6 +191,7 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
         match op {
             Op::Malloc { stream, .. } if capture.is_some_and(|c| c.0 != stream) => {}
             Op::EmptyCache | Op::ReleaseDeferred if capture.is_some() => {}
+            Op::EndRoutes { pool } | Op::ReleasePool { pool } if capture.is_some_and(|c| c.1 == pool) => {}
             Op::Capture { stream, pool, global }
                 if capture.is_none() && a.begin_allocate_to_pool(0, pools[pool], streams[stream]).is_ok() =>
             {
@@ -198,8 +202,7 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
             Op::EndCapture => {
                 if let Some((stream, pool, _)) = capture.take() {
                     assert!(drv.end_capture(streams[stream]).unwrap(), "a capture was invalidated");
-                    // The route may have ended already (EndRoutes, ReleasePool).
-                    let _ = a.end_allocate_to_pool(0, pools[pool]);
+                    a.end_allocate_to_pool(0, pools[pool]).unwrap();
                     simple = false;
                 }
             }

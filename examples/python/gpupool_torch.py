@@ -117,7 +117,7 @@ def install(path=None):
     graphs_path = os.path.join(os.path.dirname(path), "libgpupool_torch_graphs.so")
     if os.path.exists(graphs_path):
         _graphs = ctypes.CDLL(graphs_path)
-        _graphs.gpupool_torch_abandon_pool.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
+        _graphs.gpupool_torch_abandon_open_pools.argtypes = [ctypes.c_int]
         _graphs.gpupool_torch_pool_id.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
         _graphs.gpupool_torch_pool_id.restype = ctypes.c_uint64
         for setter, symbol in [
@@ -145,9 +145,10 @@ def graph(cuda_graph, **kwargs):
         with torch.cuda.graph(cuda_graph, **kwargs):
             yield
     except BaseException:
+        # The failed capture's pool is the one whose route never ended (CUDAGraph.pool()
+        # refuses to name the pool of a failed capture).
         if _graphs is not None:
-            first, second = cuda_graph.pool()
-            _graphs.gpupool_torch_abandon_pool(device, first, second)
+            _graphs.gpupool_torch_abandon_open_pools(device)
         raise
 
 

@@ -20,8 +20,9 @@
 // - releasePool(device, id) takes a use back; the last one releases the pool's memory
 //   (gpupool_release_pool), which PyTorch defers to its next cache release, and drops the
 //   filters.
-// gpupool_torch_abandon_pool(device, first, second) ends and releases a pool whatever its
-// count: gpupool_torch.graph() calls it when a capture fails, which torch.cuda.graph leaks.
+// gpupool_torch_abandon_open_pools(device) ends and releases the pools whose routes were begun
+// and never ended, whatever their count: gpupool_torch.graph() calls it when a capture fails,
+// whose pool torch.cuda.graph leaks.
 //
 // A failure cannot be returned through PyTorch's hooks: it is written to stderr
 // ("gpupool: ..."), as the other hooks of gpupool_torch.h do.
@@ -46,6 +47,8 @@ namespace {
 struct Pool {
   std::uint64_t id = 0;
   long uses = 0;
+  // Routes begun and not ended: a capture that failed never reaches endAllocateToPool.
+  long open = 0;
 };
 
 std::mutex mutex;
@@ -91,6 +94,7 @@ extern "C" void gpupool_torch_begin_allocate_to_pool(int device, MempoolId mempo
     return;
   }
   pool.uses++;
+  pool.open++;
   filters[{device, pool.id}].push_back(std::move(owned));
 }
 
@@ -98,7 +102,9 @@ extern "C" void gpupool_torch_begin_allocate_to_pool(int device, MempoolId mempo
 extern "C" void gpupool_torch_end_allocate_to_pool(int device, MempoolId mempool) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = pools.find({device, mempool});
-  if (it != pools.end()) report(gpupool_end_allocate_to_pool(device, it->second.id), "endAllocateToPool");
+  if (it == pools.end()) return;
+  it->second.open = 0;
+  report(gpupool_end_allocate_to_pool(device, it->second.id), "endAllocateToPool");
 }
 
 // PyTorch `releasePool(device, mempool_id)`.
@@ -110,17 +116,24 @@ extern "C" void gpupool_torch_release_pool(int device, MempoolId mempool) {
   pools.erase(it);
 }
 
-// Ends the routes of PyTorch's pool (first, second) on `device` and releases it, however many
-// uses it has: what a failed capture leaves behind. Returns 1 when there was such a pool.
-extern "C" int gpupool_torch_abandon_pool(int device, unsigned long long first, unsigned long long second) {
+// Ends the routes of every pool of `device` whose routes were begun and not ended, and
+// releases those pools, however many uses they have: what a capture that failed leaves behind
+// (torch.cuda.graph raises before endAllocateToPool, and CUDAGraph::pool() refuses to name the
+// pool of a failed capture). Returns how many pools it released.
+extern "C" int gpupool_torch_abandon_open_pools(int device) {
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = pools.find({device, MempoolId(first, second)});
-  if (it == pools.end()) return 0;
-  // The routes may have ended already (an error there only means that).
-  (void)gpupool_end_allocate_to_pool(device, it->second.id);
-  release(device, it->second, "abandon_pool");
-  pools.erase(it);
-  return 1;
+  int released = 0;
+  for (auto it = pools.begin(); it != pools.end();) {
+    if (it->first.first != device || it->second.open == 0) {
+      ++it;
+      continue;
+    }
+    (void)gpupool_end_allocate_to_pool(device, it->second.id);
+    release(device, it->second, "abandon_open_pools");
+    it = pools.erase(it);
+    released++;
+  }
+  return released;
 }
 
 // gpupool's id for PyTorch's pool (first, second) on `device`; 0 when there is none.

@@ -7,20 +7,21 @@
 //! `record_stream` frees, and when freeing a block that other streams used. The hit path
 //! (malloc and free served from the cache) asks nothing.
 //!
-//! Three signals. As in PyTorch (`CUDACachingAllocator.cpp`): the routes to private pools
-//! active on the device (PyTorch `captures_underway`, set by `beginAllocateToPool`): while any
-//! is, no event is queried or recorded for a free; and the capture status of the streams
-//! concerned (`cuStreamGetCaptureInfo`, PyTorch `currentStreamCaptureStatusMayInitCtx`). And,
-//! not in PyTorch: the streams gpupool found capturing, remembered until found otherwise. A
-//! global-mode capture forbids `cuMemFree` and synchronisation to every thread, whichever
-//! stream it allocates for: while one of those streams still captures (or a route is active),
-//! gpupool gives nothing back to the driver and synchronises nothing, and makes its new
-//! segments with the thread's capture mode relaxed.
+//! Two signals, as in PyTorch (`CUDACachingAllocator.cpp`): the routes to private pools by
+//! stream or filter active on the device (PyTorch `captures_underway`, set by
+//! `beginAllocateToPool`): while any is, no event is queried or recorded for a free, nothing
+//! is given back to the driver or synchronised, and new segments are made with the thread's
+//! capture mode relaxed; and the capture status of a stream gpupool is about to use
+//! (`cuStreamGetCaptureInfo`, PyTorch `currentStreamCaptureStatusMayInitCtx`): the allocating
+//! stream at a cache miss, and the streams of `record_stream` when their events are recorded.
+//! Only streams the program is using at that moment are asked: `cuStreamGetCaptureInfo` on a
+//! stream the program has destroyed crashes inside libcuda (seen on an H100 with driver 580),
+//! so a capture gpupool found but no route announced is not remembered and asked about later.
+//! As in PyTorch, such a capture in global mode is broken by another thread's cache miss
+//! (`cuMemAlloc`) or `empty_cache`: capture through a private pool.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
 
 use crate::driver::{CaptureStatus, Driver, StreamHandle};
 use crate::error::Error;
@@ -35,22 +36,11 @@ pub(crate) struct CaptureProbe {
     /// Of those, the routes by stream or by filter: `torch.cuda.graph`'s, made for a capture.
     /// A route by thread (`use_mem_pool`) is not.
     capture_routes: AtomicUsize,
-    /// Streams of the device found capturing and not yet found otherwise.
-    seen: Mutex<Vec<StreamHandle>>,
-    /// `seen.len()`, read without the lock.
-    seen_count: AtomicUsize,
 }
 
 impl CaptureProbe {
     pub fn new(driver: Arc<dyn Driver>, device: i32) -> CaptureProbe {
-        CaptureProbe {
-            driver,
-            device,
-            routes: AtomicUsize::new(0),
-            capture_routes: AtomicUsize::new(0),
-            seen: Mutex::new(Vec::new()),
-            seen_count: AtomicUsize::new(0),
-        }
+        CaptureProbe { driver, device, routes: AtomicUsize::new(0), capture_routes: AtomicUsize::new(0) }
     }
 
     /// How many routes are active: 0 on every path of a program that uses no private pool.
@@ -72,49 +62,21 @@ impl CaptureProbe {
         self.capture_routes.store(for_capture, Ordering::Relaxed);
     }
 
-    /// The capture status of `stream` on this device (`cuStreamGetCaptureInfo`).
+    /// The capture status of `stream` on this device (`cuStreamGetCaptureInfo`). `stream`
+    /// must be one the program is using now (see the module).
     ///
     /// Errors: [`Error::Cuda`] when the driver cannot say.
     pub fn status(&self, stream: StreamHandle) -> Result<CaptureStatus, Error> {
-        let status = self
-            .driver
+        self.driver
             .stream_capture_status(self.device, stream)
-            .map_err(|e| Error::driver_call(e, "asking whether the stream captures a CUDA graph"))?;
-        if status.is_capturing() {
-            let mut seen = self.seen.lock();
-            if !seen.contains(&stream) {
-                seen.push(stream);
-                self.seen_count.store(seen.len(), Ordering::Relaxed);
-            }
-        }
-        Ok(status)
+            .map_err(|e| Error::driver_call(e, "asking whether the stream captures a CUDA graph"))
     }
 
-    /// Whether a capture may be under way on the device: a route by stream or filter is active,
-    /// or a stream found capturing still is (each asked again; those that ended are
-    /// forgotten, and so are those the driver cannot answer for: destroyed since). Asked before
-    /// giving memory back to the driver, synchronising, or making a segment.
+    /// Whether a capture may be under way on the device as far as gpupool knows: a route by
+    /// stream or filter is active (PyTorch's `captures_underway`). Asked before giving memory
+    /// back to the driver, synchronising, or making a segment.
     pub fn any_underway(&self) -> bool {
-        if self.capture_routed() {
-            return true;
-        }
-        if self.seen_count.load(Ordering::Relaxed) == 0 {
-            return false;
-        }
-        let streams = self.seen.lock().clone();
-        let mut ended = Vec::new();
-        let mut underway = false;
-        for s in streams {
-            // A stream the driver no longer knows (destroyed since) captures nothing.
-            match self.driver.stream_capture_status(self.device, s) {
-                Ok(st) if st.is_capturing() => underway = true,
-                _ => ended.push(s),
-            }
-        }
-        let mut seen = self.seen.lock();
-        seen.retain(|s| !ended.contains(s));
-        self.seen_count.store(seen.len(), Ordering::Relaxed);
-        underway
+        self.capture_routed()
     }
 
     /// Runs `f` with the calling thread's capture mode relaxed when a capture may be under
@@ -140,13 +102,12 @@ impl CaptureProbe {
     /// by stream or filter is active on the device (PyTorch's test, `captures_underway`, but for
     /// the routes by thread of `use_mem_pool`, which capture nothing: deferring every
     /// `record_stream` free of the device while one lasts would hold their memory back), or
-    /// one of `streams` captures. Asks the driver only when no such route is active.
+    /// one of `streams` captures. Asks the driver only when no such route is active;
+    /// `streams` are those whose events are about to be recorded, so alive.
     pub fn underway(&self, streams: impl IntoIterator<Item = StreamHandle>) -> bool {
         if self.capture_routed() {
             return true;
         }
-        // A stream the driver cannot answer for (destroyed since) captures nothing: its event
-        // then fails to record, and the block waits for a device synchronisation instead.
         streams.into_iter().any(|s| matches!(self.status(s), Ok(st) if st.is_capturing()))
     }
 }
@@ -156,8 +117,7 @@ impl CaptureProbe {
 pub(crate) fn refused_during_capture(device: i32, doing: &str) -> Error {
     Error::Capture(format!(
         "{doing} on device {device} would synchronise the device or give memory back to the driver while a CUDA \
-         graph capture may be under way there (a route to a private pool by stream or filter is active, or a \
-         stream gpupool saw capturing still is), which would break the capture; nothing was done: call it once the capture and \
+         graph capture may be under way there (a route to a private pool by stream or filter is active), which would break the capture; nothing was done: call it once the capture and \
          gpupool_end_allocate_to_pool are done"
     ))
 }

@@ -22,8 +22,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 
 use super::{
-    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle,
-    StreamHandle,
+    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
 };
 
 /// Every driver function gpupool calls: checked at start, so that a library lacking one is

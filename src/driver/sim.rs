@@ -35,8 +35,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::{
-    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle,
-    StreamHandle,
+    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
 };
 
 /// The kinds of driver call a fault can be injected into: every call of [`Driver`] but

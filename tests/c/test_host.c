@@ -31,7 +31,11 @@ static int is_pinned(const void *p, size_t len) {
  * out twice. */
 static void *stage(void *arg) {
   uintptr_t t = (uintptr_t)arg;
-  gpupool_stream_t stream = (gpupool_stream_t)(0x1000 * (t + 1));
+  /* The simulated device takes any handle; a real driver takes only live streams, and
+   * CU_STREAM_PER_THREAD (2) is each thread's own. */
+  const char *driver = getenv("GPUPOOL_DRIVER");
+  int sim = driver && strcmp(driver, "sim") == 0;
+  gpupool_stream_t stream = sim ? (gpupool_stream_t)(0x1000 * (t + 1)) : (gpupool_stream_t)2;
   void *ring[4] = {0};
   int failures = 0;
   for (int i = 0; i < ROUNDS; i++) {

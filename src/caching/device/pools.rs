@@ -153,7 +153,7 @@ impl DeviceAllocator {
     ///
     /// Errors: [`Error::InvalidValue`] when no route to `pool` is active on this device.
     pub fn end_routes(&self, pool: u64) -> Result<(), Error> {
-        let (left, ended) = {
+        let (left, _ended) = {
             let mut ps = self.pools.state.lock();
             let ended = take_routes(&mut ps.routes, pool);
             if ended.is_empty() {
@@ -165,7 +165,6 @@ impl DeviceAllocator {
             self.capture.set_routes(ps.routes.len(), ps.capture_routes());
             (ps.capture_routes(), ended)
         };
-        self.note_captures(&ended);
         if left == 0 {
             self.after_captures();
         }
@@ -215,8 +214,7 @@ impl DeviceAllocator {
             self.capture.set_routes(ps.routes.len(), ps.capture_routes());
             (ps.capture_routes(), ended)
         };
-        let (left, ended) = left;
-        self.note_captures(&ended);
+        let (left, _ended) = left;
         for shard in self.shards.of_pool(pool) {
             let ctx = self.ctx(&shard);
             let mut st = self.shards.lock_for_change(&shard);
@@ -258,9 +256,8 @@ impl DeviceAllocator {
         st: &mut crate::caching::shard::ShardState,
         ctx: &crate::caching::shard::ShardCtx,
     ) {
-        // Asked first, so that the shard's own stream counts if it captures; a stream the
-        // driver no longer knows (destroyed since) captures nothing.
-        if matches!(self.capture.status(ctx.shard.stream), Ok(s) if s.is_capturing()) || self.capture.any_underway() {
+        // The shard's stream is not asked: the program may have destroyed it (see `capture`).
+        if self.capture.any_underway() {
             return;
         }
         if st.has_capture_deferred() {
@@ -268,17 +265,6 @@ impl DeviceAllocator {
         }
         let _ = st.process_events(ctx);
         let _ = st.release_cached(ctx);
-    }
-
-    /// Asks whether the streams of ended routes still capture, so that a capture that outlives
-    /// its route (its end or its pool's release came first) is known as under way (see
-    /// `capture`). A failure to ask is left for the next question.
-    fn note_captures(&self, ended: &[Route]) {
-        for r in ended {
-            if let RouteTo::Stream(s) = r.to {
-                let _ = self.capture.status(s);
-            }
-        }
     }
 
     /// The pool an allocation on `stream` by the calling thread goes to, if a route takes it.

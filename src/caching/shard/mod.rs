@@ -285,13 +285,14 @@ impl ShardState {
 
     /// [`ShardState::free`] of a block that other streams used: one event per stream, or, while
     /// a capture is under way (a route to a private pool is active on the device, or one of
-    /// the streams captures), no event yet: recording one into a capture and querying it
+    /// the streams that used it captures: not the block's own, which the program may have
+    /// destroyed and which gets no event), no event yet: recording one into a capture and querying it
     /// later is illegal, so the block waits in `capture_deferred` (PyTorch `free`, with
     /// `insert_events_deferred_until_no_capture`).
     #[cold]
     #[inline(never)]
     fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
-        if ctx.capture.underway(std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied())) {
+        if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
             self.live.remove(&ptr);
             self.count_free(id, ctx.max_split_size);
             let b = &mut self.blocks[id];
@@ -334,8 +335,7 @@ impl ShardState {
         let ids = std::mem::take(&mut self.capture_deferred);
         let mut waiting = Vec::new();
         for id in ids {
-            let streams = std::iter::once(ctx.shard.stream).chain(self.blocks[id].stream_uses.iter().copied());
-            if ctx.capture.underway(streams) {
+            if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
                 waiting.push(id);
                 continue;
             }
