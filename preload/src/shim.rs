@@ -363,6 +363,9 @@ mod tests {
     /// The allocators the tests' shims borrow for the life of the process, as the shim's does;
     /// kept reachable so that leak checkers do not count them as lost.
     static KEPT: std::sync::Mutex<Vec<&'static Allocator>> = std::sync::Mutex::new(Vec::new());
+    /// Likewise the pinned host allocators: a leaked one that nothing points to is what
+    /// LeakSanitizer reports (its blocks' index and free lists).
+    static KEPT_HOST: std::sync::Mutex<Vec<&'static HostAllocator>> = std::sync::Mutex::new(Vec::new());
 
     fn sim_shim(mode: PreloadMode) -> Shim {
         let config = Config { driver: DriverKind::Sim, preload_mode: mode, ..Config::default() };
@@ -371,6 +374,7 @@ mod tests {
         KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(alloc);
         let host: &'static HostAllocator =
             Box::leak(Box::new(HostAllocator::new(alloc.driver().clone(), &alloc.config())));
+        KEPT_HOST.lock().unwrap_or_else(|e| e.into_inner()).push(host);
         Shim::new(alloc, host)
     }
 
