@@ -179,7 +179,23 @@ int main(void) {
 
   static const size_t pair_sizes[] = {(size_t)4 << 10, (size_t)16 << 20};
   double pair_ns[2][8], gbs[8];
-  for (int a = 0; a < NALLOC; a++) {
+  /* BENCH_HOST_ORDER=reverse runs the allocators last to first: whichever runs first meets a
+   * cold GPU and copy engine, so a run in each order shows how much the order moves a figure. */
+  const char *order = getenv("BENCH_HOST_ORDER");
+  {
+    /* 1 GiB of copies from a pinned buffer before anything is timed, so that the first
+     * allocator does not meet a copy engine and link still waking up. */
+    void *warm = NULL;
+    CUDA(cudaHostAlloc(&warm, MIN_COPY << (COPY_SIZES - 1), cudaHostAllocDefault));
+    for (int k = 0; k < 256; k++)
+      CUDA(cudaMemcpyAsync(dev, warm, MIN_COPY << (COPY_SIZES - 1), cudaMemcpyHostToDevice, s));
+    CUDA(cudaStreamSynchronize(s));
+    CUDA(cudaFreeHost(warm));
+  }
+  int reverse = order && strcmp(order, "reverse") == 0;
+  long long measured_allocs = -1; /* gpupool's cuMemHostAlloc during its measured staging runs */
+  for (int i = 0; i < NALLOC; i++) {
+    int a = reverse ? NALLOC - 1 - i : i;
     host_alloc_t *A = &allocators[a];
     double v[REPS];
     for (int k = 0; k < 2; k++) {
@@ -188,7 +204,11 @@ int main(void) {
     }
     size_t total = A->slow ? (size_t)256 << 20 : (size_t)2 << 30;
     staging(A, s, dev, (size_t)64 << 20); /* warm: the ring's blocks exist */
+    gpupool_host_stats_t before = GPUPOOL_HOST_STATS_INIT, after = GPUPOOL_HOST_STATS_INIT;
+    int counted = A->alloc == gp_alloc && gpupool_host_stats(&before) == GPUPOOL_SUCCESS;
     for (int r = 0; r < REPS; r++) v[r] = staging(A, s, dev, total);
+    if (counted && gpupool_host_stats(&after) == GPUPOOL_SUCCESS)
+      measured_allocs = (long long)(after.num_host_alloc - before.num_host_alloc);
     gbs[a] = median(v, REPS);
     fprintf(stderr, "bench_host: %s done\n", A->name);
   }
@@ -198,8 +218,8 @@ int main(void) {
 #endif
 
   printf("bench_host on %s: pinned host memory, median of %d runs; staging ring of %d buffers, 64 KiB-4 MiB, "
-         "host fill %s\n\n",
-         prop.name, REPS, RING, fill_full ? "full" : "one byte per 4 KiB page");
+         "host fill %s; allocators run %s\n\n",
+         prop.name, REPS, RING, fill_full ? "full" : "one byte per 4 KiB page", reverse ? "last to first" : "in order");
   printf("| workload |");
   for (int a = 0; a < NALLOC; a++) printf(" %s |", allocators[a].name);
   printf("\n|---|");
@@ -221,6 +241,7 @@ int main(void) {
            (long long)st.num_host_free,
            (long long)(st.host_free_time.count ? st.host_free_time.total / st.host_free_time.count : 0),
            (double)st.allocated_bytes.peak / 1048576.0);
+  if (measured_allocs >= 0) printf("gpupool: %lld cuMemHostAlloc during the measured staging runs\n", measured_allocs);
   CUDA(cudaFree(dev));
   CUDA(cudaStreamDestroy(s));
   return 0;

@@ -117,7 +117,8 @@ def install(path=None):
     graphs_path = os.path.join(os.path.dirname(path), "libgpupool_torch_graphs.so")
     if os.path.exists(graphs_path):
         _graphs = ctypes.CDLL(graphs_path)
-        _graphs.gpupool_torch_abandon_open_pools.argtypes = [ctypes.c_int]
+        _graphs.gpupool_torch_watch_captures.argtypes = [ctypes.c_int]
+        _graphs.gpupool_torch_end_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _graphs.gpupool_torch_pool_id.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
         _graphs.gpupool_torch_pool_id.restype = ctypes.c_uint64
         for setter, symbol in [
@@ -131,6 +132,8 @@ def install(path=None):
 
 
 _graphs = None
+# How many pools graph() released when its last failed capture raised.
+released_by_failed_capture = 0
 
 
 @contextlib.contextmanager
@@ -140,16 +143,22 @@ def graph(cuda_graph, **kwargs):
     then re-raises."""
     import torch
 
+    global released_by_failed_capture
     device = torch.cuda.current_device()
+    # The pools this capture begins are listed, since CUDAGraph.pool() refuses to name the pool
+    # of a failed capture; on failure their uses are taken back (see gpupool_torch_graphs.cpp).
+    if _graphs is not None:
+        _graphs.gpupool_torch_watch_captures(device)
+    failed = True
     try:
         with torch.cuda.graph(cuda_graph, **kwargs):
             yield
-    except BaseException:
-        # The failed capture's pool is the one whose route never ended (CUDAGraph.pool()
-        # refuses to name the pool of a failed capture).
+        failed = False
+    finally:
         if _graphs is not None:
-            _graphs.gpupool_torch_abandon_open_pools(device)
-        raise
+            released = _graphs.gpupool_torch_end_watch(device, 1 if failed else 0)
+            if failed:
+                released_by_failed_capture = released
 
 
 def pool_stats(pool, device=0):

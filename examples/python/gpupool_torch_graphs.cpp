@@ -20,9 +20,14 @@
 // - releasePool(device, id) takes a use back; the last one releases the pool's memory
 //   (gpupool_release_pool), which PyTorch defers to its next cache release, and drops the
 //   filters.
-// gpupool_torch_abandon_open_pools(device) ends and releases the pools whose routes were begun
-// and never ended, whatever their count: gpupool_torch.graph() calls it when a capture fails,
-// whose pool torch.cuda.graph leaks.
+// A capture that fails leaks its pool under PyTorch: capture_end raises once
+// cudaStreamEndCapture fails, having called endAllocateToPool or not, so releasePool is never
+// called for that use, and CUDAGraph::pool() refuses to name the pool. gpupool_torch.graph()
+// watches the capture instead: gpupool_torch_watch_captures(device) starts a list of the
+// pools begun on the device, and gpupool_torch_end_watch(device, failed) stops it and, when the
+// capture failed, takes back each listed use as releasePool would (ending the pool's routes
+// first): a pool of its own is released, a pool shared through pool= keeps the uses of the
+// graphs that captured into it before.
 //
 // A failure cannot be returned through PyTorch's hooks: it is written to stderr
 // ("gpupool: ..."), as the other hooks of gpupool_torch.h do.
@@ -47,13 +52,13 @@ namespace {
 struct Pool {
   std::uint64_t id = 0;
   long uses = 0;
-  // Routes begun and not ended: a capture that failed never reaches endAllocateToPool.
-  long open = 0;
 };
 
 std::mutex mutex;
 // gpupool's pool for each (device, PyTorch pool id).
 std::map<std::pair<int, MempoolId>, Pool> pools;
+// The pools begun on each watched device since its watch started (gpupool_torch_watch_captures).
+std::map<int, std::vector<MempoolId>> watched;
 // The filters of each gpupool pool's routes: alive until the pool is released.
 std::map<std::pair<int, std::uint64_t>, std::vector<std::unique_ptr<Filter>>> filters;
 
@@ -94,8 +99,9 @@ extern "C" void gpupool_torch_begin_allocate_to_pool(int device, MempoolId mempo
     return;
   }
   pool.uses++;
-  pool.open++;
   filters[{device, pool.id}].push_back(std::move(owned));
+  auto w = watched.find(device);
+  if (w != watched.end()) w->second.push_back(mempool);
 }
 
 // PyTorch `endAllocateToPool(device, mempool_id)`.
@@ -103,7 +109,6 @@ extern "C" void gpupool_torch_end_allocate_to_pool(int device, MempoolId mempool
   std::lock_guard<std::mutex> lock(mutex);
   auto it = pools.find({device, mempool});
   if (it == pools.end()) return;
-  it->second.open = 0;
   report(gpupool_end_allocate_to_pool(device, it->second.id), "endAllocateToPool");
 }
 
@@ -116,21 +121,32 @@ extern "C" void gpupool_torch_release_pool(int device, MempoolId mempool) {
   pools.erase(it);
 }
 
-// Ends the routes of every pool of `device` whose routes were begun and not ended, and
-// releases those pools, however many uses they have: what a capture that failed leaves behind
-// (torch.cuda.graph raises before endAllocateToPool, and CUDAGraph::pool() refuses to name the
-// pool of a failed capture). Returns how many pools it released.
-extern "C" int gpupool_torch_abandon_open_pools(int device) {
+// Starts listing the pools begun on `device` (a watch already running starts again).
+extern "C" void gpupool_torch_watch_captures(int device) {
   std::lock_guard<std::mutex> lock(mutex);
+  watched[device].clear();
+}
+
+// Stops the watch of `device`; when `failed`, takes back the use of each pool begun since it
+// started, as the releasePool that PyTorch never calls for a failed capture: the pool's routes
+// end, and a pool left with no use is released. Returns how many pools it released.
+extern "C" int gpupool_torch_end_watch(int device, int failed) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto w = watched.find(device);
+  if (w == watched.end()) return 0;
+  std::vector<MempoolId> begun = std::move(w->second);
+  watched.erase(w);
   int released = 0;
-  for (auto it = pools.begin(); it != pools.end();) {
-    if (it->first.first != device || it->second.open == 0) {
-      ++it;
-      continue;
-    }
+  if (!failed) return 0;
+  for (const MempoolId &mempool : begun) {
+    auto it = pools.find({device, mempool});
+    if (it == pools.end()) continue;
+    // No route of this device's pool outlives a failed capture (captures run one at a time);
+    // ending one that has ended already is refused, harmlessly.
     (void)gpupool_end_allocate_to_pool(device, it->second.id);
-    release(device, it->second, "abandon_open_pools");
-    it = pools.erase(it);
+    if (--it->second.uses > 0) continue;
+    release(device, it->second, "a failed capture's pool");
+    pools.erase(it);
     released++;
   }
   return released;
