@@ -160,6 +160,8 @@ if want examples; then
   ./build-gpu/cpp/consumer 2>&1 | tee "$out/consumer.log" || status=1
   ./build-gpu/cpp/engine 2>&1 | tee "$out/engine.log" || status=1
   ./build-gpu/cpp/engine_graphs 2>&1 | tee "$out/engine_graphs.log" || status=1
+  # A 16-layer network of narrow layers: bound by launches, where graphs pay.
+  ./build-gpu/cpp/engine_graphs 1000 16 2>&1 | tee "$out/engine_graphs_deep.log" || status=1
 fi
 
 preload="$prefix/lib/libgpupool_preload.so"

@@ -18,7 +18,9 @@
 // private pool is released as the gpupool::pool object goes, and gpupool's reserved bytes and
 // the device's free memory come back to the byte.
 //
-//   ./engine_graphs [requests]        (default 1000)
+//   ./engine_graphs [requests [layers]]  (default 1000 requests of the engine's 4-layer network;
+//                                          with layers, engine::deep_widths(layers): narrow
+//                                          layers whose launches, not their work, bound eager mode)
 // Exit status: 0 when every result matched and every check held, 1 otherwise, 77 when it cannot
 // run here (no GPU, or GPUPOOL_DRIVER=sim).
 #include <cuda_runtime.h>
@@ -145,8 +147,9 @@ double mib(long long bytes) { return static_cast<double>(bytes) / 1048576.0; }
 
 int main(int argc, char **argv) {
   long long requests = argc > 1 ? std::atoll(argv[1]) : 1000;
-  if (requests <= untimed) {
-    std::fprintf(stderr, "usage: engine_graphs [requests > %d]\n", untimed);
+  int deep = argc > 2 ? std::atoi(argv[2]) : 0;
+  if (requests <= untimed || argc > 3 || (argc > 2 && (deep < 2 || deep > 256))) {
+    std::fprintf(stderr, "usage: engine_graphs [requests > %d [layers, 2 to 256]]\n", untimed);
     return 1;
   }
   const char *driver = std::getenv("GPUPOOL_DRIVER");
@@ -165,7 +168,7 @@ int main(int argc, char **argv) {
     CUDA(cudaSetDevice(device));
     cudaStream_t compute;
     CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
-    const auto net = engine::make_network(42);
+    const auto net = deep ? engine::make_network(42, engine::deep_widths(deep)) : engine::make_network(42);
     std::vector<device_layer> layers = upload(net, compute);
     const long long weights = gpupool::stats(device).allocated_bytes.all.current;
 

@@ -44,10 +44,19 @@ struct layer {
   std::vector<float> bias;    // out
 };
 
-inline std::vector<layer> make_network(std::uint64_t seed) {
+// A deeper, narrower network with the same input and output widths: `layers` dense layers,
+// 128 wide between them. Its kernels are short, so serving it is bound by launching them:
+// what CUDA graphs save (engine_graphs' second run).
+inline std::vector<int> deep_widths(int layers) {
+  std::vector<int> w(static_cast<std::size_t>(layers) + 1, 128);
+  w.front() = widths().front();
+  w.back() = widths().back();
+  return w;
+}
+
+inline std::vector<layer> make_network(std::uint64_t seed, const std::vector<int> &w = widths()) {
   rng r(seed);
   std::vector<layer> net;
-  const auto &w = widths();
   for (std::size_t i = 0; i + 1 < w.size(); i++) {
     layer l{w[i], w[i + 1], {}, {}};
     float scale = 1.0f / std::sqrt(static_cast<float>(l.in));
