@@ -165,13 +165,10 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
     // credit out twice, or not at all. Closing the spare credit during a settle would avoid
     // that too, but makes every call that needs to borrow meanwhile settle after it: 4 threads
     // settled 4 times as often.)
-    let mut credit = [0i64; CELLS];
+    let mut credit = take_credit(t, shards, spare);
     let before = t.peak;
     for (i, peak) in t.peak.iter_mut().enumerate() {
         let current = t.current[i];
-        let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
-        credit[i] = spare[i].swap(0, Ordering::Relaxed) + held;
-        t.held[i] -= held;
         // Only a shard that went past its credit can have taken G above P; calls settle before
         // they return, so while it did, no other shard moved.
         let excursion =
@@ -217,11 +214,28 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
             }
         }
     }
-    for (i, r) in spare.iter().enumerate() {
-        // Added, not stored: a shard this settle does not visit may have given credit back
-        // since the swap above.
-        if credit[i] != 0 {
-            r.fetch_add(credit[i], Ordering::Relaxed);
+    return_credit(spare, &credit);
+}
+
+/// The credit a settle or a reset deals out, per cell: the spare credit (taken, leaving 0)
+/// and what the visited `shards` hold (taken off the totals' `held`). Credit that shards off
+/// the list give back or borrow meanwhile moves the spare credit after this swap, and
+/// [`return_credit`] adds to it rather than storing, so none is dealt twice or lost.
+fn take_credit(t: &mut Totals, shards: &[&mut ShardCounters], spare: &SpareCredit) -> [i64; CELLS] {
+    std::array::from_fn(|i| {
+        let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
+        t.held[i] -= held;
+        spare[i].swap(0, Ordering::Relaxed) + held
+    })
+}
+
+/// Puts what is left of the credit [`take_credit`] took back into the spare credit; below
+/// zero, a debt that no call can borrow against and that the next settle visiting the
+/// shards that moved pays.
+fn return_credit(spare: &SpareCredit, credit: &[i64; CELLS]) {
+    for (r, &c) in spare.iter().zip(credit) {
+        if c != 0 {
+            r.fetch_add(c, Ordering::Relaxed);
         }
     }
 }
@@ -243,22 +257,18 @@ fn consistent_pools(peak: &mut [i64; CELLS], current: &[i64; CELLS]) {
 /// PyTorch `reset_peak_stats`: every peak becomes the current value, and no credit is left.
 /// `shards` as for [`settle`]; afterwards no shard holds credit.
 ///
+/// The credit is dealt as a settle deals it ([`take_credit`], the peak's change,
+/// [`return_credit`]), with every peak lowered to the current value and no shard keeping any.
 /// A shard this reset does not visit (it joined the dirty list after the reset took it) may
-/// meanwhile have borrowed from the spare credit for an allocation the reset does not see, or
-/// given credit back to it. Storing 0 in the spare credit would then leave `P = G + sum(h) + R`
-/// short by the bytes it borrowed (seen as a peak below current + credit in the stress test,
-/// one run in hundreds). So, as a settle deals out the credit it takes, the reset takes the
-/// spare credit and leaves in it what those shards moved: a debt, when they borrowed, which
-/// no call can borrow against and the settle that visits them pays.
+/// meanwhile have borrowed from the spare credit for an allocation the reset does not see:
+/// storing 0 in the spare credit, as the reset once did, lost that borrow (a peak below
+/// current + credit in the stress test, one run in hundreds); dealt this way, it stays in
+/// the spare credit as a debt.
 pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit) {
     absorb(t, shards);
-    let mut left = [0i64; CELLS];
-    for (i, r) in spare.iter().enumerate() {
-        let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
-        // `P = G + sum(h) + R` held before, with `G` and `h` of the unvisited shards as the
-        // totals saw them (no credit) plus what they moved since: what the spare credit and
-        // the visited shards held beyond `P - G` (the totals' `G`) is minus that movement.
-        left[i] = r.swap(0, Ordering::Relaxed) + held - (t.peak[i] - t.current[i]);
+    let mut credit = take_credit(t, shards, spare);
+    for (i, c) in credit.iter_mut().enumerate() {
+        *c += t.current[i] - t.peak[i];
     }
     for s in shards.iter_mut() {
         let ShardCounters { cells, seen, .. } = &mut **s;
@@ -274,12 +284,7 @@ pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &S
     }
     t.peak = t.current;
     t.held = [0; CELLS];
-    for (r, left) in spare.iter().zip(left) {
-        // Added, not stored: an unvisited shard may have given credit back since the swap.
-        if left != 0 {
-            r.fetch_add(left, Ordering::Relaxed);
-        }
-    }
+    return_credit(spare, &credit);
 }
 
 /// The credit the spare credit holds for `cell` (for the consistency check).
