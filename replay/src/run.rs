@@ -111,9 +111,14 @@ pub fn replay(a: &Allocator, device: i32, trace: &Trace, streams: &[StreamHandle
     })
 }
 
-/// One pass over the events; then frees what is still alive. Returns the time the events took
-/// (ns) and how many allocations ran out of memory.
-fn pass(
+/// One pass over `trace`'s events on `device` of `a` (stream number `i` on `streams[i]`), the
+/// pointers of live blocks kept in `ptrs` (one per block id, 0 when none; all 0 on return):
+/// then frees what is still alive, untimed. Returns the time the events took (ns) and how many
+/// allocations ran out of memory (their frees are skipped). [`replay`] runs two; a caller
+/// that counts something between passes (the driver's calls, say) runs them itself.
+///
+/// Errors: any failure of the allocator other than out-of-memory.
+pub fn pass(
     a: &Allocator,
     device: i32,
     trace: &Trace,
