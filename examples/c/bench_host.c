@@ -179,9 +179,6 @@ int main(void) {
 
   static const size_t pair_sizes[] = {(size_t)4 << 10, (size_t)16 << 20};
   double pair_ns[2][8], gbs[8];
-  /* BENCH_HOST_ORDER=reverse runs the allocators last to first: whichever runs first meets a
-   * cold GPU and copy engine, so a run in each order shows how much the order moves a figure. */
-  const char *order = getenv("BENCH_HOST_ORDER");
   {
     /* 1 GiB of copies from a pinned buffer before anything is timed, so that the first
      * allocator does not meet a copy engine and link still waking up. */
@@ -192,6 +189,9 @@ int main(void) {
     CUDA(cudaStreamSynchronize(s));
     CUDA(cudaFreeHost(warm));
   }
+  /* BENCH_HOST_ORDER=reverse runs the allocators last to first: a run in each order shows how
+   * much the order still moves a figure after the warm-up. */
+  const char *order = getenv("BENCH_HOST_ORDER");
   int reverse = order && strcmp(order, "reverse") == 0;
   long long measured_allocs = -1; /* gpupool's cuMemHostAlloc during its measured staging runs */
   for (int i = 0; i < NALLOC; i++) {

@@ -121,23 +121,26 @@ extern "C" void gpupool_torch_release_pool(int device, MempoolId mempool) {
   pools.erase(it);
 }
 
-// Starts listing the pools begun on `device` (a watch already running starts again).
+// Starts listing the pools begun on `device` (a watch already running starts again): one
+// capture at a time per device, as PyTorch captures. Thread-safe (the hooks' one mutex).
 extern "C" void gpupool_torch_watch_captures(int device) {
   std::lock_guard<std::mutex> lock(mutex);
   watched[device].clear();
 }
 
-// Stops the watch of `device`; when `failed`, takes back the use of each pool begun since it
-// started, as the releasePool that PyTorch never calls for a failed capture: the pool's routes
-// end, and a pool left with no use is released. Returns how many pools it released.
+// Stops the watch of `device`; when `failed` (nonzero), takes back the use of each pool begun
+// since it started, as the releasePool that PyTorch never calls for a failed capture: the
+// pool's routes end, and a pool left with no use is released (gpupool_release_pool; its
+// failure is written to stderr, as the hooks' are). Returns how many pools it released: 0
+// without a watch or a failure. Thread-safe (the hooks' one mutex).
 extern "C" int gpupool_torch_end_watch(int device, int failed) {
   std::lock_guard<std::mutex> lock(mutex);
   auto w = watched.find(device);
   if (w == watched.end()) return 0;
   std::vector<MempoolId> begun = std::move(w->second);
   watched.erase(w);
-  int released = 0;
   if (!failed) return 0;
+  int released = 0;
   for (const MempoolId &mempool : begun) {
     auto it = pools.find({device, mempool});
     if (it == pools.end()) continue;
