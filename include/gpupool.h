@@ -648,7 +648,8 @@ gpupool_status gpupool_host_empty_cache(void);
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8);
  * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
  *
- * Thread-safe; takes each lock of the host allocator briefly.
+ * Thread-safe; the figures are of one moment: it holds every lock of the host allocator at
+ * once, briefly (pinned allocations on other threads wait for the copy).
  *
  * # Safety
  * `out` must be NULL or point to writable storage of at least `out->size` bytes.

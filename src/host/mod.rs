@@ -457,12 +457,17 @@ impl HostAllocator {
     /// The statistics (PyTorch `getStats`, `torch.cuda.host_memory_stats()`). The peaks of
     /// `active_requests` and `active_bytes` are the sums of the stripes' peaks: exact while one
     /// thread allocates, an upper bound of the true peak with several (PyTorch sums its
-    /// per-size peaks the same way). Thread-safe; takes each lock briefly.
+    /// per-size peaks the same way). Thread-safe: it holds every stripe's lock, then the slow
+    /// path's, for the copy (the lock order of [`HostAllocator::check_invariants`]), so that
+    /// the figures are of one moment, as PyTorch's one mutex gives them. Read one stripe at a
+    /// time, a block freed on a stripe already read and taken by a stripe not yet read counted
+    /// twice, and `active_requests` could pass `allocations` (seen in the threaded test under
+    /// AddressSanitizer).
     pub fn stats(&self) -> HostStats {
         let inner = &*self.inner;
         let mut out = HostStats::default();
-        for stripe in inner.stripes.iter() {
-            let st = stripe.0.lock();
+        let stripes: Vec<_> = inner.stripes.iter().map(|s| s.0.lock()).collect();
+        for st in &stripes {
             out.active_requests.merge(&st.active_requests);
             out.active_bytes.merge(&st.active_bytes);
         }
