@@ -66,15 +66,29 @@ def find_library():
     """The libgpupool.so to use: $GPUPOOL_LIB, else the repository's build, else the system's."""
     if os.environ.get("GPUPOOL_LIB"):
         return os.environ["GPUPOOL_LIB"]
-    root = pathlib.Path(__file__).resolve().parents[2]
-    for candidate in (root / "build/cargo/release/libgpupool.so", root / "target/release/libgpupool.so",
-                      root / ".device/prefix/lib/libgpupool.so"):
+    here = pathlib.Path(__file__).resolve()
+    # The repository's builds (examples/python/ is two folders down), then an installed prefix
+    # (this file installed as <prefix>/share/gpupool/python/gpupool_torch.py).
+    root, prefix = here.parents[2], here.parents[3] if len(here.parents) > 3 else here.parents[-1]
+    candidates = [root / "build/cargo/release/libgpupool.so", root / "target/release/libgpupool.so",
+                  root / ".device/prefix/lib/libgpupool.so"]
+    candidates += sorted(prefix.glob("lib*/libgpupool.so")) + sorted(prefix.glob("lib*/*/libgpupool.so"))
+    for candidate in candidates:
         if candidate.exists():
             return str(candidate)
     found = ctypes.util.find_library("gpupool")
     if found:
         return found
     raise FileNotFoundError("libgpupool.so not found: pass its path or set GPUPOOL_LIB")
+
+
+def _bound():
+    """The bound library, or a RuntimeError that says how to bind one."""
+    if _lib is None:
+        raise RuntimeError("gpupool is not bound in this process: call gpupool_torch.install() "
+                           "(gpupool as PyTorch's allocator) or gpupool_torch.attach() (a gpupool "
+                           "already loaded, e.g. by the LD_PRELOAD shim) first")
+    return _lib
 
 
 def _check(status, call):
@@ -171,15 +185,27 @@ def pool_stats(pool, device=0):
         return None
     s = _Stats()
     s.size = ctypes.sizeof(_Stats)
-    _check(_lib.gpupool_pool_stats(device, pid, ctypes.byref(s)), "gpupool_pool_stats")
+    _check(_bound().gpupool_pool_stats(device, pid, ctypes.byref(s)), "gpupool_pool_stats")
     return _flat(s)
 
 
 def attach(lib=None):
-    """Binds stats() and summary() to a gpupool already in the process without installing it
-    (the LD_PRELOAD shim exports the same functions: attach(ctypes.CDLL(None)))."""
+    """Binds stats(), summary() and the rest to a gpupool without making it PyTorch's allocator.
+
+    `lib`: a ctypes.CDLL or a path. Without it: the gpupool whose symbols the process already
+    has in its global scope (the LD_PRELOAD shim exports the gpupool_* functions), else the
+    library find_library() names ($GPUPOOL_LIB first; loading a path PyTorch already opened gives
+    the same library, so the same allocator). Raises FileNotFoundError when none is found."""
     global _lib
-    _lib = _bind(lib if lib is not None else ctypes.CDLL(None))
+    if isinstance(lib, (str, os.PathLike)):
+        lib = ctypes.CDLL(os.fspath(lib))
+    if lib is None:
+        process = ctypes.CDLL(None)
+        if hasattr(process, "gpupool_stats") and hasattr(process, "gpupool_last_error_message"):
+            lib = process
+        else:
+            lib = ctypes.CDLL(find_library())
+    _lib = _bind(lib)
 
 
 def stats(device=0):
@@ -187,7 +213,7 @@ def stats(device=0):
     counts), the keys of torch.cuda.memory_stats()."""
     s = _Stats()
     s.size = ctypes.sizeof(_Stats)
-    _check(_lib.gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
+    _check(_bound().gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
     return _flat(s)
 
 
@@ -207,31 +233,34 @@ def _flat(s):
 
 
 def reset_peak_stats(device=0):
-    _check(_lib.gpupool_reset_peak_stats(device), "gpupool_reset_peak_stats")
+    _check(_bound().gpupool_reset_peak_stats(device), "gpupool_reset_peak_stats")
 
 
 def summary(device=0):
     """gpupool's memory summary, in torch.cuda.memory_summary()'s layout."""
     needed = ctypes.c_size_t(0)
-    _check(_lib.gpupool_memory_summary(device, None, 0, ctypes.byref(needed)), "gpupool_memory_summary")
+    _check(_bound().gpupool_memory_summary(device, None, 0, ctypes.byref(needed)), "gpupool_memory_summary")
     buf = ctypes.create_string_buffer(needed.value + 256)
     _check(_lib.gpupool_memory_summary(device, buf, len(buf), ctypes.byref(needed)), "gpupool_memory_summary")
     return buf.value.decode()
 
 
 # GPUPOOL_HISTORY_CONTEXT_* of gpupool.h, by PyTorch's names for them.
-_CONTEXTS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+# PyTorch's context=None, and GPUPOOL_RECORD_HISTORY's word for it.
+_CONTEXTS = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
 
 
 def record_history(enabled=True, context="all", max_entries=100000):
     """gpupool's torch.cuda.memory._record_memory_history: record the allocation history (the
     newest max_entries events per device, with the native call stacks of `context`: None,
     "state", "alloc" or "all"), or stop and forget it (enabled=False)."""
-    _check(_lib.gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context]),
+    if context not in _CONTEXTS:
+        raise ValueError(f"context {context!r}: expected None, 'none', 'state', 'alloc' or 'all'")
+    _check(_bound().gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context]),
            "gpupool_record_history")
 
 
 def dump_snapshot(path):
     """gpupool's torch.cuda.memory._dump_snapshot: write the snapshot pickle that PyTorch's
     memory viewer reads."""
-    _check(_lib.gpupool_dump_snapshot(os.fsencode(path)), "gpupool_dump_snapshot")
+    _check(_bound().gpupool_dump_snapshot(os.fsencode(path)), "gpupool_dump_snapshot")
