@@ -39,6 +39,12 @@
 //!   `empty_cache`, which synchronises every device it waits on before releasing it.
 //! - `pinned_use_background_threads`: as PyTorch, allocations no longer poll events on the hit
 //!   path; one thread, started at the first miss, polls every stripe's events every 100 µs.
+//!
+//! The files, one mechanism each: `blocks` (blocks, size classes, stripes and their free
+//! lists), `events` (blocks held back by events, their polling, the background thread),
+//! `pinning` (new memory from the driver, the reserve segment, and unpinning), `release`
+//! (`empty_cache`, deferred and stranded blocks, the drop), `stats` and `invariants`; this file
+//! keeps the shared state and the hit path (`malloc`, `free`, `record_event`).
 
 mod blocks;
 mod events;

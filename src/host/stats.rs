@@ -1,5 +1,6 @@
 //! The counters of PyTorch 2.11's `HostStats` (`torch.cuda.host_memory_stats()`), as the
-//! caching host allocator reports them.
+//! caching host allocator reports them, and their reading and peak reset (PyTorch `getStats`,
+//! `resetPeakStats`).
 
 use super::HostAllocator;
 use crate::stats::Stat;
