@@ -1,6 +1,8 @@
 //! The counters of PyTorch 2.11's `HostStats` (`torch.cuda.host_memory_stats()`), as the
-//! caching host allocator reports them.
+//! caching host allocator reports them, and their reading and peak reset (PyTorch `getStats`,
+//! `resetPeakStats`).
 
+use super::HostAllocator;
 use crate::stats::Stat;
 
 /// A duration statistic in microseconds (PyTorch `DurationStat`): how many times, their sum,
@@ -81,5 +83,53 @@ impl StatExt for Stat {
         self.peak += other.peak;
         self.allocated += other.allocated;
         self.freed += other.freed;
+    }
+}
+
+impl HostAllocator {
+    /// The statistics (PyTorch `getStats`, `torch.cuda.host_memory_stats()`). The peaks of
+    /// `active_requests` and `active_bytes` are the sums of the stripes' peaks: exact while one
+    /// thread allocates, an upper bound of the true peak with several (PyTorch sums its
+    /// per-size peaks the same way). Thread-safe: it holds every stripe's lock, then the slow
+    /// path's, for the copy (the lock order of [`HostAllocator::check_invariants`]), so that
+    /// the figures are of one moment, as PyTorch's one mutex gives them. Read one stripe at a
+    /// time, a block freed on a stripe already read and taken by a stripe not yet read counted
+    /// twice, and `active_requests` could pass `allocations` (seen in the threaded test under
+    /// AddressSanitizer).
+    pub fn stats(&self) -> HostStats {
+        let inner = &*self.inner;
+        let mut out = HostStats::default();
+        let stripes: Vec<_> = inner.stripes.iter().map(|s| s.0.lock()).collect();
+        for st in &stripes {
+            out.active_requests.merge(&st.active_requests);
+            out.active_bytes.merge(&st.active_bytes);
+        }
+        let slow = inner.slow.lock();
+        out.allocations = slow.allocations;
+        out.allocated_bytes = slow.allocated_bytes;
+        out.host_alloc_time = slow.host_alloc_time;
+        out.host_free_time = slow.host_free_time;
+        out.num_host_alloc = slow.num_host_alloc;
+        out.num_host_free = slow.num_host_free;
+        out
+    }
+
+    /// Sets every peak to its current value (PyTorch `resetPeakStats` of the host allocator);
+    /// the durations' longest and shortest are cleared, as PyTorch's `DurationStat::reset_peak`.
+    pub fn reset_peak_stats(&self) {
+        let inner = &*self.inner;
+        for stripe in inner.stripes.iter() {
+            let mut st = stripe.0.lock();
+            st.active_requests.reset_peak();
+            st.active_bytes.reset_peak();
+        }
+        let mut slow = inner.slow.lock();
+        let slow = &mut *slow;
+        slow.allocations.reset_peak();
+        slow.allocated_bytes.reset_peak();
+        for d in [&mut slow.host_alloc_time, &mut slow.host_free_time] {
+            d.max = 0;
+            d.min = 0;
+        }
     }
 }

@@ -1,0 +1,164 @@
+//! Blocks, size classes and stripes (PyTorch `HostBlock`, `size_index` and the per-size free
+//! lists of `CachingHostAllocatorImpl` in `aten/src/ATen/core/CachingHostAllocator.h`): what a
+//! pinned block is and where its memory came from, the stripes whose free lists serve the hit
+//! path without a lock shared between threads, and handing a block out of a free list and back.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+use super::events::Pending;
+use super::stats::StatExt;
+use super::{HostAllocator, Inner};
+use crate::driver::{EventHandle, HostPtr, StreamHandle};
+use crate::error::Error;
+use crate::stats::Stat;
+
+/// Size classes: one per power of two up to 2^63 (PyTorch `MAX_SIZE_INDEX`).
+const CLASSES: usize = 64;
+
+/// Where a block's memory came from, so that it goes back the same way (PyTorch keeps
+/// `use_host_register` per pointer for the same reason: the configuration may differ between
+/// the allocation and the release of a block only for the Rust API, but the rule costs nothing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Origin {
+    /// `cuMemHostAlloc` in `device`'s primary context.
+    HostAlloc { device: i32 },
+    /// `posix_memalign` and `cuMemHostRegister` in `device`'s primary context.
+    Registered { device: i32 },
+    /// Carved from the reserve segment; never released.
+    Reserve,
+}
+
+/// One block: one whole allocation of a power-of-two size (PyTorch `HostBlock`).
+pub(super) struct Block {
+    pub(super) ptr: HostPtr,
+    pub(super) size: usize,
+    pub(super) class: usize,
+    pub(super) origin: Origin,
+    /// The stripe that handed the block out last: where it goes back to, and where it is
+    /// listed while handed out.
+    pub(super) home: AtomicU32,
+}
+
+/// A block handed out, in its stripe's list, with the streams (and their devices) named by
+/// `record_event` since.
+pub(super) struct HandedOut {
+    pub(super) block: Arc<Block>,
+    pub(super) streams: Vec<(StreamHandle, i32)>,
+}
+
+/// One stripe: what its threads use on the hit path, under one lock.
+pub(super) struct Stripe {
+    /// Free blocks per size class, most recently freed last (PyTorch pops the back too).
+    pub(super) free: [Vec<Arc<Block>>; CLASSES],
+    /// Blocks this stripe handed out, by address: a free by a thread of the stripe finds its
+    /// block here, under the lock it takes anyway, and a block is allocated exactly while it
+    /// is listed in its home stripe.
+    pub(super) handed_out: rustc_hash::FxHashMap<usize, HandedOut>,
+    /// Events of freed blocks of this stripe, oldest first.
+    pub(super) pending: VecDeque<Pending>,
+    /// How many pending events each block still waits for, by block address.
+    pub(super) waiting: rustc_hash::FxHashMap<usize, u32>,
+    /// Created events kept for reuse, with their device (PyTorch's `EventPool`, per stripe).
+    pub(super) idle_events: Vec<(i32, EventHandle)>,
+    pub(super) active_requests: Stat,
+    pub(super) active_bytes: Stat,
+}
+
+impl Default for Stripe {
+    fn default() -> Self {
+        Stripe {
+            free: std::array::from_fn(|_| Vec::new()),
+            handed_out: Default::default(),
+            pending: VecDeque::new(),
+            waiting: Default::default(),
+            idle_events: Vec::new(),
+            active_requests: Stat::default(),
+            active_bytes: Stat::default(),
+        }
+    }
+}
+
+/// Cache-line padding, so that stripes never share a line.
+#[repr(align(128))]
+#[derive(Default)]
+pub(super) struct Padded<T>(pub(super) T);
+
+thread_local! {
+    /// This thread's stripe, given at its first call (`usize::MAX` until then).
+    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+
+impl HostAllocator {
+    /// The calling thread's stripe.
+    #[inline]
+    pub(super) fn stripe_index(&self) -> usize {
+        let n = self.inner.stripes.len();
+        STRIPE.with(|s| {
+            let mut i = s.get();
+            if i == usize::MAX {
+                i = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed);
+                s.set(i);
+            }
+            i & (n - 1)
+        })
+    }
+}
+
+impl Inner {
+    /// The block that starts at `ptr`, for the operation `doing`.
+    pub(super) fn block_at(&self, ptr: HostPtr, doing: &str) -> Result<Arc<Block>, Error> {
+        self.index.with_segment(ptr as u64, |e| match e {
+            Some(e) if e.base == ptr as u64 => Ok(e.owner.clone()),
+            Some(e) => Err(Error::InvalidPointer(format!(
+                "cannot {doing} {ptr:#x}: it is inside the pinned block at {:#x} ({} bytes), not its start",
+                e.base, e.size
+            ))),
+            None => Err(Error::InvalidPointer(format!(
+                "cannot {doing} {ptr:#x}: it is not pinned host memory from gpupool_host_malloc"
+            ))),
+        })
+    }
+
+    /// Pops a free block of `class` from stripe `me` and hands it out.
+    #[inline]
+    pub(super) fn take(&self, st: &mut Stripe, me: usize, class: usize) -> Option<HostPtr> {
+        let b = st.free[class].pop()?;
+        Some(self.hand_out(st, me, b))
+    }
+
+    /// Marks `b` allocated by stripe `me` (whose lock the caller holds) and counts it.
+    #[inline]
+    pub(super) fn hand_out(&self, st: &mut Stripe, me: usize, b: Arc<Block>) -> HostPtr {
+        b.home.store(me as u32, Ordering::Relaxed);
+        st.active_requests.increase(1);
+        st.active_bytes.increase(b.size as i64);
+        let ptr = b.ptr;
+        st.handed_out.insert(ptr, HandedOut { block: b, streams: Vec::new() });
+        ptr
+    }
+
+    /// The stripe that handed out (or last handed out) the block at `ptr`, locked.
+    ///
+    /// Errors: as [`Inner::block_at`].
+    pub(super) fn home_of(
+        &self,
+        ptr: HostPtr,
+        doing: &str,
+    ) -> Result<(usize, parking_lot::MutexGuard<'_, Stripe>), Error> {
+        let block = self.block_at(ptr, doing)?;
+        let home = block.home.load(Ordering::Relaxed) as usize;
+        Ok((home, self.stripes[home].0.lock()))
+    }
+
+    /// A block becomes free in stripe `st`: it no longer counts as active.
+    pub(super) fn to_free_list(st: &mut Stripe, block: Arc<Block>) {
+        st.active_requests.decrease(1);
+        st.active_bytes.decrease(block.size as i64);
+        let class = block.class;
+        st.free[class].push(block);
+    }
+}
