@@ -16,8 +16,8 @@
 //! - A value that is not valid UTF-8, or does not parse, is [`Error::InvalidValue`] naming the
 //!   variable, the value and what is expected; it is never replaced by the default.
 //!
-//! The options (the README's list of environment variables is this list, and a unit test
-//! checks that both match [`OPTIONS`]):
+//! The options (docs/configuration.md's list of environment variables is this list, and a unit
+//! test checks that both match [`OPTIONS`]):
 //!
 //! | variable | kind | default | meaning |
 //! |---|---|---|---|
@@ -39,7 +39,8 @@
 //! of PyTorch 2.11's `ConfigTokenizer` and parsers): `key:value` entries separated by commas,
 //! spaces ignored anywhere, booleans `True`/`False` only, sizes in whole MiB, a list value as
 //! `[256:1,512:2,>:4]`. Its keys are [`CONF_KEYS`], each a field of [`Config`], with PyTorch's
-//! meanings, defaults and limits (the README lists them too, and a unit test checks both):
+//! meanings, defaults and limits (docs/configuration.md lists them too, and a unit test checks
+//! both):
 //!
 //! | key | value | default | meaning |
 //! |---|---|---|---|

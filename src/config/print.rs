@@ -57,7 +57,7 @@ impl Config {
 }
 
 /// The list of options as a markdown table, made from [`OPTIONS`]: the module docs and the
-/// README's list of environment variables are this text.
+/// list of environment variables in docs/configuration.md are this text.
 pub fn options_markdown() -> String {
     let mut out = String::from("| variable | kind | default | meaning |\n|---|---|---|---|\n");
     for opt in &OPTIONS {

@@ -229,11 +229,12 @@ fn options_text_shows_every_option_with_its_value() {
 }
 
 #[test]
-fn the_module_docs_and_the_readme_hold_the_tables() {
+fn the_module_docs_and_docs_configuration_md_hold_the_tables() {
     for table in [options_markdown(), conf_keys_markdown()] {
         let docs: String = table.lines().map(|l| format!("//! {l}\n")).collect();
-        assert!(include_str!("mod.rs").contains(&docs), "src/config.rs's module docs must hold:\n{docs}");
-        assert!(include_str!("../../README.md").contains(&table), "README.md must hold:\n{table}");
+        assert!(include_str!("mod.rs").contains(&docs), "src/config/mod.rs's module docs must hold:\n{docs}");
+        let page = include_str!("../../docs/configuration.md");
+        assert!(page.contains(&table), "docs/configuration.md must hold:\n{table}");
     }
 }
 

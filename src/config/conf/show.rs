@@ -29,7 +29,7 @@ impl Config {
 }
 
 /// The list of `GPUPOOL_CONF` keys as a markdown table, made from [`CONF_KEYS`]: the module
-/// docs of `config` and the README hold this text.
+/// docs of `config` and docs/configuration.md hold this text.
 pub fn conf_keys_markdown() -> String {
     let mut out = String::from("| key | value | default | meaning |\n|---|---|---|---|\n");
     for k in &CONF_KEYS {
