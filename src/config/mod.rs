@@ -53,7 +53,7 @@
 //! | `expandable_segments` | `True` or `False` | False | Segments that grow by mapping more memory into one reserved address range (PyTorch `ExpandableSegment`). |
 //! | `release_lock_on_cudamalloc` (also `release_lock_on_hipmalloc`) | `True` or `False` | False | PyTorch releases its device lock across `cudaMalloc`. Accepted and changes nothing: gpupool holds one lock per stream across `cuMemAlloc`, which blocks only that stream's callers. |
 //! | `per_process_memory_fraction` | a number from 0 to 1 | 1 | Each device, when it starts, reserves at most this fraction of its total memory, as `gpupool_set_memory_fraction` sets it (PyTorch `setMemoryFraction`). |
-//! | `graph_capture_record_stream_reuse` | `True` or `False` | False | PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the graph. Accepted and changes nothing: gpupool has no graph capture. |
+//! | `graph_capture_record_stream_reuse` | `True` or `False` | False | PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the same graph instead of waiting for the capture to end. Accepted and changes nothing: gpupool always does what PyTorch does with False. A block that other streams used (`gpupool_record_stream`), freed while a capture may be under way (a route to a private pool by stream or filter is active, or one of those streams captures), is reused by nothing, in the graph or out of it, until no capture is; then gpupool records its events, and the block returns to its pool once they complete. |
 //! | `pinned_use_cuda_host_register` (also `pinned_use_hip_host_register`) | `True` or `False` | False | Pinned host memory (`gpupool_host_malloc`): `malloc` then `cuMemHostRegister` instead of `cuMemHostAlloc` for new blocks. |
 //! | `pinned_num_register_threads` | a power of two, at most 128 | 1 | Pinned host memory: threads that touch (page in) a new block before `cuMemHostRegister` with `pinned_use_cuda_host_register` (PyTorch's bound, `pinned_max_register_threads`, is 128 and no key). |
 //! | `pinned_use_background_threads` | `True` or `False` | False | Pinned host memory: a background thread polls the events of freed blocks every 100 µs, and allocations no longer poll them on the hit path. |
@@ -137,8 +137,9 @@ pub struct Config {
     /// as [`Allocator::set_memory_fraction`](crate::Allocator::set_memory_fraction) does.
     /// Default 1 (no limit is set).
     pub per_process_memory_fraction: f64,
-    /// PyTorch's `graph_capture_record_stream_reuse`. Changes nothing: gpupool has no CUDA graph
-    /// capture.
+    /// PyTorch's `graph_capture_record_stream_reuse`. Changes nothing: a block freed after
+    /// `record_stream` while a capture may be under way always waits, with no event, until no
+    /// capture is (the shard's `capture_deferred`), as in PyTorch with the key False.
     pub graph_capture_record_stream_reuse: bool,
     /// PyTorch's `pinned_use_cuda_host_register`: the pinned host allocator (`crate::host`) pins
     /// new blocks with `malloc` and `cuMemHostRegister`.

@@ -165,8 +165,12 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         also: &[],
         value: "`True` or `False`",
         default: "False",
-        doc: "PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the \
-              graph. Accepted and changes nothing: gpupool has no graph capture.",
+        doc: "PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the same \
+              graph instead of waiting for the capture to end. Accepted and changes nothing: gpupool always does what \
+              PyTorch does with False. A block that other streams used (`gpupool_record_stream`), freed while a \
+              capture may be under way (a route to a private pool by stream or filter is active, or one of those \
+              streams captures), is reused by nothing, in the graph or out of it, until no capture is; then gpupool \
+              records its events, and the block returns to its pool once they complete.",
         apply: |c, v| v.boolean().map(|b| c.graph_capture_record_stream_reuse = b),
         show: |c| Some(show_bool(c.graph_capture_record_stream_reuse)),
     },
