@@ -5,6 +5,7 @@
 use std::ffi::OsString;
 
 use super::options::{OPTIONS, Value};
+use super::unknown::warn_unknown_variables_once;
 use super::{CONF_VAR, Config, MIB};
 use crate::error::Error;
 
@@ -12,11 +13,14 @@ use crate::error::Error;
 const MAX_SPLIT_ALIAS: &str = "GPUPOOL_MAX_SPLIT_SIZE_MB";
 
 impl Config {
-    /// Reads every option from the environment (`std::env::var_os`).
+    /// Reads every option from the environment (`std::env::var_os`). The first call in the
+    /// process also warns on stderr of every `GPUPOOL_*` variable that is not known (module
+    /// `unknown`); the warning changes nothing, and comes before any error.
     ///
     /// Errors: [`Error::InvalidValue`] naming the first variable, in [`OPTIONS`] order, whose
     /// value is not valid UTF-8 or does not parse.
     pub fn from_env() -> Result<Config, Error> {
+        warn_unknown_variables_once();
         Config::from_lookup(|name| std::env::var_os(name))
     }
 

@@ -35,6 +35,14 @@
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
 //!
+//! A variable whose name starts with `GPUPOOL_` and that is none of these (a misspelling such
+//! as `GPUPOOL_CNF`) is no error: [`Config::from_env`] writes one line to stderr for it, once
+//! per process, naming the known variable it probably meant when one is close, and changes
+//! nothing else (module `unknown`). The `GPUPOOL_*` environment variables that other parts of
+//! the project read (`GPUPOOL_LIB` of the Python glue, the tests' `GPUPOOL_FUZZ_CASES` and
+//! `GPUPOOL_SOAK_*`) get none: they are listed in `unknown::READ_ELSEWHERE`, where a new one
+//! goes.
+//!
 //! `GPUPOOL_CONF`, read after the rows, has PyTorch's syntax instead (module `conf`, the rules
 //! of PyTorch 2.11's `ConfigTokenizer` and parsers): `key:value` entries separated by commas,
 //! spaces ignored anywhere, booleans `True`/`False` only, sizes in whole MiB, a list value as
@@ -72,6 +80,7 @@ mod parse;
 mod print;
 #[cfg(test)]
 mod tests;
+mod unknown;
 
 pub use conf::{CONF_KEYS, CONF_VAR, ConfKey, ROUNDUP_INTERVALS, conf_keys_markdown};
 pub use options::{Kind, OPTIONS, Opt, Value};

@@ -4,6 +4,7 @@
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 
+use super::unknown::READ_ELSEWHERE;
 use super::*;
 use crate::error::Error;
 use crate::history::{HistoryContext, HistorySettings};
@@ -271,4 +272,55 @@ fn a_bad_gpupool_conf_is_an_error_naming_the_variable_the_key_and_the_value() {
     assert!(matches!(e, Error::InvalidValue(_)));
     assert!(m.contains("environment variable GPUPOOL_CONF") && m.contains("expandable_segments:yes"), "{m}");
     assert!(m.contains("True or False"), "{m}");
+}
+
+#[test]
+fn unknown_gpupool_variables_are_warned_about_once_each_with_the_name_meant() {
+    use super::unknown::unknown_variable_warnings;
+    let w = |names: &[&str]| unknown_variable_warnings(names.iter().copied());
+    // The library's own variables, those read elsewhere and any other prefix: nothing.
+    let quiet: Vec<&str> = OPTIONS.iter().map(|o| o.name).chain([CONF_VAR]).collect();
+    assert_eq!(w(&quiet), Vec::<String>::new());
+    for (name, _) in READ_ELSEWHERE {
+        assert_eq!(w(&[name]), Vec::<String>::new(), "{name}");
+    }
+    assert_eq!(w(&["PATH", "gpupool_cnf", "PYTORCH_CUDA_ALLOC_CONF", "XGPUPOOL_CNF"]), Vec::<String>::new());
+    // A misspelling names the variable it probably meant; a name given twice is named once.
+    assert_eq!(
+        w(&["GPUPOOL_CNF", "GPUPOOL_DRIVER", "GPUPOOL_CNF"]),
+        ["gpupool: warning: unknown environment variable GPUPOOL_CNF is ignored (did you mean GPUPOOL_CONF?)"]
+    );
+    let meant = |name: &str| {
+        let lines = w(&[name]);
+        assert_eq!(lines.len(), 1, "{name}: {lines:?}");
+        assert!(lines[0].contains(&format!("variable {name} is ignored")), "{}", lines[0]);
+        lines[0].split_once("did you mean ").map(|(_, k)| k.trim_end_matches("?)").to_string())
+    };
+    for (typo, known) in [
+        ("GPUPOOL_COFN", "GPUPOOL_CONF"),
+        ("GPUPOOL_conf", "GPUPOOL_CONF"),
+        ("GPUPOOL_SIM_DEVICE", "GPUPOOL_SIM_DEVICES"),
+        ("GPUPOOL_SIM_CAPACITY_", "GPUPOOL_SIM_CAPACITY"),
+        ("GPUPOOL_MAX_SPLIT_SIZE", "GPUPOOL_MAX_SPLIT_SIZE_MB"),
+        ("GPUPOOL_PRELOAD_STAT", "GPUPOOL_PRELOAD_STATS"),
+        ("GPUPOOL_RECORD_HISTROY", "GPUPOOL_RECORD_HISTORY"),
+        ("GPUPOOL_LIBS", "GPUPOOL_LIB"),
+    ] {
+        assert_eq!(meant(typo).as_deref(), Some(known), "{typo}");
+    }
+    // Nothing close: the variable alone.
+    for far in ["GPUPOOL_", "GPUPOOL_X", "GPUPOOL_VERBOSE", "GPUPOOL_TEST_DRIVER"] {
+        assert_eq!(meant(far), None, "{far}");
+    }
+    // A name that is not UTF-8 is named, lossily.
+    let raw = OsString::from_vec(b"GPUPOOL_\xffX".to_vec());
+    let lines = unknown_variable_warnings([raw]);
+    assert_eq!(lines.len(), 1);
+    assert!(lines[0].contains("GPUPOOL_\u{fffd}X"), "{}", lines[0]);
+}
+
+#[test]
+fn docs_configuration_md_lists_the_variables_read_elsewhere() {
+    let list: String = READ_ELSEWHERE.iter().map(|(name, who)| format!("- `{name}`: {who}\n")).collect();
+    assert!(include_str!("../../docs/configuration.md").contains(&list), "docs/configuration.md must hold:\n{list}");
 }
