@@ -13,8 +13,9 @@
 //! - A count is a whole number within the row's range.
 //! - A boolean is `1`/`0`, `true`/`false`, `yes`/`no` or `on`/`off`, any case.
 //! - A word is one of the row's words, any case.
-//! - A value that is not valid UTF-8, or does not parse, is [`Error::InvalidValue`] naming the
-//!   variable, the value and what is expected; it is never replaced by the default.
+//! - A value that is not valid UTF-8, or does not parse, is
+//!   [`Error::InvalidValue`](crate::Error::InvalidValue) naming the variable, the value and
+//!   what is expected; it is never replaced by the default.
 //!
 //! The options (docs/configuration.md's list of environment variables is this list, and a unit
 //! test checks that both match [`OPTIONS`]):
