@@ -192,3 +192,56 @@ fn set_config_racing_a_device_start_is_all_or_nothing() {
         }
     }
 }
+
+/// Set in the child process of [`an_unknown_gpupool_variable_is_warned_about_once`]; not a
+/// `GPUPOOL_*` name, so that it is no unknown variable itself.
+const WARN_CHILD: &str = "CONFIG_TEST_UNKNOWN_VARIABLES_CHILD";
+
+/// The child's side: reads the environment three times, twice directly and once by starting
+/// the process-wide allocator (the C API's path), and checks that the unknown variables changed
+/// nothing. A no-op in an ordinary run.
+#[test]
+fn unknown_variables_child() {
+    if std::env::var_os(WARN_CHILD).is_none() {
+        return;
+    }
+    let want = Config { driver: gpupool::config::DriverKind::Sim, sim_capacity: 64 * MIB, ..Config::default() };
+    assert_eq!(Config::from_env().unwrap(), want);
+    assert_eq!(Config::from_env().unwrap(), want);
+    assert_eq!(*gpupool::ffi::process_allocator().unwrap().config(), want);
+}
+
+#[test]
+fn an_unknown_gpupool_variable_is_warned_about_once() {
+    // A child process of this test binary, with an environment of its own, so that its stderr
+    // holds what gpupool writes and nothing of the environment this test runs in matters.
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "unknown_variables_child", "--test-threads=1", "--nocapture"]);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("GPUPOOL_") {
+            cmd.env_remove(name);
+        }
+    }
+    let out = cmd
+        .env(WARN_CHILD, "1")
+        .env("GPUPOOL_DRIVER", "sim")
+        .env("GPUPOOL_SIM_CAPACITY", "64MiB")
+        .env("GPUPOOL_CNF", "expandable_segments:True")
+        .env("GPUPOOL_NOT_AN_OPTION", "1")
+        .env("GPUPOOL_LIB", "/nonexistent/libgpupool.so")
+        .env("GPUPOOL_SOAK_OPS", "10")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the child failed: {stderr}\n{}", String::from_utf8_lossy(&out.stdout));
+    let mut warnings: Vec<&str> = stderr.lines().filter(|l| l.starts_with("gpupool: warning:")).collect();
+    warnings.sort_unstable();
+    assert_eq!(
+        warnings,
+        [
+            "gpupool: warning: unknown environment variable GPUPOOL_CNF is ignored (did you mean GPUPOOL_CONF?)",
+            "gpupool: warning: unknown environment variable GPUPOOL_NOT_AN_OPTION is ignored",
+        ],
+        "stderr: {stderr}"
+    );
+}

@@ -17,7 +17,7 @@ use crate::error::Error;
 /// `max_split_size_mb`, `max_non_split_rounding_mb`, `roundup_power2_divisions`,
 /// `garbage_collection_threshold`, `expandable_segments`, `release_lock_on_cudamalloc`,
 /// `per_process_memory_fraction`, `graph_capture_record_stream_reuse` and the `pinned_*` keys
-/// (README, section "GPUPOOL_CONF").
+/// (docs/configuration.md, section "GPUPOOL_CONF").
 ///
 /// The string replaces the whole configuration that `GPUPOOL_CONF` (and the deprecated
 /// `GPUPOOL_MAX_SPLIT_SIZE_MB`) set: a key it does not name takes PyTorch's default. The other

@@ -1,0 +1,185 @@
+//! The table of options: [`OPTIONS`], one row per `GPUPOOL_*` environment variable, each with
+//! its kind, its default, its meaning and the field of [`Config`] it reads and writes. The data
+//! only: how a value's text is read is in `parse`, how the environment is read in `env`, how
+//! the table is printed in `print`.
+
+use super::{Config, DriverKind, LARGE_SEGMENT, MIB, PreloadMode};
+use crate::history::HistorySettings;
+
+/// What an option's value is, and so how its text is read (the module docs give the syntax).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A size in bytes, at least `min`; a number without a unit counts `unit` bytes.
+    Size { unit: usize, min: usize },
+    /// A whole number from `min` to `max`.
+    Count { min: i64, max: i64 },
+    /// On or off.
+    Bool,
+    /// One of these words (lower case; matched in any case).
+    Word(&'static [&'static str]),
+    /// The allocation history's settings: `off`, or `<max_entries>[:<context>]`, the events
+    /// kept per device and which stacks (`none`, `state`, `alloc` or `all`; `all` when left
+    /// out, PyTorch's default).
+    History,
+}
+
+/// An option's value, as [`Kind`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Value {
+    /// Bytes (`usize::MAX`: unlimited).
+    Size(usize),
+    /// A count.
+    Count(i64),
+    /// A boolean.
+    Bool(bool),
+    /// One of the row's words, as the row spells it.
+    Word(&'static str),
+    /// History settings (`None`: off).
+    History(Option<HistorySettings>),
+}
+
+/// One option: a row of [`OPTIONS`].
+pub struct Opt {
+    /// The environment variable.
+    pub name: &'static str,
+    /// How its value is read.
+    pub kind: Kind,
+    /// The value when the variable is unset or empty.
+    pub default: Value,
+    /// What it does, one line (the meaning column of the list).
+    pub doc: &'static str,
+    set: fn(&mut Config, Value),
+    get: fn(&Config) -> Value,
+}
+
+/// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
+/// are read and printed. The module docs' list is made from it.
+pub static OPTIONS: [Opt; 10] = [
+    Opt {
+        name: "GPUPOOL_DRIVER",
+        kind: Kind::Word(&["cuda", "sim"]),
+        default: Value::Word("cuda"),
+        doc: "`cuda`: the CUDA driver API (libcuda.so.1, loaded at run time); `sim`: the simulated device (no GPU \
+              needed). Never chosen silently: without a driver, calls return `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` and \
+              print nothing.",
+        set: |c, v| c.driver = if v == Value::Word("sim") { DriverKind::Sim } else { DriverKind::Cuda },
+        get: |c| Value::Word(if c.driver == DriverKind::Sim { "sim" } else { "cuda" }),
+    },
+    Opt {
+        name: "GPUPOOL_SIM_CAPACITY",
+        kind: Kind::Size { unit: 1, min: 1 },
+        default: Value::Size(16 << 30),
+        doc: "bytes per simulated device",
+        set: |c, v| c.sim_capacity = v.size(),
+        get: |c| Value::Size(c.sim_capacity),
+    },
+    Opt {
+        name: "GPUPOOL_SIM_DEVICES",
+        kind: Kind::Count { min: 1, max: 64 },
+        default: Value::Count(1),
+        doc: "number of simulated devices",
+        // The range check makes the count fit an i32.
+        set: |c, v| c.sim_devices = v.count() as i32,
+        get: |c| Value::Count(c.sim_devices.into()),
+    },
+    Opt {
+        name: "GPUPOOL_MAX_SPLIT_SIZE_MB",
+        // PyTorch 2.11: "max_split_size_mb too small, must be >= 20" (large_segment_size_mb,
+        // 20 by default; checked against GPUPOOL_CONF's once both are read).
+        kind: Kind::Size { unit: MIB, min: LARGE_SEGMENT },
+        default: Value::Size(usize::MAX),
+        doc: "Deprecated: use `GPUPOOL_CONF=max_split_size_mb:N`. PyTorch's `max_split_size_mb`: cached blocks \
+              of at least this size are never split, and serve only requests of about their size. Set in both \
+              with different values: an error naming both",
+        set: |c, v| c.max_split_size = v.size(),
+        get: |c| Value::Size(c.max_split_size),
+    },
+    Opt {
+        name: "GPUPOOL_PRELOAD_MODE",
+        kind: Kind::Word(&["safe", "stream"]),
+        default: Value::Word("safe"),
+        doc: "LD_PRELOAD shim: `safe` (a `cudaFree`d block waits for a device synchronisation) or `stream` (reused \
+              at once, in stream order)",
+        set: |c, v| c.preload_mode = if v == Value::Word("stream") { PreloadMode::Stream } else { PreloadMode::Safe },
+        get: |c| Value::Word(if c.preload_mode == PreloadMode::Stream { "stream" } else { "safe" }),
+    },
+    Opt {
+        name: "GPUPOOL_PRELOAD_SYNC_BYTES",
+        kind: Kind::Size { unit: 1, min: 0 },
+        default: Value::Size(256 * MIB),
+        doc: "LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every \
+              free)",
+        set: |c, v| c.preload_sync_bytes = v.size(),
+        get: |c| Value::Size(c.preload_sync_bytes),
+    },
+    Opt {
+        name: "GPUPOOL_PRELOAD_STATS",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each \
+              device used (stderr)",
+        set: |c, v| c.preload_stats = v == Value::Bool(true),
+        get: |c| Value::Bool(c.preload_stats),
+    },
+    Opt {
+        name: "GPUPOOL_EXPANDABLE_RECLAIM",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md)",
+        set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
+        get: |c| Value::Bool(c.expandable_reclaim),
+    },
+    Opt {
+        name: "GPUPOOL_RECORD_HISTORY",
+        kind: Kind::History,
+        default: Value::History(None),
+        doc: "Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` \
+              would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call \
+              stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` \
+              writes them",
+        set: |c, v| {
+            if let Value::History(h) = v {
+                c.record_history = h;
+            }
+        },
+        get: |c| Value::History(c.record_history),
+    },
+    Opt {
+        name: "GPUPOOL_LIVE_REPORT_AT_EXIT",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and \
+              by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads",
+        set: |c, v| c.live_report_at_exit = v == Value::Bool(true),
+        get: |c| Value::Bool(c.live_report_at_exit),
+    },
+];
+
+impl Value {
+    fn size(self) -> usize {
+        match self {
+            Value::Size(n) => n,
+            _ => unreachable!("a size option's setter got {self:?}"),
+        }
+    }
+
+    fn count(self) -> i64 {
+        match self {
+            Value::Count(n) => n,
+            _ => unreachable!("a count option's setter got {self:?}"),
+        }
+    }
+}
+
+impl Opt {
+    /// This option's value in `config`.
+    pub fn get(&self, config: &Config) -> Value {
+        (self.get)(config)
+    }
+
+    /// Sets this option in `config`. `value` must be one [`Opt::parse_text`] of this row gave,
+    /// or [`Opt::default`].
+    pub fn set(&self, config: &mut Config, value: Value) {
+        (self.set)(config, value)
+    }
+}

@@ -1,0 +1,162 @@
+//! The value parsers of the options: how a [`Kind`] reads a value's text (sizes with their
+//! units, counts, booleans, words, the history settings), writes it back, and says what it
+//! expects; and [`Opt::read`], the one reader of an environment value, which every row of
+//! [`OPTIONS`](super::OPTIONS) goes through.
+
+use std::ffi::OsStr;
+
+use super::MIB;
+use super::options::{Kind, Opt, Value};
+use crate::error::Error;
+use crate::history::{HistoryContext, HistorySettings};
+
+impl Kind {
+    /// Reads `text` (trimmed, not empty) as this kind; `None` when it does not parse or is out
+    /// of range.
+    pub fn parse(&self, text: &str) -> Option<Value> {
+        match *self {
+            Kind::Size { unit, min } => parse_size_in(text, unit).filter(|&n| n >= min).map(Value::Size),
+            Kind::Count { min, max } => text.parse().ok().filter(|n| (min..=max).contains(n)).map(Value::Count),
+            Kind::Bool => match text.to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => Some(Value::Bool(true)),
+                "0" | "false" | "no" | "off" => Some(Value::Bool(false)),
+                _ => None,
+            },
+            Kind::Word(words) => words.iter().find(|w| w.eq_ignore_ascii_case(text)).map(|&w| Value::Word(w)),
+            Kind::History => parse_history(text).map(Value::History),
+        }
+    }
+
+    /// What a value of this kind must look like, for error messages.
+    pub fn expected(&self) -> String {
+        match *self {
+            Kind::Size { unit, min } => {
+                let counts = unit_name(unit);
+                let min = if min == 0 { String::new() } else { format!(", at least {}", show_size(min, unit)) };
+                format!(
+                    "a size such as 4096, 512K or 16GiB (a bare number counts {counts}; units K, M, G, T or \
+                     KiB, MiB, GiB, TiB are powers of 1024){min}"
+                )
+            }
+            Kind::Count { min, max } => format!("a whole number from {min} to {max}"),
+            Kind::Bool => "a boolean: 1/0, true/false, yes/no or on/off".to_string(),
+            Kind::Word(words) => words.join(" or "),
+            Kind::History => "off, or the events kept per device with an optional context: 100000 or 100000:alloc \
+                              (contexts none, state, alloc, all; all when left out)"
+                .to_string(),
+        }
+    }
+
+    /// `value` written so that [`Kind::parse`] reads it back (`unlimited` for the size
+    /// `usize::MAX`, which cannot be written).
+    pub fn show(&self, value: Value) -> String {
+        match (*self, value) {
+            (Kind::Size { unit, .. }, Value::Size(n)) => show_size(n, unit),
+            (_, Value::Size(n)) => n.to_string(),
+            (_, Value::Count(n)) => n.to_string(),
+            (_, Value::Bool(b)) => (if b { "on" } else { "off" }).to_string(),
+            (_, Value::Word(w)) => w.to_string(),
+            (_, Value::History(None)) => "off".to_string(),
+            (_, Value::History(Some(h))) => format!("{}:{}", h.max_entries, h.context.name()),
+        }
+    }
+}
+
+/// Reads history settings: `off`, or `<max_entries>[:<context>]` (see [`Kind::History`]).
+fn parse_history(text: &str) -> Option<Option<HistorySettings>> {
+    if text.eq_ignore_ascii_case("off") {
+        return Some(None);
+    }
+    let (n, context) = match text.split_once(':') {
+        Some((n, c)) => {
+            let c = c.trim();
+            let context = [HistoryContext::None, HistoryContext::State, HistoryContext::Alloc, HistoryContext::All]
+                .into_iter()
+                .find(|h| h.name().eq_ignore_ascii_case(c))?;
+            (n, context)
+        }
+        None => (text, HistoryContext::All),
+    };
+    let max_entries = n.trim().parse().ok()?;
+    Some(Some(HistorySettings { max_entries, context }))
+}
+
+impl Opt {
+    /// The one reader of a value: `text` from `origin` (the variable, or later a key of
+    /// another syntax), trimmed. `Ok(None)` when it is empty (unset).
+    ///
+    /// Errors: [`Error::InvalidValue`] naming `origin`, the value and what is expected.
+    pub fn parse_text(&self, origin: &str, text: &str) -> Result<Option<Value>, Error> {
+        let t = text.trim();
+        if t.is_empty() {
+            return Ok(None);
+        }
+        self.kind.parse(t).map(Some).ok_or_else(|| {
+            Error::InvalidValue(format!("{origin}={text:?} is not valid: expected {}", self.kind.expected()))
+        })
+    }
+
+    /// Reads this option's environment value `raw` (as `std::env::var_os` gives it); `Ok(None)`
+    /// when unset or empty.
+    ///
+    /// Errors: [`Error::InvalidValue`] naming the variable when `raw` is not valid UTF-8 or
+    /// does not parse.
+    pub fn read(&self, raw: Option<&OsStr>) -> Result<Option<Value>, Error> {
+        let Some(raw) = raw else { return Ok(None) };
+        let origin = format!("environment variable {}", self.name);
+        match raw.to_str() {
+            Some(text) => self.parse_text(&origin, text),
+            None => Err(Error::InvalidValue(format!(
+                "{origin}={raw:?} is not valid UTF-8: expected {}",
+                self.kind.expected()
+            ))),
+        }
+    }
+}
+
+/// The unit a bare number counts.
+pub(super) fn unit_name(unit: usize) -> String {
+    match unit {
+        1 => "bytes".to_string(),
+        MIB => "MiB".to_string(),
+        u => format!("units of {u} bytes"),
+    }
+}
+
+/// `n` bytes in the largest unit that divides them ("16GiB"), or bare when `unit` is bytes
+/// and none does; `unlimited` for `usize::MAX`.
+pub(super) fn show_size(n: usize, unit: usize) -> String {
+    if n == usize::MAX {
+        return "unlimited".to_string();
+    }
+    for (shift, name) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if n != 0 && n % (1 << shift) == 0 {
+            return format!("{}{name}", n >> shift);
+        }
+    }
+    if unit == 1 { n.to_string() } else { format!("{n}B") }
+}
+
+/// Parses "4096", "512K", "64MiB", "16 GiB" (case-insensitive; every unit a power of 1024) to
+/// bytes; `None` when it does not parse or overflows.
+pub fn parse_size(text: &str) -> Option<usize> {
+    parse_size_in(text, 1)
+}
+
+/// As [`parse_size`], a number without a unit counting `unit` bytes.
+fn parse_size_in(text: &str, unit: usize) -> Option<usize> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    let n: usize = digits.parse().ok()?;
+    let scale = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" => unit,
+        "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return None,
+    };
+    n.checked_mul(scale)
+}
