@@ -20,6 +20,7 @@
 pub(crate) mod allocator;
 mod block;
 mod capture;
+mod cells;
 pub(crate) mod counters;
 pub(crate) mod deferred;
 pub(crate) mod device;

@@ -53,9 +53,12 @@
 //! When calls on different streams of one device overlap, their order is not defined to begin
 //! with; the peak is then exact up to the bytes other streams moved meanwhile.
 
+pub(crate) use super::cells::Totals;
+
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::counters::{CELLS, METRICS, ShardCounters, StatType, cell};
+use super::cells::{CELLS, METRICS, StatType, cell};
+use super::counters::ShardCounters;
 use super::rules::PoolKind;
 
 /// The device's credit not held by any shard (`R` above), one atomic per statistic.
@@ -112,24 +115,6 @@ pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: boo
         }
     }
     shard.has_surplus = false;
-}
-
-/// What the device knows of its shards as of the last settle: per cell, the peak `P` and the
-/// sums over every shard (retired ones included) of what each had when a settle last visited
-/// it. Guarded by the device's peak lock.
-pub(crate) struct Totals {
-    pub peak: [i64; CELLS],
-    pub current: [i64; CELLS],
-    pub allocated: [i64; CELLS],
-    pub freed: [i64; CELLS],
-    /// Credit the shards held (`sum(h_j)`), all of it in shards a settle visits.
-    pub held: [i64; CELLS],
-}
-
-impl Default for Totals {
-    fn default() -> Self {
-        Totals { peak: [0; CELLS], current: [0; CELLS], allocated: [0; CELLS], freed: [0; CELLS], held: [0; CELLS] }
-    }
 }
 
 /// Adds what `shards` changed since their last visit to the totals, and marks it seen.
