@@ -24,7 +24,7 @@ mod record;
 mod segments;
 mod waiting;
 
-pub(crate) use expand::ExpandablePolicy;
+pub(crate) use expand::{ExpandablePolicy, Reclaim};
 pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;
@@ -107,23 +107,6 @@ pub(crate) struct ShardCtx<'a> {
     pub history: &'a HistoryHook,
     /// Whether a capture is under way, asked only before a call CUDA forbids during one.
     pub capture: &'a crate::caching::capture::CaptureProbe,
-}
-
-/// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
-/// cache is released): the device's reserved bytes do not pass their high-water mark while
-/// wholly free pages are mapped anywhere on the device. Before an expandable segment grows
-/// past the mark, free pages are unmapped instead (a device synchronisation, see
-/// `ShardState::unmap_free_pages`), so that memory freed by one request or one stream holds
-/// the next one's growth, wherever it must be mapped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Reclaim {
-    /// Grow without unmapping (the rule is off).
-    Off,
-    /// Unmap free pages of this shard, then grow.
-    Shard,
-    /// Unmap free pages of this shard; if that is not enough, answer [`Growth::PastMark`] so
-    /// that the caller, holding no shard lock, unmaps other streams' pages first.
-    Device,
 }
 
 /// What [`ShardState::grow`] obtained.

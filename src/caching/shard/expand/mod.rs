@@ -24,11 +24,14 @@
 //! memory).
 
 mod grow;
+mod mark;
 mod pages;
 mod unmap;
 
 #[cfg(test)]
 mod tests;
+
+pub(crate) use mark::Reclaim;
 
 use super::ShardState;
 use crate::caching::block::BlockId;
