@@ -8,7 +8,7 @@ use crate::caching::counters::Metric;
 use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;
-use crate::caching::shard::{Growth, Reclaim, SegmentInfo, ShardCtx, ShardState};
+use crate::caching::shard::{Growth, SegmentInfo, ShardCtx, ShardState};
 use crate::driver::DriverError;
 use crate::history::HistoryContext;
 
@@ -50,21 +50,8 @@ impl ShardState {
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
         let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
         let bytes: usize = plan.iter().map(|p| p.2).sum();
-        let over = ctx.limit.over_mark(bytes);
-        if over > 0 && ctx.reclaim != Reclaim::Off {
-            // The free pages outside the bytes the request will take (the free blocks the plan
-            // walks may hold more than it needs), as many as it passes the mark by. The plan
-            // stays valid: the blocks it maps keep their addresses (a block after them that is
-            // unmapped merges into the last of them). Opportunistic: a failure to synchronise
-            // or unmap leaves those pages cached (the next release of the cache reports it),
-            // and the request maps past the mark.
-            let at = self.blocks[start].addr;
-            let unmapped = self.unmap_free_pages(ctx, over, Some(at..at + rounded as u64)).unwrap_or(0);
-            if unmapped < over && ctx.reclaim == Reclaim::Device {
-                let base = self.expandable_of(at).0;
-                self.free_range_if_empty(ctx, base);
-                return Ok(Growth::PastMark(over - unmapped));
-            }
+        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, bytes) {
+            return Ok(Growth::PastMark(past));
         }
         let base = self.expandable_of(self.blocks[start].addr).0;
         let Some(charge) = ctx.limit.try_charge(bytes) else {
