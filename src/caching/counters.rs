@@ -1,9 +1,9 @@
 //! The counting cells behind PyTorch's statistics: each shard counts its own blocks here under
-//! its lock; the device's totals (`peaks::Totals`) add them up, and [`collect`] turns those
+//! its lock; the device's totals (`cells::Totals`) add them up, and [`collect`] turns those
 //! into the [`DeviceStats`] that `stats/` reports.
 //!
 //! A statistic with a `StatArray` in PyTorch has three cells (all pools, small pool, large
-//! pool); [`cell`] is the one place that says where each lives.
+//! pool); [`cell`] (in `cells`, re-exported here) is the one place that says where each lives.
 
 pub(crate) use super::cells::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 

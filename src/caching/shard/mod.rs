@@ -7,7 +7,11 @@
 //! each stream its own shard: threads on different streams share no lock. The rules inside a
 //! shard are PyTorch's, function for function; each method names the one it mirrors.
 //!
-//! - this file: the shard, a request, and the calls a device makes on it;
+//! - this file: the shard, its lock and the state behind it, and what a device passes to it;
+//! - [`malloc`]: a request, and a block taken from the cache and handed out;
+//! - [`free`]: a block freed, back to its pool at once or waiting for other streams' work;
+//! - [`waiting`]: freed blocks that wait for events, a device synchronisation or a capture's
+//!   end, and their return to the pools;
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;

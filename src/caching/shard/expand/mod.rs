@@ -5,13 +5,17 @@
 //!
 //! The blocks of an expandable segment tile its whole range, as an ordinary segment's do:
 //! mapped blocks (free, allocated, awaiting events or a synchronisation) and unmapped blocks
-//! (whole pages, [`BlockState::Unmapped`], in the pool's set of unmapped blocks ordered by
-//! address). Two unmapped blocks are never neighbours, nor are two free ones.
+//! (whole pages, [`BlockState::Unmapped`](crate::caching::block::BlockState::Unmapped), in
+//! the pool's set of unmapped blocks ordered by address). Two unmapped blocks are never
+//! neighbours, nor are two free ones.
 //!
-//! - [`ShardState::grow_expandable`]: PyTorch `try_allocate_expandable_block` with
+//! - this file: how ranges are sized ([`ExpandablePolicy`]), and which range holds an address;
+//! - [`grow`]: [`ShardState::grow_expandable`], PyTorch `try_allocate_expandable_block` with
 //!   `find_expandable_block` and `map_block`;
-//! - [`ShardState::release_pages`]: the expandable half of PyTorch `release_blocks`, with
-//!   `unmap_block`.
+//! - [`unmap`]: [`ShardState::release_pages`], the expandable half of PyTorch `release_blocks`,
+//!   with `unmap_block`;
+//! - [`pages`]: blocks following the page table once pages are mapped or unmapped;
+//! - [`mark`]: gpupool's high-water rule, [`Reclaim`].
 //!
 //! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
 //! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
