@@ -1,70 +1,17 @@
 //! The counting cells behind PyTorch's statistics: each shard counts its own blocks here under
-//! its lock; the device's totals (`peaks::Totals`) add them up, and [`collect`] turns those
+//! its lock; the device's totals (`cells::Totals`) add them up, and [`collect`] turns those
 //! into the [`DeviceStats`] that `stats/` reports.
 //!
 //! A statistic with a `StatArray` in PyTorch has three cells (all pools, small pool, large
-//! pool); [`cell`] is the one place that says where each lives.
+//! pool); [`cell`] (in `cells`, re-exported here) is the one place that says where each lives.
+
+pub(crate) use super::cells::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::peaks::Totals;
+use super::cells::Totals;
 use super::rules::PoolKind;
 use crate::stats::{DeviceStats, Stat, StatArray};
-
-/// The statistics that have a `StatArray` in PyTorch, in `DeviceStats` order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Metric {
-    Allocation = 0,
-    Segment,
-    Active,
-    InactiveSplit,
-    AllocatedBytes,
-    ReservedBytes,
-    ActiveBytes,
-    InactiveSplitBytes,
-    RequestedBytes,
-}
-
-/// Which cell of a metric's `StatArray` (PyTorch `StatType`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StatType {
-    /// PyTorch `AGGREGATE`: every pool.
-    All,
-    /// PyTorch `SMALL_POOL` / `LARGE_POOL`.
-    Pool(PoolKind),
-}
-
-/// Every metric with a `StatArray`.
-pub(crate) const METRICS: [Metric; 9] = [
-    Metric::Allocation,
-    Metric::Segment,
-    Metric::Active,
-    Metric::InactiveSplit,
-    Metric::AllocatedBytes,
-    Metric::ReservedBytes,
-    Metric::ActiveBytes,
-    Metric::InactiveSplitBytes,
-    Metric::RequestedBytes,
-];
-/// Cells per metric: all, small pool, large pool.
-const TYPES: usize = 3;
-/// Cell of `oversize_allocations` (aggregate only, as in PyTorch).
-pub(crate) const OVERSIZE_ALLOCATIONS: usize = METRICS.len() * TYPES;
-/// Cell of `oversize_segments`.
-pub(crate) const OVERSIZE_SEGMENTS: usize = METRICS.len() * TYPES + 1;
-/// Number of statistics with a peak.
-pub(crate) const CELLS: usize = METRICS.len() * TYPES + 2;
-
-/// The index of a metric's cell: the one place that knows the layout.
-#[inline]
-pub(crate) const fn cell(metric: Metric, t: StatType) -> usize {
-    metric as usize * TYPES
-        + match t {
-            StatType::All => 0,
-            StatType::Pool(PoolKind::Small) => 1,
-            StatType::Pool(PoolKind::Large) => 2,
-        }
-}
 
 /// One shard's share of a statistic, the part the hot path writes. `headroom`, `low` and
 /// `keep` are its credit towards the device peak (see [`super::peaks`]).

@@ -9,6 +9,7 @@
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
+//!   `cells`: the statistics' layout and the device's totals, which both use (a leaf);
 //!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
 //!   `observers`: the functions called when a request fails.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
@@ -20,6 +21,7 @@
 pub(crate) mod allocator;
 mod block;
 mod capture;
+mod cells;
 pub(crate) mod counters;
 pub(crate) mod deferred;
 pub(crate) mod device;

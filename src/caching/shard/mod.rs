@@ -7,7 +7,11 @@
 //! each stream its own shard: threads on different streams share no lock. The rules inside a
 //! shard are PyTorch's, function for function; each method names the one it mirrors.
 //!
-//! - this file: the shard, a request, and the calls a device makes on it;
+//! - this file: the shard, its lock and the state behind it, and what a device passes to it;
+//! - [`malloc`]: a request, and a block taken from the cache and handed out;
+//! - [`free`]: a block freed, back to its pool at once or waiting for other streams' work;
+//! - [`waiting`]: freed blocks that wait for events, a device synchronisation or a capture's
+//!   end, and their return to the pools;
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
@@ -17,11 +21,15 @@
 mod blocks;
 mod check;
 mod expand;
+mod free;
 mod gc;
+mod malloc;
 mod record;
 mod segments;
+mod waiting;
 
-pub(crate) use expand::ExpandablePolicy;
+pub(crate) use expand::{ExpandablePolicy, Reclaim};
+pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -30,17 +38,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-use super::block::{Arena, BlockId, BlockState};
-use super::counters::{DeviceCounters, Metric, OVERSIZE_ALLOCATIONS, ShardCounters};
+use super::block::{Arena, BlockId};
+use super::counters::{DeviceCounters, ShardCounters};
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
 use super::limit::MemoryLimit;
 use super::pool::FreePool;
-use super::rules::{self, PoolKind, SizeRules};
+use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
-use crate::error::Error;
 use crate::history::HistoryHook;
 
 /// A shard: the state of one (device, stream) pair of a pool behind its own lock: the
@@ -106,23 +113,6 @@ pub(crate) struct ShardCtx<'a> {
     pub capture: &'a crate::caching::capture::CaptureProbe,
 }
 
-/// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
-/// cache is released): the device's reserved bytes do not pass their high-water mark while
-/// wholly free pages are mapped anywhere on the device. Before an expandable segment grows
-/// past the mark, free pages are unmapped instead (a device synchronisation, see
-/// `ShardState::unmap_free_pages`), so that memory freed by one request or one stream holds
-/// the next one's growth, wherever it must be mapped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Reclaim {
-    /// Grow without unmapping (the rule is off).
-    Off,
-    /// Unmap free pages of this shard, then grow.
-    Shard,
-    /// Unmap free pages of this shard; if that is not enough, answer [`Growth::PastMark`] so
-    /// that the caller, holding no shard lock, unmaps other streams' pages first.
-    Device,
-}
-
 /// What [`ShardState::grow`] obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Growth {
@@ -131,31 +121,6 @@ pub(crate) enum Growth {
     /// Nothing was mapped: the growth would take the device this many bytes past its
     /// high-water mark ([`Reclaim::Device`] only).
     PastMark(usize),
-}
-
-/// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
-/// and the segment size to ask the driver for if nothing cached fits.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Request {
-    pub size: usize,
-    pub rounded: usize,
-    pub pool: PoolKind,
-    pub segment: usize,
-}
-
-impl Request {
-    /// `size` rounded and placed by the device's `rules`.
-    ///
-    /// Errors: [`Error::InvalidValue`] when rounding the size overflows.
-    ///
-    /// Inlined: malloc's hit path calls it, and out of line it cost a call there.
-    #[inline(always)]
-    pub fn new(size: usize, rules: &SizeRules) -> Result<Request, Error> {
-        let overflow = || Error::InvalidValue(format!("size {size} bytes overflows when rounded to a block size"));
-        let rounded = rules::round_size(size, rules).ok_or_else(overflow)?;
-        let segment = rules::segment_size(rounded, rules).ok_or_else(overflow)?;
-        Ok(Request { size, rounded, pool: rules::pool_for(rounded), segment })
-    }
 }
 
 struct SegmentInfo {
@@ -201,7 +166,7 @@ pub(crate) struct ShardState {
     /// Blocks freed while a capture was under way whose other streams (`record_stream`) need
     /// events, which may not be recorded and queried then: they wait, active, until no capture
     /// is (PyTorch `needs_events_deferred_until_no_capture`). Each is in
-    /// [`BlockState::AwaitingEvents`] with no event yet.
+    /// [`BlockState::AwaitingEvents`](super::block::BlockState::AwaitingEvents) with no event yet.
     capture_deferred: Vec<BlockId>,
     /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
     /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
@@ -221,275 +186,6 @@ impl ShardState {
             PoolKind::Small => &self.small,
             PoolKind::Large => &self.large,
         }
-    }
-
-    /// PyTorch `get_free_block`: the best fit in the request's pool, within the
-    /// `max_split_size` rules, taken out of the pool.
-    #[inline]
-    pub fn take_cached(&mut self, req: &Request, size_rules: &SizeRules) -> Option<BlockId> {
-        let rounded = req.rounded;
-        let fits = |size| rules::fits_oversize_rules(size, rounded, size_rules);
-        self.pool(req.pool).take_best_fit(rounded, fits).map(|(_, _, id)| id)
-    }
-
-    /// The rest of PyTorch `malloc` once a block is found: split off what is not needed
-    /// (`should_split`), mark it allocated and count it. Returns the block's address.
-    #[inline]
-    pub fn hand_out(&mut self, id: BlockId, req: &Request, max_split_size: usize) -> DevicePtr {
-        let kept = self.split(id, req.rounded, max_split_size);
-        let b = &mut self.blocks[id];
-        b.state = BlockState::Allocated;
-        b.requested = req.size;
-        let (addr, pool) = (b.addr, b.pool);
-        let c = &mut self.counters;
-        c.increase(Metric::Allocation, pool, 1);
-        c.increase(Metric::AllocatedBytes, pool, kept as i64);
-        c.increase(Metric::Active, pool, 1);
-        c.increase(Metric::ActiveBytes, pool, kept as i64);
-        c.increase(Metric::RequestedBytes, pool, req.size as i64);
-        if kept >= max_split_size {
-            c.increase_single(OVERSIZE_ALLOCATIONS);
-        }
-        self.live.insert(addr, id);
-        addr
-    }
-
-    /// PyTorch `free`: the block stops being allocated; if other streams used it
-    /// (`record_stream`), one event per such stream is recorded and the block waits for them
-    /// (PyTorch `insert_events`), else it goes back to its pool at once (`free_block`).
-    ///
-    /// If an event cannot be created or recorded (the driver is out of memory for it, say),
-    /// the block waits for gpupool's next device synchronisation instead (see `deferred`),
-    /// which `empty_cache` and the out-of-memory path make: the free succeeds, and the block is
-    /// not reused while work queued before the free may still use it. Not in PyTorch, whose
-    /// free fails then.
-    ///
-    /// Errors: [`Error::InvalidPointer`] for a pointer that is not an allocated block of this
-    /// shard (`segment` is the base of the segment that contains it); nothing changed.
-    ///
-    /// Inlined into both of the device's paths, with and without the history, so that the
-    /// path without keeps the code it would have alone (the cache-hit free).
-    #[inline(always)]
-    pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
-        let Some(&id) = self.live.get(&ptr) else {
-            return Err(self.diagnose(ptr, segment));
-        };
-        if !self.blocks[id].stream_uses.is_empty() {
-            return self.free_used(ctx, ptr, id);
-        }
-        self.live.remove(&ptr);
-        self.count_free(id, ctx.max_split_size);
-        self.free_block(id);
-        Ok(())
-    }
-
-    /// [`ShardState::free`] of a block that other streams used: one event per stream, or, while
-    /// a capture is under way (a route to a private pool is active on the device, or one of
-    /// the streams that used it captures: not the block's own, which the program may have
-    /// destroyed and which gets no event), no event yet: recording one into a capture and querying it
-    /// later is illegal, so the block waits in `capture_deferred` (PyTorch `free`, with
-    /// `insert_events_deferred_until_no_capture`).
-    #[cold]
-    #[inline(never)]
-    fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
-        if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
-            self.live.remove(&ptr);
-            self.count_free(id, ctx.max_split_size);
-            let b = &mut self.blocks[id];
-            b.state = BlockState::AwaitingEvents;
-            b.event_count = 0;
-            self.capture_deferred.push(id);
-            return Ok(());
-        }
-        // Events first, the block's state after: a driver call that fails or unwinds leaves
-        // the block allocated, as it was.
-        let mut recorded = Vec::new();
-        for &stream in &self.blocks[id].stream_uses {
-            match self.events.record(ctx.driver, ctx.device, stream) {
-                Ok(ev) => recorded.push((stream, ev)),
-                Err(_) => {
-                    self.events.unused(recorded.iter().map(|r| r.1));
-                    self.live.remove(&ptr);
-                    self.defer(ctx, id);
-                    return Ok(());
-                }
-            }
-        }
-        self.live.remove(&ptr);
-        self.count_free(id, ctx.max_split_size);
-        let b = &mut self.blocks[id];
-        b.stream_uses = Box::default();
-        b.state = BlockState::AwaitingEvents;
-        b.event_count = recorded.len() as u32;
-        for (stream, ev) in recorded {
-            self.events.push(stream, ev, id);
-        }
-        Ok(())
-    }
-
-    /// Records the events of the blocks freed during a capture (see `capture_deferred`) once
-    /// no capture is under way on their streams (PyTorch
-    /// `insert_events_deferred_until_no_capture`). A block whose event cannot be recorded
-    /// waits for the next device synchronisation instead, as in [`ShardState::free`].
-    pub fn insert_deferred_events(&mut self, ctx: &ShardCtx) {
-        let ids = std::mem::take(&mut self.capture_deferred);
-        let mut waiting = Vec::new();
-        for id in ids {
-            if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
-                waiting.push(id);
-                continue;
-            }
-            let uses = std::mem::take(&mut self.blocks[id].stream_uses);
-            let mut recorded = Vec::new();
-            let mut failed = false;
-            for &stream in uses.iter() {
-                match self.events.record(ctx.driver, ctx.device, stream) {
-                    Ok(ev) => recorded.push((stream, ev)),
-                    Err(_) => {
-                        failed = true;
-                        break;
-                    }
-                }
-            }
-            if failed {
-                self.events.unused(recorded.iter().map(|r| r.1));
-                let b = &mut self.blocks[id];
-                b.state = BlockState::AwaitingSync;
-                let size = b.size;
-                self.deferred.push(id, ctx.deferred.epoch());
-                ctx.deferred.add(size);
-                continue;
-            }
-            self.blocks[id].event_count = recorded.len() as u32;
-            for (stream, ev) in recorded {
-                self.events.push(stream, ev, id);
-            }
-        }
-        waiting.append(&mut self.capture_deferred);
-        self.capture_deferred = waiting;
-    }
-
-    /// Whether blocks freed during a capture wait for it to end.
-    #[inline]
-    pub fn has_capture_deferred(&self) -> bool {
-        !self.capture_deferred.is_empty()
-    }
-
-    /// The statistics of a block that stops being allocated (it stays active until
-    /// `free_block`).
-    fn count_free(&mut self, id: BlockId, max_split_size: usize) {
-        let b = &self.blocks[id];
-        let (size, pool) = (b.size, b.pool);
-        self.counters.decrease(Metric::Allocation, pool, 1);
-        self.counters.decrease(Metric::AllocatedBytes, pool, size as i64);
-        if size >= max_split_size {
-            self.counters.decrease_single(OVERSIZE_ALLOCATIONS);
-        }
-    }
-
-    /// Whether events of freed blocks are pending (the hit path's test).
-    #[inline(always)]
-    pub fn events_pending(&self) -> bool {
-        !self.events.is_empty()
-    }
-
-    /// PyTorch `process_events`: returns to their pools the blocks whose events have all
-    /// completed. Never blocks; no driver call when nothing is pending.
-    ///
-    /// Errors: [`Error::Cuda`] when a query fails (even for lack of memory: it is no
-    /// allocation); that event stays pending.
-    #[inline]
-    pub fn process_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
-        if self.events.is_empty() {
-            return Ok(());
-        }
-        self.drain_events(ctx, false)
-    }
-
-    /// PyTorch `synchronize_and_free_events`: waits for every pending event of this shard and
-    /// returns the blocks to their pools.
-    pub fn synchronize_events(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
-        self.drain_events(ctx, true)
-    }
-
-    fn drain_events(&mut self, ctx: &ShardCtx, wait: bool) -> Result<(), Error> {
-        // The events are out of the state while they drain (each completed one is handled as
-        // it is found), and back in on every exit, unwinding included.
-        let events = std::mem::take(&mut self.events);
-        let mut g = scopeguard::guard((self, events), |(st, events)| st.events = events);
-        let (st, events) = &mut *g;
-        let result = events.drain(ctx.driver, wait, |id| {
-            let b = &mut st.blocks[id];
-            b.event_count -= 1;
-            if b.event_count == 0 {
-                if ctx.history.on() {
-                    st.record_free_completed(ctx.history, ctx.shard.stream, id);
-                }
-                st.free_block(id);
-            }
-        });
-        result.map_err(|e| Error::driver_call(e, "waiting for the events of freed blocks"))
-    }
-
-    /// PyTorch `recordStream`: the block at `ptr` is in use on `stream` as well; when freed it
-    /// waits for the work issued there so far. Uses on the owning stream need no event.
-    ///
-    /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block of this shard.
-    pub fn record_stream(
-        &mut self,
-        ptr: DevicePtr,
-        segment: DevicePtr,
-        owner: StreamHandle,
-        stream: StreamHandle,
-    ) -> Result<(), Error> {
-        let Some(&id) = self.live.get(&ptr) else {
-            return Err(self.diagnose(ptr, segment));
-        };
-        let b = &mut self.blocks[id];
-        if stream != owner && !b.stream_uses.contains(&stream) {
-            b.add_stream_use(stream);
-        }
-        Ok(())
-    }
-
-    /// A free whose block waits for the next device synchronisation instead of events (see
-    /// `deferred`): it stops being allocated now and stays active until
-    /// [`ShardState::release_synced`] (a device synchronisation waits for every stream, so
-    /// streams named by `record_stream` need no event). Returns the device's deferred bytes.
-    ///
-    /// Errors: [`Error::InvalidPointer`] as [`ShardState::free`], nothing changed.
-    pub fn free_after_sync(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
-        let Some(id) = self.live.remove(&ptr) else {
-            return Err(self.diagnose(ptr, segment));
-        };
-        Ok(self.defer(ctx, id))
-    }
-
-    /// Frees the allocated block `id`, out of the live map already, to wait for the device's
-    /// next synchronisation. Returns the device's deferred bytes.
-    fn defer(&mut self, ctx: &ShardCtx, id: BlockId) -> usize {
-        self.count_free(id, ctx.max_split_size);
-        let b = &mut self.blocks[id];
-        b.stream_uses = Box::default();
-        b.state = BlockState::AwaitingSync;
-        let size = b.size;
-        self.deferred.push(id, ctx.deferred.epoch());
-        ctx.deferred.add(size)
-    }
-
-    /// Returns to their pools the blocks freed in epochs up to `epoch`, which a device
-    /// synchronisation has covered. Returns (blocks, bytes) released.
-    pub fn release_synced(&mut self, ctx: &ShardCtx, epoch: u64) -> (usize, usize) {
-        let synced = self.deferred.take_synced(epoch);
-        let mut bytes = 0;
-        for &id in &synced {
-            bytes += self.blocks[id].size;
-            if ctx.history.on() {
-                self.record_free_completed(ctx.history, ctx.shard.stream, id);
-            }
-            self.free_block(id);
-        }
-        (synced.len(), bytes)
     }
 
     /// Whether the shard holds nothing: no segment (so no block), no event, no deferred free.

@@ -1,0 +1,179 @@
+//! Growing an expandable segment (PyTorch `try_allocate_expandable_block` with
+//! `find_expandable_block` and `map_block`): where the request fits among the free and unmapped
+//! blocks, or in a new range, and mapping the pages it needs.
+
+use super::{ExpandablePolicy, round_up};
+use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::counters::Metric;
+use crate::caching::expandable::Expandable;
+use crate::caching::rules::PoolKind;
+use crate::caching::segment_index::SegmentEntry;
+use crate::caching::shard::{Growth, SegmentInfo, ShardCtx, ShardState};
+use crate::driver::DriverError;
+use crate::history::HistoryContext;
+
+/// A step of a growth's plan: (block, offset of its pages in the range, bytes to map).
+type MapStep = (BlockId, usize, usize);
+
+/// Maps the pages of `plan` (block, offset, bytes) in `e`, counting in `attempted` the entries
+/// tried. When one fails (it undid its own pages), the earlier ones are unmapped again; a page
+/// the driver keeps stays mapped, and counted.
+fn map_plan(ctx: &ShardCtx, e: &mut Expandable, plan: &[MapStep], attempted: &mut usize) -> Result<(), DriverError> {
+    for (i, &(_, offset, len)) in plan.iter().enumerate() {
+        *attempted = i + 1;
+        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len) {
+            for &(_, offset, len) in plan[..i].iter().rev() {
+                let _ = e.unmap(ctx.driver, ctx.device, offset, len);
+            }
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+impl ShardState {
+    /// PyTorch `try_allocate_expandable_block`: a free block of at least `req.rounded` bytes
+    /// made by mapping pages in one of the stream's expandable segments of the request's pool
+    /// (the first, by address, where free and unmapped blocks in a row are large enough), or in
+    /// a new one; taken out of the pool for the caller to hand out.
+    ///
+    /// Errors: [`DriverError::OutOfMemory`] when the device (or the memory fraction) has no
+    /// room for the pages; any other failure of the virtual memory calls. The pages mapped
+    /// for the request are unmapped again then; the shard is as it was, but for a new range
+    /// that could not be given back (it stays, empty, until the cache is released).
+    ///
+    /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
+    /// failed call that the driver would not unmap included), with the call's stack, which is
+    /// left for the `alloc` event of the block handed out.
+    pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<Growth, DriverError> {
+        let policy = ctx.expandable.expect("only called with expandable segments on");
+        let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
+        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
+        let bytes: usize = plan.iter().map(|p| p.2).sum();
+        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, bytes) {
+            return Ok(Growth::PastMark(past));
+        }
+        let base = self.expandable_of(self.blocks[start].addr).0;
+        let Some(charge) = ctx.limit.try_charge(bytes) else {
+            self.free_range_if_empty(ctx, base);
+            return Err(DriverError::OutOfMemory);
+        };
+        let mapped_before = self.segments[&base].exp.as_deref().expect("expandable").mapped;
+        let mut attempted = 0;
+        let result = {
+            // The blocks follow the page table whatever happens, unwinding included; the
+            // memory limit keeps what was mapped.
+            let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
+                let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                charge.commit_part(grown.max(0) as usize);
+                if ctx.history.on() {
+                    for &(_, offset, len) in &plan[..*attempted] {
+                        st.record_pages(ctx, base, offset, len, true, c);
+                    }
+                }
+            });
+            let (st, attempted, _) = &mut *g;
+            let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            map_plan(ctx, e, &plan, attempted)
+        };
+        if let Err(e) = result {
+            self.free_range_if_empty(ctx, base);
+            return Err(e);
+        }
+        // The free block at `start`'s address now holds at least `rounded` bytes: blocks merge
+        // into their lower neighbour, and `start` had no free block before it.
+        let b = &self.blocks[start];
+        debug_assert!(b.state == BlockState::Free && b.size >= rounded);
+        let (size, addr) = (b.size, b.addr);
+        self.pool(pool).remove(size, addr, start);
+        self.pending_ctx = c;
+        Ok(Growth::Block(start))
+    }
+
+    /// Where to grow for a request of `rounded` bytes of `pool`: the first block of a run of
+    /// free and unmapped blocks that holds it (in a new range if no range has one), and the
+    /// pages to map, as (block, offset in its range, bytes): free and unmapped blocks from the
+    /// start on, until `rounded` bytes are reached (PyTorch maps the same, block by block).
+    /// `c`: the history's stack for a new range's event.
+    fn plan_growth(
+        &mut self,
+        ctx: &ShardCtx,
+        policy: &ExpandablePolicy,
+        pool: PoolKind,
+        rounded: usize,
+        c: u32,
+    ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
+        let start = match self.find_expandable(pool, rounded) {
+            Some(id) => id,
+            None => self.reserve_range(ctx, policy, pool, rounded, c)?,
+        };
+        let (base, page) = {
+            let (base, e) = self.expandable_of(self.blocks[start].addr);
+            (base, e.page)
+        };
+        let mut plan = Vec::new();
+        let (mut have, mut id) = (0usize, start);
+        while have < rounded {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Unmapped {
+                let map = round_up(rounded - have, page).min(b.size);
+                plan.push((id, (b.addr - base) as usize, map));
+                have += map;
+            } else {
+                have += b.size;
+            }
+            id = b.next;
+        }
+        Ok((start, plan))
+    }
+
+    /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address)
+    /// that, with the free block before it if any and the free and unmapped blocks after it,
+    /// holds `size` bytes. Returns the first block of that run.
+    fn find_expandable(&self, pool: PoolKind, size: usize) -> Option<BlockId> {
+        let usable =
+            |id: BlockId| id != NIL && matches!(self.blocks[id].state, BlockState::Free | BlockState::Unmapped);
+        for &(_, u) in &self.unmapped[pool as usize] {
+            let prev = self.blocks[u].prev;
+            let start = if usable(prev) { prev } else { u };
+            let (mut bytes, mut id) = (0, start);
+            while bytes < size && usable(id) {
+                bytes += self.blocks[id].size;
+                id = self.blocks[id].next;
+            }
+            if bytes >= size {
+                return Some(start);
+            }
+        }
+        None
+    }
+
+    /// A new expandable segment of `pool` for a request of `size` bytes, wholly unmapped:
+    /// its one block is returned.
+    fn reserve_range(
+        &mut self,
+        ctx: &ShardCtx,
+        policy: &ExpandablePolicy,
+        pool: PoolKind,
+        size: usize,
+        c: u32,
+    ) -> Result<BlockId, DriverError> {
+        let largest = self
+            .expandables
+            .iter()
+            .filter(|b| self.blocks[self.segments[b].head].pool == pool)
+            .map(|b| self.segments[b].size)
+            .max()
+            .unwrap_or(0);
+        let va = policy.range_size(pool, size, largest).ok_or(DriverError::OutOfMemory)?;
+        let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
+        let base = exp.base;
+        let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));
+        self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c, graph: false });
+        self.expandables.push(base);
+        self.unmapped_set(pool).insert((base, id));
+        ctx.index.insert(SegmentEntry { base, size: va, device: ctx.device, owner: ctx.shard.clone() });
+        self.counters.increase(Metric::Segment, pool, 1);
+        Ok(id)
+    }
+}

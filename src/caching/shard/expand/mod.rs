@@ -1,0 +1,100 @@
+//! Expandable segments in a shard (PyTorch's `expandable_segments:True`): a segment is an
+//! address range reserved per (stream, pool) whose pages are mapped as requests need them, so
+//! that it grows instead of a new segment being allocated, and whose wholly free pages are
+//! unmapped when the cache is released.
+//!
+//! The blocks of an expandable segment tile its whole range, as an ordinary segment's do:
+//! mapped blocks (free, allocated, awaiting events or a synchronisation) and unmapped blocks
+//! (whole pages, [`BlockState::Unmapped`](crate::caching::block::BlockState::Unmapped), in
+//! the pool's set of unmapped blocks ordered by address). Two unmapped blocks are never
+//! neighbours, nor are two free ones.
+//!
+//! - this file: how ranges are sized ([`ExpandablePolicy`]), and which range holds an address;
+//! - [`grow`]: [`ShardState::grow_expandable`], PyTorch `try_allocate_expandable_block` with
+//!   `find_expandable_block` and `map_block`;
+//! - [`unmap`]: [`ShardState::release_pages`], the expandable half of PyTorch `release_blocks`,
+//!   with `unmap_block`;
+//! - [`pages`]: blocks following the page table once pages are mapped or unmapped;
+//! - [`mark`]: gpupool's high-water rule, [`Reclaim`].
+//!
+//! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
+//! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
+//! not exhaust the address space, and a shard may hold several ranges per pool; before pages
+//! are unmapped the device is synchronised, never a stream (a stream the program destroyed
+//! would crash `cudaStreamSynchronize`, as it crashes PyTorch 2.11's `emptyCache`); a map that
+//! fails halfway is undone (PyTorch keeps what it mapped); each range counts as a segment
+//! (PyTorch counts none); and a segment does not grow past the device's high-water mark while
+//! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
+//! memory).
+
+mod grow;
+mod mark;
+mod pages;
+mod unmap;
+
+#[cfg(test)]
+mod tests;
+
+pub(crate) use mark::Reclaim;
+
+use super::ShardState;
+use crate::caching::block::BlockId;
+use crate::caching::expandable::Expandable;
+use crate::caching::rules::PoolKind;
+use crate::driver::DevicePtr;
+
+/// How a device's expandable segments are laid out. Sizes in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExpandablePolicy {
+    /// Page size of the small pool's segments (PyTorch: `kSmallBuffer`, 2 MiB).
+    pub small_page: usize,
+    /// Page size of the large pool's segments (PyTorch: `kLargeBuffer`, 20 MiB; gpupool: 2 MiB,
+    /// see `device`).
+    pub large_page: usize,
+    /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
+    /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
+    /// twice the largest it has, or the request if that is larger.
+    pub device_total: usize,
+}
+
+impl ExpandablePolicy {
+    fn page(&self, pool: PoolKind) -> usize {
+        match pool {
+            PoolKind::Small => self.small_page,
+            PoolKind::Large => self.large_page,
+        }
+    }
+
+    /// Bytes of address space for a new range of `pool` that must hold `need` bytes, when the
+    /// shard's largest range of that pool is `largest` bytes (0: none).
+    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
+        let page = self.page(pool);
+        let share = match pool {
+            PoolKind::Small => self.device_total / 64,
+            PoolKind::Large => self.device_total / 8,
+        };
+        let want = need.max(share).max(largest.saturating_mul(2)).max(page);
+        want.checked_next_multiple_of(page)
+    }
+}
+
+fn round_up(n: usize, m: usize) -> usize {
+    n.div_ceil(m) * m
+}
+
+impl ShardState {
+    fn unmapped_set(&mut self, pool: PoolKind) -> &mut std::collections::BTreeSet<(DevicePtr, BlockId)> {
+        &mut self.unmapped[pool as usize]
+    }
+
+    /// The expandable segment whose range contains `addr`.
+    fn expandable_of(&self, addr: DevicePtr) -> (DevicePtr, &Expandable) {
+        for &base in &self.expandables {
+            let e = self.segments[&base].exp.as_deref().expect("listed segments are expandable");
+            if addr >= base && addr - base < e.size as u64 {
+                return (base, e);
+            }
+        }
+        unreachable!("block {addr:#x} lies in no expandable segment of its shard")
+    }
+}

@@ -1,0 +1,141 @@
+//! Unmapping the wholly free pages of expandable segments (the expandable half of PyTorch
+//! `release_blocks`, with `unmap_block`), and giving back a range left with nothing mapped.
+
+use super::round_up;
+use crate::caching::block::{BlockId, NIL};
+use crate::caching::counters::Metric;
+use crate::caching::segment_index::SegmentEntry;
+use crate::caching::shard::{ShardCtx, ShardState};
+use crate::driver::DevicePtr;
+use crate::error::Error;
+
+impl ShardState {
+    /// Gives back the range of the expandable segment at `base` if nothing is mapped in it
+    /// (its one block is unmapped). A failure leaves it as it is, to be tried again when the
+    /// cache is next released.
+    pub(super) fn free_range_if_empty(&mut self, ctx: &ShardCtx, base: DevicePtr) {
+        let seg = self.segments.get_mut(&base).expect("listed");
+        let (size, head) = (seg.size, seg.head);
+        let e = seg.exp.as_deref_mut().expect("expandable");
+        if e.mapped != 0 {
+            return;
+        }
+        let pool = self.blocks[head].pool;
+        debug_assert_eq!(self.blocks[head].next, NIL);
+        // Out of the index first: once the driver has the range back, another stream may
+        // reserve the same addresses. Back in if the driver refuses.
+        ctx.index.remove(base);
+        let reindex = scopeguard::guard((), |()| {
+            ctx.index.insert(SegmentEntry { base, size, device: ctx.device, owner: ctx.shard.clone() })
+        });
+        if e.free(ctx.driver, ctx.device).is_err() {
+            return;
+        }
+        scopeguard::ScopeGuard::into_inner(reindex);
+        self.unmapped_set(pool).remove(&(base, head));
+        self.blocks.remove(head);
+        self.segments.remove(&base);
+        self.expandables.retain(|&b| b != base);
+        self.counters.decrease(Metric::Segment, pool, 1);
+    }
+
+    /// The expandable half of PyTorch `release_blocks` (`empty_cache`, the out-of-memory
+    /// path): every wholly free page of this shard's expandable segments is unmapped and
+    /// released (see [`ShardState::unmap_free_pages`]), and a range left with nothing mapped
+    /// is given back. Returns the bytes unmapped.
+    ///
+    /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
+    /// unmapped stays unmapped, the rest stays cached.
+    pub fn release_pages(&mut self, ctx: &ShardCtx) -> Result<usize, Error> {
+        let released = self.unmap_free_pages(ctx, usize::MAX, None);
+        for base in self.expandables.clone() {
+            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            e.release_orphans(ctx.driver, ctx.device);
+            self.free_range_if_empty(ctx, base);
+        }
+        released
+    }
+
+    /// PyTorch `unmap_block` over the free blocks of this shard's expandable segments, the
+    /// largest first, until `want` bytes are unmapped (whole pages; the last block gives only
+    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. First
+    /// the device is synchronised, if anything is to be unmapped (with the shard's lock held,
+    /// so that no block of this stream is handed out and freed again meanwhile): a block
+    /// freed in stream order may still be in use by work queued before its free, and
+    /// `cuMemUnmap` does not wait for it. A device synchronisation, not a stream's (PyTorch
+    /// synchronises the segment's stream): the stream may have been destroyed. Returns the
+    /// bytes unmapped.
+    ///
+    /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
+    /// unmapped stays unmapped, the rest stays cached.
+    pub fn unmap_free_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        want: usize,
+        keep: Option<std::ops::Range<DevicePtr>>,
+    ) -> Result<usize, Error> {
+        // (segment base, block, first page offset, end offset) of each free block with whole
+        // pages outside `keep`'s pages, largest first. `keep` starts at a block's address, so
+        // a block overlapping it starts in it: only its pages after `keep` are candidates.
+        let mut candidates: Vec<(DevicePtr, BlockId, u64, u64)> = Vec::new();
+        for pool in [&self.small, &self.large] {
+            for (size, addr, id) in pool.iter_largest_first() {
+                if !self.blocks[id].expandable {
+                    continue;
+                }
+                let end = addr + size as u64;
+                let (base, e) = self.expandable_of(addr);
+                let page = e.page as u64;
+                let mut lo = (addr - base).div_ceil(page) * page;
+                let mut hi = (end - base) / page * page;
+                if let Some(k) = keep.as_ref().filter(|k| k.start >= base && k.start - base < e.size as u64) {
+                    if addr >= k.start {
+                        lo = lo.max((k.end - base).div_ceil(page) * page);
+                    } else {
+                        hi = hi.min((k.start - base) / page * page);
+                    }
+                }
+                if hi > lo {
+                    candidates.push((base, id, lo, hi));
+                }
+            }
+        }
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
+        let mut released = 0;
+        // The device synchronisation below would break a capture, which may be under way while
+        // a route to a private pool is active: the pages stay mapped until then.
+        if candidates.is_empty() || ctx.capture.any_underway() {
+            return Ok(0);
+        }
+        ctx.driver.device_synchronize(ctx.device).map_err(|e| {
+            Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
+        })?;
+        for (base, id, lo, hi) in candidates {
+            if released >= want {
+                break;
+            }
+            let (before, page) = {
+                let e = self.segments[&base].exp.as_deref().expect("expandable");
+                (e.mapped, e.page)
+            };
+            let left = (want - released) as u64;
+            let len = if left >= hi - lo { hi - lo } else { round_up(left as usize, page) as u64 };
+            // The block follows the page table whatever happens, unwinding included, and the
+            // pages unmapped are recorded.
+            let mut g = scopeguard::guard(&mut *self, |st| {
+                let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
+                ctx.limit.uncharge(shrunk.max(0) as usize);
+                if ctx.history.on() {
+                    let c = st.segments[&base].ctx;
+                    st.record_pages(ctx, base, lo as usize, len as usize, false, c);
+                }
+            });
+            let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize);
+            drop(g);
+            released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
+            r.map_err(|e| Error::driver(e, "unmapping the free pages of an expandable segment"))?;
+        }
+        Ok(released)
+    }
+}

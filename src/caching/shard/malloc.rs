@@ -1,0 +1,69 @@
+//! The malloc side of a shard served from its cache: a request rounded and placed by the size
+//! rules, the best fit taken out of its pool, and the block split and handed out (PyTorch
+//! `malloc` with `get_free_block`, `should_split` and `alloc_found_block`). The cache-hit malloc
+//! runs through here.
+
+use super::ShardState;
+use crate::caching::block::{BlockId, BlockState};
+use crate::caching::counters::{Metric, OVERSIZE_ALLOCATIONS};
+use crate::caching::rules::{self, PoolKind, SizeRules};
+use crate::driver::DevicePtr;
+use crate::error::Error;
+
+/// A request after PyTorch's rounding: `size` as asked, `rounded` (the block size), its pool
+/// and the segment size to ask the driver for if nothing cached fits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    pub size: usize,
+    pub rounded: usize,
+    pub pool: PoolKind,
+    pub segment: usize,
+}
+
+impl Request {
+    /// `size` rounded and placed by the device's `rules`.
+    ///
+    /// Errors: [`Error::InvalidValue`] when rounding the size overflows.
+    ///
+    /// Inlined: malloc's hit path calls it, and out of line it cost a call there.
+    #[inline(always)]
+    pub fn new(size: usize, rules: &SizeRules) -> Result<Request, Error> {
+        let overflow = || Error::InvalidValue(format!("size {size} bytes overflows when rounded to a block size"));
+        let rounded = rules::round_size(size, rules).ok_or_else(overflow)?;
+        let segment = rules::segment_size(rounded, rules).ok_or_else(overflow)?;
+        Ok(Request { size, rounded, pool: rules::pool_for(rounded), segment })
+    }
+}
+
+impl ShardState {
+    /// PyTorch `get_free_block`: the best fit in the request's pool, within the
+    /// `max_split_size` rules, taken out of the pool.
+    #[inline]
+    pub fn take_cached(&mut self, req: &Request, size_rules: &SizeRules) -> Option<BlockId> {
+        let rounded = req.rounded;
+        let fits = |size| rules::fits_oversize_rules(size, rounded, size_rules);
+        self.pool(req.pool).take_best_fit(rounded, fits).map(|(_, _, id)| id)
+    }
+
+    /// The rest of PyTorch `malloc` once a block is found: split off what is not needed
+    /// (`should_split`), mark it allocated and count it. Returns the block's address.
+    #[inline]
+    pub fn hand_out(&mut self, id: BlockId, req: &Request, max_split_size: usize) -> DevicePtr {
+        let kept = self.split(id, req.rounded, max_split_size);
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = req.size;
+        let (addr, pool) = (b.addr, b.pool);
+        let c = &mut self.counters;
+        c.increase(Metric::Allocation, pool, 1);
+        c.increase(Metric::AllocatedBytes, pool, kept as i64);
+        c.increase(Metric::Active, pool, 1);
+        c.increase(Metric::ActiveBytes, pool, kept as i64);
+        c.increase(Metric::RequestedBytes, pool, req.size as i64);
+        if kept >= max_split_size {
+            c.increase_single(OVERSIZE_ALLOCATIONS);
+        }
+        self.live.insert(addr, id);
+        addr
+    }
+}
