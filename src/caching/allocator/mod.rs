@@ -1,4 +1,13 @@
 //! The allocator over every device: the Rust API that the C boundary wraps.
+//!
+//! Here: the allocator, its configuration, its table of devices (each started on first use),
+//! the out-of-memory observers and the lookups of a pointer. The rest by mechanism:
+//! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
+//! - `pools`: private pools and the routes to them;
+//! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
+//! - `stats`: the statistics, the summary and gpupool's diagnostics;
+//! - `history`: the allocation history, snapshots, tags and the live report;
+//! - `check`: the consistency check, for tests.
 
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,6 +1,14 @@
 //! One device: its shards (one per stream), PyTorch's malloc with free-and-retry on
 //! out-of-memory, `empty_cache`, and the device-wide statistics.
 //!
+//! Here: the device's state, what a call on a shard needs (`ctx`), and the memory fraction.
+//! The rest by mechanism: `serve.rs`: malloc up to its first failure; `out_of_memory.rs`: the
+//! rest of malloc (release-and-retry, observers); `free.rs`: free and `record_stream`;
+//! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
+//! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
+//! and `getStats`; `pools.rs`: private pools; `history.rs`: the allocation history and
+//! snapshots; `check.rs`: the consistency check.
+//!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
 //! history's (a device's trace, the table of stacks), none of which is held while taking
@@ -10,8 +18,7 @@
 //! pools' lock (`pools.rs`) and the capture probe's list of streams seen capturing
 //! (`capture.rs`) are leaves: taken with or without shard locks held, never held while taking
 //! another lock. Out-of-memory observers and route filters run with none of these held
-//! (`out_of_memory.rs`, `pools.rs`). `check.rs`:
-//! the consistency check; `history.rs`: the allocation history and snapshots.
+//! (`out_of_memory.rs`, `pools.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicI64;
