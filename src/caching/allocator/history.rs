@@ -1,0 +1,104 @@
+//! The allocation history of every device, snapshots, the statistics of tags and the live
+//! report (PyTorch `_record_memory_history` and `_snapshot`; see `crate::history`).
+
+use std::sync::Arc;
+
+use super::Allocator;
+use crate::error::Error;
+use crate::history::{AllocatorSettings, HistorySettings, Snapshot, TagStats, tags};
+
+impl Allocator {
+    /// Starts, changes or stops the allocation history of every device (PyTorch
+    /// `torch.cuda.memory._record_memory_history`): with `Some(settings)`, each device keeps
+    /// its newest `settings.max_entries` events (alloc, frees, segments, maps and unmaps,
+    /// out-of-memory, snapshots) and the call stacks `settings.context` asks for; a trace
+    /// recorded already keeps its newest events up to the new limit. `None` stops recording and
+    /// forgets every trace. When stacks stop being kept (`None`, or a context below
+    /// [`HistoryContext::State`](crate::history::HistoryContext::State)), the live blocks
+    /// forget theirs too.
+    ///
+    /// Costs, while off, one relaxed load per malloc and free; while on, see the README
+    /// (section "History and snapshots"). Calls that race with this one record with the old
+    /// settings or the new ones.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
+    pub fn record_history(&self, settings: Option<HistorySettings>) -> Result<(), Error> {
+        crate::caching::fork::check()?;
+        let _starting = self.starting.lock();
+        let level = self.recorder.set(settings);
+        for dev in self.devices.iter().filter_map(|d| d.get()) {
+            dev.set_history_level(level);
+        }
+        Ok(())
+    }
+
+    /// What the history records now; `None` when it is off.
+    pub fn history(&self) -> Option<HistorySettings> {
+        self.recorder.settings()
+    }
+
+    /// Every segment of every device in use, with its blocks, and each device's trace
+    /// (PyTorch `torch.cuda.memory._snapshot()`); [`Snapshot::to_pickle`] writes PyTorch's
+    /// file. Each device is taken with all its streams locked, as one consistent state; while
+    /// history is on, its trace ends with the `snapshot` event this call records. Stacks are
+    /// symbolised here, after the locks are released (the first time, reading the debug
+    /// information of every library in them can take seconds). Works with history off too:
+    /// the segments, no trace, no stacks.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
+    pub fn snapshot(&self) -> Result<Snapshot, Error> {
+        crate::caching::fork::check()?;
+        let mut segments = Vec::new();
+        let mut traces = vec![Vec::new(); self.devices.len()];
+        for (trace, dev) in traces.iter_mut().zip(self.devices.iter()) {
+            if let Some(dev) = dev.get() {
+                *trace = dev.snapshot_into(&mut segments);
+            }
+        }
+        let c = self.config();
+        let settings = AllocatorSettings {
+            conf: c.conf_string(),
+            max_split_size: c.max_split_size,
+            garbage_collection_threshold: c.garbage_collection_threshold,
+            expandable_segments: c.expandable_segments,
+            pinned_num_register_threads: c.pinned_num_register_threads,
+            release_lock_on_cudamalloc: c.release_lock_on_cudamalloc,
+            pinned_use_cuda_host_register: c.pinned_use_cuda_host_register,
+            roundup_power2_divisions: c.roundup_power2_divisions.to_vec(),
+        };
+        Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings))
+    }
+
+    /// The statistics of the blocks allocated under tag `name` (see [`crate::history::tags`]),
+    /// over every device: bytes (rounded, as `allocated_bytes`) and blocks, each current, peak,
+    /// allocated and freed. A block freed on another thread, or under another tag, counts to
+    /// the tag it was allocated under. Lock-free but for a read lock; the figures of a block
+    /// allocated or freed meanwhile may show in some and not yet in others.
+    ///
+    /// Errors: [`Error::InvalidValue`] when no thread of the process ever pushed `name`.
+    pub fn tag_stats(&self, name: &str) -> Result<TagStats, Error> {
+        let id = tags::id_of(name)
+            .ok_or_else(|| Error::InvalidValue(format!("no tag named {name:?} was ever pushed in this process")))?;
+        Ok(self.recorder.tags.get(id))
+    }
+
+    /// Every tag pushed in the process, in the order first pushed, with its statistics on this
+    /// allocator (as [`Allocator::tag_stats`]; zero where none of its blocks were allocated
+    /// here).
+    pub fn all_tag_stats(&self) -> Vec<(Arc<str>, TagStats)> {
+        tags::names().into_iter().enumerate().map(|(i, n)| (n, self.recorder.tags.get(i as u32 + 1))).collect()
+    }
+
+    /// The live report of `device` (-1: current): its allocated blocks grouped by tag, then
+    /// by the call stack that allocated them (where history kept stacks, with
+    /// [`HistoryContext::State`](crate::history::HistoryContext::State) or more, when they
+    /// were allocated), largest first (bytes, then blocks), one line a row. Stacks are
+    /// symbolised here (the first time, reading debug information can take seconds). Each
+    /// stream is read under its lock in turn: allocations on other streams go on meanwhile.
+    ///
+    /// Errors: as [`Allocator::stats`].
+    pub fn live_report(&self, device: i32) -> Result<String, Error> {
+        let dev = self.device_or_init(device)?;
+        Ok(crate::history::live_report(dev.device, &self.recorder.contexts, &dev.live_blocks()))
+    }
+}

@@ -1,0 +1,154 @@
+//! The hit path: malloc, free and `record_stream`, which find a block's device and shard
+//! through the segment index, and each thread's cache of the shards it used last, which finds
+//! a stream's shard without a lock.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::Allocator;
+use crate::caching::device::DeviceAllocator;
+use crate::caching::shard::Shard;
+use crate::driver::{DevicePtr, StreamHandle};
+use crate::error::Error;
+
+struct CachedShard {
+    allocator: u64,
+    device: i32,
+    stream: StreamHandle,
+    shard: Arc<Shard>,
+}
+
+const SHARD_CACHE_SLOTS: usize = 4;
+
+/// Each thread remembers the shards it used last, so the hit path finds its stream's shard
+/// without a lock.
+struct ShardCache {
+    slots: [Option<CachedShard>; SHARD_CACHE_SLOTS],
+    next: usize,
+}
+
+thread_local! {
+    static SHARD_CACHE: RefCell<ShardCache> =
+        const { RefCell::new(ShardCache { slots: [const { None }; SHARD_CACHE_SLOTS], next: 0 }) };
+}
+
+impl Allocator {
+    #[inline]
+    /// Calls `f` with the shard of `stream` and whether this thread used it lately (it was in
+    /// the thread's cache of recent shards: the stream is hot here, see `peaks`). On a hit the
+    /// cache is lent to `f`, read-only, for the whole call, which may come back here (an
+    /// out-of-memory observer runs inside `f`).
+    fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>, bool) -> R) -> R {
+        let mut f = Some(f);
+        // The hit: this thread used the shard lately; call in place, with no reference count
+        // taken (two atomic operations saved).
+        let hit = SHARD_CACHE.try_with(|cache| {
+            let cache = cache.borrow();
+            let slot = cache
+                .slots
+                .iter()
+                .flatten()
+                .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)?;
+            // A retired shard (see `shard_table`) is refetched below, and replaces this slot.
+            if slot.shard.is_retired() {
+                return None;
+            }
+            Some((f.take().expect("called once"))(&slot.shard, true))
+        });
+        if let Ok(Some(r)) = hit {
+            return r;
+        }
+        let shard = dev.shard_or_create(stream);
+        self.remember_shard(dev.device, stream, &shard);
+        (f.take().expect("called once"))(&shard, false)
+    }
+
+    /// Puts `shard` in the calling thread's cache of recent shards, in place of its stale entry
+    /// or the oldest. Out of line: inlined, it costs the hit path an instruction per call
+    /// (callgrind, `examples/hit_loop`).
+    #[inline(never)]
+    fn remember_shard(&self, device: i32, stream: StreamHandle, shard: &Arc<Shard>) {
+        let _ = SHARD_CACHE.try_with(|cache| {
+            // Lent already when `f` of an outer call on this thread calls back into the
+            // allocator (an out-of-memory observer that allocates): the cache then stays as it is.
+            let Ok(mut cache) = cache.try_borrow_mut() else { return };
+            let stale = cache.slots.iter().position(|c| {
+                c.as_ref().is_some_and(|c| c.allocator == self.id && c.device == device && c.stream == stream)
+            });
+            let slot = stale.unwrap_or_else(|| {
+                let next = cache.next;
+                cache.next = (next + 1) % SHARD_CACHE_SLOTS;
+                next
+            });
+            cache.slots[slot] = Some(CachedShard { allocator: self.id, device, stream, shard: shard.clone() });
+        });
+    }
+
+    /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)
+    /// for use on `stream` (PyTorch `raw_alloc_with_stream`). Returns 0 for `size` 0.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
+    /// [`Error::OutOfMemory`] (after releasing the cache and retrying once, and calling the
+    /// out-of-memory observers: see [`Allocator::attach_oom_observer`]), [`Error::Cuda`].
+    pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
+        let dev = self.device_or_init(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        if dev.routes_active()
+            && let Some(pool) = dev.route_for(stream)
+        {
+            return dev.malloc_in_pool(pool, stream, size);
+        }
+        self.with_shard(dev, stream, |shard, hot| dev.malloc(shard, size, hot))
+    }
+
+    /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
+    ///
+    /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
+    /// every pool as it was. If an event for a `record_stream` stream cannot be created or
+    /// recorded, the block waits for the next device synchronisation instead (see
+    /// [`Allocator::free_after_device_sync`]) and the free succeeds.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(not_allocated(ptr)),
+            Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
+        })
+    }
+
+    /// Frees like [`Allocator::free`], but the block is handed out again only after gpupool has
+    /// synchronised its whole device (`cuCtxSynchronize`) after this call: work queued before
+    /// the free on any stream may still use it, as a program that calls `cudaFree` may assume
+    /// (`cudaFree` waits for the device). Until then the block counts as active, not allocated,
+    /// like one awaiting `record_stream` events. The synchronisation happens at
+    /// [`Allocator::release_deferred`], and in `empty_cache` and the out-of-memory path before
+    /// they release the cache. Not a PyTorch rule: the LD_PRELOAD shim's safe `cudaFree`.
+    ///
+    /// Returns the device ordinal and its bytes now awaiting a synchronisation.
+    ///
+    /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
+    /// every pool as it was.
+    pub fn free_after_device_sync(&self, ptr: DevicePtr) -> Result<(i32, usize), Error> {
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(not_allocated(ptr)),
+            Some(e) => Ok((e.device, self.used_device(e.device)?.free_after_sync(&e.owner, ptr, e.base)?)),
+        })
+    }
+
+    /// Marks the block at `ptr` as used on `stream` (PyTorch `recordStream`).
+    ///
+    /// Errors: [`Error::InvalidPointer`] when `ptr` is not an allocated block.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), Error> {
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(not_allocated(ptr)),
+            Some(e) => self.used_device(e.device)?.record_stream(&e.owner, ptr, e.base, stream),
+        })
+    }
+}
+
+fn not_allocated(ptr: DevicePtr) -> Error {
+    Error::InvalidPointer(format!("pointer {ptr:#x} was not allocated by gpupool"))
+}

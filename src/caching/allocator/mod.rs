@@ -1,0 +1,284 @@
+//! The allocator over every device: the Rust API that the C boundary wraps.
+//!
+//! Here: the allocator, its configuration, its table of devices (each started on first use),
+//! the out-of-memory observers and the lookups of a pointer. The rest by mechanism:
+//! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
+//! - `pools`: private pools and the routes to them;
+//! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
+//! - `stats`: the statistics, the summary and gpupool's diagnostics;
+//! - `history`: the allocation history, snapshots, tags and the live report;
+//! - `check`: the consistency check, for tests.
+
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::{ArcSwap, Guard};
+use parking_lot::Mutex;
+
+use super::device::DeviceAllocator;
+use super::observers::{OomEvent, OomObserverId, OomObservers};
+use super::segment_index::SegmentIndex;
+use super::shard::Shard;
+use crate::config::{Config, DriverKind};
+use crate::driver::cuda::CudaDriver;
+use crate::driver::sim::SimDriver;
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::Error;
+use crate::history::{HistoryHook, Recorder};
+
+mod check;
+mod history;
+mod hit;
+mod pools;
+mod release;
+mod stats;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// An allocated block, as [`Allocator::block_info`] describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// The device ordinal.
+    pub device: i32,
+    /// The stream it was allocated for.
+    pub stream: StreamHandle,
+    /// Bytes, rounded as `allocated_bytes` counts them.
+    pub size: usize,
+}
+
+/// A caching allocator over every device of one driver (PyTorch `NativeCachingAllocator`).
+///
+/// Thread-safe: every method may be called from any thread. Calls on different streams take
+/// different locks; see the crate's README for the design.
+pub struct Allocator {
+    id: u64,
+    driver: Arc<dyn Driver>,
+    /// Read without a lock ([`Allocator::config`], the LD_PRELOAD shim's frees); replaced only
+    /// by [`Allocator::set_config`], before any device starts.
+    config: ArcSwap<Config>,
+    /// Held while a device starts and while the configuration is replaced, so that no device
+    /// starts with a configuration that `set_config` is replacing, nor after it was refused.
+    starting: Mutex<()>,
+    index: Arc<SegmentIndex<Arc<Shard>>>,
+    devices: Box<[OnceLock<DeviceAllocator>]>,
+    /// Shared with every device, which calls them when a request fails.
+    observers: Arc<OomObservers>,
+    /// The allocation history of every device.
+    recorder: Arc<Recorder>,
+}
+
+/// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
+/// that reads as a [`Config`]. Cheap to take (no lock, no reference count shared between
+/// threads); keep it briefly.
+pub struct ConfigRef(Guard<Arc<Config>>);
+
+impl Deref for ConfigRef {
+    type Target = Config;
+
+    fn deref(&self) -> &Config {
+        &self.0
+    }
+}
+
+impl Allocator {
+    /// An allocator over `driver` with the allocation options of `config`, recording its
+    /// history from the start if `config.record_history` says so. `config.driver` and the
+    /// `sim_*` fields are not used here (they choose the driver in [`Allocator::from_config`]).
+    pub fn new(driver: Arc<dyn Driver>, config: Config) -> Allocator {
+        let count = driver.device_count().max(0) as usize;
+        super::fork::watch();
+        let recorder = Arc::new(Recorder::new(count));
+        recorder.set(config.record_history);
+        Allocator {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            config: ArcSwap::from_pointee(config),
+            starting: Mutex::new(()),
+            index: Arc::new(SegmentIndex::default()),
+            devices: (0..count).map(|_| OnceLock::new()).collect(),
+            observers: Arc::default(),
+            recorder,
+        }
+    }
+
+    /// An allocator over the driver `config` names. Also returns the simulated driver when that
+    /// is the one chosen, so tests and the C API can control it.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] when the CUDA driver or a device is missing.
+    pub fn from_config(config: Config) -> Result<(Allocator, Option<Arc<SimDriver>>), Error> {
+        match config.driver {
+            DriverKind::Sim => {
+                let sim = Arc::new(SimDriver::new(config.sim_devices, config.sim_capacity));
+                Ok((Allocator::new(sim.clone(), config), Some(sim)))
+            }
+            DriverKind::Cuda => {
+                let cuda = CudaDriver::new().map_err(|e| Error::driver(e, "starting the CUDA driver"))?;
+                Ok((Allocator::new(Arc::new(cuda), config), None))
+            }
+        }
+    }
+
+    /// The driver this allocator uses.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// Its options: those it was made with, or the last [`Allocator::set_config`] (the
+    /// process-wide allocator's: every `GPUPOOL_*` option, as the LD_PRELOAD shim reads them).
+    pub fn config(&self) -> ConfigRef {
+        ConfigRef(self.config.load())
+    }
+
+    /// Its `GPUPOOL_CONF` settings in PyTorch's syntax, every key with its value
+    /// ([`Config::conf_string`]); [`Config::with_conf`] and `gpupool_set_config` read it back.
+    pub fn config_string(&self) -> String {
+        self.config().conf_string()
+    }
+
+    /// Replaces its options with `config`, as long as no device has started (but
+    /// `config.record_history`: [`Allocator::record_history`] turns the history on and off): a device starts
+    /// at the first call that names it (or names -1 and it is current): an allocation, but
+    /// also `stats`, `memory_summary`, `empty_cache`, `set_memory_fraction` and the like,
+    /// which read or change its state. `device_count`, `config` and `owns` start none. The
+    /// devices then start with `config`'s size rules and `per_process_memory_fraction`.
+    /// `config.driver` and the `sim_*` fields are not used (the driver is chosen already). Like
+    /// PyTorch, whose allocator settings apply to devices not yet initialised, and whose
+    /// `max_split_size`, say, cannot change under blocks already cut by it.
+    ///
+    /// Errors: [`Error::InvalidValue`] once a device has started, naming it; nothing changes.
+    pub fn set_config(&self, config: Config) -> Result<(), Error> {
+        let _starting = self.starting.lock();
+        if let Some(d) = self.devices.iter().position(|d| d.get().is_some()) {
+            return Err(Error::InvalidValue(format!(
+                "the configuration must be set before the first allocation: device {d} has started already (a call \
+                 named it), and keeps the configuration it started with"
+            )));
+        }
+        self.config.store(Arc::new(config));
+        Ok(())
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> i32 {
+        self.devices.len() as i32
+    }
+
+    /// The device `device` names (-1: the calling thread's current one), started on first use.
+    fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        super::fork::check()?;
+        let d = if device == -1 {
+            self.driver.current_device().map_err(|e| Error::driver(e, "reading the current device"))?
+        } else {
+            device
+        };
+        let slot = usize::try_from(d).ok().and_then(|i| self.devices.get(i)).ok_or_else(|| {
+            Error::InvalidValue(format!(
+                "device {device} is out of range: the {} driver has {} device(s); pass -1 for the current device",
+                self.driver.name(),
+                self.devices.len()
+            ))
+        })?;
+        match slot.get() {
+            Some(dev) => Ok(dev),
+            None => self.start_device(d, slot),
+        }
+    }
+
+    /// Starts device `d` with the configuration in force: its size rules, and its
+    /// `per_process_memory_fraction` applied as [`Allocator::set_memory_fraction`] would (PyTorch
+    /// applies the key when a device's allocator is created).
+    ///
+    /// Errors: [`Error::Cuda`] when the fraction is set and the device's total cannot be read;
+    /// the device is then not started.
+    #[cold]
+    fn start_device<'a>(&self, d: i32, slot: &'a OnceLock<DeviceAllocator>) -> Result<&'a DeviceAllocator, Error> {
+        let _starting = self.starting.lock();
+        if let Some(dev) = slot.get() {
+            return Ok(dev);
+        }
+        let config = self.config.load();
+        let dev = DeviceAllocator::new(
+            d,
+            self.driver.clone(),
+            self.index.clone(),
+            &config,
+            self.observers.clone(),
+            HistoryHook::new(self.recorder.clone(), d as usize),
+        );
+        if config.per_process_memory_fraction < 1.0 {
+            dev.set_memory_fraction(config.per_process_memory_fraction)?;
+        }
+        Ok(slot.get_or_init(|| dev))
+    }
+
+    /// Attaches `observer`, called when a request fails for lack of memory on any device of
+    /// this allocator (PyTorch `attachOutOfMemoryObserver`): after gpupool released its cache
+    /// and retried, before [`Error::OutOfMemory`] returns, on the thread whose request failed,
+    /// with no lock of gpupool's held, so that it may call any method of the allocator (free
+    /// memory, read statistics, empty the cache, allocate). Several observers are called in
+    /// the order attached, each with the same [`OomEvent`] (statistics read once, `num_ooms`
+    /// counting this request).
+    ///
+    /// The observer returns true to ask for one more attempt (as the callback of RMM's
+    /// `failure_callback_resource_adaptor` does): once every observer has run, if any asked,
+    /// the allocation is tried once more, release-and-retry included; if that fails too, the
+    /// observers are not called again and the error returns (its message read after the last
+    /// attempt). A request made from inside an observer that fails calls no observer.
+    ///
+    /// A panic in the observer is caught (the panic hook reports it): it then asks for
+    /// nothing, and the next observers still run. Returns the id that
+    /// [`Allocator::detach_oom_observer`] takes.
+    ///
+    /// Thread-safe: attach and detach from any thread while others allocate; nothing of this
+    /// runs on the hit path, only once a request has failed.
+    pub fn attach_oom_observer(
+        &self,
+        observer: impl Fn(&OomEvent<'_>) -> bool + Send + Sync + 'static,
+    ) -> OomObserverId {
+        self.observers.attach(Box::new(observer))
+    }
+
+    /// Detaches the observer `id`; returns false when it is not attached (never was, or
+    /// detached already). Called from outside any observer, it returns once no call of the
+    /// observer is under way on any thread, and none starts after: what the observer uses may
+    /// then be dropped (the caller must not hold a lock that the observer takes, or the two
+    /// would wait for each other). Called from inside an observer (its own or another's), it
+    /// returns at once: a call on another thread may still be running.
+    pub fn detach_oom_observer(&self, id: OomObserverId) -> bool {
+        self.observers.detach(id)
+    }
+
+    /// The device of a segment: started already, since it has segments.
+    fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        super::fork::check()?;
+        self.devices[device as usize]
+            .get()
+            .ok_or_else(|| Error::Internal(format!("a segment names device {device}, which was never used")))
+    }
+
+    /// Whether `ptr` lies in a segment of this allocator (allocated, cached or awaiting
+    /// events). Lock-free; for a program that receives pointers from several allocators and
+    /// must send each back to the one it came from (the LD_PRELOAD shim).
+    pub fn owns(&self, ptr: DevicePtr) -> bool {
+        self.index.with_segment(ptr, |seg| seg.is_some())
+    }
+
+    /// Where the allocated block at `ptr` is: its device, the stream it was allocated for and
+    /// its size in bytes (rounded, as `allocated_bytes` counts it). `None` when `ptr` is not
+    /// the start of an allocated block (never allocated, freed, or inside a block). Takes the
+    /// block's shard lock.
+    pub fn block_info(&self, ptr: DevicePtr) -> Option<BlockInfo> {
+        super::fork::check().ok()?;
+        self.index.with_segment(ptr, |seg| {
+            let e = seg?;
+            let size = e.owner.lock().allocated_size(ptr)?;
+            Some(BlockInfo { device: e.device, stream: e.owner.stream, size })
+        })
+    }
+
+    /// The ordinals of the devices this allocator has started (used), in order.
+    pub fn devices_in_use(&self) -> Vec<i32> {
+        self.devices.iter().enumerate().filter(|(_, d)| d.get().is_some()).map(|(i, _)| i as i32).collect()
+    }
+}

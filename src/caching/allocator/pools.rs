@@ -1,0 +1,113 @@
+//! Private pools (PyTorch's graph pools and `MemPool`) and the routes that send allocations
+//! to them; the rules are in `device::pools`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::Allocator;
+use crate::caching::device::{PoolStats, RouteFilter, RouteTo};
+use crate::driver::StreamHandle;
+use crate::error::Error;
+
+/// The next private pool id: ids are process-wide (one id names the pool on every device and
+/// in every allocator), never 0 (the default pools).
+static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+
+impl Allocator {
+    /// A new private pool (PyTorch `graph_pool_handle()` / `MemPool()`): its id, never 0 (the
+    /// default pools). Ids are process-wide; the pool's memory is per device, made on the
+    /// devices whose allocations are routed to it. Takes no lock and no memory.
+    pub fn pool_create(&self) -> u64 {
+        NEXT_POOL.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `pool` names a pool made by [`Allocator::pool_create`].
+    fn check_pool(pool: u64) -> Result<(), Error> {
+        if pool == 0 {
+            return Err(Error::InvalidValue(
+                "pool 0 names the default pools, which are not a private pool: create one with gpupool_pool_create"
+                    .into(),
+            ));
+        }
+        if pool >= NEXT_POOL.load(Ordering::Relaxed) {
+            return Err(Error::InvalidValue(format!(
+                "pool {pool} was never created (gpupool_pool_create makes pools)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Routes the allocations on `stream` of `device` (-1: current), from any thread, to
+    /// `pool` until [`Allocator::end_allocate_to_pool`] (PyTorch `beginAllocateToPool` with
+    /// `torch.cuda.graph`'s capture stream). See `device::pools` for the rules.
+    ///
+    /// Errors: [`Error::InvalidValue`], nothing changed: pool 0, a pool never created, a pool
+    /// released on the device, a stream routed already, a device out of range.
+    pub fn begin_allocate_to_pool(&self, device: i32, pool: u64, stream: StreamHandle) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Stream(stream))
+    }
+
+    /// Routes the allocations the calling thread makes on `device` (any stream) to `pool`
+    /// (PyTorch `torch.cuda.use_mem_pool`).
+    ///
+    /// Errors: as [`Allocator::begin_allocate_to_pool`]; the thread routed already.
+    pub fn begin_allocate_to_pool_thread(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Thread(std::thread::current().id()))
+    }
+
+    /// Routes the allocations on `device` on the streams for which `filter` is true to `pool`
+    /// (PyTorch `beginAllocateToPool(device, mempool_id, filter)`). `filter` is called only on
+    /// allocations made while some route is active on the device, from the allocating thread,
+    /// with no lock of gpupool's held.
+    ///
+    /// Errors: as [`Allocator::begin_allocate_to_pool`] (no conflict is checked: filters may
+    /// overlap; the route begun first takes an allocation).
+    pub fn begin_allocate_to_pool_filter(
+        &self,
+        device: i32,
+        pool: u64,
+        filter: impl Fn(StreamHandle) -> bool + Send + Sync + 'static,
+    ) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        let filter: RouteFilter = Arc::new(filter);
+        self.device_or_init(device)?.begin_route(pool, RouteTo::Filter(filter))
+    }
+
+    /// Ends every route to `pool` on `device` (PyTorch `endAllocateToPool`). Blocks freed
+    /// during captures get their events once no route is left on the device.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, no route to it on the device.
+    pub fn end_allocate_to_pool(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.end_routes(pool)
+    }
+
+    /// Releases `pool` on `device` (PyTorch `releasePool`): the graphs that used it are gone,
+    /// or the capture failed. Its routes end; its wholly free segments go back to the driver
+    /// now, the others as their last block is freed, even if blocks are still allocated; its
+    /// cached blocks are never reused and its id is refused for new routes on the device.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, released already on the device.
+    pub fn release_pool(&self, device: i32, pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)?;
+        self.device_or_init(device)?.release_pool(pool)
+    }
+
+    /// The statistics of `pool` on `device` (zero where it was never used). The device's
+    /// [`Allocator::stats`] include every pool.
+    ///
+    /// Errors: [`Error::InvalidValue`]: pool 0, never created, device out of range.
+    pub fn pool_stats(&self, device: i32, pool: u64) -> Result<PoolStats, Error> {
+        Self::check_pool(pool)?;
+        Ok(self.device_or_init(device)?.pool_stats(pool))
+    }
+
+    /// The statistics of every private pool routed to on `device`, by id.
+    ///
+    /// Errors: [`Error::InvalidValue`] (device out of range).
+    pub fn all_pool_stats(&self, device: i32) -> Result<Vec<PoolStats>, Error> {
+        Ok(self.device_or_init(device)?.all_pool_stats())
+    }
+}

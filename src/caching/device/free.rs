@@ -1,0 +1,79 @@
+//! Giving a block back to its shard: PyTorch `free` and `recordStream`, and gpupool's free
+//! that waits for a device synchronisation.
+
+use std::sync::Arc;
+
+use super::DeviceAllocator;
+use crate::caching::shard::{Shard, ShardState};
+use crate::driver::{DevicePtr, StreamHandle};
+use crate::error::Error;
+
+impl DeviceAllocator {
+    /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
+    ///
+    /// A free keeps the credit it frees (as on a hot stream) whichever thread calls it: the
+    /// next call on the shard, if the stream is not hot for its thread, gives it back, and a
+    /// settle takes it back from a stream that went quiet.
+    pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+        let ctx = self.ctx(shard);
+        let mut st = self.shards.lock_for_change(shard);
+        if self.history.on_or_tagged() {
+            self.free_recorded(&mut st, shard, ptr, segment)?;
+        } else {
+            st.free(&ctx, ptr, segment)?;
+        }
+        if st.released {
+            self.release_emptied(&mut st, &ctx);
+        }
+        self.finish(st, ());
+        Ok(())
+    }
+
+    /// [`ShardState::free`] counted to the block's tag and with its events recorded while
+    /// history is on, once it succeeded (a free that fails,
+    /// or unwinds, leaves the block allocated and records nothing): `free_requested`, and
+    /// `free_completed` when the block went back to its pool at once (no other stream used
+    /// it); with the stack of the free if stacks are kept for frees, else the block's (PyTorch
+    /// `free`).
+    #[cold]
+    #[inline(never)]
+    fn free_recorded(
+        &self,
+        st: &mut ShardState,
+        shard: &Arc<Shard>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+    ) -> Result<(), Error> {
+        let ctx = self.ctx(shard);
+        let Some(freed) = st.about_to_free(&self.history, ptr) else { return st.free(&ctx, ptr, segment) };
+        st.free(&ctx, ptr, segment)?;
+        freed.record(&self.history, shard.stream);
+        Ok(())
+    }
+
+    /// A free that waits for the next device synchronisation (see
+    /// [`crate::Allocator::free_after_device_sync`]). Returns the device's deferred bytes.
+    pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
+        let ctx = self.ctx(shard);
+        let mut st = self.shards.lock_for_change(shard);
+        let freed = if self.history.on_or_tagged() { st.about_to_free(&self.history, ptr) } else { None };
+        let bytes = st.free_after_sync(&ctx, ptr, segment)?;
+        if let Some(mut freed) = freed {
+            freed.at_once = false;
+            freed.record(&self.history, shard.stream);
+        }
+        self.finish(st, ());
+        Ok(bytes)
+    }
+
+    /// PyTorch `recordStream` on the block at `ptr` of `shard`'s segment at `segment`.
+    pub fn record_stream(
+        &self,
+        shard: &Arc<Shard>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), Error> {
+        shard.lock().record_stream(ptr, segment, shard.stream, stream)
+    }
+}

@@ -1,0 +1,286 @@
+//! Serving a request from a shard: PyTorch's `DeviceCachingAllocator::malloc` up to its
+//! first failure (`process_events`, the best cached fit, a new segment, the release of this
+//! stream's oversize segments and a new segment again), with the detours of expandable
+//! segments, `garbage_collection_threshold` and CUDA graph captures.
+
+use std::sync::Arc;
+
+use super::DeviceAllocator;
+use crate::caching::block::BlockId;
+use crate::caching::capture;
+use crate::caching::shard::{Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
+use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, DriverError, StreamHandle};
+use crate::error::Error;
+
+/// What [`DeviceAllocator::serve`] obtained.
+enum Served {
+    Block(DevicePtr),
+    /// The device is out of memory for the request (after this stream's oversize segments
+    /// were released).
+    OutOfMemory,
+    /// The stream captures a CUDA graph and the default pools cannot serve the request without
+    /// the driver (see `capture`).
+    Capturing(CaptureStatus),
+    /// A private pool could not grow during capture: the device is out of memory, and
+    /// releasing the cache would synchronise.
+    CapturingOom,
+    /// See [`Growth::PastMark`].
+    PastMark(usize),
+    /// No cached block fits and reserved bytes are over `garbage_collection_threshold`: the
+    /// caller, holding no shard lock, collects first (see `gc`).
+    Collect,
+}
+
+impl DeviceAllocator {
+    /// PyTorch `DeviceCachingAllocator::malloc` up to its first failure: events first
+    /// (`process_events`), then the best cached fit, then a new segment, then (the device full)
+    /// the oversize segments of this stream (`release_available_cached_blocks`) and a new
+    /// segment again; if the device is out of memory for it, the rest of PyTorch's `malloc`:
+    /// [`DeviceAllocator::malloc_after_oom`] (`out_of_memory.rs`), with the shard unlocked.
+    ///
+    /// The hit path takes the shard's lock once and makes no driver call when no event is
+    /// pending. Unlike PyTorch, the lock is held across the driver call, which blocks only this
+    /// stream's callers.
+    ///
+    /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
+    /// keeps no credit past the call).
+    pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
+        let req = Request::new(size, &self.rules)?;
+        self.malloc_req(shard, &req, hot, false)
+    }
+
+    /// [`DeviceAllocator::malloc`] of a rounded request. `graph`: the stream captures into a
+    /// private pool, whose segment the block is from is then kept for the graph. Inlined into
+    /// both callers: called out of line, the hit path paid about 35 instructions a malloc
+    /// (callgrind, `examples/hit_loop`).
+    #[inline(always)]
+    pub(super) fn malloc_req(
+        &self,
+        shard: &Arc<Shard>,
+        req: &Request,
+        hot: bool,
+        graph: bool,
+    ) -> Result<DevicePtr, Error> {
+        let mut st = self.shards.lock_for_change(shard);
+        let detour = if !shard.is_retired() {
+            let ctx = self.ctx(shard);
+            self.process_events(&mut st, &ctx)?;
+            match self.serve(&mut st, &ctx, req, true)? {
+                Served::Block(ptr) => {
+                    if graph {
+                        st.mark_graph(ptr);
+                    }
+                    if self.history.on_or_tagged() {
+                        st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
+                    }
+                    return Ok(self.finish_call(st, ptr, hot));
+                }
+                other => Some(other),
+            }
+        } else {
+            None
+        };
+        drop(st);
+        match detour {
+            Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short),
+            Some(Served::Collect) => {
+                self.collect_garbage();
+            }
+            Some(Served::Capturing(status)) => {
+                return Err(capture::needs_private_pool(self.device, shard.stream, req.size, status));
+            }
+            Some(Served::CapturingOom) => return Err(self.out_of_memory_capturing(shard, req)),
+            _ => {}
+        }
+        match self.serve_stream(shard.pool, shard.stream, req)? {
+            Some(ptr) => Ok(ptr),
+            None => self.malloc_after_oom(shard.pool, shard.stream, req),
+        }
+    }
+
+    /// PyTorch `process_events`, skipped while a capture may be under way (PyTorch skips it
+    /// while `captures_underway` is not empty: an event query is illegal during capture): a
+    /// route by stream or filter is active, or the stream captures.
+    /// Inlined: the hit path tests one length.
+    #[inline(always)]
+    pub(super) fn process_events(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if st.events_pending() { self.process_events_slow(st, ctx) } else { Ok(()) }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn process_events_slow(&self, st: &mut ShardState, ctx: &ShardCtx) -> Result<(), Error> {
+        if self.capture.capture_routed() || self.capture.status(ctx.shard.stream)?.is_capturing() {
+            return Ok(());
+        }
+        st.process_events(ctx)
+    }
+
+    /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
+    /// expandable segments are unmapped, `want` bytes of them if they have that many, each
+    /// shard locked in turn (the caller holds none). A failure leaves those pages cached.
+    fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize) {
+        let mut left = want;
+        for other in self.shards.all() {
+            if left == 0 {
+                break;
+            }
+            if Arc::ptr_eq(&other, shard) {
+                continue;
+            }
+            let ctx = self.ctx(&other);
+            let mut st = self.shards.lock_for_change(&other);
+            if other.is_retired() {
+                continue;
+            }
+            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None).unwrap_or(0));
+            self.finish(st, ());
+        }
+    }
+
+    /// [`DeviceAllocator::serve`] on the current shard of `stream` (its shard may have been
+    /// retired by `empty_cache` meanwhile), growing past the high-water mark once this
+    /// shard's free pages are unmapped ([`Reclaim::Shard`]): the other streams' were, or
+    /// the device is out of memory.
+    pub(super) fn serve_stream(
+        &self,
+        pool: u64,
+        stream: StreamHandle,
+        req: &Request,
+    ) -> Result<Option<DevicePtr>, Error> {
+        loop {
+            let shard = self.shards.get_or_create(pool, stream);
+            let mut st = self.shards.lock_for_change(&shard);
+            if shard.is_retired() {
+                continue;
+            }
+            let mut ctx = self.ctx(&shard);
+            ctx.reclaim = ctx.reclaim.min(Reclaim::Shard);
+            self.process_events(&mut st, &ctx)?;
+            return Ok(match self.serve(&mut st, &ctx, req, false)? {
+                Served::Block(ptr) => {
+                    if self.history.on_or_tagged() {
+                        st.record_alloc_at(&self.history, stream, ptr, req.size);
+                    }
+                    Some(self.finish(st, ptr))
+                }
+                Served::OutOfMemory => None,
+                Served::Capturing(status) => {
+                    drop(st);
+                    return Err(capture::needs_private_pool(self.device, stream, req.size, status));
+                }
+                Served::CapturingOom => {
+                    drop(st);
+                    return Err(self.out_of_memory_capturing(&shard, req));
+                }
+                Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
+            });
+        }
+    }
+
+    /// A block for `req` from the cache or from the driver. `collect`: answer
+    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due. Its
+    /// `alloc` event is the caller's to record (see [`ShardState::record_alloc_at`]).
+    #[inline]
+    fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
+        let id = match st.take_cached(req, &self.rules) {
+            Some(id) => id,
+            None => match self.serve_miss(st, ctx, req, collect)? {
+                Ok(id) => id,
+                Err(served) => return Ok(served),
+            },
+        };
+        Ok(Served::Block(st.hand_out(id, req, self.max_split_size)))
+    }
+
+    /// The rest of [`DeviceAllocator::serve`] when no cached block fits: a new segment, unless
+    /// the stream captures a CUDA graph. Then the default pools refuse ([`Served::Capturing`]:
+    /// the driver may not be called, nor the cache released, which synchronises), and a
+    /// private pool takes a new segment with the thread's capture mode relaxed for the call
+    /// (PyTorch `cudaMallocMaybeCapturing`: a `cuMemAlloc` made so is not captured, and the
+    /// graph keeps the address). Blocks freed during a capture that awaited its end get their
+    /// events here once it has ended.
+    #[cold]
+    #[inline(never)]
+    fn serve_miss(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        collect: bool,
+    ) -> Result<Result<BlockId, Served>, Error> {
+        let status = self.capture.status(ctx.shard.stream)?;
+        if status.is_capturing() {
+            if ctx.shard.pool == 0 || st.released {
+                return Ok(Err(Served::Capturing(status)));
+            }
+            return match self.new_segment_relaxed(st, ctx, req) {
+                Ok(id) => Ok(Ok(id)),
+                Err(DriverError::OutOfMemory) => Ok(Err(Served::CapturingOom)),
+                Err(e) => Err(Error::driver(e, "allocating a segment for a private pool during capture")),
+            };
+        }
+        if st.has_capture_deferred() && !self.capture.capture_routed() {
+            st.insert_deferred_events(ctx);
+        }
+        let underway = self.capture.any_underway();
+        if collect && !underway && self.gc_due() {
+            return Ok(Err(Served::Collect));
+        }
+        Ok(match self.grow(st, ctx, req, underway)? {
+            Some(Growth::Block(id)) => Ok(id),
+            Some(Growth::PastMark(short)) => Err(Served::PastMark(short)),
+            None => Err(Served::OutOfMemory),
+        })
+    }
+
+    /// A new ordinary segment made with the calling thread's capture mode relaxed, and the mode
+    /// set back after (PyTorch's `CUDAStreamCaptureModeGuard` in `cudaMallocMaybeCapturing`).
+    fn new_segment_relaxed(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
+        let old = self.driver.exchange_capture_mode(CaptureMode::Relaxed)?;
+        let _restore = scopeguard::guard((), |()| {
+            let _ = self.driver.exchange_capture_mode(old);
+        });
+        st.new_segment(ctx, req)
+    }
+
+    /// [`ShardState::grow`], after releasing this stream's oversize segments if the device is
+    /// out of memory (PyTorch `release_available_cached_blocks`); `None` when it still is.
+    /// With [`Reclaim::Device`] and no other stream on the device, [`Reclaim::Shard`].
+    ///
+    /// `underway`: a capture may be under way on the device (see `capture`): the segment is
+    /// made with the thread's capture mode relaxed, nothing is unmapped (which synchronises)
+    /// and no cached segment is given back to make room.
+    fn grow(
+        &self,
+        st: &mut ShardState,
+        ctx: &ShardCtx,
+        req: &Request,
+        underway: bool,
+    ) -> Result<Option<Growth>, Error> {
+        // Without another stream there is nothing to unmap with this shard's lock dropped.
+        let alone = ctx.reclaim == Reclaim::Device && self.shards.len() <= 1;
+        let reclaim = if underway {
+            Reclaim::Off
+        } else if alone {
+            Reclaim::Shard
+        } else {
+            ctx.reclaim
+        };
+        let grown = self.capture.relaxed_if_underway(underway, || st.grow(&ShardCtx { reclaim, ..*ctx }, req));
+        match grown {
+            Ok(g) => Ok(Some(g)),
+            Err(DriverError::OutOfMemory) => {
+                if underway || !st.release_available(ctx, req)? {
+                    return Ok(None);
+                }
+                match st.grow(&ShardCtx { reclaim: Reclaim::Off, ..*ctx }, req) {
+                    Ok(g) => Ok(Some(g)),
+                    Err(DriverError::OutOfMemory) => Ok(None),
+                    Err(e) => Err(Error::driver(e, "allocating a segment")),
+                }
+            }
+            Err(e) => Err(Error::driver(e, "allocating a segment")),
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The device's statistics: the end of every call on a shard, which keeps the peak credit
+//! (see `crate::caching::peaks`), the settles that visit the shards, PyTorch `getStats` and
+//! `resetPeakStats`, and gpupool's diagnostics.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use parking_lot::MutexGuard;
+
+use super::{DeviceAllocator, PeakState};
+use crate::caching::counters::{self, ShardCounters, bump};
+use crate::caching::peaks::{self, Totals};
+use crate::caching::shard::ShardState;
+use crate::stats::DeviceStats;
+
+impl DeviceAllocator {
+    /// Size bins in the pools of every shard (host memory, for tests).
+    pub fn pool_bins(&self) -> usize {
+        self.shards.all().iter().map(|s| s.lock().bin_count()).sum()
+    }
+
+    /// Shards in the device's table: streams that hold memory or were used since the last
+    /// `empty_cache` (a diagnostic).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Ends a call on a shard the calling thread uses repeatedly (or a slow path).
+    #[inline]
+    pub(super) fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
+        self.finish_call(st, value, true)
+    }
+
+    /// Ends a call on a shard: gives surplus credit back to the spare credit, covers a
+    /// shortfall from it, unlocks, and settles the device peaks only if the spare credit could
+    /// not cover. A shard that is not `hot` for the calling thread keeps no credit past the
+    /// call (see `peaks`).
+    #[inline]
+    pub(super) fn finish_call<T>(&self, mut st: MutexGuard<'_, ShardState>, value: T, hot: bool) -> T {
+        let c = &mut st.counters;
+        if c.has_surplus && hot {
+            peaks::give_back(c, &self.spare, false);
+        }
+        let settle = c.needs_settle && !peaks::borrow(c, &self.spare);
+        // Before the settle, which this shard may not be visited by (another settle may have
+        // taken the dirty list it is on, and visited it, while it waited): a change after
+        // that would go unseen by the next settle.
+        if !hot {
+            peaks::give_back(&mut st.counters, &self.spare, true);
+        }
+        if settle {
+            // Unlocked meanwhile: the settle locks every shard it visits, this one included.
+            MutexGuard::unlocked(&mut st, || {
+                bump(&self.counters.num_peak_settles);
+                self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
+            });
+        }
+        drop(st);
+        value
+    }
+
+    /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
+    /// the dirty list and those holding credit; see `peaks::settle`); `f` sets, per shard,
+    /// whether it holds credit afterwards.
+    fn visit<R>(&self, f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R) -> R {
+        let mut ps = self.peaks.lock();
+        self.visit_locked(&mut ps, f)
+    }
+
+    fn visit_locked<R>(
+        &self,
+        ps: &mut PeakState,
+        f: impl FnOnce(&mut Totals, &mut [&mut ShardCounters], &mut Vec<bool>) -> R,
+    ) -> R {
+        let mut visit = std::mem::take(&mut ps.visit);
+        self.shards.take_dirty(&mut visit);
+        visit.append(&mut ps.holders);
+        if ps.holders.capacity() == 0 {
+            ps.holders.reserve(visit.len());
+        }
+        visit.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
+        visit.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        let mut guards: Vec<MutexGuard<'_, ShardState>> = visit.iter().map(|s| s.lock()).collect();
+        let mut counters: Vec<&mut ShardCounters> = guards.iter_mut().map(|g| &mut g.counters).collect();
+        let mut holds = std::mem::take(&mut ps.holds);
+        holds.clear();
+        holds.resize(visit.len(), false);
+        let r = f(&mut ps.totals, &mut counters, &mut holds);
+        drop(counters);
+        drop(guards);
+        for (s, &h) in visit.drain(..).zip(&holds) {
+            if h {
+                ps.holders.push(s);
+            }
+        }
+        ps.visit = visit;
+        ps.holds = holds;
+        r
+    }
+
+    pub(super) fn settle_locked(&self, ps: &mut PeakState) {
+        self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
+    }
+
+    /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
+    pub fn peak_settles(&self) -> i64 {
+        self.counters.num_peak_settles.load(Ordering::Relaxed)
+    }
+
+    /// PyTorch `getStats`: one consistent snapshot of the device's statistics.
+    pub fn stats(&self) -> DeviceStats {
+        self.visit(|t, shards, holds| {
+            peaks::settle(t, shards, &self.spare, holds);
+            counters::collect(t, &self.counters, self.max_split_size)
+        })
+    }
+
+    /// PyTorch `resetPeakStats`.
+    pub fn reset_peak_stats(&self) {
+        self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
+        self.reset_pool_peaks();
+        self.limit.reset_mark();
+    }
+}
