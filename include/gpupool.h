@@ -486,8 +486,8 @@ gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
  * `all`; default `all`) turns recording on from the start, when the process-wide allocator
  * starts.
  *
- * Cost: off, one relaxed atomic load on each allocation and free. On, see the README (section
- * "History and snapshots"): an event without a stack costs tens of nanoseconds, a stack
+ * Cost: off, one relaxed atomic load on each allocation and free. On, see docs/history.md (the
+ * table of what it costs): an event without a stack costs tens of nanoseconds, a stack
  * microseconds.
  *
  * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` above 3 (the

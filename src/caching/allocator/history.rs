@@ -17,8 +17,8 @@ impl Allocator {
     /// [`HistoryContext::State`](crate::history::HistoryContext::State)), the live blocks
     /// forget theirs too.
     ///
-    /// Costs, while off, one relaxed load per malloc and free; while on, see the README
-    /// (section "History and snapshots"). Calls that race with this one record with the old
+    /// Costs, while off, one relaxed load per malloc and free; while on, see docs/history.md
+    /// (the table of what it costs). Calls that race with this one record with the old
     /// settings or the new ones.
     ///
     /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.

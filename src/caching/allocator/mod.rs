@@ -50,7 +50,7 @@ pub struct BlockInfo {
 /// A caching allocator over every device of one driver (PyTorch `NativeCachingAllocator`).
 ///
 /// Thread-safe: every method may be called from any thread. Calls on different streams take
-/// different locks; see the crate's README for the design.
+/// different locks; docs/layout.md maps the design onto the source.
 pub struct Allocator {
     id: u64,
     driver: Arc<dyn Driver>,
