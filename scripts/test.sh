@@ -1,36 +1,56 @@
 #!/usr/bin/env bash
-# Every test that runs without a GPU: the Rust tests (rules, invariant checker with fault
-# injection, stress, the C API fuzz, stream scaling), again under AddressSanitizer when a nightly
-# toolchain is installed, the C tests under CTest against the shared and the static library (the
-# soak, fork, and valgrind runs when it is installed), and a C++ project that finds an installed gpupool with
-# find_package(gpupool CONFIG REQUIRED).
+# Every test that runs without a GPU, on the simulated device. One release build of the
+# workspace (target/) serves cargo's tests and CMake's C tests; AddressSanitizer, which needs a
+# build of its own, runs where it can find something: the unsafe and FFI code, and the proptests
+# that inject faults. docs/testing.md says what each step checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 jobs=$(nproc)
+start=$SECONDS
+step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s] $*"; }
 
-echo "== cargo test"
+cat <<'EOF'
+test.sh: every test that needs no GPU, on the simulated device; about 12 minutes on 2 cores
+(less when target/ and build/ are warm):
+  1. cargo test --release --workspace: the rules, the invariant checker with faults injected,
+     stress, the C API fuzz, streams, history, pinned memory, gpupool-replay, the repository's
+     shape (links, file sizes, import circles)
+  2. AddressSanitizer (nightly toolchain): the library's unit tests, the C API fuzz, the
+     invariant and fault proptests, pinned memory, the LD_PRELOAD shim
+  3. CMake over the same target/: C tests (shared and static library, the soak, fork, a partial
+     libcuda, the Python helper) under CTest, then under valgrind
+  4. the LD_PRELOAD shim's report, and the installed package through CMake, pkg-config and
+     gpupool-replay
+EOF
+
+step "cargo test --release --workspace"
 cargo test --release --workspace
 
-# AddressSanitizer over the Rust tests, with the nightly toolchain these machines carry (the
-# instrumented build goes to build/asan; build scripts and proc macros are not instrumented,
-# since --target keeps RUSTFLAGS off them). Leak detection stays on: the process-wide allocator
-# is reachable from a static, so only memory lost for good is reported.
+# The instrumented build goes to build/asan; build scripts and proc macros are not instrumented,
+# since --target keeps RUSTFLAGS off them. Leak detection stays on: the process-wide allocator
+# is reachable from a static, so only memory lost for good is reported. LTO is off and codegen
+# split there: the build is for finding errors, not for speed, and it halves the build's time.
 asan_target="$(rustc -vV | sed -n 's/^host: //p')"
 if rustup run nightly rustc --version >/dev/null 2>&1; then
-  echo "== Rust tests under AddressSanitizer (nightly, $asan_target)"
-  RUSTFLAGS="-Zsanitizer=address" RUSTDOCFLAGS="-Zsanitizer=address" \
-    cargo +nightly test --release --workspace --lib --tests --target "$asan_target" --target-dir build/asan
+  step "AddressSanitizer (nightly, $asan_target): unsafe, FFI and fault-injection tests"
+  asan() {
+    RUSTFLAGS="-Zsanitizer=address" RUSTDOCFLAGS="-Zsanitizer=address" CARGO_PROFILE_RELEASE_LTO=false \
+      CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+      cargo +nightly test --release --target "$asan_target" --target-dir build/asan "$@"
+  }
+  asan -p gpupool --lib --test ffi_fuzz --test host_ffi --test history_ffi --test invariants --test host
+  asan -p gpupool-preload --lib
 else
-  echo "== AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
+  step "AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
 fi
 
-echo "== C tests (CTest, simulated device)"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUPOOL_BUILD_TESTS=ON >/dev/null
+step "C tests (CTest, simulated device), built over target/"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUPOOL_BUILD_TESTS=ON -DGPUPOOL_CARGO_DIR="$PWD/target" >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure
 if command -v valgrind >/dev/null 2>&1; then
-  echo "== C API tests under valgrind"
+  step "C API tests under valgrind"
   # Only memory lost for good fails (see c_thread_exit in tests/c/CMakeLists.txt): the
   # process-wide allocator's hash tables and arc-swap snapshot, alive until exit, are reachable
   # only through interior pointers, which valgrind reports as "possibly lost". Nothing is
@@ -43,15 +63,15 @@ if command -v valgrind >/dev/null 2>&1; then
     echo "test_api_$kind: no errors, nothing lost (build/valgrind-test_api_$kind.log)"
   done
 else
-  echo "== valgrind is not installed: the C API tests did not run under it"
+  step "valgrind is not installed: the C API tests did not run under it"
 fi
-echo "== LD_PRELOAD shim: statistics at exit"
-LD_PRELOAD="$PWD/build/cargo/release/libgpupool_preload.so" GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
+step "LD_PRELOAD shim: statistics at exit"
+LD_PRELOAD="$PWD/target/release/libgpupool_preload.so" GPUPOOL_DRIVER=sim GPUPOOL_SIM_CAPACITY=64MiB \
   GPUPOOL_PRELOAD_STATS=1 ./build/tests/c/test_preload safe >/dev/null 2>build/preload-stats.txt
 grep -q "served 5 cudaMalloc, 1 cudaMallocAsync, 1 cuMemAlloc" build/preload-stats.txt
 grep -q "gpupool memory summary, device ID 0" build/preload-stats.txt
 
-echo "== installed package, C++ consumer"
+step "installed package, C++ consumer"
 rm -rf build/install build/cpp
 cmake --install build --prefix build/install >/dev/null
 cmake -S examples/cpp -B build/cpp -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
@@ -60,19 +80,27 @@ GPUPOOL_DRIVER=sim ./build/cpp/consumer
 # The engine needs a GPU: here it must say why it cannot run, and exit 77 (skipped).
 rc=0; ./build/cpp/engine || rc=$?
 if [ "$rc" != 77 ] && [ "$rc" != 0 ]; then echo "engine failed: exit $rc" >&2; exit 1; fi
-echo "== installed package, pkg-config"
-PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -Wall -Wextra -Werror examples/c/hello.c -o build/hello_pc \
-  $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
+step "installed package, pkg-config"
+pc() { PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config "$@"; }
+# As the README writes it: the rpath from pkg-config's libdir.
+cc -Wall -Wextra -Werror examples/c/hello.c -o build/hello_pc $(pc --cflags --libs gpupool) \
+  -Wl,-rpath,"$(pc --variable=libdir gpupool)"
 GPUPOOL_DRIVER=sim ./build/hello_pc >/dev/null
-# The three installed headers, together and beside a program's own names.
-PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" cc -std=c11 -Wall -Wextra -Wpedantic -Werror \
-  tests/c/test_header_names.c -o build/header_names_pc \
-  $(PKG_CONFIG_PATH="$PWD/build/install/lib/pkgconfig" pkg-config --cflags --libs gpupool) -Wl,-rpath,"$PWD/build/install/lib"
+# The installed headers, together and beside a program's own names; the C++ wrapper from the
+# installed include folder.
+cc -std=c11 -Wall -Wextra -Wpedantic -Werror tests/c/test_header_names.c -o build/header_names_pc \
+  $(pc --cflags --libs gpupool) -Wl,-rpath,"$(pc --variable=libdir gpupool)"
 ./build/header_names_pc
 sh tests/c/header_names.sh build/install/include/gpupool*.h
-echo "== installed package, gpupool-replay"
+printf '#include <gpupool.hpp>\nint main() { gpupool::buffer b(1000, nullptr); return b ? 0 : 1; }\n' >build/hpp_pc.cpp
+c++ -std=c++17 -Wall -Wextra -Werror build/hpp_pc.cpp -o build/hpp_pc $(pc --cflags --libs gpupool) \
+  -Wl,-rpath,"$(pc --variable=libdir gpupool)"
+GPUPOOL_DRIVER=sim ./build/hpp_pc
+test -f build/install/share/gpupool/python/gpupool_torch.py
+step "installed package, gpupool-replay"
 # 12 MiB, 500,000 bytes and 3 MiB take segments of 12, 2 and 20 MiB (replay/tests/peaks.rs).
 printf 'a 1 12582912 0\na 2 500000 0\na 3 3145728 0\nf 1\nf 2\nf 3\n' >build/replay-smoke.txt
 ./build/install/bin/gpupool-replay --csv build/replay-smoke.txt 2>/dev/null | tee build/replay-smoke.csv
 grep -q "^replay-smoke.txt,defaults,sim,.*,35651584," build/replay-smoke.csv
+step "done"
 echo "test.sh: all tests passed"
