@@ -1,0 +1,213 @@
+//! The virtual memory calls of expandable segments (`cuMemAddressReserve`, `cuMemCreate`,
+//! `cuMemMap`, `cuMemSetAccess` and their inverses): optional, refused with the name of a
+//! missing function before cudarc could panic on it; the granularity, and the peers granted
+//! access, found once per device.
+
+use cudarc::driver::sys;
+
+use super::{CudaDriver, DevicePtr, Driver, DriverError, PhysHandle, check};
+
+/// What `cuMemCreate` is asked for, and what the granularity is queried for: pinned memory on
+/// device `dev` (a `CUdevice`), as PyTorch's `ExpandableSegment::map` fills it, except for the
+/// handle type. PyTorch requests `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` so that a segment
+/// can be exported to another process (`ExpandableSegment::share`, for IPC of CUDA tensors);
+/// gpupool shares no memory between processes, so it requests no shareable handle (none),
+/// which also works where file-descriptor handles are not supported.
+pub(super) fn allocation_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+        win32HandleMetaData: std::ptr::null_mut(),
+        // No compression, no GPUDirect RDMA, no special usage: what `prop = {}` leaves.
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// The devices (`CUdevice`s, of `devices`) other than `owner` that can access `owner`'s memory
+/// directly: those for which `can_access(accessor, owner)` is true, the argument order of
+/// `cuDeviceCanAccessPeer(&can, dev, peerDev)` ("can `dev` access memory on `peerDev`").
+pub(super) fn peers_of(
+    owner: sys::CUdevice,
+    devices: &[sys::CUdevice],
+    can_access: impl Fn(sys::CUdevice, sys::CUdevice) -> Result<bool, DriverError>,
+) -> Result<Vec<sys::CUdevice>, DriverError> {
+    let mut peers = Vec::new();
+    for &dev in devices.iter().filter(|&&d| d != owner) {
+        if can_access(dev, owner)? {
+            peers.push(dev);
+        }
+    }
+    Ok(peers)
+}
+
+/// The access descriptors of one `cuMemSetAccess`: read and write from `owner` (the device
+/// the memory is on), then from each of `peers`.
+pub(super) fn access_descs(owner: sys::CUdevice, peers: &[sys::CUdevice]) -> Vec<sys::CUmemAccessDesc> {
+    std::iter::once(owner)
+        .chain(peers.iter().copied())
+        .map(|dev| sys::CUmemAccessDesc {
+            location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect()
+}
+
+impl CudaDriver {
+    /// `Ok` when the driver library has every virtual memory function; otherwise
+    /// [`DriverError::Unavailable`] naming the missing one, before anything calls it (cudarc
+    /// would panic).
+    fn vmm_functions(&self) -> Result<(), DriverError> {
+        match self.vmm_missing {
+            None => Ok(()),
+            Some(name) => Err(DriverError::Unavailable(format!(
+                "the CUDA driver library (libcuda.so.1) lacks {name}, which the virtual memory calls of \
+                 expandable segments need: the driver is too old or incomplete; expandable segments are unavailable"
+            ))),
+        }
+    }
+
+    /// The granularity of [`Driver::vmm_granularity`], or [`DriverError::Unavailable`] where
+    /// the device cannot manage virtual memory.
+    fn granularity(&self, device: i32) -> Result<usize, DriverError> {
+        self.vmm_granularity(device)?.ok_or_else(|| {
+            DriverError::Unavailable(format!(
+                "device {device} cannot manage virtual memory \
+                 (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): expandable segments are unavailable"
+            ))
+        })
+    }
+
+    pub(super) fn cuda_vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError> {
+        if self.vmm_missing.is_some() {
+            return Ok(None);
+        }
+        let cached = &self.granularity[device as usize];
+        if let Some(&g) = cached.get() {
+            return Ok(g);
+        }
+        let dev = self.devices[device as usize];
+        let g = self.in_context(device, || {
+            let mut supported = 0;
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+            // SAFETY: writes one int; cuDeviceGetAttribute was found at start.
+            check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut supported, attr, dev) })?;
+            if supported == 0 {
+                return Ok(None);
+            }
+            let prop = allocation_prop(dev);
+            let mut granularity = 0usize;
+            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            // SAFETY: writes one size; `prop` outlives the call.
+            check("cuMemGetAllocationGranularity", unsafe {
+                sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum)
+            })?;
+            // A granularity of 0 cannot size pages: treated as no virtual memory management.
+            Ok((granularity > 0).then_some(granularity))
+        })?;
+        Ok(*cached.get_or_init(|| g))
+    }
+
+    /// Asks for the granularity as the alignment: the trait promises it and `cuMemMap` needs
+    /// addresses that are multiples of it. PyTorch passes 0 (the driver's default alignment)
+    /// and relies on that default being enough; an explicit alignment must be a power of two,
+    /// so any other granularity falls back to the default.
+    pub(super) fn cuda_address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.vmm_functions()?;
+        let granularity = self.granularity(device)?;
+        let alignment = if granularity.is_power_of_two() { granularity } else { 0 };
+        self.in_context(device, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: writes one device pointer; no address hint (0), flags 0 as required.
+            check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) })?;
+            Ok(ptr)
+        })
+    }
+
+    pub(super) fn cuda_address_free(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: `ptr` and `size` are a whole reservation from address_reserve, unmapped.
+        self.in_context(device, || check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, size) }))
+    }
+
+    pub(super) fn cuda_mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        self.vmm_functions()?;
+        let prop = allocation_prop(self.devices[device as usize]);
+        self.in_context(device, || {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: writes one handle; `prop` outlives the call; flags 0 as required. Any
+            // failure (CUDA_ERROR_NOT_PERMITTED under cuda-gdb, for one) is returned.
+            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+            Ok(PhysHandle(handle))
+        })
+    }
+
+    pub(super) fn cuda_mem_release(&self, device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: a handle from mem_create, mapped nowhere and not used after.
+        self.in_context(device, || check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) }))
+    }
+
+    pub(super) fn cuda_mem_map(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: maps the whole handle (offset 0, `size` bytes) at `ptr`, inside a reservation
+        // of this device; flags 0 as required.
+        self.in_context(device, || check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, handle.0, 0) }))
+    }
+
+    /// One `cuMemSetAccess` for the device and all its peers (the devices for which
+    /// `cuDeviceCanAccessPeer(&can, peer, device)` is 1, found once per device).
+    ///
+    /// Peer access: a program needs to do nothing more than use the memory from a peer. Memory
+    /// from `cuMemAlloc` becomes reachable from another device only after that device's context
+    /// calls `cuCtxEnablePeerAccess`/`cudaDeviceEnablePeerAccess`, which maps every past and
+    /// future allocation of the peer; memory mapped with `cuMemMap` is instead reachable from
+    /// exactly the devices named to `cuMemSetAccess`, and peer-access enabling does not apply
+    /// to it (CUDA Programming Guide, section "Virtual Memory Management",
+    /// docs.nvidia.com/cuda/cuda-programming-guide/04-special-topics/virtual-memory-management.html;
+    /// `cuMemMap`'s reference: mapping alone does not make the address accessible; PyTorch's
+    /// Note [Expandable Segments]: cudaDeviceEnablePeerAccess does not work for memory from
+    /// cuMemMap, the mappings have to be made by hand). So this call grants every capable peer
+    /// read and write, and such a peer reaches the memory whether or not the program enabled
+    /// peer access. PyTorch grants only the peers a program enabled through the allocator's
+    /// `enablePeerAccess`; gpupool has no such call, so it grants all that can.
+    pub(super) fn cuda_mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        let owner = self.devices[device as usize];
+        self.in_context(device, || {
+            let cached = &self.access[device as usize];
+            let descs = match cached.get() {
+                Some(descs) => descs,
+                None => {
+                    let peers = peers_of(owner, &self.devices, |dev, peer_dev| {
+                        let mut can = 0;
+                        // SAFETY: writes one int; both are devices from cuDeviceGet.
+                        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer_dev) })?;
+                        Ok(can == 1)
+                    })?;
+                    cached.get_or_init(|| access_descs(owner, &peers))
+                }
+            };
+            // SAFETY: `descs` holds descs.len() descriptors and outlives the call; the range
+            // is wholly mapped (the caller mapped it).
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()) })
+        })
+    }
+
+    pub(super) fn cuda_mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.vmm_functions()?;
+        // SAFETY: whole mappings made by mem_map; no work uses them (the caller's duty).
+        self.in_context(device, || check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) }))
+    }
+}

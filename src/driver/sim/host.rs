@@ -1,0 +1,121 @@
+//! Pinned host memory (`cuMemHostAlloc`, `cuMemHostRegister` and their inverses): the ranges
+//! pinned now, and the simulated host-to-device copy that counts a copy from memory that is
+//! not pinned.
+
+use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, StreamHandle, invalid};
+
+/// How a range of host memory is pinned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HostKind {
+    /// Allocated and pinned by `host_alloc` (an anonymous mapping of the driver's).
+    Allocated,
+    /// The caller's memory, pinned by `host_register`.
+    Registered,
+}
+
+impl SimDriver {
+    /// Whether `[ptr, ptr + len)` lies wholly inside one pinned host range (from `host_alloc`
+    /// or `host_register`): what a copy must read from to be asynchronous on a GPU.
+    pub fn is_pinned(&self, ptr: HostPtr, len: usize) -> bool {
+        let st = self.state.lock();
+        st.host.range(..=ptr).next_back().is_some_and(|(&start, &(size, _))| ptr + len <= start + size)
+    }
+
+    /// A host-to-device copy of `len` bytes from `src` to `dst` on `stream` (the simulated
+    /// `cuMemcpyHtoDAsync`): the bytes are copied at once. Returns whether the source was
+    /// wholly pinned; a copy from memory that is not is counted in
+    /// [`SimCounts::unpinned_copies`](super::SimCounts::unpinned_copies), which is how a test
+    /// sees a copy that on a GPU would not have been asynchronous.
+    ///
+    /// # Safety
+    /// `src` must be readable and `dst` writable for `len` bytes, and not overlap.
+    pub unsafe fn memcpy_htod_async(&self, dst: DevicePtr, src: HostPtr, len: usize, _stream: StreamHandle) -> bool {
+        let pinned = self.is_pinned(src, len);
+        if !pinned {
+            self.state.lock().counts.unpinned_copies += 1;
+        }
+        // SAFETY: per this function's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+        pinned
+    }
+
+    /// Host ranges pinned now: (allocated by `host_alloc`, registered by `host_register`).
+    pub fn live_host(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        let allocated = st.host.values().filter(|(_, k)| *k == HostKind::Allocated).count();
+        (allocated, st.host.len() - allocated)
+    }
+
+    fn host_error(call: &'static str, code: i32, name: &str) -> DriverError {
+        DriverError::Cuda { call, code, name: name.into() }
+    }
+
+    pub(super) fn sim_host_alloc(&self, size: usize) -> Result<HostPtr, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_alloc += 1;
+        st.fault(SimOp::HostAlloc)?;
+        if size == 0 {
+            return Err(invalid("cuMemHostAlloc"));
+        }
+        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(DriverError::OutOfMemory);
+        }
+        st.host.insert(p as HostPtr, (size, HostKind::Allocated));
+        Ok(p as HostPtr)
+    }
+
+    pub(super) fn sim_host_free(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_free += 1;
+        st.fault(SimOp::HostFree)?;
+        match st.host.get(&ptr) {
+            Some(&(size, HostKind::Allocated)) => {
+                st.host.remove(&ptr);
+                // SAFETY: exactly a mapping made by host_alloc and not yet unmapped.
+                unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+                Ok(())
+            }
+            _ => Err(invalid("cuMemFreeHost")),
+        }
+    }
+
+    pub(super) fn sim_host_register(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_register += 1;
+        st.fault(SimOp::HostRegister)?;
+        if ptr == 0 || size == 0 {
+            return Err(invalid("cuMemHostRegister"));
+        }
+        let end = ptr + size;
+        let before = st.host.range(..end).next_back().is_some_and(|(&a, &(s, _))| a + s > ptr);
+        if before {
+            return Err(SimDriver::host_error("cuMemHostRegister", 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"));
+        }
+        st.host.insert(ptr, (size, HostKind::Registered));
+        Ok(())
+    }
+
+    pub(super) fn sim_host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.host_unregister += 1;
+        st.fault(SimOp::HostUnregister)?;
+        match st.host.get(&ptr) {
+            Some(&(_, HostKind::Registered)) => {
+                st.host.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(SimDriver::host_error("cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")),
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! The simulated device: host memory posing as device memory, for tests and for trying gpupool
+//! on a machine without a GPU.
+//!
+//! - Memory: each allocation is its own anonymous `mmap` (reserved lazily by the kernel, so a
+//!   large capacity costs nothing until written), and the pointers are real host pointers a
+//!   test may read and write. Each device has a fixed capacity; past it `mem_alloc` fails with
+//!   [`DriverError::OutOfMemory`], as `cuMemAlloc` does.
+//! - Streams and events: a stream completes its work at once unless a test holds it
+//!   ([`SimDriver::hold_stream`]); an event recorded on a held stream stays incomplete until
+//!   the stream is released. `event_synchronize` stands for waiting on the device: it completes
+//!   the stream's work up to the event.
+//! - Pinned host memory: `host_alloc` maps host memory, `host_register` records the caller's
+//!   range; the driver keeps which ranges are pinned ([`SimDriver::is_pinned`]), and a
+//!   simulated host-to-device copy from memory that is not is counted
+//!   ([`SimDriver::memcpy_htod_async`], [`SimCounts::unpinned_copies`]).
+//! - Faults: [`SimDriver::inject`] makes a chosen later call of one kind fail with an error,
+//!   fail as a driver library lacking the call's symbol would be reported
+//!   ([`SimFault::MissingSymbol`]), or panic as cudarc does when `libcuda.so.1` lacks the
+//!   symbol ([`SimFault::Panic`]): the allocator above must survive each of them.
+//!
+//! - Stream capture: a test begins and ends a capture on a stream ([`SimDriver::begin_capture`],
+//!   [`SimDriver::end_capture`]) in one of CUDA's modes. While a stream captures, the calls
+//!   CUDA forbids fail as on the GPU, with CUDA's codes, and invalidate the capture (see
+//!   [`SimDriver::begin_capture`]); [`SimCounts::capture_violations`] counts them. The
+//!   simulated streams belong to no device, so synchronising any device waits on every
+//!   capturing stream.
+//!
+//! Selected with `GPUPOOL_DRIVER=sim`; capacity and device count from `GPUPOOL_SIM_CAPACITY`
+//! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
+//!
+//! This file holds the driver and its state; each mechanism is in a file of its own, and the
+//! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
+//! (an inherent method of the trait's name would shadow the trait's):
+//! device memory in `memory`, virtual memory in `vmm`, pinned host memory in `host`, streams
+//! and events in `streams`, stream capture in `capture`, injected faults in `faults`.
+
+mod capture;
+mod faults;
+mod host;
+mod memory;
+mod streams;
+#[cfg(test)]
+mod tests;
+mod vmm;
+
+use std::cell::Cell;
+use std::sync::atomic::AtomicBool;
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use super::{
+    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
+};
+use capture::Capture;
+use faults::Fault;
+pub use faults::{SIM_PANIC_MARK, SimFault, SimOp};
+use host::HostKind;
+use streams::SimStream;
+pub use vmm::SIM_GRANULARITY;
+use vmm::{Handle, Range};
+
+/// How often each driver call was made, for tests that check what the allocator asked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounts {
+    pub mem_alloc: u64,
+    pub mem_free: u64,
+    pub event_create: u64,
+    pub event_record: u64,
+    pub event_query: u64,
+    pub event_synchronize: u64,
+    pub event_destroy: u64,
+    pub device_synchronize: u64,
+    pub address_reserve: u64,
+    pub mem_create: u64,
+    pub mem_map: u64,
+    pub mem_set_access: u64,
+    pub mem_unmap: u64,
+    pub host_alloc: u64,
+    pub host_free: u64,
+    pub host_register: u64,
+    pub host_unregister: u64,
+    /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
+    /// a GPU they would be synchronous staging copies, not asynchronous DMA.
+    pub unpinned_copies: u64,
+    /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
+    pub capture_info: u64,
+    /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
+    /// invalidated a capture. A capture-safe allocator keeps this at 0.
+    pub capture_violations: u64,
+}
+
+#[derive(Default)]
+struct State {
+    used: Vec<usize>,
+    allocations: FxHashMap<DevicePtr, (i32, usize)>,
+    ranges: std::collections::BTreeMap<DevicePtr, Range>,
+    handles: FxHashMap<u64, Handle>,
+    next_handle: u64,
+    streams: FxHashMap<StreamHandle, SimStream>,
+    events: FxHashMap<u64, Option<(StreamHandle, u64)>>,
+    /// Events last recorded on a stream during its capture, by event, with the capture's id:
+    /// a node of the graph, which cannot be queried or waited for.
+    captured_events: FxHashMap<u64, u64>,
+    captures: Vec<Capture>,
+    next_capture: u64,
+    next_event: u64,
+    faults: Vec<Fault>,
+    counts: SimCounts,
+    /// Pinned host ranges: start -> (size, how).
+    host: std::collections::BTreeMap<HostPtr, (usize, HostKind)>,
+    /// Streams a test placed on a device ([`SimDriver::set_stream_device`]).
+    stream_devices: FxHashMap<StreamHandle, i32>,
+}
+
+thread_local! {
+    static CURRENT_DEVICE: Cell<i32> = const { Cell::new(0) };
+}
+
+/// A simulated set of devices. Thread-safe; all state sits behind one mutex (the simulated
+/// driver is not on the allocator's hit path).
+pub struct SimDriver {
+    devices: i32,
+    capacity: usize,
+    state: Mutex<State>,
+    /// Whether any fault was ever injected: until then the calls that take no lock otherwise
+    /// (`current_device`, `current_primary_device`) need not take it to look for one.
+    armed: AtomicBool,
+}
+
+impl SimDriver {
+    /// `devices` devices of `capacity` bytes each.
+    pub fn new(devices: i32, capacity: usize) -> SimDriver {
+        SimDriver {
+            devices,
+            capacity,
+            state: Mutex::new(State { used: vec![0; devices.max(0) as usize], ..State::default() }),
+            armed: AtomicBool::new(false),
+        }
+    }
+
+    /// Sets the calling thread's current device (the simulated `cudaSetDevice`).
+    pub fn set_current_device(device: i32) {
+        CURRENT_DEVICE.with(|c| c.set(device));
+    }
+
+    /// How often each call was made so far.
+    pub fn counts(&self) -> SimCounts {
+        self.state.lock().counts
+    }
+}
+
+fn invalid(call: &'static str) -> DriverError {
+    DriverError::Cuda { call, code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() }
+}
+
+impl Driver for SimDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> i32 {
+        self.devices
+    }
+
+    fn current_device(&self) -> Result<i32, DriverError> {
+        self.lock_free_fault(SimOp::CurrentDevice)?;
+        Ok(CURRENT_DEVICE.with(|c| c.get()))
+    }
+
+    fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.sim_mem_alloc(device, size)
+    }
+
+    fn mem_free(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.sim_mem_free(ptr)
+    }
+
+    fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
+        self.sim_mem_info(device)
+    }
+
+    fn event_create(&self, _device: i32) -> Result<EventHandle, DriverError> {
+        self.sim_event_create()
+    }
+
+    fn event_record(&self, _device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+        self.sim_event_record(event, stream)
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        self.sim_event_query(event)
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        self.sim_event_synchronize(event)
+    }
+
+    fn event_destroy(&self, _device: i32, event: EventHandle) {
+        self.sim_event_destroy(event)
+    }
+
+    fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
+        self.sim_device_synchronize()
+    }
+
+    fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
+        self.lock_free_fault(SimOp::CurrentPrimaryDevice)?;
+        Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
+    }
+
+    fn stream_capture_status(&self, _device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
+        self.sim_stream_capture_status(stream)
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        self.sim_exchange_capture_mode(mode)
+    }
+
+    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
+        self.sim_vmm_granularity()
+    }
+
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.sim_address_reserve(device, size)
+    }
+
+    fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.sim_address_free(ptr, size)
+    }
+
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        self.sim_mem_create(device, size)
+    }
+
+    fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        self.sim_mem_release(handle)
+    }
+
+    fn mem_map(&self, _device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        self.sim_mem_map(ptr, size, handle)
+    }
+
+    fn mem_set_access(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.sim_mem_set_access(ptr, size)
+    }
+
+    fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.sim_mem_unmap(ptr, size)
+    }
+
+    fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
+        self.sim_host_alloc(size)
+    }
+
+    fn host_free(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.sim_host_free(ptr)
+    }
+
+    fn host_register(&self, _device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.sim_host_register(ptr, size)
+    }
+
+    fn host_unregister(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.sim_host_unregister(ptr)
+    }
+
+    fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        self.sim_stream_device(stream)
+    }
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        for (&ptr, &(size, kind)) in self.state.get_mut().host.iter() {
+            if kind == HostKind::Allocated {
+                // SAFETY: every such entry is a live mapping made by `host_alloc`.
+                unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+            }
+        }
+        for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
+            // SAFETY: every entry is a live mapping made by `mem_alloc`.
+            unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        }
+        for (&ptr, r) in self.state.get_mut().ranges.iter() {
+            // SAFETY: every entry is a live reservation made by `address_reserve`.
+            unsafe { libc::munmap(ptr as *mut libc::c_void, r.size) };
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! Streams and events: a stream completes its work at once unless a test holds it, and an
+//! event is complete once its stream's work up to it is; the event calls and the device's
+//! synchronisation, and the device a stream belongs to.
+
+use super::{CURRENT_DEVICE, DriverError, EventHandle, SimDriver, SimOp, State, StreamHandle, invalid};
+
+#[derive(Default)]
+pub(super) struct SimStream {
+    recorded: u64,
+    completed: u64,
+    held: bool,
+}
+
+impl SimDriver {
+    /// From now on, work recorded on `stream` does not complete until [`SimDriver::release_stream`].
+    pub fn hold_stream(&self, stream: StreamHandle) {
+        self.state.lock().streams.entry(stream).or_default().held = true;
+    }
+
+    /// Completes all work recorded on `stream` and stops holding it.
+    pub fn release_stream(&self, stream: StreamHandle) {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.held = false;
+        s.completed = s.recorded;
+    }
+
+    /// Events created and not destroyed.
+    pub fn live_events(&self) -> usize {
+        self.state.lock().events.len()
+    }
+
+    /// Places `stream` on `device`, for [`Driver::stream_device`](crate::driver::Driver::stream_device)
+    /// (a stream no test placed belongs to the calling thread's current device).
+    pub fn set_stream_device(&self, stream: StreamHandle, device: i32) {
+        self.state.lock().stream_devices.insert(stream, device);
+    }
+
+    fn event_done(st: &State, event: EventHandle) -> Result<bool, DriverError> {
+        match st.events.get(&event.0) {
+            None => Err(invalid("cuEventQuery")),
+            Some(None) => Ok(true),
+            Some(Some((stream, ticket))) => Ok(st.streams.get(stream).is_none_or(|s| s.completed >= *ticket)),
+        }
+    }
+
+    pub(super) fn sim_event_create(&self) -> Result<EventHandle, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.event_create += 1;
+        st.fault(SimOp::EventCreate)?;
+        st.next_event += 1;
+        let id = st.next_event;
+        st.events.insert(id, None);
+        Ok(EventHandle(id))
+    }
+
+    pub(super) fn sim_event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.event_record += 1;
+        st.fault(SimOp::EventRecord)?;
+        if !st.events.contains_key(&event.0) {
+            return Err(invalid("cuEventRecord"));
+        }
+        // Recorded into the graph, not run: the stream's work does not advance.
+        if let Some(id) = st.captures.iter().find(|c| c.stream == stream).map(|c| c.id) {
+            st.captured_events.insert(event.0, id);
+            return Ok(());
+        }
+        st.captured_events.remove(&event.0);
+        let s = st.streams.entry(stream).or_default();
+        s.recorded += 1;
+        if !s.held {
+            s.completed = s.recorded;
+        }
+        let ticket = s.recorded;
+        st.events.insert(event.0, Some((stream, ticket)));
+        Ok(())
+    }
+
+    pub(super) fn sim_event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.event_query += 1;
+        st.fault(SimOp::EventQuery)?;
+        st.captured_event(event, "cuEventQuery")?;
+        SimDriver::event_done(&st, event)
+    }
+
+    pub(super) fn sim_event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.event_synchronize += 1;
+        st.fault(SimOp::EventSynchronize)?;
+        st.captured_event(event, "cuEventSynchronize")?;
+        if let Some(Some((stream, ticket))) = st.events.get(&event.0).copied() {
+            let s = st.streams.entry(stream).or_default();
+            s.completed = s.completed.max(ticket);
+            Ok(())
+        } else {
+            SimDriver::event_done(&st, event).map(|_| ())
+        }
+    }
+
+    pub(super) fn sim_event_destroy(&self, event: EventHandle) {
+        let mut st = self.state.lock();
+        st.counts.event_destroy += 1;
+        if st.fault(SimOp::EventDestroy).is_ok() {
+            st.events.remove(&event.0);
+            st.captured_events.remove(&event.0);
+        }
+    }
+
+    /// The simulated device runs no work, so there is nothing to wait for (a held stream stays
+    /// held): counts the call, or fails or panics with an injected fault, or fails as CUDA
+    /// does while a stream captures.
+    pub(super) fn sim_device_synchronize(&self) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.device_synchronize += 1;
+        st.fault(SimOp::DeviceSynchronize)?;
+        st.wait_on(None, "cuCtxSynchronize")?;
+        Ok(())
+    }
+
+    pub(super) fn sim_stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamDevice)?;
+        Ok(st.stream_devices.get(&stream).copied().unwrap_or_else(|| CURRENT_DEVICE.with(|c| c.get())))
+    }
+}

@@ -1,0 +1,44 @@
+//! The simulated driver's unit tests: injected faults, of each kind, fire on the call chosen.
+
+use super::*;
+
+#[test]
+fn a_fault_fires_on_the_chosen_call_of_its_kind_only() {
+    let sim = SimDriver::new(1, 1 << 30);
+    sim.inject(SimOp::MemAlloc, 2, SimFault::Fail(DriverError::OutOfMemory));
+    let _ = sim.event_create(0).unwrap();
+    let a = sim.mem_alloc(0, 4096).unwrap();
+    let b = sim.mem_alloc(0, 4096).unwrap();
+    assert_eq!(sim.mem_alloc(0, 4096), Err(DriverError::OutOfMemory), "the third call fails");
+    assert_eq!(sim.pending_faults(), 0);
+    let c = sim.mem_alloc(0, 4096).unwrap();
+    for p in [a, b, c] {
+        sim.mem_free(0, p).unwrap();
+    }
+    assert_eq!((sim.used(0), sim.live_allocations()), (0, 0));
+}
+
+#[test]
+fn a_missing_symbol_is_reported_by_name_and_a_panic_names_it_too() {
+    let sim = SimDriver::new(1, 1 << 30);
+    sim.inject(SimOp::MemInfo, 0, SimFault::MissingSymbol);
+    match sim.mem_info(0) {
+        Err(DriverError::Unavailable(m)) => assert!(m.contains("cuMemGetInfo_v2"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    sim.inject_panic(SimOp::CurrentDevice, 0);
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.current_device())).unwrap_err();
+    let msg = payload.downcast_ref::<String>().unwrap();
+    assert!(msg.starts_with("Missing symbol cuCtxGetCurrent: ") && msg.ends_with(SIM_PANIC_MARK), "{msg}");
+    // The state's lock was released by the unwinding, and nothing changed.
+    assert_eq!(sim.current_device(), Ok(0));
+    sim.inject(SimOp::EventDestroy, 0, SimFault::Fail(DriverError::OutOfMemory));
+    let ev = sim.event_create(0).unwrap();
+    sim.event_destroy(0, ev);
+    assert_eq!(sim.live_events(), 1, "a failed destroy leaves the event alive");
+    sim.event_destroy(0, ev);
+    assert_eq!(sim.live_events(), 0);
+    sim.inject_panic(SimOp::MemAlloc, 5);
+    assert_eq!(sim.clear_faults(), 1);
+    sim.mem_free(0, sim.mem_alloc(0, 512).unwrap()).unwrap();
+}

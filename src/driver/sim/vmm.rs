@@ -1,0 +1,221 @@
+//! Virtual memory (expandable segments): address ranges reserved as host address space without
+//! access, physical handles created against the device's capacity, and the mapping, access
+//! and unmapping of handles in reserved ranges, checked as CUDA checks them.
+
+use rustc_hash::FxHashMap;
+
+use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, State, invalid};
+
+// Rust API only: cbindgen run over the whole crate would otherwise put it into the C header.
+/// The simulated device's virtual memory page size (the H100's minimum granularity).
+///
+/// cbindgen:ignore
+pub const SIM_GRANULARITY: usize = 2 << 20;
+
+/// A reserved address range: host address space without access (`PROT_NONE`), whose pages
+/// become readable and writable while mapped.
+pub(super) struct Range {
+    device: i32,
+    pub(super) size: usize,
+    /// Mapped pieces: start -> (size, handle).
+    mapped: std::collections::BTreeMap<DevicePtr, (usize, u64)>,
+    /// Pieces whose access was set (start -> size); a subset of `mapped`.
+    accessible: FxHashMap<DevicePtr, usize>,
+}
+
+impl Range {
+    /// The mapped pieces (start, size, handle) that make up `[ptr, ptr + size)` exactly, or
+    /// `None` when some byte of it is not mapped or a piece sticks out of it.
+    fn pieces(&self, ptr: DevicePtr, size: usize) -> Option<Vec<(DevicePtr, usize, u64)>> {
+        let end = ptr + size as u64;
+        let pieces: Vec<_> = self.mapped.range(ptr..end).map(|(&a, &(s, h))| (a, s, h)).collect();
+        let covered = pieces.iter().try_fold(ptr, |at, &(a, s, _)| (a == at).then_some(a + s as u64));
+        (covered == Some(end)).then_some(pieces)
+    }
+}
+
+/// A physical allocation: its device, size and where it is mapped, if anywhere.
+pub(super) struct Handle {
+    device: i32,
+    size: usize,
+    mapped_at: Option<DevicePtr>,
+}
+
+impl State {
+    /// The reserved range that contains `[ptr, ptr + size)`, by its base.
+    pub(super) fn range_of(&mut self, ptr: DevicePtr, size: usize) -> Option<(DevicePtr, &mut Range)> {
+        let (&base, r) = self.ranges.range_mut(..=ptr).next_back()?;
+        (ptr - base + size as u64 <= r.size as u64).then_some((base, r))
+    }
+}
+
+/// `prot` on `[ptr, ptr + size)` of host address space the simulated driver reserved; with
+/// `PROT_NONE` the pages are also dropped (their contents are lost, as an unmapped page's).
+fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
+    // SAFETY: the range lies inside a reservation of this driver (checked by the callers), so
+    // MAP_FIXED replaces only pages the driver owns.
+    let p = unsafe { libc::mmap(ptr as *mut libc::c_void, size, prot, flags, -1, 0) };
+    p != libc::MAP_FAILED
+}
+
+impl SimDriver {
+    /// Reserved address ranges not yet freed, and physical handles not yet released, on every
+    /// device.
+    pub fn live_vmm(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        (st.ranges.len(), st.handles.len())
+    }
+
+    /// Bytes mapped with access set on `device` (what a kernel could touch).
+    pub fn accessible(&self, device: i32) -> usize {
+        let st = self.state.lock();
+        st.ranges.values().filter(|r| r.device == device).flat_map(|r| r.accessible.values()).sum()
+    }
+
+    pub(super) fn sim_vmm_granularity(&self) -> Result<Option<usize>, DriverError> {
+        self.state.lock().fault(SimOp::VmmGranularity)?;
+        Ok(Some(SIM_GRANULARITY))
+    }
+
+    pub(super) fn sim_address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.address_reserve += 1;
+        st.fault(SimOp::AddressReserve)?;
+        st.unsafe_call("cuMemAddressReserve")?;
+        if size == 0 || size % SIM_GRANULARITY != 0 {
+            return Err(invalid("cuMemAddressReserve"));
+        }
+        // Host address space without access, aligned to the granularity: reserve one page
+        // more and trim.
+        let len = size + SIM_GRANULARITY;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: an anonymous mapping with no address hint; the result is checked.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(DriverError::OutOfMemory);
+        }
+        let start = p as usize;
+        let base = start.next_multiple_of(SIM_GRANULARITY);
+        // SAFETY: both pieces lie in the mapping just made and are trimmed off it.
+        unsafe {
+            if base > start {
+                libc::munmap(p, base - start);
+            }
+            let end = base + size;
+            if start + len > end {
+                libc::munmap(end as *mut libc::c_void, start + len - end);
+            }
+        }
+        let range = Range { device, size, mapped: Default::default(), accessible: Default::default() };
+        st.ranges.insert(base as DevicePtr, range);
+        Ok(base as DevicePtr)
+    }
+
+    pub(super) fn sim_address_free(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::AddressFree)?;
+        st.unsafe_call("cuMemAddressFree")?;
+        match st.ranges.get(&ptr) {
+            Some(r) if r.size == size && r.mapped.is_empty() => {}
+            _ => return Err(invalid("cuMemAddressFree")),
+        }
+        st.ranges.remove(&ptr);
+        // SAFETY: exactly a reservation made by `address_reserve`, wholly unmapped.
+        unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        Ok(())
+    }
+
+    pub(super) fn sim_mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_create += 1;
+        st.fault(SimOp::MemCreate)?;
+        st.unsafe_call("cuMemCreate")?;
+        if size == 0 || size % SIM_GRANULARITY != 0 {
+            return Err(invalid("cuMemCreate"));
+        }
+        let d = device as usize;
+        if size > self.capacity - st.used[d] {
+            return Err(DriverError::OutOfMemory);
+        }
+        st.used[d] += size;
+        st.next_handle += 1;
+        let id = st.next_handle;
+        st.handles.insert(id, Handle { device, size, mapped_at: None });
+        Ok(PhysHandle(id))
+    }
+
+    pub(super) fn sim_mem_release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::MemRelease)?;
+        st.unsafe_call("cuMemRelease")?;
+        match st.handles.get(&handle.0) {
+            Some(h) if h.mapped_at.is_none() => {}
+            _ => return Err(invalid("cuMemRelease")),
+        }
+        let h = st.handles.remove(&handle.0).expect("checked above");
+        st.used[h.device as usize] -= h.size;
+        Ok(())
+    }
+
+    pub(super) fn sim_mem_map(&self, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_map += 1;
+        st.fault(SimOp::MemMap)?;
+        st.unsafe_call("cuMemMap")?;
+        let fits = st.handles.get(&handle.0).is_some_and(|h| h.size == size && h.mapped_at.is_none());
+        let Some((_, r)) = st.range_of(ptr, size).filter(|_| fits && ptr % SIM_GRANULARITY as u64 == 0) else {
+            return Err(invalid("cuMemMap"));
+        };
+        let overlaps = r.mapped.range(..ptr + size as u64).next_back().is_some_and(|(&a, &(s, _))| a + s as u64 > ptr);
+        if overlaps {
+            return Err(invalid("cuMemMap"));
+        }
+        r.mapped.insert(ptr, (size, handle.0));
+        st.handles.get_mut(&handle.0).expect("checked above").mapped_at = Some(ptr);
+        Ok(())
+    }
+
+    pub(super) fn sim_mem_set_access(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_set_access += 1;
+        st.fault(SimOp::MemSetAccess)?;
+        st.unsafe_call("cuMemSetAccess")?;
+        let Some((_, r)) = st.range_of(ptr, size) else {
+            return Err(invalid("cuMemSetAccess"));
+        };
+        let Some(pieces) = r.pieces(ptr, size) else {
+            return Err(invalid("cuMemSetAccess"));
+        };
+        if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE) {
+            return Err(DriverError::OutOfMemory);
+        }
+        r.accessible.extend(pieces.into_iter().map(|(a, s, _)| (a, s)));
+        Ok(())
+    }
+
+    pub(super) fn sim_mem_unmap(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.mem_unmap += 1;
+        st.fault(SimOp::MemUnmap)?;
+        st.unsafe_call("cuMemUnmap")?;
+        let Some((_, r)) = st.range_of(ptr, size) else {
+            return Err(invalid("cuMemUnmap"));
+        };
+        // CUDA unmaps whole mappings only.
+        let Some(pieces) = r.pieces(ptr, size) else {
+            return Err(invalid("cuMemUnmap"));
+        };
+        if !protect(ptr, size, libc::PROT_NONE) {
+            return Err(DriverError::OutOfMemory);
+        }
+        for &(a, _, _) in &pieces {
+            r.mapped.remove(&a);
+            r.accessible.remove(&a);
+        }
+        for (_, _, h) in pieces {
+            st.handles.get_mut(&h).expect("a mapped handle exists").mapped_at = None;
+        }
+        Ok(())
+    }
+}
