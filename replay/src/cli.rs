@@ -18,9 +18,14 @@ Replays allocation traces on gpupool, once per configuration, and prints per con
 peak reserved and peak live bytes, their ratio, driver allocations, retries, out-of-memory
 errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass).
 
-TRACE is a text trace ('a ID SIZE STREAM' / 'f ID' lines, as in ../shared/traces) or a PyTorch
-memory snapshot (torch.cuda.memory._dump_snapshot), either of them gzipped or not. A snapshot
-also gives a row 'recorded': what PyTorch's allocator reserved over the same events.
+TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or not:
+  - a text trace has one event a line: 'a ID SIZE STREAM' allocates SIZE bytes (as the program
+    asked for them, before rounding) as allocation ID on stream STREAM, an integer id (a CUDA
+    stream handle, 0 the default stream; each distinct value is replayed on a stream of its
+    own); 'f ID' frees allocation ID. gpupool's repository ships two, recorded from PyTorch
+    workloads, in replay/traces (its README.md says what each is);
+  - a snapshot is the pickle of torch.cuda.memory._dump_snapshot(); it also gives a row
+    'recorded': what PyTorch's allocator reserved over the same events.
 
 options:
   --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's

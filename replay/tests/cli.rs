@@ -132,3 +132,16 @@ fn driver_cuda_fails_cleanly_without_a_gpu() {
         }
     }
 }
+
+#[test]
+fn help_says_the_text_format_and_where_traces_are() {
+    let out = replay(&["--help"]);
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for says in ["'a ID SIZE STREAM'", "'f ID'", "SIZE bytes", "STREAM, an integer id", "replay/traces"] {
+        assert!(help.contains(says), "--help does not say {says:?}:\n{help}");
+    }
+    assert!(!help.contains("shared/traces"), "users have no ../shared/traces:\n{help}");
+    // The help fits a terminal of 100 columns.
+    assert!(help.lines().all(|l| l.chars().count() <= 100), "{help}");
+}
