@@ -41,6 +41,7 @@ options:
   --json, --csv       the same as --format json, --format csv
   -o, --output FILE   write the report to FILE instead of standard output
   -h, --help          this text
+  -V, --version       print 'gpupool-replay VERSION' (this build's version) and exit
 
 Exit status: 0 done (out-of-memory errors in a replay are reported, not failures); 1 a trace
 could not be read or a replay failed (no GPU for --driver cuda, for one); 2 bad usage (an
@@ -75,6 +76,7 @@ enum Stop {
     Usage(String),
     Failed(String),
     Help,
+    Version,
 }
 
 /// The configuration `text` means, as `GPUPOOL_CONF` would set it over the defaults.
@@ -106,7 +108,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
-        if inline.is_some() && matches!(name, "--help" | "--json" | "--csv") {
+        if inline.is_some() && matches!(name, "--help" | "--version" | "--json" | "--csv") {
             return Err(Stop::Usage(format!("{name} takes no value")));
         }
         let mut value = || {
@@ -115,6 +117,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
         match name {
             "--" => only_traces = true,
             "-h" | "--help" => return Err(Stop::Help),
+            "-V" | "--version" => return Err(Stop::Version),
             "--conf" => {
                 let text = value()?;
                 let config = parse_conf(&text).map_err(Stop::Usage)?;
@@ -236,6 +239,10 @@ pub fn main_with(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> i
         Ok(()) => 0,
         Err(Stop::Help) => {
             let _ = out.write_all(USAGE.as_bytes());
+            0
+        }
+        Err(Stop::Version) => {
+            let _ = writeln!(out, "gpupool-replay {}", env!("CARGO_PKG_VERSION"));
             0
         }
         Err(Stop::Usage(why)) => {

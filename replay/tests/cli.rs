@@ -145,3 +145,14 @@ fn help_says_the_text_format_and_where_traces_are() {
     // The help fits a terminal of 100 columns.
     assert!(help.lines().all(|l| l.chars().count() <= 100), "{help}");
 }
+
+#[test]
+fn version_prints_the_crates_version() {
+    for flag in ["--version", "-V"] {
+        let out = replay(&[flag]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), format!("gpupool-replay {}\n", env!("CARGO_PKG_VERSION")));
+    }
+    let out = replay(&["--version=1"]);
+    assert_eq!(out.status.code(), Some(2));
+}
