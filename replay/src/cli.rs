@@ -16,7 +16,9 @@ usage: gpupool-replay [OPTIONS] TRACE...
 
 Replays allocation traces on gpupool, once per configuration, and prints per configuration the
 peak reserved and peak live bytes, their ratio, driver allocations, retries, out-of-memory
-errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass).
+errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass). Each
+trace is replayed under the defaults first (gpupool's, which are PyTorch's: the row
+'defaults'), then under each --conf in order.
 
 TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or not:
   - a text trace has one event a line: 'a ID SIZE STREAM' allocates SIZE bytes (as the program
@@ -30,8 +32,9 @@ TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or no
 options:
   --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's
                       PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True' or
-                      'max_split_size_mb:128,roundup_power2_divisions:4'; once per row, in
-                      order; without any, the defaults (the environment is not read)
+                      'max_split_size_mb:128,roundup_power2_divisions:4': one row each;
+                      '' is the defaults. The environment is not read.
+  --no-defaults       no row of the defaults: only the --conf rows (at least one)
   --driver sim|cuda   sim (default): the simulated device, no GPU needed; cuda: device 0 of
                       this machine's GPU, with one CUDA stream per stream of the trace
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
@@ -62,6 +65,7 @@ enum DriverChoice {
 }
 
 struct Options {
+    /// The rows to replay, the defaults first unless `--no-defaults`; each label once.
     confs: Vec<(String, Config)>,
     driver: DriverChoice,
     capacity: Option<usize>,
@@ -98,7 +102,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
         traces: Vec::new(),
     };
     let mut it = args.iter();
-    let mut only_traces = false;
+    let (mut only_traces, mut no_defaults) = (false, false);
     while let Some(arg) = it.next() {
         if only_traces || !arg.starts_with('-') {
             o.traces.push(PathBuf::from(arg));
@@ -108,7 +112,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
-        if inline.is_some() && matches!(name, "--help" | "--version" | "--json" | "--csv") {
+        if inline.is_some() && matches!(name, "--help" | "--version" | "--no-defaults" | "--json" | "--csv") {
             return Err(Stop::Usage(format!("{name} takes no value")));
         }
         let mut value = || {
@@ -124,6 +128,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
                 let label = if text.trim().is_empty() { "defaults".to_string() } else { text };
                 o.confs.push((label, config));
             }
+            "--no-defaults" => no_defaults = true,
             "--driver" => {
                 o.driver = match value()?.as_str() {
                     "sim" => DriverChoice::Sim,
@@ -164,9 +169,15 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
     if o.driver == DriverChoice::Cuda && o.capacity.is_some() {
         return Err(Stop::Usage("--capacity sizes the simulated device: it does not go with --driver cuda".into()));
     }
-    if o.confs.is_empty() {
-        o.confs.push(("defaults".into(), Config::default()));
+    if no_defaults && o.confs.is_empty() {
+        return Err(Stop::Usage("--no-defaults leaves nothing to replay: give a --conf".into()));
     }
+    if !no_defaults {
+        o.confs.insert(0, ("defaults".into(), Config::default()));
+    }
+    // `--conf ''` is the defaults: replayed once, where they come first.
+    let mut defaults_seen = false;
+    o.confs.retain(|(label, _)| label != "defaults" || !std::mem::replace(&mut defaults_seen, true));
     Ok(o)
 }
 
