@@ -9,6 +9,7 @@ use crate::cuda::Gpu;
 use crate::input::load;
 use crate::report::{Row, csv, json, table};
 use crate::run::{default_capacity, replay_sim};
+use crate::trace::Trace;
 
 /// The text of `--help`.
 pub const USAGE: &str = "\
@@ -26,15 +27,19 @@ TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or no
     stream handle, 0 the default stream; each distinct value is replayed on a stream of its
     own); 'f ID' frees allocation ID. gpupool's repository ships two, recorded from PyTorch
     workloads, in replay/traces (its README.md says what each is);
-  - a snapshot is the pickle of torch.cuda.memory._dump_snapshot(); it also gives a row
-    'recorded': what PyTorch's allocator reserved over the same events.
+  - a snapshot is the pickle of torch.cuda.memory._dump_snapshot(). It also gives a row of
+    driver 'recorded': what PyTorch's allocator reserved over the same events, under the
+    PYTORCH_CUDA_ALLOC_CONF the snapshot recorded; and, when that configuration is not the
+    defaults, a row of gpupool replaying it, after the defaults row. 'defaults' is gpupool's
+    defaults for a snapshot too, whatever the recording ran with.
 
 options:
   --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's
                       PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True' or
                       'max_split_size_mb:128,roundup_power2_divisions:4': one row each;
                       '' is the defaults. The environment is not read.
-  --no-defaults       no row of the defaults: only the --conf rows (at least one)
+  --no-defaults       no row of the defaults, nor of a snapshot's recorded configuration:
+                      only the --conf rows (at least one)
   --driver sim|cuda   sim (default): the simulated device, no GPU needed; cuda: device 0 of
                       this machine's GPU, with one CUDA stream per stream of the trace
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
@@ -67,6 +72,8 @@ enum DriverChoice {
 struct Options {
     /// The rows to replay, the defaults first unless `--no-defaults`; each label once.
     confs: Vec<(String, Config)>,
+    /// `--no-defaults`: only the `--conf` rows, not even a snapshot's recorded configuration.
+    no_defaults: bool,
     driver: DriverChoice,
     capacity: Option<usize>,
     device: Option<usize>,
@@ -94,6 +101,7 @@ pub fn parse_conf(text: &str) -> Result<Config, String> {
 fn parse_args(args: &[String]) -> Result<Options, Stop> {
     let mut o = Options {
         confs: Vec::new(),
+        no_defaults: false,
         driver: DriverChoice::Sim,
         capacity: None,
         device: None,
@@ -102,7 +110,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
         traces: Vec::new(),
     };
     let mut it = args.iter();
-    let (mut only_traces, mut no_defaults) = (false, false);
+    let mut only_traces = false;
     while let Some(arg) = it.next() {
         if only_traces || !arg.starts_with('-') {
             o.traces.push(PathBuf::from(arg));
@@ -128,7 +136,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
                 let label = if text.trim().is_empty() { "defaults".to_string() } else { text };
                 o.confs.push((label, config));
             }
-            "--no-defaults" => no_defaults = true,
+            "--no-defaults" => o.no_defaults = true,
             "--driver" => {
                 o.driver = match value()?.as_str() {
                     "sim" => DriverChoice::Sim,
@@ -169,16 +177,37 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
     if o.driver == DriverChoice::Cuda && o.capacity.is_some() {
         return Err(Stop::Usage("--capacity sizes the simulated device: it does not go with --driver cuda".into()));
     }
-    if no_defaults && o.confs.is_empty() {
+    if o.no_defaults && o.confs.is_empty() {
         return Err(Stop::Usage("--no-defaults leaves nothing to replay: give a --conf".into()));
     }
-    if !no_defaults {
+    if !o.no_defaults {
         o.confs.insert(0, ("defaults".into(), Config::default()));
     }
     // `--conf ''` is the defaults: replayed once, where they come first.
     let mut defaults_seen = false;
     o.confs.retain(|(label, _)| label != "defaults" || !std::mem::replace(&mut defaults_seen, true));
     Ok(o)
+}
+
+/// The row that replays a snapshot's recorded configuration on gpupool, labelled with the
+/// recorded text (as the snapshot's `recorded` row is). None for a text trace, or a snapshot
+/// that recorded none or an empty one (the defaults); and, with a line in `err` saying why,
+/// for one that a row of `confs` replays already or that gpupool does not run (a key of a
+/// later PyTorch, say).
+fn recorded_conf(t: &Trace, confs: &[(String, Config)], err: &mut dyn Write) -> Option<(String, Config)> {
+    let text = t.recorded.as_ref()?.conf.as_deref().filter(|c| !c.trim().is_empty())?;
+    let config = match Config::default().with_conf(text) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(err, "{}: no row for the recorded configuration, which gpupool does not run: {e}", t.name);
+            return None;
+        }
+    };
+    if let Some((label, _)) = confs.iter().find(|(_, c)| *c == config) {
+        let _ = writeln!(err, "{}: the recorded configuration is that of the row {label:?}: no row of its own", t.name);
+        return None;
+    }
+    Some((text.to_string(), config))
 }
 
 /// Loads the traces and replays each under every configuration; returns the rows, writing the
@@ -212,7 +241,12 @@ fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
         if let Some(r) = &t.recorded {
             rows.push(Row::recorded(t, r));
         }
-        for (text, config) in &o.confs {
+        let mut confs = o.confs.clone();
+        if !o.no_defaults {
+            // After the defaults row, which is first.
+            confs.splice(1..1, recorded_conf(t, &o.confs, err));
+        }
+        for (text, config) in &confs {
             let row = match &gpu {
                 Some(gpu) => {
                     let outcome = gpu.replay(t, config).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;

@@ -14,9 +14,10 @@ use crate::trace::{Recorded, Trace};
 pub struct Row {
     /// The trace's name (file, and device for a snapshot of several).
     pub trace: String,
-    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), `defaults` for none;
-    /// for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when the snapshot has
-    /// it (`as recorded` when not).
+    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), `defaults` for
+    /// gpupool's defaults; for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when
+    /// the snapshot has it (`defaults` when it is empty, `as recorded` when the snapshot does
+    /// not say), and the row replaying that configuration on gpupool has the same text.
     pub configuration: String,
     /// `sim` (the simulated device), `cuda` (the GPU), or `recorded` (PyTorch's own allocator,
     /// as the snapshot's segment events show it).
@@ -105,7 +106,11 @@ impl Row {
         let live = trace.peak_live();
         Row {
             trace: trace.name.clone(),
-            configuration: r.conf.clone().unwrap_or_else(|| "as recorded".into()),
+            configuration: match r.conf.as_deref() {
+                None => "as recorded".into(),
+                Some(c) if c.trim().is_empty() => "defaults".into(),
+                Some(c) => c.to_string(),
+            },
             driver: "recorded".into(),
             capacity_bytes: None,
             events: trace.events.len(),
