@@ -45,7 +45,9 @@ options:
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
                       largest peak live rounded up to a GiB when that is more)
   --device N          of a snapshot, replay only device N's trace (default: every device's)
-  --format FORMAT     table (default), json or csv
+  --format FORMAT     table (default), json or csv. The table names a snapshot's recorded
+                      configuration 'recorded' and one of over 32 characters 'conf N', and
+                      spells them out below it; json and csv write them whole
   --json, --csv       the same as --format json, --format csv
   -o, --output FILE   write the report to FILE instead of standard output
   -h, --help          this text

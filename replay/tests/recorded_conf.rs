@@ -102,3 +102,39 @@ fn the_recorded_row_names_what_the_snapshot_says() {
     assert_eq!(row(None), "as recorded");
     assert_eq!(row(Some("expandable_segments:True")), "expandable_segments:True");
 }
+
+#[test]
+fn the_table_names_long_configurations_and_spells_them_out_below() {
+    let config = Config { expandable_segments: true, ..Config::default() };
+    let conf = config.conf_string();
+    assert!(conf.len() > 300, "{conf}");
+    let path = snapshot("recorded-table.pickle", config);
+    let long = "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.5";
+    let out = replay(&["--capacity", "4GiB", "--conf", long, path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = String::from_utf8(out.stdout).unwrap();
+    let (table, legend) = report.split_once("\n\n").expect("a legend below the table");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 5, "{report}");
+    // The table's names: `recorded` for PyTorch's row and gpupool's under the same
+    // configuration, `conf 1` for the long --conf.
+    let conf_column: Vec<&str> = lines[1..].iter().map(|l| l.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!(conf_column, ["recorded", "defaults", "recorded", "conf"], "{report}");
+    assert!(lines[4].contains(" conf 1 "), "{report}");
+    let header_width = lines[0].len();
+    assert!(header_width < 200, "{header_width} columns: {report}");
+    assert!(lines.iter().all(|l| l.len() <= header_width), "{report}");
+    // The legend: each text once, in lines of at most 100 characters, that join back to it.
+    assert!(legend.lines().all(|l| l.chars().count() <= 100), "{legend}");
+    let (recorded, rest) = legend.split_once("\nconf 1: ").expect("conf 1 in the legend");
+    assert_eq!(rest.trim_end(), long);
+    let (name, text) = recorded.split_once(":\n").unwrap();
+    assert_eq!(name, "recorded (the PYTORCH_CUDA_ALLOC_CONF of recorded-table.pickle)");
+    assert_eq!(text.lines().map(str::trim).collect::<String>(), conf);
+
+    // CSV and JSON keep the full strings (JSON: the first test).
+    let out = replay(&["--csv", "--capacity", "4GiB", "--conf", long, path.to_str().unwrap()]);
+    let csv = String::from_utf8(out.stdout).unwrap();
+    assert!(csv.contains(&format!(",\"{long}\",sim,")), "{csv}");
+    assert!(csv.contains(&format!(",\"{conf}\",recorded,")), "{csv}");
+}
