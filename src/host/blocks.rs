@@ -8,7 +8,6 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
-use super::events::Pending;
 use super::stats::StatExt;
 use super::{HostAllocator, Inner};
 use crate::driver::{EventHandle, HostPtr, StreamHandle};
@@ -47,6 +46,13 @@ pub(super) struct Block {
 pub(super) struct HandedOut {
     pub(super) block: Arc<Block>,
     pub(super) streams: Vec<(StreamHandle, i32)>,
+}
+
+/// A freed block's event on one stream that has not been seen completed yet.
+pub(super) struct Pending {
+    pub(super) event: EventHandle,
+    pub(super) device: i32,
+    pub(super) block: Arc<Block>,
 }
 
 /// One stripe: what its threads use on the hit path, under one lock.

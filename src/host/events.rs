@@ -8,20 +8,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::Inner;
-use super::blocks::{Block, Stripe};
+use super::blocks::{Block, Pending, Stripe};
 use crate::caching::fork;
-use crate::driver::{EventHandle, StreamHandle};
+use crate::driver::StreamHandle;
 use crate::error::Error;
 
 /// How often the background thread polls events (PyTorch: 100 µs).
 const BACKGROUND_PERIOD: Duration = Duration::from_micros(100);
-
-/// A freed block's event on one stream that has not been seen completed yet.
-pub(super) struct Pending {
-    pub(super) event: EventHandle,
-    pub(super) device: i32,
-    pub(super) block: Arc<Block>,
-}
 
 impl Inner {
     /// A freed block, with the streams that used it: back to its home stripe's free list, or
