@@ -60,6 +60,8 @@ for l in sys.stdin:
   strip "$dir"/bin/*
   strip --strip-debug "$dir/prefix/lib/libgpupool.a" "$dir/prefix/lib/libgpupool.so" "$dir/prefix/lib/libgpupool_preload.so"
   strip "$dir/prefix/bin/gpupool-replay"
+  # The traces the repository ships, and the larger set beside a development checkout.
+  cp replay/traces/*.txt.gz "$dir/traces/"
   shared=../shared/traces
   if [ -d "$shared" ]; then cp "$shared"/*.txt.gz "$dir/traces/"; fi
   du -sh "$dir"
