@@ -203,7 +203,7 @@ fn legend_entry(legend: &mut Vec<String>, name: &str, text: &str) {
 
 /// The rows as a table with aligned columns, sizes in MiB, one line each; a configuration too
 /// long for its column, or recorded by a snapshot, is named by a label that a legend below the
-/// table spells out ([`conf_labels`]).
+/// table spells out (`conf_labels`).
 pub fn table(rows: &[Row]) -> String {
     let (labels, legend) = conf_labels(rows);
     let header = [
