@@ -297,7 +297,7 @@ if want replay; then
   if [ -e "$trace" ]; then
     for driver in cuda sim; do
       for format in table json; do
-        "$prefix/bin/gpupool-replay" --driver "$driver" --format "$format" --conf expandable_segments:False \
+        "$prefix/bin/gpupool-replay" --driver "$driver" --format "$format" \
           --conf expandable_segments:True "$trace" >"$out/replay-$driver.$format" 2>"$out/replay-$driver.err" ||
           { echo "gpupool-replay --driver $driver failed:"; cat "$out/replay-$driver.err"; status=1; }
       done
