@@ -7,7 +7,7 @@
 //! 1.2 GiB pins 2 GiB (1.7x). gpupool keeps that rule up to 1 MiB, where it is cheap, and above
 //! it divides each power of two into [`DIVISIONS`] equal steps (the rule of PyTorch's
 //! `roundup_power2_divisions` for device memory, with 32 divisions): a request of more than
-//! 1 MiB pins less than 1/32 (3.2%) more than it asked for, and each step has its own free list.
+//! 1 MiB pins less than 1/32 (3.125%) more than it asked for, and each step has its own free list.
 //! A cached block may also serve a smaller request of a lower class if it holds at most
 //! [`SLACK_DIVISOR`]'s share (5%) more than that request asks for ([`serves`]): a freed block is
 //! reused by requests of about its size, and no request is handed more than 1.05 times its size
