@@ -1,6 +1,7 @@
 //! The pinned host allocator's hit path on the simulated device (no driver call is on it): a
-//! cached `malloc`+`free` pair of one size, on one thread and on several threads at once (each
-//! its own loop, as threads staging for their own streams do).
+//! cached `malloc`+`free` pair of one size (a power of two's class, and above 1 MiB one of a
+//! 32nd of a power of two), on one thread and on several threads at once (each its own loop,
+//! as threads staging for their own streams do).
 //!
 //! Beside gpupool's design (per-thread stripes, a lock-free block index), `pytorch_layout` is
 //! PyTorch's lock layout rebuilt with the same primitives: one mutex over the pointer map that
@@ -64,7 +65,8 @@ fn host() -> HostAllocator {
 
 fn hit_pair(c: &mut Criterion) {
     let mut g = c.benchmark_group("host_hit_pair");
-    for (name, size) in [("4KiB", 4096usize), ("1MiB", 1 << 20)] {
+    // 20.4 MiB: a size class of a 32nd of a power of two (PyTorch: 32 MiB).
+    for (name, size) in [("4KiB", 4096usize), ("1MiB", 1 << 20), ("20.4MiB", (20 << 20) + (2 << 20) / 5)] {
         let h = host();
         h.free(h.malloc(size).unwrap()).unwrap();
         g.bench_function(BenchmarkId::new("gpupool", name), |b| {

@@ -187,7 +187,8 @@ typedef struct gpupool_host_stats_t {
    */
   struct gpupool_stat_t active_requests;
   /**
-   * Bytes of those blocks, sizes rounded to powers of two (PyTorch `active_bytes`).
+   * Bytes of those blocks, each its size class's (the request rounded up, see
+   * `gpupool_host_malloc`; PyTorch `active_bytes`).
    */
   struct gpupool_stat_t active_bytes;
   /**
@@ -546,10 +547,14 @@ gpupool_status gpupool_dump_snapshot(const char *path);
  * and the device are asynchronous DMA. Use it to stage inputs and outputs.
  *
  * - `ptr`: out-pointer, written only on success. Must not be NULL.
- * - `size`: bytes, rounded up to a power of two; each power of two has its own cache, and a
- *   block is never split. 0 gives `*ptr = NULL` and success, as PyTorch.
+ * - `size`: bytes, rounded up to its size class: up to 1 MiB a power of two (PyTorch's
+ *   rule); above, a multiple of a 32nd of the power of two below it, so that a block holds
+ *   less than 1/32 more than asked for (PyTorch pins up to twice: 20.4 GiB pins 32 GiB, here
+ *   20.5 GiB). Each class has its own cache and a block is never split; when its class has no
+ *   free block, a cached block of a larger class at most 5% over `size` is taken before new
+ *   memory is pinned. 0 gives `*ptr = NULL` and success, as PyTorch.
  *
- * A cached block of the size is taken if one is free (its events, if any, completed);
+ * A cached block of the class is taken if one is free (its events, if any, completed);
  * otherwise new memory is pinned with `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)`, or with
  * `malloc` and `cuMemHostRegister` under `GPUPOOL_CONF=pinned_use_cuda_host_register:True`,
  * which takes milliseconds. The memory is portable: usable with every device and context.

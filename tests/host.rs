@@ -470,7 +470,13 @@ mod model {
             match op {
                 Op::Malloc { size } => {
                     if let Ok(p) = h.malloc(size) {
-                        let rounded = size.next_power_of_two();
+                        let rounded = h.block_size(p).expect("allocated");
+                        let want = gpupool::host::rounded_size(size).unwrap();
+                        // Its class, or a cached block of a larger class at most 5% over.
+                        assert!(
+                            rounded == want || (rounded > want && rounded - size <= size / 20),
+                            "{size} got {rounded}"
+                        );
                         for &(q, qs, _) in &busy {
                             assert!(p + rounded <= q || q + qs <= p, "{p:#x} reused while a held stream reads {q:#x}");
                         }

@@ -130,7 +130,9 @@ fn run(m: &mut Model, call: &Call) {
                 assert!(out.is_null());
             } else {
                 let p = out as usize;
-                let rounded = size.next_power_of_two();
+                let host = gpupool::ffi::process_host_allocator().unwrap();
+                let rounded = host.block_size(p).expect("allocated");
+                assert!(rounded >= size, "{size} bytes got a block of {rounded}");
                 for (&q, &(s, _)) in &m.live {
                     assert!(p + rounded <= q || q + s <= p, "{p:#x} overlaps the live block at {q:#x}");
                 }

@@ -57,8 +57,8 @@
 //! ## Pinned host memory
 //!
 //! `cudaMallocHost`, `cudaHostAlloc` and their driver twins are served by gpupool's caching
-//! host allocator (`gpupool_host_malloc`: sizes rounded up to powers of two, blocks cached per
-//! size), so a program that pins and unpins staging buffers in a loop stops paying
+//! host allocator (`gpupool_host_malloc`: sizes rounded up to a power of two up to 1 MiB, to a
+//! 32nd of one above, blocks cached per size class), so a program that pins and unpins staging buffers in a loop stops paying
 //! milliseconds per call. A program may rely on `cudaFreeHost` waiting for the device, so a
 //! block freed with `cudaFreeHost` or `cuMemFreeHost` is reused only after gpupool has
 //! synchronised the device that was current at the free: when a later pinned allocation of its

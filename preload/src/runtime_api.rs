@@ -153,7 +153,8 @@ fn free_device(s: &crate::shim::Shim) -> i32 {
 }
 
 /// `cudaError_t cudaMallocHost(void **ptr, size_t size)`, served by gpupool's pinned host
-/// allocator (size rounded up to a power of two; 0 gives NULL and success).
+/// allocator (size rounded up to its size class, see `gpupool_host_malloc`; 0 gives NULL and
+/// success).
 ///
 /// # Safety
 /// As CUDA's `cudaMallocHost`.

@@ -1,21 +1,20 @@
-//! Blocks, size classes and stripes (PyTorch `HostBlock`, `size_index` and the per-size free
-//! lists of `CachingHostAllocatorImpl` in `aten/src/ATen/core/CachingHostAllocator.h`): what a
-//! pinned block is and where its memory came from, the stripes whose free lists serve the hit
-//! path without a lock shared between threads, and handing a block out of a free list and back.
+//! Blocks and stripes (PyTorch `HostBlock` and the per-size free lists of
+//! `CachingHostAllocatorImpl` in `aten/src/ATen/core/CachingHostAllocator.h`): what a pinned
+//! block is and where its memory came from, the stripes whose free lists (one per size class of
+//! `classes`) serve the hit path without a lock shared between threads, and handing a block out
+//! of a free list and back.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
+use super::classes::CLASSES;
 use super::stats::StatExt;
 use super::{HostAllocator, Inner};
 use crate::driver::{EventHandle, HostPtr, StreamHandle};
 use crate::error::Error;
 use crate::stats::Stat;
-
-/// Size classes: one per power of two up to 2^63 (PyTorch `MAX_SIZE_INDEX`).
-const CLASSES: usize = 64;
 
 /// Where a block's memory came from, so that it goes back the same way (PyTorch keeps
 /// `use_host_register` per pointer for the same reason: the configuration may differ between
@@ -30,7 +29,7 @@ pub(super) enum Origin {
     Reserve,
 }
 
-/// One block: one whole allocation of a power-of-two size (PyTorch `HostBlock`).
+/// One block: one whole allocation of its class's size (PyTorch `HostBlock`).
 pub(super) struct Block {
     pub(super) ptr: HostPtr,
     pub(super) size: usize,

@@ -2,11 +2,25 @@
 //! against the blocks.
 
 use super::HostAllocator;
+use super::blocks::Block;
+use super::classes::{CLASSES, class_size};
+
+/// A block's size is its class's.
+fn check_class(b: &Block) {
+    assert!(
+        b.class < CLASSES && b.size == class_size(b.class),
+        "block {:#x}: {} bytes in class {}",
+        b.ptr,
+        b.size,
+        b.class
+    );
+}
 
 impl HostAllocator {
     /// Checks the allocator's invariants, for tests: every block in the index is in exactly
-    /// one place (handed out, a free list, a pending event, deferred or stranded); the
-    /// statistics match the blocks. Panics with what is wrong.
+    /// one place (handed out, a free list, a pending event, deferred or stranded), and is listed
+    /// there; its size is its size class's, and the index's entry says the same; the statistics
+    /// match the blocks. Panics with what is wrong.
     pub fn check_invariants(&self) {
         let inner = &*self.inner;
         let stripes: Vec<_> = inner.stripes.iter().map(|s| s.0.lock()).collect();
@@ -22,6 +36,7 @@ impl HostAllocator {
             for (class, list) in st.free.iter().enumerate() {
                 for b in list {
                     assert_eq!(b.class, class, "block {:#x} in the wrong free list", b.ptr);
+                    check_class(b);
                     place(b.ptr, "free");
                     free_blocks += 1;
                     free_bytes += b.size as i64;
@@ -29,6 +44,7 @@ impl HostAllocator {
             }
             let mut pending_blocks = rustc_hash::FxHashMap::<usize, u32>::default();
             for p in &st.pending {
+                check_class(&p.block);
                 *pending_blocks.entry(p.block.ptr).or_default() += 1;
             }
             assert_eq!(pending_blocks, st.waiting, "pending events and waiting counts differ");
@@ -37,10 +53,12 @@ impl HostAllocator {
             }
             for (&p, h) in &st.handed_out {
                 assert_eq!(p, h.block.ptr);
+                check_class(&h.block);
                 place(p, "handed out");
             }
         }
         for (_, b) in slow.deferred.iter().chain(&slow.stranded) {
+            check_class(b);
             place(b.ptr, "deferred or stranded");
         }
         let segments = inner.index.segments();
@@ -48,6 +66,8 @@ impl HostAllocator {
         for &(base, size, _) in &segments {
             bytes += size as i64;
             assert!(seen.contains_key(&(base as usize)), "block {base:#x} is nowhere");
+            let owner = inner.index.with_segment(base, |e| e.map(|e| (e.owner.ptr, e.owner.size)));
+            assert_eq!(owner, Some((base as usize, size)), "the index's entry at {base:#x} against its block");
         }
         for &p in seen.keys() {
             assert!(segments.iter().any(|s| s.0 as usize == p), "block {p:#x} is cached but not in the index");
