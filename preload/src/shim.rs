@@ -299,38 +299,47 @@ impl Shim {
         }
         let h = self.host.deferred();
         let config = self.alloc.config();
-        let mut out = format!(
-            "gpupool_preload: mode {:?}; served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync; \
-             {} frees, {} stream-ordered frees; refused {} frees and {} stream-ordered frees; \
-             passed through {} allocations and {} frees; \
-             {} device synchronisations released {} deferred frees; {} frees ({} bytes) still deferred at exit; \
-             pinned: served {} cudaMallocHost/cudaHostAlloc, {} cuMemAllocHost/cuMemHostAlloc, passed through {}; \
-             {} frees, refused {}; {} device synchronisations released {} of them; {} ({} bytes) still deferred at exit\n",
-            config.preload_mode,
-            n(&c.cuda_malloc),
-            n(&c.cuda_malloc_async),
-            n(&c.cu_mem_alloc),
-            n(&c.cu_mem_alloc_async),
-            n(&c.frees),
-            n(&c.async_frees),
-            n(&c.refused_frees),
-            n(&c.refused_async_frees),
-            n(&c.passed_allocs),
-            n(&c.passed_frees),
-            d.syncs,
-            d.released,
-            d.blocks,
-            d.bytes,
-            n(&c.cuda_host_alloc),
-            n(&c.cu_host_alloc),
-            n(&c.passed_host_allocs),
-            n(&c.host_frees),
-            n(&c.refused_host_frees),
-            h.syncs,
-            h.released,
-            h.blocks,
-            h.bytes,
-        );
+        // One fact a line, each under 100 characters with counts of a few digits, so that the
+        // report reads in a terminal and greps line by line.
+        let lines = [
+            format!("mode {:?}", config.preload_mode),
+            format!(
+                "served {} cudaMalloc, {} cudaMallocAsync, {} cuMemAlloc, {} cuMemAllocAsync",
+                n(&c.cuda_malloc),
+                n(&c.cuda_malloc_async),
+                n(&c.cu_mem_alloc),
+                n(&c.cu_mem_alloc_async)
+            ),
+            format!(
+                "{} frees, {} stream-ordered frees; refused {} frees and {} stream-ordered frees",
+                n(&c.frees),
+                n(&c.async_frees),
+                n(&c.refused_frees),
+                n(&c.refused_async_frees)
+            ),
+            format!("passed through {} allocations and {} frees", n(&c.passed_allocs), n(&c.passed_frees)),
+            format!("{} device synchronisations released {} deferred frees", d.syncs, d.released),
+            format!("{} frees ({} bytes) still deferred at exit", d.blocks, d.bytes),
+            format!(
+                "pinned: served {} cudaMallocHost/cudaHostAlloc, {} cuMemAllocHost/cuMemHostAlloc",
+                n(&c.cuda_host_alloc),
+                n(&c.cu_host_alloc)
+            ),
+            format!(
+                "pinned: passed through {}; {} frees, refused {}",
+                n(&c.passed_host_allocs),
+                n(&c.host_frees),
+                n(&c.refused_host_frees)
+            ),
+            format!("pinned: {} device synchronisations released {} deferred frees", h.syncs, h.released),
+            format!("pinned: {} frees ({} bytes) still deferred at exit", h.blocks, h.bytes),
+        ];
+        let mut out = String::new();
+        for line in lines {
+            out.push_str("gpupool_preload: ");
+            out.push_str(&line);
+            out.push('\n');
+        }
         for line in config.options_text().lines() {
             out.push_str("gpupool_preload: option ");
             out.push_str(line);
@@ -394,11 +403,17 @@ mod tests {
             assert!(s.free_host(h, 0).is_ok());
             assert!(s.free_host(h, 0).is_err());
             let r = s.report();
-            assert!(r.contains("pinned: served 0 cudaMallocHost/cudaHostAlloc, 0 cuMemAllocHost/cuMemHostAlloc, passed \
-                                through 0; 1 frees, refused 2; 0 device synchronisations released 0 of them; 1 (4096 bytes) \
-                                still deferred at exit"), "{r}");
+            let pinned = "gpupool_preload: pinned: served 0 cudaMallocHost/cudaHostAlloc, 0 cuMemAllocHost/cuMemHostAlloc\n\
+                          gpupool_preload: pinned: passed through 0; 1 frees, refused 2\n\
+                          gpupool_preload: pinned: 0 device synchronisations released 0 deferred frees\n\
+                          gpupool_preload: pinned: 1 frees (4096 bytes) still deferred at exit\n";
+            assert!(r.contains(pinned), "{r}");
             assert!(r.contains("1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees"), "{r}");
-            assert!(r.contains(&format!("mode {mode:?};")), "{r}");
+            assert!(r.starts_with(&format!("gpupool_preload: mode {mode:?}\n")), "{r}");
+            // The shim's own lines fit a terminal (the options' GPUPOOL_CONF line names every key).
+            for line in r.lines().take_while(|l| !l.starts_with("gpupool_preload: option")) {
+                assert!(line.len() <= 100, "{} characters: {line}", line.len());
+            }
             assert!(r.contains("gpupool_preload: option GPUPOOL_DRIVER=sim\n"), "{r}");
             assert!(r.contains("gpupool memory summary, device ID 0"), "{r}");
         }

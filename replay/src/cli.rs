@@ -9,6 +9,7 @@ use crate::cuda::Gpu;
 use crate::input::load;
 use crate::report::{Row, csv, json, table};
 use crate::run::{default_capacity, replay_sim};
+use crate::trace::Trace;
 
 /// The text of `--help`.
 pub const USAGE: &str = "\
@@ -16,26 +17,41 @@ usage: gpupool-replay [OPTIONS] TRACE...
 
 Replays allocation traces on gpupool, once per configuration, and prints per configuration the
 peak reserved and peak live bytes, their ratio, driver allocations, retries, out-of-memory
-errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass).
+errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass). Each
+trace is replayed under the defaults first (gpupool's, which are PyTorch's: the row
+'defaults'), then under each --conf in order.
 
-TRACE is a text trace ('a ID SIZE STREAM' / 'f ID' lines, as in ../shared/traces) or a PyTorch
-memory snapshot (torch.cuda.memory._dump_snapshot), either of them gzipped or not. A snapshot
-also gives a row 'recorded': what PyTorch's allocator reserved over the same events.
+TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or not:
+  - a text trace has one event a line: 'a ID SIZE STREAM' allocates SIZE bytes (as the program
+    asked for them, before rounding) as allocation ID on stream STREAM, an integer id (a CUDA
+    stream handle, 0 the default stream; each distinct value is replayed on a stream of its
+    own); 'f ID' frees allocation ID. gpupool's repository ships two, recorded from PyTorch
+    workloads, in replay/traces (its README.md says what each is);
+  - a snapshot is the pickle of torch.cuda.memory._dump_snapshot(). It also gives a row of
+    driver 'recorded': what PyTorch's allocator reserved over the same events, under the
+    PYTORCH_CUDA_ALLOC_CONF the snapshot recorded; and, when that configuration is not the
+    defaults, a row of gpupool replaying it, after the defaults row. 'defaults' is gpupool's
+    defaults for a snapshot too, whatever the recording ran with.
 
 options:
   --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's
                       PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True' or
-                      'max_split_size_mb:128,roundup_power2_divisions:4'; once per row, in
-                      order; without any, the defaults (the environment is not read)
+                      'max_split_size_mb:128,roundup_power2_divisions:4': one row each;
+                      '' is the defaults. The environment is not read.
+  --no-defaults       no row of the defaults, nor of a snapshot's recorded configuration:
+                      only the --conf rows (at least one)
   --driver sim|cuda   sim (default): the simulated device, no GPU needed; cuda: device 0 of
                       this machine's GPU, with one CUDA stream per stream of the trace
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
                       largest peak live rounded up to a GiB when that is more)
   --device N          of a snapshot, replay only device N's trace (default: every device's)
-  --format FORMAT     table (default), json or csv
+  --format FORMAT     table (default), json or csv. The table names a snapshot's recorded
+                      configuration 'recorded' and one of over 32 characters 'conf N', and
+                      spells them out below it; json and csv write them whole
   --json, --csv       the same as --format json, --format csv
   -o, --output FILE   write the report to FILE instead of standard output
   -h, --help          this text
+  -V, --version       print 'gpupool-replay VERSION' (this build's version) and exit
 
 Exit status: 0 done (out-of-memory errors in a replay are reported, not failures); 1 a trace
 could not be read or a replay failed (no GPU for --driver cuda, for one); 2 bad usage (an
@@ -56,7 +72,10 @@ enum DriverChoice {
 }
 
 struct Options {
+    /// The rows to replay, the defaults first unless `--no-defaults`; each label once.
     confs: Vec<(String, Config)>,
+    /// `--no-defaults`: only the `--conf` rows, not even a snapshot's recorded configuration.
+    no_defaults: bool,
     driver: DriverChoice,
     capacity: Option<usize>,
     device: Option<usize>,
@@ -70,6 +89,7 @@ enum Stop {
     Usage(String),
     Failed(String),
     Help,
+    Version,
 }
 
 /// The configuration `text` means, as `GPUPOOL_CONF` would set it over the defaults.
@@ -83,6 +103,7 @@ pub fn parse_conf(text: &str) -> Result<Config, String> {
 fn parse_args(args: &[String]) -> Result<Options, Stop> {
     let mut o = Options {
         confs: Vec::new(),
+        no_defaults: false,
         driver: DriverChoice::Sim,
         capacity: None,
         device: None,
@@ -101,7 +122,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
-        if inline.is_some() && matches!(name, "--help" | "--json" | "--csv") {
+        if inline.is_some() && matches!(name, "--help" | "--version" | "--no-defaults" | "--json" | "--csv") {
             return Err(Stop::Usage(format!("{name} takes no value")));
         }
         let mut value = || {
@@ -110,12 +131,14 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
         match name {
             "--" => only_traces = true,
             "-h" | "--help" => return Err(Stop::Help),
+            "-V" | "--version" => return Err(Stop::Version),
             "--conf" => {
                 let text = value()?;
                 let config = parse_conf(&text).map_err(Stop::Usage)?;
                 let label = if text.trim().is_empty() { "defaults".to_string() } else { text };
                 o.confs.push((label, config));
             }
+            "--no-defaults" => o.no_defaults = true,
             "--driver" => {
                 o.driver = match value()?.as_str() {
                     "sim" => DriverChoice::Sim,
@@ -156,10 +179,37 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
     if o.driver == DriverChoice::Cuda && o.capacity.is_some() {
         return Err(Stop::Usage("--capacity sizes the simulated device: it does not go with --driver cuda".into()));
     }
-    if o.confs.is_empty() {
-        o.confs.push(("defaults".into(), Config::default()));
+    if o.no_defaults && o.confs.is_empty() {
+        return Err(Stop::Usage("--no-defaults leaves nothing to replay: give a --conf".into()));
     }
+    if !o.no_defaults {
+        o.confs.insert(0, ("defaults".into(), Config::default()));
+    }
+    // `--conf ''` is the defaults: replayed once, where they come first.
+    let mut defaults_seen = false;
+    o.confs.retain(|(label, _)| label != "defaults" || !std::mem::replace(&mut defaults_seen, true));
     Ok(o)
+}
+
+/// The row that replays a snapshot's recorded configuration on gpupool, labelled with the
+/// recorded text (as the snapshot's `recorded` row is). None for a text trace, or a snapshot
+/// that recorded none or an empty one (the defaults); and, with a line in `err` saying why,
+/// for one that a row of `confs` replays already or that gpupool does not run (a key of a
+/// later PyTorch, say).
+fn recorded_conf(t: &Trace, confs: &[(String, Config)], err: &mut dyn Write) -> Option<(String, Config)> {
+    let text = t.recorded.as_ref()?.conf.as_deref().filter(|c| !c.trim().is_empty())?;
+    let config = match Config::default().with_conf(text) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(err, "{}: no row for the recorded configuration, which gpupool does not run: {e}", t.name);
+            return None;
+        }
+    };
+    if let Some((label, _)) = confs.iter().find(|(_, c)| *c == config) {
+        let _ = writeln!(err, "{}: the recorded configuration is that of the row {label:?}: no row of its own", t.name);
+        return None;
+    }
+    Some((text.to_string(), config))
 }
 
 /// Loads the traces and replays each under every configuration; returns the rows, writing the
@@ -193,7 +243,12 @@ fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
         if let Some(r) = &t.recorded {
             rows.push(Row::recorded(t, r));
         }
-        for (text, config) in &o.confs {
+        let mut confs = o.confs.clone();
+        if !o.no_defaults {
+            // After the defaults row, which is first.
+            confs.splice(1..1, recorded_conf(t, &o.confs, err));
+        }
+        for (text, config) in &confs {
             let row = match &gpu {
                 Some(gpu) => {
                     let outcome = gpu.replay(t, config).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
@@ -231,6 +286,10 @@ pub fn main_with(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> i
         Ok(()) => 0,
         Err(Stop::Help) => {
             let _ = out.write_all(USAGE.as_bytes());
+            0
+        }
+        Err(Stop::Version) => {
+            let _ = writeln!(out, "gpupool-replay {}", env!("CARGO_PKG_VERSION"));
             0
         }
         Err(Stop::Usage(why)) => {

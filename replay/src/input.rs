@@ -1,5 +1,5 @@
 //! Opening a trace file, whichever kind it is: a text trace or a PyTorch snapshot pickle, each
-//! as it is or gzip-compressed (the traces of `../shared/traces` are `.txt.gz`). The kind is
+//! as it is or gzip-compressed (the traces of `replay/traces` are `.txt.gz`). The kind is
 //! told from the content, not the name.
 
 use std::io::Read;

@@ -1,12 +1,12 @@
 //! `gpupool-replay`: tune gpupool's configuration for a workload offline, from a trace of its
 //! allocations, on a machine without a GPU.
 //!
-//! A trace (the text format of `../shared/traces`, or the `device_traces` of a PyTorch memory
-//! snapshot that any PyTorch user can dump with `torch.cuda.memory._dump_snapshot`) is replayed
-//! on gpupool under each configuration asked for (`GPUPOOL_CONF`'s syntax, which is PyTorch's
-//! `PYTORCH_CUDA_ALLOC_CONF`), on the simulated device or on the GPU, and each replay reports
-//! peak reserved against peak live bytes, driver allocations, out-of-memory errors and the
-//! time per event.
+//! A trace (the text format of the traces in `replay/traces`, or the `device_traces` of a
+//! PyTorch memory snapshot that any PyTorch user can dump with
+//! `torch.cuda.memory._dump_snapshot`) is replayed on gpupool under each configuration asked
+//! for (`GPUPOOL_CONF`'s syntax, which is PyTorch's `PYTORCH_CUDA_ALLOC_CONF`), on the
+//! simulated device or on the GPU, and each replay reports peak reserved against peak live
+//! bytes, driver allocations, out-of-memory errors and the time per event.
 //!
 //! - [`input::load`] reads a file of either kind, gzipped or not, into [`Trace`]s;
 //!   [`snapshot`] says how a snapshot becomes a trace (frees of blocks allocated before a

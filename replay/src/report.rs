@@ -1,6 +1,7 @@
 //! The report: one row per trace and configuration (and one for what PyTorch itself did, when
 //! a snapshot says), as a table for people or as JSON or CSV for scripts.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -14,9 +15,10 @@ use crate::trace::{Recorded, Trace};
 pub struct Row {
     /// The trace's name (file, and device for a snapshot of several).
     pub trace: String,
-    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), `defaults` for none;
-    /// for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when the snapshot has
-    /// it (`as recorded` when not).
+    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), `defaults` for
+    /// gpupool's defaults; for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when
+    /// the snapshot has it (`defaults` when it is empty, `as recorded` when the snapshot does
+    /// not say), and the row replaying that configuration on gpupool has the same text.
     pub configuration: String,
     /// `sim` (the simulated device), `cuda` (the GPU), or `recorded` (PyTorch's own allocator,
     /// as the snapshot's segment events show it).
@@ -105,7 +107,11 @@ impl Row {
         let live = trace.peak_live();
         Row {
             trace: trace.name.clone(),
-            configuration: r.conf.clone().unwrap_or_else(|| "as recorded".into()),
+            configuration: match r.conf.as_deref() {
+                None => "as recorded".into(),
+                Some(c) if c.trim().is_empty() => "defaults".into(),
+                Some(c) => c.to_string(),
+            },
             driver: "recorded".into(),
             capacity_bytes: None,
             events: trace.events.len(),
@@ -137,8 +143,69 @@ fn or_dash<T>(v: Option<T>, f: impl FnOnce(T) -> String) -> String {
     v.map_or_else(|| "-".to_string(), f)
 }
 
-/// The rows as a table with aligned columns, sizes in MiB, one line each.
+/// A configuration longer than this many characters is named by a label in the table and
+/// printed in full below it: a snapshot's configuration string, which names every key, would
+/// make every line of the table hundreds of columns wide.
+const CONF_WIDTH: usize = 32;
+
+/// The legend's lines are cut (at commas) to this many characters.
+const LEGEND_WIDTH: usize = 100;
+
+/// The name each configuration of `rows` takes in the table, and the legend that gives each
+/// name's full text: a snapshot's recorded configuration is `recorded` (`recorded 1`,
+/// `recorded 2`... when the traces recorded several), whatever its length, so that the row of
+/// PyTorch under it and the row of gpupool replaying it read as one configuration; any other
+/// configuration longer than [`CONF_WIDTH`] characters is `conf 1`, `conf 2`...
+fn conf_labels(rows: &[Row]) -> (HashMap<&str, String>, Vec<String>) {
+    let mut recorded: Vec<(&str, &str)> = Vec::new();
+    for r in rows.iter().filter(|r| r.driver == "recorded") {
+        let c = r.configuration.as_str();
+        if !matches!(c, "defaults" | "as recorded") && !recorded.iter().any(|&(k, _)| k == c) {
+            recorded.push((c, &r.trace));
+        }
+    }
+    let (mut labels, mut legend) = (HashMap::new(), Vec::new());
+    for (i, &(conf, trace)) in recorded.iter().enumerate() {
+        let label = if recorded.len() == 1 { "recorded".to_string() } else { format!("recorded {}", i + 1) };
+        legend_entry(&mut legend, &format!("{label} (the PYTORCH_CUDA_ALLOC_CONF of {trace})"), conf);
+        labels.insert(conf, label);
+    }
+    let mut long = 0;
+    for r in rows {
+        let c = r.configuration.as_str();
+        if c.chars().count() > CONF_WIDTH && !labels.contains_key(c) {
+            long += 1;
+            let label = format!("conf {long}");
+            legend_entry(&mut legend, &label, c);
+            labels.insert(c, label);
+        }
+    }
+    (labels, legend)
+}
+
+/// Adds `name: text` to `legend`: on one line where it fits in [`LEGEND_WIDTH`], else the name
+/// on a line and the text below it, indented, cut after commas.
+fn legend_entry(legend: &mut Vec<String>, name: &str, text: &str) {
+    if name.chars().count() + 2 + text.chars().count() <= LEGEND_WIDTH {
+        legend.push(format!("{name}: {text}"));
+        return;
+    }
+    legend.push(format!("{name}:"));
+    let mut line = String::from("  ");
+    for piece in text.split_inclusive(',') {
+        if line.chars().count() + piece.chars().count() > LEGEND_WIDTH && line.len() > 2 {
+            legend.push(std::mem::replace(&mut line, String::from("  ")));
+        }
+        line.push_str(piece);
+    }
+    legend.push(line);
+}
+
+/// The rows as a table with aligned columns, sizes in MiB, one line each; a configuration too
+/// long for its column, or recorded by a snapshot, is named by a label that a legend below the
+/// table spells out ([`conf_labels`]).
 pub fn table(rows: &[Row]) -> String {
+    let (labels, legend) = conf_labels(rows);
     let header = [
         "trace",
         "configuration",
@@ -158,7 +225,7 @@ pub fn table(rows: &[Row]) -> String {
         .map(|r| {
             vec![
                 r.trace.clone(),
-                r.configuration.clone(),
+                labels.get(r.configuration.as_str()).unwrap_or(&r.configuration).clone(),
                 r.driver.clone(),
                 r.events.to_string(),
                 mib(r.peak_live_bytes),
@@ -195,6 +262,13 @@ pub fn table(rows: &[Row]) -> String {
     line(&header.map(String::from));
     for row in &cells {
         line(row);
+    }
+    if !legend.is_empty() {
+        out.push('\n');
+        for l in legend {
+            out.push_str(&l);
+            out.push('\n');
+        }
     }
     out
 }

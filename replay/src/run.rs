@@ -49,9 +49,9 @@ pub struct Outcome {
     pub warm_ns_per_event: f64,
 }
 
-/// The sim device's capacity when none is given: 80 GiB (the H100 of `../shared/traces`),
-/// or twice the largest live peak of `traces` rounded up to a whole GiB when that is more, so
-/// that the trace never runs out of memory unless asked to. The capacity matters beyond
+/// The sim device's capacity when none is given: 80 GiB (the H100 the traces of
+/// `replay/traces` were recorded on), or twice the largest live peak of `traces` rounded up to
+/// a whole GiB when that is more, so that the trace never runs out of memory unless asked to. The capacity matters beyond
 /// out-of-memory: expandable segments size their address ranges from the device's memory.
 pub fn default_capacity(traces: &[Trace]) -> usize {
     const GIB: usize = 1 << 30;

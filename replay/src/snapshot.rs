@@ -11,7 +11,8 @@
 //! - `segments`: each with `device`, `address`, `total_size`, `stream` and its `blocks` (each
 //!   with `size`, `requested_size`, `state`, and `address` since PyTorch 2.1; before, blocks
 //!   tile their segment in order from its address, which is how the address is found then).
-//! - `allocator_settings.PYTORCH_CUDA_ALLOC_CONF`, where present, for the report.
+//! - `allocator_settings.PYTORCH_CUDA_ALLOC_CONF`, where present: the report's recorded row
+//!   names it, and a row replays it on gpupool (`cli`).
 //!
 //! How a device's entries become a trace:
 //! - `alloc` allocates a block at `addr`; `free_requested` frees the block at its `addr`: the

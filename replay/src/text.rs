@@ -1,4 +1,4 @@
-//! The text format of the traces in `../shared/traces`, one event a line:
+//! The text format of the traces in `replay/traces`, one event a line:
 //!
 //! ```text
 //! a ID SIZE STREAM     allocate SIZE bytes (as requested, before rounding) on STREAM

@@ -34,7 +34,8 @@ fn several_confs_give_several_rows() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
     let confs: Vec<&str> = rows.iter().map(|r| r["configuration"].as_str().unwrap()).collect();
-    assert_eq!(confs, ["expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]);
+    // The defaults first, then each --conf in order.
+    assert_eq!(confs, ["defaults", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]);
     for r in &rows {
         assert_eq!(r["trace"], "cli-rows.txt");
         assert_eq!(r["driver"], "sim");
@@ -44,20 +45,23 @@ fn several_confs_give_several_rows() {
         assert_eq!(r["capacity_bytes"], 80u64 << 30);
     }
     // Ordinary segments: 12 + 2 + 20 MiB (see tests/peaks.rs), whatever max_split_size.
-    assert_eq!(rows[1]["peak_reserved_bytes"], 34 * 1048576);
-    assert_eq!(rows[1]["device_allocs"], 3);
+    for r in [&rows[0], &rows[2]] {
+        assert_eq!(r["peak_reserved_bytes"], 34 * 1048576);
+        assert_eq!(r["device_allocs"], 3);
+    }
     // Expandable segments map 2 MiB pages as needed: 12 MiB, then 2 MiB on the second stream,
     // then 4 MiB for the 3 MiB block.
-    assert_eq!(rows[0]["peak_reserved_bytes"], 18 * 1048576);
+    assert_eq!(rows[1]["peak_reserved_bytes"], 18 * 1048576);
 
     // CSV: a header, then the same rows.
     let out = replay(&["--csv", "--conf", "expandable_segments:True", "--capacity", "1GiB", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let csv = text(&out.stdout);
     let lines: Vec<&str> = csv.lines().collect();
-    assert_eq!(lines.len(), 2, "{csv}");
+    assert_eq!(lines.len(), 3, "{csv}");
     assert!(lines[0].starts_with("trace,configuration,driver,capacity_bytes,events"), "{csv}");
-    assert!(lines[1].starts_with("cli-rows.txt,expandable_segments:True,sim,1073741824,6,2,0,"), "{csv}");
+    assert!(lines[1].starts_with("cli-rows.txt,defaults,sim,1073741824,6,2,0,"), "{csv}");
+    assert!(lines[2].starts_with("cli-rows.txt,expandable_segments:True,sim,1073741824,6,2,0,"), "{csv}");
 
     // No --conf: one row of the defaults; the table names its columns.
     let out = replay(&[path.to_str().unwrap()]);
@@ -67,6 +71,30 @@ fn several_confs_give_several_rows() {
     assert!(table.starts_with("trace") && table.contains("reserved/live"), "{table}");
     assert!(table.lines().nth(1).unwrap().contains("defaults"), "{table}");
     assert!(table.contains("2.197"), "34 MiB over 15.48 MiB: {table}");
+}
+
+#[test]
+fn no_defaults_leaves_the_defaults_out_and_an_empty_conf_is_the_defaults() {
+    let path = trace_file("cli-defaults.txt");
+    let path = path.to_str().unwrap();
+    let confs = |args: &[&str]| -> Vec<String> {
+        let out = replay(&[&["--json"], args, &[path]].concat());
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        rows.iter().map(|r| r["configuration"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(confs(&[]), ["defaults"]);
+    assert_eq!(confs(&["--no-defaults", "--conf", "expandable_segments:True"]), ["expandable_segments:True"]);
+    // '' names the defaults: replayed once, first.
+    assert_eq!(confs(&["--conf", "expandable_segments:True", "--conf", ""]), ["defaults", "expandable_segments:True"]);
+    assert_eq!(
+        confs(&["--no-defaults", "--conf", "expandable_segments:True", "--conf="]),
+        ["expandable_segments:True", "defaults"]
+    );
+    // Nothing left to replay.
+    let out = replay(&["--no-defaults", path]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--no-defaults leaves nothing to replay"), "{}", text(&out.stderr));
 }
 
 #[test]
@@ -131,4 +159,28 @@ fn driver_cuda_fails_cleanly_without_a_gpu() {
             assert_eq!(rows[0]["peak_reserved_bytes"], 34 * 1048576);
         }
     }
+}
+
+#[test]
+fn help_says_the_text_format_and_where_traces_are() {
+    let out = replay(&["--help"]);
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for says in ["'a ID SIZE STREAM'", "'f ID'", "SIZE bytes", "STREAM, an integer id", "replay/traces"] {
+        assert!(help.contains(says), "--help does not say {says:?}:\n{help}");
+    }
+    assert!(!help.contains("shared/traces"), "users have no ../shared/traces:\n{help}");
+    // The help fits a terminal of 100 columns.
+    assert!(help.lines().all(|l| l.chars().count() <= 100), "{help}");
+}
+
+#[test]
+fn version_prints_the_crates_version() {
+    for flag in ["--version", "-V"] {
+        let out = replay(&[flag]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), format!("gpupool-replay {}\n", env!("CARGO_PKG_VERSION")));
+    }
+    let out = replay(&["--version=1"]);
+    assert_eq!(out.status.code(), Some(2));
 }

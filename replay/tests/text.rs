@@ -1,4 +1,4 @@
-//! The text format of `../shared/traces`.
+//! The text format of the traces in `replay/traces`.
 
 use gpupool_replay::Event::{Alloc, Free};
 use gpupool_replay::input::load_bytes;

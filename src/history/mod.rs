@@ -4,6 +4,8 @@
 //! (`torch.cuda._memory_viz`, the memory_viz page) reads gpupool's snapshots as it reads
 //! PyTorch's.
 //!
+//! - `entry`: one event as recorded, its stack still an id;
+//! - `frame`: one frame of a symbolised stack ([`Frame`]);
 //! - `ring`: the trace of one device, the newest `max_entries` events (PyTorch
 //!   `RingBuffer<TraceEntry>`);
 //! - `stacks`: native call stacks, captured unresolved and interned, symbolised when a
@@ -18,6 +20,8 @@
 //! off. The allocator core calls the recorder at each event (`src/caching`), under the lock of
 //! the shard the event changes, so that a device's trace is in the order the events happened.
 
+mod entry;
+mod frame;
 mod pickle;
 mod recorder;
 mod report;
@@ -26,10 +30,12 @@ mod snapshot;
 mod stacks;
 pub mod tags;
 
-pub(crate) use recorder::{Entry, HistoryHook, Recorder};
+pub(crate) use entry::Entry;
+pub use frame::Frame;
+pub(crate) use recorder::{HistoryHook, Recorder};
 pub(crate) use report::live_report;
 pub(crate) use snapshot::RawSegment;
-pub use snapshot::{AllocatorSettings, BlockState, Frame, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry};
+pub use snapshot::{AllocatorSettings, BlockState, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry};
 pub(crate) use stacks::ContextTable;
 pub use tags::TagStats;
 

@@ -15,7 +15,8 @@ use std::io::Write;
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 
 use super::Action;
-use super::snapshot::{AllocatorSettings, Frame, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry};
+use super::frame::Frame;
+use super::snapshot::{AllocatorSettings, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry};
 use crate::error::Error;
 
 impl Snapshot {

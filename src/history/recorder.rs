@@ -13,24 +13,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
+use super::entry::Entry;
 use super::ring::Ring;
 use super::stacks::{self, ContextTable};
 use super::tags::{self, TagCounters};
 use super::{Action, HistoryContext, HistorySettings};
 use crate::driver::StreamHandle;
-
-/// One event as recorded (see [`super::TraceEntry`] for the fields); `ctx` names its stack in
-/// the recorder's table (0: none).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Entry {
-    pub action: Action,
-    pub ctx: u32,
-    pub addr: u64,
-    pub size: usize,
-    pub block_size: usize,
-    pub stream: StreamHandle,
-    pub time_us: i64,
-}
 
 /// Microseconds since the Unix epoch, from a monotonic clock (PyTorch's `time_us`).
 struct Clock {

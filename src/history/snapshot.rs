@@ -5,20 +5,10 @@
 use std::sync::Arc;
 
 use super::Action;
-use super::recorder::Entry;
+use super::entry::Entry;
+use super::frame::Frame;
 use super::stacks::ContextTable;
 use crate::driver::{DevicePtr, StreamHandle};
-
-/// One frame of a call stack, as PyTorch's snapshot writes it: `{filename, line, name}`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Frame {
-    /// The function, demangled; the address in hexadecimal when no symbol was found.
-    pub name: String,
-    /// Its source file, `??` when unknown (no debug information).
-    pub filename: String,
-    /// The line in it, 0 when unknown.
-    pub line: u32,
-}
 
 /// A block's state in the snapshot (PyTorch's `active_allocated`, `active_pending_free`,
 /// `inactive`).

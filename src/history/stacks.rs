@@ -20,7 +20,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-use super::snapshot::Frame;
+use super::frame::Frame;
 
 /// Frames kept of a stack, innermost first; deeper callers are cut.
 const MAX_FRAMES: usize = 128;

@@ -110,8 +110,9 @@ static void check_exit_report(void) {
   CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   int before = checks_failed;
-  CHECK(strstr(report, "served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync; "
-                       "1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered frees;") != NULL);
+  CHECK(strstr(report, "gpupool_preload: served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync\n"
+                       "gpupool_preload: 1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered "
+                       "frees\n") != NULL);
   CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
   CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);

@@ -1,0 +1,140 @@
+//! A snapshot's own configuration (its `allocator_settings.PYTORCH_CUDA_ALLOC_CONF`) in the
+//! report: the recorded row shows it, and a row replays it on gpupool after the defaults.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use gpupool::Allocator;
+use gpupool::config::Config;
+use gpupool::driver::sim::SimDriver;
+use gpupool::history::{HistoryContext, HistorySettings};
+use serde_json::Value;
+
+const MIB: usize = 1 << 20;
+
+/// A snapshot that gpupool writes of a small program (12, 3 and 1 MiB on one stream) run under
+/// `config` on a simulated device of 4 GiB; its configuration string names every key.
+fn snapshot(name: &str, config: Config) -> PathBuf {
+    let a = Allocator::new(Arc::new(SimDriver::new(1, 4096 * MIB)), config);
+    a.record_history(Some(HistorySettings { max_entries: 1000, context: HistoryContext::None })).unwrap();
+    let ptrs: Vec<u64> = [12 * MIB, 3 * MIB, MIB].iter().map(|&s| a.malloc(s, 0, 0x10).unwrap()).collect();
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    a.snapshot().unwrap().write_pickle(&mut std::fs::File::create(&path).unwrap()).unwrap();
+    path
+}
+
+fn replay(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpupool-replay")).args(args).output().expect("the binary runs")
+}
+
+fn json_rows(args: &[&str]) -> (Vec<Value>, String) {
+    let out = replay(&[&["--json", "--capacity", "4GiB"], args].concat());
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{err}");
+    (serde_json::from_slice(&out.stdout).unwrap(), err)
+}
+
+fn labels(rows: &[Value]) -> Vec<(String, String)> {
+    rows.iter()
+        .map(|r| (r["configuration"].as_str().unwrap().to_string(), r["driver"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+#[test]
+fn the_recorded_configuration_is_replayed_after_the_defaults() {
+    let config = Config { expandable_segments: true, ..Config::default() };
+    let conf = config.conf_string();
+    let path = snapshot("recorded-expandable.pickle", config);
+    let path = path.to_str().unwrap();
+    let (rows, _) = json_rows(&["--conf", "max_split_size_mb:64", path]);
+    let own = |s: &str| (conf.clone(), s.to_string());
+    assert_eq!(
+        labels(&rows),
+        [own("recorded"), ("defaults".into(), "sim".into()), own("sim"), ("max_split_size_mb:64".into(), "sim".into())]
+    );
+    // gpupool under the recording's configuration reserves what the recording did: 12 MiB,
+    // then 2 MiB pages: 4 MiB for 3 MiB, 2 MiB (small pool) for 1 MiB.
+    assert_eq!(rows[0]["peak_reserved_bytes"], 18 * MIB);
+    assert_eq!(rows[2]["peak_reserved_bytes"], rows[0]["peak_reserved_bytes"]);
+    // The defaults are gpupool's, not the recording's: 12 MiB, a 20 MiB segment for 3 MiB and
+    // a 2 MiB small one for 1 MiB.
+    assert_eq!(rows[1]["peak_reserved_bytes"], 34 * MIB);
+
+    // --no-defaults: only the --conf rows (and what PyTorch did).
+    let (rows, _) = json_rows(&["--no-defaults", "--conf", "max_split_size_mb:64", path]);
+    assert_eq!(labels(&rows), [own("recorded"), ("max_split_size_mb:64".into(), "sim".into())]);
+
+    // The same configuration asked for by --conf: replayed once.
+    let (rows, err) = json_rows(&["--conf", "expandable_segments:True", path]);
+    assert_eq!(
+        labels(&rows),
+        [own("recorded"), ("defaults".into(), "sim".into()), ("expandable_segments:True".into(), "sim".into())]
+    );
+    assert!(err.contains("the recorded configuration is that of the row \"expandable_segments:True\""), "{err}");
+}
+
+#[test]
+fn a_recording_under_the_defaults_has_no_row_of_its_own() {
+    let path = snapshot("recorded-defaults.pickle", Config::default());
+    let (rows, err) = json_rows(&[path.to_str().unwrap()]);
+    assert_eq!(
+        labels(&rows),
+        [(Config::default().conf_string(), "recorded".into()), ("defaults".into(), "sim".into())]
+    );
+    assert!(err.contains("the recorded configuration is that of the row \"defaults\""), "{err}");
+    assert_eq!(rows[0]["peak_reserved_bytes"], rows[1]["peak_reserved_bytes"]);
+}
+
+#[test]
+fn the_recorded_row_names_what_the_snapshot_says() {
+    use gpupool_replay::report::Row;
+    use gpupool_replay::{Recorded, Trace};
+    let row = |conf: Option<&str>| {
+        let r = Recorded { peak_reserved: 0, device_allocs: 0, ooms: 0, conf: conf.map(String::from) };
+        Row::recorded(&Trace::default(), &r).configuration
+    };
+    // An empty PYTORCH_CUDA_ALLOC_CONF: none was set, the recording ran with the defaults.
+    assert_eq!(row(Some("")), "defaults");
+    assert_eq!(row(None), "as recorded");
+    assert_eq!(row(Some("expandable_segments:True")), "expandable_segments:True");
+}
+
+#[test]
+fn the_table_names_long_configurations_and_spells_them_out_below() {
+    let config = Config { expandable_segments: true, ..Config::default() };
+    let conf = config.conf_string();
+    assert!(conf.len() > 300, "{conf}");
+    let path = snapshot("recorded-table.pickle", config);
+    let long = "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.5";
+    let out = replay(&["--capacity", "4GiB", "--conf", long, path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = String::from_utf8(out.stdout).unwrap();
+    let (table, legend) = report.split_once("\n\n").expect("a legend below the table");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 5, "{report}");
+    // The table's names: `recorded` for PyTorch's row and gpupool's under the same
+    // configuration, `conf 1` for the long --conf.
+    let conf_column: Vec<&str> = lines[1..].iter().map(|l| l.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!(conf_column, ["recorded", "defaults", "recorded", "conf"], "{report}");
+    assert!(lines[4].contains(" conf 1 "), "{report}");
+    let header_width = lines[0].len();
+    assert!(header_width < 200, "{header_width} columns: {report}");
+    assert!(lines.iter().all(|l| l.len() <= header_width), "{report}");
+    // The legend: each text once, in lines of at most 100 characters, that join back to it.
+    assert!(legend.lines().all(|l| l.chars().count() <= 100), "{legend}");
+    let (recorded, rest) = legend.split_once("\nconf 1: ").expect("conf 1 in the legend");
+    assert_eq!(rest.trim_end(), long);
+    let (name, text) = recorded.split_once(":\n").unwrap();
+    assert_eq!(name, "recorded (the PYTORCH_CUDA_ALLOC_CONF of recorded-table.pickle)");
+    assert_eq!(text.lines().map(str::trim).collect::<String>(), conf);
+
+    // CSV and JSON keep the full strings (JSON: the first test).
+    let out = replay(&["--csv", "--capacity", "4GiB", "--conf", long, path.to_str().unwrap()]);
+    let csv = String::from_utf8(out.stdout).unwrap();
+    assert!(csv.contains(&format!(",\"{long}\",sim,")), "{csv}");
+    assert!(csv.contains(&format!(",\"{conf}\",recorded,")), "{csv}");
+}
