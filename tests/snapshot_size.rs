@@ -14,19 +14,13 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::history::record_all;
+use common::history::{VIEWER_OPCODES, record_all};
 use common::{MIB, sim};
 use gpupool::Allocator;
 use gpupool::history::{Action, Frame, HistoryContext, Snapshot, TraceEntry};
 use serde_pickle::{HashableValue as H, Value as V};
 
 const S: usize = 0x10;
-
-/// The memory_viz page's unpickler (`torch/utils/viz/MemoryViz.js`, `unpickle`) knows these.
-const VIEWER_OPCODES: &str = "PROTO FRAME STOP MARK EMPTY_DICT EMPTY_LIST EMPTY_TUPLE DICT LIST TUPLE TUPLE1 \
-                              TUPLE2 TUPLE3 SETITEM SETITEMS APPEND APPENDS BININT BININT1 BININT2 LONG1 \
-                              SHORT_BINUNICODE BINUNICODE BINFLOAT NEWTRUE NEWFALSE NONE MEMOIZE BINPUT \
-                              LONG_BINPUT BINGET LONG_BINGET";
 
 // Call sites a few frames apart, so that each has a stack of its own.
 #[inline(never)]
