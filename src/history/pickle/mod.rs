@@ -59,11 +59,29 @@ fn int<T: TryInto<i64>>(v: T) -> i64 {
     v.try_into().unwrap_or(i64::MAX)
 }
 
+/// String `s`, written once: referred back to when `memo` has it.
+fn string<'a, W: Write>(w: &mut Writer<W>, memo: &mut FxHashMap<&'a str, u32>, s: &'a str) -> io::Result<()> {
+    if let Some(&i) = memo.get(s) {
+        return w.get(i);
+    }
+    w.str(s)?;
+    if let Some(i) = w.memoize() {
+        memo.insert(s, i);
+    }
+    Ok(())
+}
+
 /// The writer, and the memo indices of what it wrote to refer back to, by value (a frame list
 /// also by its address: one lookup for every event that shares it).
+///
+/// The strings of frames (their keys, files and function names) are memoized apart from the
+/// others (keys, actions, states), even where equal (a C function named `alloc`): a reader
+/// that counts references, as serde-pickle does (birkenfeld/serde-pickle#24), visits what a
+/// shared frame holds once per sharing, and would use up an action's string there.
 struct Pickler<'a, W: Write> {
     w: Writer<W>,
     strings: FxHashMap<&'a str, u32>,
+    frame_strings: FxHashMap<&'a str, u32>,
     frames: FxHashMap<&'a Frame, u32>,
     lists: FxHashMap<&'a [Frame], u32>,
     lists_at: FxHashMap<usize, u32>,
@@ -74,6 +92,7 @@ impl<'a, W: Write> Pickler<'a, W> {
         Pickler {
             w,
             strings: FxHashMap::default(),
+            frame_strings: FxHashMap::default(),
             frames: FxHashMap::default(),
             lists: FxHashMap::default(),
             lists_at: FxHashMap::default(),
@@ -82,14 +101,7 @@ impl<'a, W: Write> Pickler<'a, W> {
 
     /// A string, written once.
     fn str(&mut self, s: &'a str) -> io::Result<()> {
-        if let Some(&i) = self.strings.get(s) {
-            return self.w.get(i);
-        }
-        self.w.str(s)?;
-        if let Some(i) = self.w.memoize() {
-            self.strings.insert(s, i);
-        }
-        Ok(())
+        string(&mut self.w, &mut self.strings, s)
     }
 
     /// A dict of `n` entries (fewer than 1,000: one batch), which `entries` writes.
@@ -164,10 +176,14 @@ impl<'a, W: Write> Pickler<'a, W> {
         self.w.dict()?;
         let memo = self.w.memoize();
         self.w.open(3);
-        self.key_str("filename", &f.filename)?;
-        self.key_int("line", int(f.line))?;
-        self.key_str("name", &f.name)?;
-        self.w.close(true, 3);
+        let (w, strings) = (&mut self.w, &mut self.frame_strings);
+        string(w, strings, "filename")?;
+        string(w, strings, &f.filename)?;
+        string(w, strings, "line")?;
+        w.int(int(f.line))?;
+        string(w, strings, "name")?;
+        string(w, strings, &f.name)?;
+        w.close(true, 3);
         if let Some(i) = memo {
             self.frames.insert(f, i);
         }
