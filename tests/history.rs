@@ -8,7 +8,7 @@
 //! it.
 mod common;
 
-use common::history::{python_reads, record_all, snapshot_agrees};
+use common::history::{VIEWER_OPCODES, python_reads, record_all, snapshot_agrees};
 use common::{MIB, check, sim, sim_with};
 use gpupool::Allocator;
 use gpupool::config::Config;
@@ -346,14 +346,6 @@ fn snapshots_tile_agree_with_the_statistics_and_replay_their_trace() {
         }
     }
 }
-
-/// The memory_viz page's own unpickler knows these opcodes (`torch/utils/viz/MemoryViz.js`,
-/// `unpickle`); Python's pickler writes dicts, lists and tuples of strings, integers, floats
-/// and booleans with them.
-const VIEWER_OPCODES: &str = "PROTO FRAME STOP MARK EMPTY_DICT EMPTY_LIST EMPTY_TUPLE DICT LIST TUPLE TUPLE1 \
-                              TUPLE2 TUPLE3 SETITEM SETITEMS APPEND APPENDS BININT BININT1 BININT2 LONG1 \
-                              SHORT_BINUNICODE BINUNICODE BINFLOAT NEWTRUE NEWFALSE NONE MEMOIZE BINPUT \
-                              LONG_BINPUT BINGET LONG_BINGET";
 
 /// Checks a snapshot file as PyTorch's viewer reads it: CPython's pickle loads it; its
 /// opcodes are ones the memory_viz page decodes, protocol 2 to 4, integers in at most 8 bytes

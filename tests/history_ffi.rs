@@ -39,7 +39,10 @@ fn dump(path: &CString) -> (Vec<String>, Value) {
     // SAFETY: a NUL-terminated path.
     assert_eq!(unsafe { gpupool_dump_snapshot(path.as_ptr()) }, GPUPOOL_SUCCESS, "{}", message());
     let bytes = std::fs::read(path.to_str().unwrap()).unwrap();
-    let snap = serde_pickle::value_from_slice(&bytes, DeOptions::new()).unwrap();
+    // The file shares each stack's frames between the events that have it (as CPython's memo
+    // does); serde-pickle uses up what a shared list holds at its first visit
+    // (birkenfeld/serde-pickle#24) and, so told, reads the later visits' frames as None.
+    let snap = serde_pickle::value_from_slice(&bytes, DeOptions::new().replace_recursive_structures()).unwrap();
     let actions = list(&list(get(&snap, "device_traces"))[0])
         .iter()
         .map(|e| match get(e, "action") {

@@ -3,7 +3,7 @@
 //! `snapshot` (which holds them, and which depends on `stacks`).
 
 /// One frame of a call stack, as PyTorch's snapshot writes it: `{filename, line, name}`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Frame {
     /// The function, demangled; the address in hexadecimal when no symbol was found.
     pub name: String,

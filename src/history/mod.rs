@@ -13,7 +13,7 @@
 //! - `recorder`: the recorder of an allocator and the flag each device reads on its malloc
 //!   and free paths;
 //! - `snapshot`: what a snapshot holds ([`Snapshot`]);
-//! - `pickle`: the snapshot as PyTorch's pickle;
+//! - `pickle`: the snapshot as PyTorch's pickle, each string, frame and stack written once;
 //! - [`tags`]: names a thread pushes, carried by the blocks it allocates, and counted per name.
 //!
 //! Recording costs the malloc and free paths one relaxed load of the device's flag while it is

@@ -38,8 +38,8 @@ int main(void) {
   CHECK_OK(gpupool_malloc(&b, 3 << 20, 0, NULL));
   CHECK_OK(gpupool_free(a));
   CHECK(dump(path));
-  /* Pickle protocol 3, a dict, as CPython's pickle and PyTorch's viewer read it. */
-  CHECK(file_len < sizeof file && (unsigned char)file[0] == 0x80 && file[1] == 3 && file[file_len - 1] == '.');
+  /* Pickle protocol 4, as CPython's pickle writes it and PyTorch's viewer reads it. */
+  CHECK(file_len < sizeof file && (unsigned char)file[0] == 0x80 && file[1] == 4 && file[file_len - 1] == '.');
   CHECK(has("segments") && has("device_traces") && has("allocator_settings") && has("blocks"));
   CHECK(has("segment_alloc") && has("alloc") && has("free_requested") && has("free_completed"));
   CHECK(has("active_allocated") && has("inactive") && has("snapshot"));

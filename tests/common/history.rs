@@ -1,10 +1,18 @@
-//! Checks of the allocation history and snapshots, shared by tests/history.rs and
-//! tests/invariants.rs.
+//! Checks of the allocation history and snapshots, shared by tests/history.rs,
+//! tests/invariants.rs and tests/snapshot_size.rs.
 
 use std::collections::HashMap;
 
 use gpupool::Allocator;
 use gpupool::history::{Action, BlockState, HistoryContext, HistorySettings, Snapshot};
+
+/// The memory_viz page's own unpickler knows these opcodes (`torch/utils/viz/MemoryViz.js`,
+/// `unpickle`); Python's pickler writes dicts, lists and tuples of strings, integers, floats
+/// and booleans with them, and refers back to what it wrote with the memo's.
+pub const VIEWER_OPCODES: &str = "PROTO FRAME STOP MARK EMPTY_DICT EMPTY_LIST EMPTY_TUPLE DICT LIST TUPLE TUPLE1 \
+                              TUPLE2 TUPLE3 SETITEM SETITEMS APPEND APPENDS BININT BININT1 BININT2 LONG1 \
+                              SHORT_BINUNICODE BINUNICODE BINFLOAT NEWTRUE NEWFALSE NONE MEMOIZE BINPUT \
+                              LONG_BINPUT BINGET LONG_BINGET";
 
 /// Records everything, with the stacks of `context`, keeping a million events per device.
 pub fn record_all(a: &Allocator, context: HistoryContext) {
