@@ -18,8 +18,8 @@ use std::sync::Once;
 
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::{
-    gpupool_device_count, gpupool_empty_cache, gpupool_free, gpupool_malloc, gpupool_record_stream,
-    gpupool_set_memory_fraction,
+    gpupool_device_count, gpupool_empty_cache, gpupool_free, gpupool_largest_allocatable, gpupool_malloc,
+    gpupool_record_stream, gpupool_set_memory_fraction,
 };
 use gpupool::ffi::sim::{gpupool_sim_hold_stream, gpupool_sim_release_stream, gpupool_sim_set_device};
 use gpupool::ffi::stats::{gpupool_memory_summary, gpupool_reset_peak_stats, gpupool_stats, gpupool_stats_t};
@@ -154,6 +154,11 @@ enum Call {
     Hold(usize),
     Release(usize),
     SetDevice(c_int),
+    LargestAllocatable {
+        device: c_int,
+        stream: usize,
+        null: bool,
+    },
 }
 
 /// Mostly a valid device (-1 is the current one), sometimes one out of range.
@@ -181,6 +186,8 @@ fn call() -> impl Strategy<Value = Call> {
         1 => stream().prop_map(Call::Hold),
         1 => stream().prop_map(Call::Release),
         1 => device().prop_map(Call::SetDevice),
+        1 => (device(), stream(), prop::bool::weighted(0.1))
+            .prop_map(|(device, stream, null)| Call::LargestAllocatable { device, stream, null }),
     ]
 }
 
@@ -408,6 +415,26 @@ fn run_call(m: &mut Model, call: &Call) {
                     assert_eq!(st.all.current, st.small_pool.current + st.large_pool.current);
                     assert!(st.all.peak <= st.small_pool.peak + st.large_pool.peak, "{call:?}: {st:?}");
                 }
+            }
+        }
+        Call::LargestAllocatable { device, stream, null } => {
+            let mut bytes = usize::MAX;
+            let ptr = if null { std::ptr::null_mut() } else { &raw mut bytes };
+            let read = |d: c_int| {
+                let mut s = gpupool_stats_t { size: size_of::<gpupool_stats_t>() as u32, ..Default::default() };
+                // SAFETY: a whole gpupool_stats_t.
+                (valid_device(d) && unsafe { gpupool_stats(d, &raw mut s) } == GPUPOOL_SUCCESS).then_some(s)
+            };
+            let before = read(device);
+            // SAFETY: NULL or a writable size_t.
+            let st = unsafe { gpupool_largest_allocatable(device, stream_t(stream), ptr) };
+            let ok = !null && valid_device(device);
+            after(call, st, &[if ok { GPUPOOL_SUCCESS } else { GPUPOOL_ERROR_INVALID_VALUE }]);
+            assert_eq!(read(device), before, "{call:?}: asking changed the statistics");
+            if st == GPUPOOL_SUCCESS {
+                assert!(bytes <= 64 * MIB && bytes % 512 == 0, "{call:?}: {bytes}");
+            } else {
+                assert_eq!(bytes, usize::MAX, "{call:?}: the out-pointer was written on failure");
             }
         }
         Call::ResetPeakStats(d) => {

@@ -99,6 +99,24 @@ impl StreamEvents {
         result
     }
 
+    /// The blocks of the events that [`StreamEvents::drain`] without waiting would handle now
+    /// (each stream's events in order, up to the first not complete; a block once per such
+    /// event), found by `cuEventQuery` alone: nothing changes.
+    ///
+    /// Errors: the driver's, when a query fails (as `drain` would fail).
+    pub fn completed(&self, driver: &dyn Driver) -> Result<Vec<BlockId>, DriverError> {
+        let mut done = Vec::new();
+        for (_, q) in &self.pending {
+            for &(ev, id) in q {
+                if !driver.event_query(ev)? {
+                    break;
+                }
+                done.push(id);
+            }
+        }
+        Ok(done)
+    }
+
     /// Destroys the idle events (`cuEventDestroy`).
     pub fn destroy_idle(&mut self, driver: &dyn Driver, device: i32) {
         for ev in self.idle.drain(..) {

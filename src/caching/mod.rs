@@ -11,7 +11,8 @@
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
 //!   `cells`: the statistics' layout and the device's totals, which both use (a leaf);
 //!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
-//!   `observers`: the functions called when a request fails.
+//!   `observers`: the functions called when a request fails; `largest`: the largest request
+//!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
 //! - `capture`: knowing whether a CUDA graph capture is under way; `device::pools`: private
 //!   pools and the routes to them.
@@ -28,6 +29,7 @@ pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
+mod largest;
 mod limit;
 pub(crate) mod observers;
 mod oom;

@@ -262,6 +262,40 @@ static void test_empty_cache(void) {
   CHECK(stats(0).reserved_bytes.all.peak == 0);
 }
 
+/* The largest request that would succeed: bad arguments are refused and change nothing; on
+ * the simulated device (1 GiB, nothing reserved now) the answer is exact. */
+static void test_largest_allocatable(void) {
+  int count = 0;
+  CHECK_OK(gpupool_device_count(&count));
+  gpupool_stats_t before = stats(0);
+  size_t bytes = 12345;
+  CHECK(gpupool_largest_allocatable(0, NULL, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(starts_with(gpupool_last_error_message(), "gpupool_largest_allocatable: bytes is NULL"));
+  CHECK(gpupool_largest_allocatable(count, NULL, &bytes) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(message_from("gpupool_largest_allocatable"));
+  CHECK(strstr(gpupool_last_error_message(), "out of range") != NULL);
+  CHECK(gpupool_largest_allocatable(-2, NULL, &bytes) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(bytes == 12345);
+  CHECK_OK(gpupool_largest_allocatable(0, NULL, &bytes));
+  CHECK(bytes > 0 && bytes % 512 == 0);
+  gpupool_stats_t after = stats(0);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  if (!sim) return;
+  CHECK(bytes == (size_t)1 << 30);
+  void *p = NULL;
+  CHECK_OK(gpupool_malloc(&p, bytes, 0, NULL));
+  CHECK_OK(gpupool_free(p));
+  CHECK(gpupool_malloc(&p, bytes + 1, 0, NULL) == GPUPOOL_ERROR_OUT_OF_MEMORY);
+  /* Cached on the default stream: another stream counts it as what release-and-retry frees. */
+  CHECK_OK(gpupool_malloc(&p, 512 * MIB, 0, NULL));
+  CHECK_OK(gpupool_largest_allocatable(0, (gpupool_stream_t)0x51, &bytes));
+  CHECK(bytes == 512 * MIB);
+  CHECK_OK(gpupool_free(p));
+  CHECK_OK(gpupool_largest_allocatable(0, (gpupool_stream_t)0x51, &bytes));
+  CHECK(bytes == (size_t)1 << 30);
+  CHECK_OK(gpupool_empty_cache(0));
+}
+
 int main(void) {
   const char *driver = getenv("GPUPOOL_DRIVER");
   sim = driver != NULL && strcmp(driver, "sim") == 0;
@@ -277,5 +311,6 @@ int main(void) {
   test_memory_fraction();
   test_torch_hooks();
   test_empty_cache();
+  test_largest_allocatable();
   return checks_report(sim ? "test_api (sim)" : "test_api (cuda)");
 }

@@ -58,6 +58,7 @@ int main(void) {
       (any_fn)gpupool_empty_cache,
       (any_fn)gpupool_device_count,
       (any_fn)gpupool_set_memory_fraction,
+      (any_fn)gpupool_largest_allocatable,
       (any_fn)gpupool_attach_oom_observer,
       (any_fn)gpupool_detach_oom_observer,
       (any_fn)gpupool_oom_retry,
@@ -105,5 +106,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 50 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 51 ? 0 : 1)) != 0;
 }

@@ -7,7 +7,8 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
 //! and `getStats`; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `check.rs`: the consistency check.
+//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
+//! consistency check.
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -44,6 +45,7 @@ mod check;
 mod free;
 mod gc;
 mod history;
+mod largest;
 mod out_of_memory;
 mod pools;
 mod release;

@@ -16,13 +16,15 @@
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
-//! - [`record`]: its events in the allocation history, and its segments for a snapshot.
+//! - [`record`]: its events in the allocation history, and its segments for a snapshot;
+//! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`).
 
 mod blocks;
 mod check;
 mod expand;
 mod free;
 mod gc;
+mod largest;
 mod malloc;
 mod record;
 mod segments;

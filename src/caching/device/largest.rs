@@ -1,0 +1,52 @@
+//! The largest single request a stream of the device would be served now
+//! (`gpupool_largest_allocatable`): what `caching::largest` needs, read from the shards one
+//! at a time, the driver and the memory fraction, with nothing changed.
+
+use super::DeviceAllocator;
+use crate::caching::largest::{self, ShardModel, Situation};
+use crate::driver::StreamHandle;
+use crate::error::Error;
+
+impl DeviceAllocator {
+    /// The largest request in bytes that [`DeviceAllocator::malloc`] on `stream` (the
+    /// device's default pools) would serve now, release-and-retry included (see
+    /// `caching::largest`); 0 when none would. Reads each shard under its lock, one at a
+    /// time, and asks the driver for its free memory (`cuMemGetInfo`), whether `stream`
+    /// captures (`cuStreamGetCaptureInfo`) and whether the events of the stream's freed
+    /// blocks have completed (`cuEventQuery`), as malloc does; allocates, releases and
+    /// synchronises nothing, and counts in no statistic.
+    ///
+    /// Errors: [`Error::Cuda`] when one of those calls fails.
+    pub fn largest_allocatable(&self, stream: StreamHandle) -> Result<usize, Error> {
+        let underway = self.capture.any_underway();
+        let capturing = self.capture.status(stream)?.is_capturing();
+        // No allocation: the driver out of memory here is a CUDA error, not the answer.
+        let info =
+            self.driver.mem_info(self.device).map_err(|e| Error::driver_call(e, "reading the device's free memory"))?;
+        let headroom = self.limit.get().map_or(usize::MAX, |l| (l - self.limit.reserved()).max(0) as usize);
+        // `process_events` is skipped while a capture may be under way (see `serve`).
+        let query = (!underway && !capturing).then_some(&*self.driver);
+        let (mut now, mut others_release) = (ShardModel::default(), 0usize);
+        for shard in self.shards.all() {
+            let st = shard.lock();
+            let mine = shard.pool == 0 && shard.stream == stream;
+            let copy = st.model(if mine { query } else { None })?;
+            drop(st);
+            if mine {
+                now = copy.settled();
+            } else {
+                others_release += copy.settled().release_bytes();
+            }
+        }
+        Ok(largest::largest(&Situation {
+            rules: self.rules,
+            pages: self.expandable.as_ref().map(|p| [p.small_page, p.large_page]),
+            now,
+            room: info.free.min(headroom),
+            others_release,
+            grow: !capturing,
+            release: !underway,
+            deferred: self.deferred.stats().blocks > 0,
+        }))
+    }
+}

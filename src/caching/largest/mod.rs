@@ -1,0 +1,335 @@
+//! The largest single request that would succeed now (`gpupool_largest_allocatable`; RMM's
+//! `available_device_memory`, rapidsai/rmm#813; PyTorch has no equivalent): PyTorch's malloc
+//! replayed on a copy of one stream's blocks, never on the allocator itself.
+//!
+//! A request of `R` bytes (rounded) on a stream succeeds when one of the attempts of
+//! `DeviceAllocator::malloc` does, each on the state the previous ones leave:
+//! 1. now, after `process_events` (blocks whose events have completed are free): the best
+//!    cached fit of the stream's pool (`get_free_block`, with the `max_split_size` rules),
+//!    else new memory from the driver: a segment of `get_allocation_size(R)` bytes, or the
+//!    pages an expandable segment must map for it (`try_allocate_expandable_block`), within
+//!    what the driver has free and the memory fraction allows;
+//! 2. after the device synchronisation that blocks freed with `free_after_device_sync` await
+//!    (only when some do): the same, with those blocks free;
+//! 3. after release-and-retry (`release_cached_blocks`): every event waited for, every wholly
+//!    free segment of every stream given back and every wholly free page of expandable
+//!    segments unmapped: the same, with what was given back added to the driver's free memory
+//!    and taken off the reserved bytes that the memory fraction counts.
+//!
+//! The detours on the way (`release_available_cached_blocks` with `max_split_size`,
+//! `garbage_collection_threshold`, the high-water rule of expandable segments) only give
+//! back part of what step 3 gives back, so they add no request that step 3 would not serve;
+//! out-of-memory observers are not modelled (what they free is not counted).
+//!
+//! Success is not monotone in the size: with 15 MiB free on the driver and nothing cached,
+//! 12 MiB succeeds (a 12 MiB segment) and 5 MiB does not (requests from 1 to 10 MiB take a 20
+//! MiB segment, PyTorch's `kLargeBuffer`). So the search does not bisect: the largest size
+//! that succeeds lies at one of a few bounds (a cached block's size, the room left for new
+//! memory, the size classes' edges), each tried from the largest down.
+
+#[cfg(test)]
+mod tests;
+
+use super::rules::{self, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_SIZE, SizeRules};
+
+/// What a block of the copy is (the allocator's `BlockState`, as the attempts see it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// In its pool's free list (or returned to it by `process_events` before the first attempt).
+    Free,
+    /// Freed, awaiting `record_stream` events that have not completed: free once release-and-retry
+    /// has waited for them.
+    Events,
+    /// Freed with `free_after_device_sync`: free after the device synchronisation.
+    Sync,
+    /// Allocated.
+    Used,
+    /// Address space of an expandable segment with nothing mapped.
+    Unmapped,
+}
+
+/// One segment of the copy. Sizes in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SegModel {
+    /// Its address, for the order of [`ShardModel::segs`].
+    pub base: u64,
+    pub pool: PoolKind,
+    /// An expandable segment's page size; `None` for an ordinary segment.
+    pub page: Option<usize>,
+    /// Whether it goes back to the driver once wholly free (not while a CUDA graph keeps it).
+    pub releasable: bool,
+    /// Its blocks in address order: (bytes, kind).
+    pub blocks: Vec<(usize, Kind)>,
+}
+
+/// One stream's segments, in address order (`find_expandable_block` takes the first fit by
+/// address).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ShardModel {
+    pub segs: Vec<SegModel>,
+}
+
+impl ShardModel {
+    /// A copy made from segments in any order whose blocks may have free neighbours: in
+    /// address order, merged. Separate from the copying so that a shard's lock is held for
+    /// the copying only.
+    pub fn settled(mut self) -> ShardModel {
+        self.segs.sort_unstable_by_key(|s| s.base);
+        self.segs.iter_mut().for_each(|seg| merge(&mut seg.blocks, Kind::Free));
+        self
+    }
+
+    /// The copy with the blocks of kind `to_free` free, each merged with its free neighbours
+    /// (`free_block`, `try_merge_blocks`).
+    pub fn freeing(&self, to_free: &[Kind]) -> ShardModel {
+        let mut out = self.clone();
+        for seg in &mut out.segs {
+            for b in &mut seg.blocks {
+                if to_free.contains(&b.1) {
+                    b.1 = Kind::Free;
+                }
+            }
+            merge(&mut seg.blocks, Kind::Free);
+        }
+        out
+    }
+
+    /// PyTorch `release_blocks` on the copy (its events already waited for): every wholly free
+    /// ordinary segment goes back, every whole page inside a free block of an expandable
+    /// segment is unmapped, and a range left with nothing mapped is given back. Returns the
+    /// copy after it and the bytes given back to the driver.
+    pub fn released(&self) -> (ShardModel, usize) {
+        let mut freed = 0;
+        let mut segs = Vec::with_capacity(self.segs.len());
+        for seg in &self.segs {
+            let Some(page) = seg.page else {
+                if seg.releasable && matches!(seg.blocks[..], [(_, Kind::Free)]) {
+                    freed += seg.blocks[0].0;
+                } else {
+                    segs.push(seg.clone());
+                }
+                continue;
+            };
+            let mut blocks = Vec::with_capacity(seg.blocks.len() + 2);
+            let mut at = 0usize;
+            for &(size, kind) in &seg.blocks {
+                let (lo, hi) = (at.next_multiple_of(page), (at + size) / page * page);
+                if kind == Kind::Free && hi > lo {
+                    blocks.extend([(lo - at, Kind::Free), (hi - lo, Kind::Unmapped), (at + size - hi, Kind::Free)]);
+                    freed += hi - lo;
+                } else {
+                    blocks.push((size, kind));
+                }
+                at += size;
+            }
+            blocks.retain(|b| b.0 > 0);
+            merge(&mut blocks, Kind::Unmapped);
+            if blocks.iter().any(|b| b.1 != Kind::Unmapped) {
+                segs.push(SegModel { blocks, ..seg.clone() });
+            }
+        }
+        (ShardModel { segs }, freed)
+    }
+
+    /// The bytes release-and-retry gives back to the driver from this stream.
+    pub fn release_bytes(&self) -> usize {
+        self.freeing(&[Kind::Events, Kind::Sync]).released().1
+    }
+
+    /// Sizes of the free blocks of each pool, ascending: `[small, large]`.
+    fn free_sizes(&self) -> [Vec<usize>; 2] {
+        let mut free = [Vec::new(), Vec::new()];
+        for seg in &self.segs {
+            let sizes = seg.blocks.iter().filter(|b| b.1 == Kind::Free).map(|b| b.0);
+            free[seg.pool as usize].extend(sizes);
+        }
+        free.iter_mut().for_each(|f| f.sort_unstable());
+        free
+    }
+
+    /// Each run of free and unmapped blocks of `pool`'s expandable segments that
+    /// `find_expandable_block` considers, in its order: the blocks from the free block before
+    /// an unmapped one (if any) on while free or unmapped.
+    fn runs(&self, pool: PoolKind) -> impl Iterator<Item = &[(usize, Kind)]> {
+        self.segs.iter().filter(move |s| s.page.is_some() && s.pool == pool).flat_map(|s| {
+            let b = &s.blocks;
+            let usable = |k: Kind| matches!(k, Kind::Free | Kind::Unmapped);
+            (0..b.len()).filter(|&j| b[j].1 == Kind::Unmapped).map(move |j| {
+                let start = if j > 0 && b[j - 1].1 == Kind::Free { j - 1 } else { j };
+                let len = b[start..].iter().take_while(|x| usable(x.1)).count();
+                &b[start..start + len]
+            })
+        })
+    }
+}
+
+/// Merges neighbouring blocks of `kind` into one.
+fn merge(blocks: &mut Vec<(usize, Kind)>, kind: Kind) {
+    let mut out: Vec<(usize, Kind)> = Vec::with_capacity(blocks.len());
+    for &b in blocks.iter() {
+        match out.last_mut() {
+            Some(last) if last.1 == kind && b.1 == kind => last.0 += b.0,
+            _ => out.push(b),
+        }
+    }
+    *blocks = out;
+}
+
+/// What the search needs to know of a device and one of its streams.
+#[derive(Clone, Debug)]
+pub(crate) struct Situation {
+    pub rules: SizeRules,
+    /// Page sizes of expandable segments, `[small, large]`; `None`: ordinary segments.
+    pub pages: Option<[usize; 2]>,
+    /// The stream's blocks as the first attempt finds them (after `process_events`).
+    pub now: ShardModel,
+    /// Bytes new memory may take now: the driver's free memory (`cuMemGetInfo`), or less
+    /// where the memory fraction leaves less.
+    pub room: usize,
+    /// Bytes release-and-retry gives back from the device's other streams and private pools.
+    pub others_release: usize,
+    /// Whether a miss may take new memory (not while the stream captures a CUDA graph).
+    pub grow: bool,
+    /// Whether release-and-retry may run (not while a capture may be under way).
+    pub release: bool,
+    /// Whether blocks of the device await a device synchronisation.
+    pub deferred: bool,
+}
+
+/// One attempt: the stream's blocks and the room new memory may take.
+struct Attempt {
+    shard: ShardModel,
+    free: [Vec<usize>; 2],
+    room: usize,
+}
+
+impl Attempt {
+    fn new(shard: ShardModel, room: usize) -> Attempt {
+        Attempt { free: shard.free_sizes(), shard, room }
+    }
+
+    /// Whether this attempt serves a request of `rounded` bytes (a size `round_size` keeps).
+    fn serves(&self, rounded: usize, s: &Situation) -> bool {
+        let pool = rules::pool_for(rounded);
+        let free = &self.free[pool as usize];
+        // PyTorch `get_free_block`: the best fit only; refused by the rules, the cache misses.
+        if let Some(&block) = free.get(free.partition_point(|&b| b < rounded))
+            && rules::fits_oversize_rules(block, rounded, &s.rules)
+        {
+            return true;
+        }
+        if !s.grow {
+            return false;
+        }
+        match s.pages {
+            Some(pages) => self.pages_to_map(pool, pages[pool as usize], rounded) <= self.room,
+            None => rules::segment_size(rounded, &s.rules).is_some_and(|seg| seg <= self.room),
+        }
+    }
+
+    /// Bytes `try_allocate_expandable_block` maps for `rounded` bytes: in the first run that
+    /// holds them, the unmapped blocks' pages from its start until the run holds `rounded`
+    /// (`map_block`); in a new range if none does.
+    fn pages_to_map(&self, pool: PoolKind, page: usize, rounded: usize) -> usize {
+        for run in self.shard.runs(pool) {
+            if run.iter().map(|b| b.0).sum::<usize>() < rounded {
+                continue;
+            }
+            let (mut have, mut bytes) = (0, 0);
+            for &(size, kind) in run {
+                if have >= rounded {
+                    break;
+                }
+                if kind == Kind::Unmapped {
+                    let map = (rounded - have).next_multiple_of(page).min(size);
+                    bytes += map;
+                    have += map;
+                } else {
+                    have += size;
+                }
+            }
+            return bytes;
+        }
+        rounded.next_multiple_of(page)
+    }
+
+    /// Sizes past which this attempt's answer changes: the free blocks, the room for new
+    /// memory, and for expandable segments each run's length and how far the room takes it.
+    fn bounds(&self, s: &Situation, out: &mut Vec<usize>) {
+        for free in &self.free {
+            // Ascending: each size once.
+            out.extend(free.iter().enumerate().filter(|&(i, b)| i == 0 || free[i - 1] != *b).map(|(_, &b)| b));
+        }
+        if !s.grow {
+            return;
+        }
+        out.extend([self.room, self.room / ROUND_LARGE * ROUND_LARGE]);
+        let Some(pages) = s.pages else { return };
+        for (pool, page) in [PoolKind::Small, PoolKind::Large].into_iter().zip(pages) {
+            out.push(self.room / page * page);
+            for run in self.shard.runs(pool) {
+                let (mut reach, mut left) = (0, self.room);
+                for &(size, kind) in run {
+                    let add = if kind == Kind::Unmapped { size.min(left / page * page) } else { size };
+                    reach += add;
+                    if kind == Kind::Unmapped {
+                        left -= add;
+                        if add < size {
+                            break;
+                        }
+                    }
+                }
+                out.extend([reach, run.iter().map(|b| b.0).sum()]);
+            }
+        }
+    }
+}
+
+/// The largest size `round_size` keeps that is at most `x` (the largest request whose block
+/// is at most `x` bytes), if any.
+pub(crate) fn largest_rounded_within(x: usize, rules: &SizeRules) -> Option<usize> {
+    if x < MIN_BLOCK_SIZE {
+        return None;
+    }
+    if rules.roundup_power2_divisions.is_none() {
+        return Some(x / MIN_BLOCK_SIZE * MIN_BLOCK_SIZE);
+    }
+    // `round_size` never decreases: bisect for the last size that rounds to at most `x` (a
+    // size `round_size` keeps, since its rounding is at most `x` too).
+    let within = |s: usize| rules::round_size(s, rules).is_some_and(|r| r <= x);
+    let (mut lo, mut hi) = (MIN_BLOCK_SIZE, x);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if within(mid) { lo = mid } else { hi = mid - 1 }
+    }
+    Some(lo)
+}
+
+/// The largest request in bytes that one of malloc's attempts serves in situation `s`; 0
+/// when none does (every request fails, but a request of 0 bytes).
+pub(crate) fn largest(s: &Situation) -> usize {
+    let mut attempts = vec![Attempt::new(s.now.clone(), s.room)];
+    if s.release && s.grow {
+        if s.deferred {
+            attempts.push(Attempt::new(s.now.freeing(&[Kind::Sync]), s.room));
+        }
+        let (after, freed) = s.now.freeing(&[Kind::Events, Kind::Sync]).released();
+        attempts.push(Attempt::new(after, s.room.saturating_add(s.others_release).saturating_add(freed)));
+    }
+    let mut bounds = Vec::new();
+    for a in &attempts {
+        a.bounds(s, &mut bounds);
+    }
+    // Each bound, and the edges where the rules change (the small pool's largest size, the
+    // last size of `large_segment_size` segments, the last under `max_split_size`) below the
+    // largest bound: a bound cut to an edge is the edge. `largest_rounded_within` never
+    // decreases, so the sizes stay in order.
+    let top = bounds.iter().copied().max().unwrap_or(0);
+    let edges = [SMALL_SIZE, MIN_LARGE_ALLOC - 1, s.rules.max_split_size - 1];
+    bounds.extend(edges.into_iter().filter(|&e| e <= top));
+    bounds.sort_unstable_by(|a, b| b.cmp(a));
+    bounds.dedup();
+    let mut sizes: Vec<usize> = bounds.into_iter().filter_map(|x| largest_rounded_within(x, &s.rules)).collect();
+    sizes.dedup();
+    sizes.into_iter().find(|&r| attempts.iter().any(|a| a.serves(r, s))).unwrap_or(0)
+}

@@ -1,0 +1,60 @@
+//! A shard's blocks copied for the largest-request search (`caching::largest`), read under its
+//! lock without changing anything.
+
+use rustc_hash::FxHashMap;
+
+use super::ShardState;
+use crate::caching::block::{BlockId, BlockState, NIL};
+use crate::caching::largest::{Kind, SegModel, ShardModel};
+use crate::driver::Driver;
+use crate::error::Error;
+
+impl ShardState {
+    /// The shard's segments as `caching::largest` sees them, in no order and with blocks
+    /// returned by their events not yet merged ([`ShardModel::settled`] does both, once the
+    /// lock is dropped). With
+    /// `driver`, the blocks whose every pending event has completed (`cuEventQuery`) count as
+    /// free, as `process_events` would make them before a request; without, as awaiting their
+    /// events. Changes nothing: the events stay pending, the blocks where they are.
+    ///
+    /// Errors: [`Error::Cuda`] when an event query fails (a request would fail with it too).
+    pub fn model(&self, driver: Option<&dyn Driver>) -> Result<ShardModel, Error> {
+        let mut ready: FxHashMap<BlockId, u32> = FxHashMap::default();
+        if let Some(driver) = driver.filter(|_| self.events_pending()) {
+            let done = self
+                .events
+                .completed(driver)
+                .map_err(|e| Error::driver_call(e, "querying the events of freed blocks"))?;
+            for id in done {
+                *ready.entry(id).or_default() += 1;
+            }
+        }
+        let segs = self
+            .segments
+            .iter()
+            .map(|(&base, seg)| {
+                let mut blocks = Vec::new();
+                let mut id = seg.head;
+                while id != NIL {
+                    let b = &self.blocks[id];
+                    let kind = match b.state {
+                        BlockState::Free => Kind::Free,
+                        BlockState::Allocated => Kind::Used,
+                        // A block freed during a capture has no event yet (`capture_deferred`).
+                        BlockState::AwaitingEvents if b.event_count > 0 && ready.get(&id) == Some(&b.event_count) => {
+                            Kind::Free
+                        }
+                        BlockState::AwaitingEvents => Kind::Events,
+                        BlockState::AwaitingSync => Kind::Sync,
+                        BlockState::Unmapped => Kind::Unmapped,
+                    };
+                    blocks.push((b.size, kind));
+                    id = b.next;
+                }
+                let pool = self.blocks[seg.head].pool;
+                SegModel { base, pool, page: seg.exp.as_deref().map(|e| e.page), releasable: !seg.graph, blocks }
+            })
+            .collect();
+        Ok(ShardModel { segs })
+    }
+}
