@@ -6,7 +6,7 @@
 //! `cuMemSetAccess`), one handle per page, so that a segment grows instead of a new one being
 //! allocated, and pages that are wholly free can be unmapped and released (`cuMemUnmap`,
 //! `cuMemRelease`) while the rest of the segment stays in use. This type knows pages only; the
-//! blocks over them are the shard's (`shard/expand.rs`).
+//! blocks over them are the shard's (`shard/expand/`).
 //!
 //! Failures leave the page table true to the driver: a page counts as mapped exactly when its
 //! memory is mapped at its address with access set. [`Expandable::map`] is all or nothing: it
