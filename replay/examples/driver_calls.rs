@@ -1,9 +1,11 @@
 //! The driver calls of a replay with expandable segments on the simulated device, cold pass
 //! and warm pass, without and with the high-water rule (`GPUPOOL_EXPANDABLE_RECLAIM`): what
-//! the rule costs, counted rather than timed. On a GPU each page mapped costs a `cuMemCreate`,
-//! `cuMemMap` and its share of a `cuMemSetAccess`, and each page unmapped a `cuMemUnmap` and
-//! `cuMemRelease`, tens of microseconds in all; the simulated device's times say nothing of
-//! that, so the counts are what to compare.
+//! the rule costs, counted rather than timed. On a GPU each page mapped costs a `cuMemMap` and
+//! its share of a `cuMemSetAccess`, plus a `cuMemCreate` unless a held handle is mapped, and
+//! each page unmapped a `cuMemUnmap`, plus a `cuMemRelease` when its handle goes back to the
+//! driver, tens of microseconds in all; the simulated device's times say nothing of that, so
+//! the counts are what to compare. Each pass's counts: device synchronisations, handles
+//! created, pages mapped, access grants, pages unmapped, handles released.
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!
@@ -42,12 +44,14 @@ fn main() {
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
             let s = a.stats(0).unwrap();
             println!(
-                "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6}; reserved/live {:.3}; {ns:.0} ns/event (sim)",
+                "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6} release {:6}; \
+                 reserved/live {:.3}; {ns:.0} ns/event (sim)",
                 d(|c| c.device_synchronize),
                 d(|c| c.mem_create),
                 d(|c| c.mem_map),
                 d(|c| c.mem_set_access),
                 d(|c| c.mem_unmap),
+                d(|c| c.mem_release),
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
             );
         }

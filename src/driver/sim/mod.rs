@@ -76,6 +76,8 @@ pub struct SimCounts {
     pub mem_map: u64,
     pub mem_set_access: u64,
     pub mem_unmap: u64,
+    /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
+    pub mem_release: u64,
     pub host_alloc: u64,
     pub host_free: u64,
     pub host_register: u64,

@@ -147,6 +147,7 @@ impl SimDriver {
 
     pub(super) fn sim_mem_release(&self, handle: PhysHandle) -> Result<(), DriverError> {
         let mut st = self.state.lock();
+        st.counts.mem_release += 1;
         st.fault(SimOp::MemRelease)?;
         st.unsafe_call("cuMemRelease")?;
         match st.handles.get(&handle.0) {
