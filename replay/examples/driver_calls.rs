@@ -5,7 +5,9 @@
 //! each page unmapped a `cuMemUnmap`, plus a `cuMemRelease` when its handle goes back to the
 //! driver, tens of microseconds in all; the simulated device's times say nothing of that, so
 //! the counts are what to compare. Each pass's counts: device synchronisations, handles
-//! created, pages mapped, access grants, pages unmapped, handles released.
+//! created, pages mapped, access grants, pages unmapped, handles released; then the pages
+//! held unmapped in the device's pool after the pass and at most (2 MiB pages; the peak is
+//! since the start).
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!
@@ -45,13 +47,15 @@ fn main() {
             let s = a.stats(0).unwrap();
             println!(
                 "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6} release {:6}; \
-                 reserved/live {:.3}; {ns:.0} ns/event (sim)",
+                 held now/peak {}/{} pages; reserved/live {:.3}; {ns:.0} ns/event (sim)",
                 d(|c| c.device_synchronize),
                 d(|c| c.mem_create),
                 d(|c| c.mem_map),
                 d(|c| c.mem_set_access),
                 d(|c| c.mem_unmap),
                 d(|c| c.mem_release),
+                s.unmapped_held_bytes.current >> 21,
+                s.unmapped_held_bytes.peak >> 21,
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
             );
         }

@@ -81,10 +81,13 @@ struct Root<'a>(&'a Snapshot);
 impl Serialize for Root<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let snap = self.0;
-        map(s, 3, |m| {
+        map(s, 4, |m| {
             m.serialize_entry("segments", &List(&snap.segments))?;
             m.serialize_entry("device_traces", &List(&snap.device_traces))?;
-            m.serialize_entry("allocator_settings", &Item(&snap.allocator_settings))
+            m.serialize_entry("allocator_settings", &Item(&snap.allocator_settings))?;
+            // gpupool's own key, which PyTorch's viewer and `_snapshot()` readers pass over.
+            let held: Vec<i64> = snap.unmapped_held_bytes.iter().map(|&b| int(b)).collect();
+            m.serialize_entry("gpupool_unmapped_held_bytes", &held)
         })
     }
 }

@@ -251,6 +251,10 @@ impl Driver for SimDriver {
         self.sim_mem_unmap(ptr, size)
     }
 
+    fn handle_is_free(&self, handle: PhysHandle) -> Option<bool> {
+        Some(self.handle_mapped_at(handle) == Some(None))
+    }
+
     fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
         self.sim_host_alloc(size)
     }
