@@ -369,3 +369,33 @@ fn garbage_collection_releases_held_pages_first() {
     }
     all_given_back(&a, &drv);
 }
+
+/// A growth that took held handles and then unwinds before it maps them (a panic in the
+/// synchronisation before the high-water rule unmaps this stream's free page) gives them back
+/// to the pool: the memory fraction's count stays reserved plus held.
+#[test]
+fn a_growth_that_unwinds_gives_its_held_handles_back() {
+    let (a, drv) = sim_with(1, 1 << 30, reclaiming());
+    // As `held_after_a_failed_map`, beside a large live block (so that the pool's bound, an
+    // eighth of the rest, keeps the held pages after each growth below).
+    let big = a.malloc(32 * PAGE, 0, 0x10).unwrap();
+    let one = a.malloc(4 * PAGE, 0, 0x10).unwrap();
+    a.free(one).unwrap();
+    drv.inject(SimOp::MemMap, 0, SimFault::Fail(cuda("cuMemMap")));
+    let two = a.malloc(4 * PAGE, 0, 0x20).unwrap();
+    // Stream 0x10 maps two held pages, and frees the first: one free page, two held.
+    let r1 = a.malloc(PAGE, 0, 0x10).unwrap();
+    let r2 = a.malloc(PAGE, 0, 0x10).unwrap();
+    a.free(r1).unwrap();
+    assert_eq!(a.stats(0).unwrap().unmapped_held_bytes.current, 2 * PAGE as i64);
+    // Four pages: two held, two past the mark, so the rule unmaps the free page first.
+    drv.inject(SimOp::DeviceSynchronize, 0, SimFault::Panic);
+    let grown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.malloc(4 * PAGE, 0, 0x10)));
+    assert!(grown.is_err(), "the injected panic unwinds");
+    assert_eq!(a.stats(0).unwrap().unmapped_held_bytes.current, 2 * PAGE as i64, "both back in the pool");
+    check(&a);
+    for p in [big, r2, two] {
+        a.free(p).unwrap();
+    }
+    all_given_back(&a, &drv);
+}

@@ -65,19 +65,19 @@ impl ShardState {
         let page = policy.page(pool);
         let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
         // Held handles first: they are device memory counted already, so only the pages
-        // still wanted count towards the high-water mark and the memory limit.
-        let mut spare = Vec::new();
+        // still wanted count towards the high-water mark and the memory limit. Whatever
+        // happens, unwinding included, those not mapped go back to the pool.
+        let mut spare = scopeguard::guard(Vec::new(), |mut spare: Vec<PhysHandle>| ctx.pages.put(page, &mut spare));
         let held_before = ctx.pages.held();
         let mut taken = ctx.pages.take(page, pages, &mut spare);
         if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, (pages - taken) * page) {
-            ctx.pages.put(page, &mut spare);
             return Ok(Growth::PastMark(past));
         }
         // What the rule unmapped waits in the pool.
         taken += ctx.pages.take(page, pages - taken, &mut spare);
         let base = self.expandable_of(self.blocks[start].addr).0;
         let Some(charge) = ctx.limit.try_charge((pages - taken) * page) else {
-            ctx.pages.put(page, &mut spare);
+            drop(spare);
             self.free_range_if_empty(ctx, base);
             return Err(DriverError::OutOfMemory);
         };
@@ -88,7 +88,7 @@ impl ShardState {
             // handles not mapped go back to the pool, and the memory limit keeps what the
             // device's physical bytes changed by.
             let mut g = scopeguard::guard(
-                (&mut *self, &mut attempted, &mut spare, charge),
+                (&mut *self, &mut attempted, &mut *spare, charge),
                 |(st, attempted, spare, charge)| {
                     let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
                     let back = spare.len();
