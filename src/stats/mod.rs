@@ -73,6 +73,7 @@ pub struct DeviceStats {
     /// by the next growth before any page is created, and released by `empty_cache`, on the
     /// out-of-memory path and under `garbage_collection_threshold`. Device-wide, so no pools;
     /// `allocated` sums the bytes put in the pool, `freed` those mapped again or released.
-    /// Always 0 without expandable segments, and between calls with the high-water rule off.
+    /// Always 0 without expandable segments and in a private pool's statistics, and between
+    /// calls with the high-water rule off (unless the driver refused a release).
     pub unmapped_held_bytes: Stat,
 }
