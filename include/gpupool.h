@@ -57,9 +57,10 @@
 #define GPUPOOL_HOST_STATS_VERSION 1
 
 /**
- * The layout version of `gpupool_stats_t` this library writes.
+ * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
+ * adds `unmapped_held_bytes` at the end.
  */
-#define GPUPOOL_STATS_VERSION 1
+#define GPUPOOL_STATS_VERSION 2
 
 /**
  * What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
@@ -319,6 +320,19 @@ typedef struct gpupool_stats_t {
    * unlimited.
    */
   int64_t max_split_size;
+  /**
+   * Version 2. Bytes of physical pages the device holds unmapped for its expandable
+   * segments (not in PyTorch, which releases each page it unmaps): device memory outside
+   * `reserved_bytes` (mapped pages only) that counts against
+   * `gpupool_set_memory_fraction`, mapped again by the next growth before any new page is
+   * created, and released by `gpupool_empty_cache`, on the out-of-memory path and under
+   * `garbage_collection_threshold`. Device-wide; `allocated` sums the bytes put in,
+   * `freed` those mapped again or released. 0 without expandable segments, and between
+   * calls with `GPUPOOL_EXPANDABLE_RECLAIM` off (unless the driver refused a release); 0 in
+   * `gpupool_pool_stats` (private pools have no expandable segments). A caller built
+   * against version 1 passes a smaller `size` and gets every field before this one.
+   */
+  struct gpupool_stat_t unmapped_held_bytes;
 } gpupool_stats_t;
 
 /**
@@ -782,8 +796,12 @@ gpupool_status gpupool_record_stream(void *ptr, gpupool_stream_t stream);
  * Private pools: their wholly free segments go back too, but those a CUDA graph captured into
  * stay until `gpupool_release_pool` (see `gpupool_begin_allocate_to_pool`).
  *
+ * Expandable segments: every wholly free page is unmapped, and the physical pages held
+ * unmapped (`gpupool_stats_t.unmapped_held_bytes`) are released (`cuMemRelease`) with them.
+ *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
- * waiting or freeing fails, a wait that fails for lack of memory included (what was released
+ * waiting or freeing fails (a held page the driver will not release stays held, and counted,
+ * for the next call), a wait that fails for lack of memory included (what was released
  * before stays released); `GPUPOOL_ERROR_STREAM_CAPTURE`, nothing done on that device, while
  * a capture may be under way there (a route by stream or filter is active, or a stream gpupool
  * found capturing still captures): waiting and freeing would break it;
@@ -811,6 +829,9 @@ gpupool_status gpupool_device_count(int *count);
  * the device's reserved bytes past `fraction * total` counts as out of memory, so gpupool
  * releases its cache and retries once, then fails with `GPUPOOL_ERROR_OUT_OF_MEMORY` (the
  * message names the limit). Segments already reserved stay; 1.0 allows the whole device.
+ * With expandable segments the limit counts the physical pages held unmapped as well
+ * (`gpupool_stats_t.unmapped_held_bytes`: device memory all the same), and a growth that maps
+ * one of them adds nothing.
  *
  * - `fraction`: from 0 to 1.
  * - `device`: a device ordinal, or -1 for the current device.

@@ -363,7 +363,9 @@ for i, (op, arg, pos) in enumerate(ops):
     if op.name == "LONG1":
         assert raw[pos + 1] <= 8, f"LONG1 of {raw[pos + 1]} bytes at {pos}"
 snap = pickle.loads(raw)
-assert set(snap) == {"segments", "device_traces", "allocator_settings"}, set(snap)
+assert set(snap) == {"segments", "device_traces", "allocator_settings", "gpupool_unmapped_held_bytes"}, set(snap)
+held = snap["gpupool_unmapped_held_bytes"]
+assert len(held) == len(snap["device_traces"]) and all(isinstance(b, int) and b >= 0 for b in held), held
 def frames(fs):
     assert isinstance(fs, list)
     for f in fs:

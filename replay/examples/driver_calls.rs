@@ -1,24 +1,34 @@
 //! The driver calls of a replay with expandable segments on the simulated device, cold pass
 //! and warm pass, without and with the high-water rule (`GPUPOOL_EXPANDABLE_RECLAIM`): what
-//! the rule costs, counted rather than timed. On a GPU each page mapped costs a `cuMemCreate`,
-//! `cuMemMap` and its share of a `cuMemSetAccess`, and each page unmapped a `cuMemUnmap` and
-//! `cuMemRelease`, tens of microseconds in all; the simulated device's times say nothing of
-//! that, so the counts are what to compare.
+//! the rule costs, counted rather than timed. On a GPU each page mapped costs a `cuMemMap` and
+//! its share of a `cuMemSetAccess`, plus a `cuMemCreate` unless a held handle is mapped, and
+//! each page unmapped a `cuMemUnmap`, plus a `cuMemRelease` when its handle goes back to the
+//! driver, tens of microseconds in all; the simulated device's times say nothing of that, so
+//! the counts are what to compare. Each pass's counts: device synchronisations, handles
+//! created, pages mapped, access grants, pages unmapped, handles released; then the pages
+//! held unmapped in the device's pool after the pass and at most (2 MiB pages; the peak is
+//! since the start).
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
+//!     driver_calls --cuda TRACE [REPEATS]
 //!
 //! CAPACITY_GIB: the simulated device's memory (default 80, an H100's), which sizes the
-//! expandable segments' address ranges.
+//! expandable segments' address ranges. With `--cuda`, the same replays on device 0 of this
+//! machine's GPU instead (a fresh allocator each, `REPEATS` times, default 3), timed: cold and
+//! warm nanoseconds per event, without and with the rule, what the counts cost there.
 use std::sync::Arc;
 
 use gpupool::Allocator;
 use gpupool::driver::sim::{SimCounts, SimDriver};
-use gpupool_replay::{cli, input, run};
+use gpupool_replay::{cli, cuda, input, run};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "--cuda") {
+        return on_gpu(&args[2..]);
+    }
     if args.len() < 2 || args.len() > 3 {
-        eprintln!("usage: driver_calls TRACE [CAPACITY_GIB]");
+        eprintln!("usage: driver_calls TRACE [CAPACITY_GIB] | driver_calls --cuda TRACE [REPEATS]");
         std::process::exit(2);
     }
     let traces = input::load(std::path::Path::new(&args[1]), None).expect("trace");
@@ -42,13 +52,44 @@ fn main() {
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
             let s = a.stats(0).unwrap();
             println!(
-                "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6}; reserved/live {:.3}; {ns:.0} ns/event (sim)",
+                "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6} release {:6}; \
+                 held now/peak {}/{} pages; reserved/live {:.3}; {ns:.0} ns/event (sim)",
                 d(|c| c.device_synchronize),
                 d(|c| c.mem_create),
                 d(|c| c.mem_map),
                 d(|c| c.mem_set_access),
                 d(|c| c.mem_unmap),
+                d(|c| c.mem_release),
+                s.unmapped_held_bytes.current >> 21,
+                s.unmapped_held_bytes.peak >> 21,
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
+            );
+        }
+    }
+}
+
+/// The replays of `main` on the GPU, timed.
+fn on_gpu(args: &[String]) {
+    let traces = input::load(std::path::Path::new(&args[0]), None).expect("trace");
+    let repeats = args.get(1).map_or(3, |r| r.parse::<usize>().unwrap());
+    let gpu = cuda::Gpu::open().expect("a GPU");
+    let t = &traces[0];
+    println!(
+        "{} on the GPU: {} events, peak live {:.1} MiB",
+        args[0],
+        t.events.len(),
+        t.peak_live() as f64 / 1048576.0
+    );
+    for reclaim in [false, true] {
+        let mut config = cli::parse_conf("expandable_segments:True").unwrap();
+        config.expandable_reclaim = reclaim;
+        for _ in 0..repeats {
+            let o = gpu.replay(t, &config).expect("replay");
+            println!(
+                "reclaim {reclaim:5}: cold {:8.0} ns/event, warm {:8.0} ns/event; reserved/live {:.3}",
+                o.cold_ns_per_event,
+                o.warm_ns_per_event,
+                o.peak_reserved_warm as f64 / t.peak_live() as f64
             );
         }
     }

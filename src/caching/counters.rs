@@ -180,5 +180,7 @@ pub(crate) fn collect(t: &Totals, counters: &DeviceCounters, max_split_size: usi
         num_device_alloc: load(&counters.num_device_alloc),
         num_device_free: load(&counters.num_device_free),
         max_split_size: i64::try_from(max_split_size).unwrap_or(i64::MAX),
+        // The device's page pool's, not the shards': the caller fills it in.
+        unmapped_held_bytes: Stat::default(),
     }
 }

@@ -2,17 +2,19 @@
 //! `ExpandableSegment`), on the driver's virtual memory calls.
 //!
 //! A range of device address space is reserved once (`cuMemAddressReserve`), and physical
-//! pages are created and mapped into it on demand (`cuMemCreate`, `cuMemMap`,
-//! `cuMemSetAccess`), one handle per page, so that a segment grows instead of a new one being
-//! allocated, and pages that are wholly free can be unmapped and released (`cuMemUnmap`,
-//! `cuMemRelease`) while the rest of the segment stays in use. This type knows pages only; the
-//! blocks over them are the shard's (`shard/expand/`).
+//! pages are mapped into it on demand (`cuMemMap`, `cuMemSetAccess`), one handle per page, so
+//! that a segment grows instead of a new one being allocated, and pages that are wholly free
+//! can be unmapped (`cuMemUnmap`) while the rest of the segment stays in use. Where PyTorch
+//! creates a handle for each page it maps and releases it when it unmaps (`cuMemCreate`,
+//! `cuMemRelease`), this type maps the handles its caller hands it first (the device's page
+//! pool, `page_pool`) and hands back the handles it unmaps, creating only what it lacks. It
+//! knows pages only; the blocks over them are the shard's (`shard/expand/`).
 //!
 //! Failures leave the page table true to the driver: a page counts as mapped exactly when its
 //! memory is mapped at its address with access set. [`Expandable::map`] is all or nothing: it
 //! grants access to its pages only once all of them are mapped, and undoes them all when a
-//! call fails; a handle the driver will not give back is kept as an orphan, never counted,
-//! and released at the next chance.
+//! call fails, handing their handles back; a handle the driver will not unmap is kept as an
+//! orphan, never counted, and unmapped and released at the next chance.
 
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 
@@ -31,11 +33,12 @@ pub(crate) struct Expandable {
     pages: Vec<Option<PhysHandle>>,
     /// Bytes mapped.
     pub mapped: usize,
-    /// Handles that are not pages of the table and that the driver still holds: created for a
-    /// page whose map or access grant failed or unwound, or unmapped and not yet released.
-    /// Each is unmapped (if mapped, at the address given) and released at the next chance,
-    /// and before the range is given back; memory behind a page without access is never
-    /// counted as mapped, so never put in a block.
+    /// Handles that are not pages of the table and that the driver still holds: those of a
+    /// map whose map or access grant failed or unwound, until they are unmapped and handed
+    /// back, and those the driver would not unmap then. Each is unmapped (if mapped, at the
+    /// address given) and released at the next chance, and before the range is given back;
+    /// memory behind a page without access is never counted as mapped, so never put in a
+    /// block.
     orphans: Vec<(PhysHandle, Option<DevicePtr>)>,
 }
 
@@ -99,18 +102,26 @@ impl Expandable {
         self.pages.get(offset / self.page).is_some_and(Option::is_some)
     }
 
-    /// Maps `len` bytes at `offset` (both whole pages, all unmapped): a new handle per page
-    /// (`cuMemCreate`, `cuMemMap`), then access to the whole run in one `cuMemSetAccess`, as
-    /// PyTorch `ExpandableSegment::map` does through `mapAndSetAccess`: access is the costly
-    /// call (it updates the page tables of the device and of its peers), and a growth of many
-    /// pages pays for it once. All or nothing: when a call fails, the pages this call created
-    /// are unmapped and released again.
+    /// Maps `len` bytes at `offset` (both whole pages, all unmapped): per page a handle of
+    /// `spare` (taken from its end) or, once `spare` is empty, a new one (`cuMemCreate`),
+    /// mapped (`cuMemMap`); then access to the whole run in one `cuMemSetAccess`, as PyTorch
+    /// `ExpandableSegment::map` does through `mapAndSetAccess`: access is the costly call (it
+    /// updates the page tables of the device and of its peers), and a growth of many pages
+    /// pays for it once. All or nothing: when a call fails, the pages of this call are unmapped
+    /// again and their handles, from `spare` or new, go to `spare`.
     ///
     /// Errors: the first failure ([`DriverError::OutOfMemory`] when the device has no memory
-    /// for a page). A page is counted in [`Expandable::mapped`] only once access to it was
-    /// granted, so none of a failed call's pages is; the handles whose undoing the driver
-    /// refused stay orphans (see the module docs).
-    pub fn map(&mut self, driver: &dyn Driver, device: i32, offset: usize, len: usize) -> Result<(), DriverError> {
+    /// for a new handle). A page is counted in [`Expandable::mapped`] only once access to it
+    /// was granted, so none of a failed call's pages is; a handle the driver would not unmap
+    /// stays an orphan (see the module docs), neither mapped nor in `spare`.
+    pub fn map(
+        &mut self,
+        driver: &dyn Driver,
+        device: i32,
+        offset: usize,
+        len: usize,
+        spare: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
         debug_assert!(offset % self.page == 0 && len % self.page == 0 && offset + len <= self.size);
         let first = offset / self.page;
         let count = len / self.page;
@@ -124,15 +135,19 @@ impl Expandable {
         if self.pages.len() < first + count {
             self.pages.resize(first + count, None);
         }
-        // Until access is granted, the new handles are orphans: a failure at any step, or a
-        // call that unwinds, leaves the table true and the handles to
-        // [`Expandable::release_orphans`], which undoes them now or later.
+        // Until access is granted, this call's handles are orphans: a failure at any step
+        // leaves the table true and the handles to [`Expandable::unwind`], and a call that
+        // unwinds leaves them to [`Expandable::release_orphans`].
         let new = self.orphans.len();
         let mut made = Ok(());
         for i in first..first + count {
             debug_assert!(self.pages[i].is_none(), "page {i} mapped twice");
             let at = self.base + (i * self.page) as u64;
-            made = driver.mem_create(device, self.page).and_then(|handle| {
+            let handle = match spare.pop() {
+                Some(h) => Ok(h),
+                None => driver.mem_create(device, self.page),
+            };
+            made = handle.and_then(|handle| {
                 self.orphans.push((handle, None));
                 driver.mem_map(device, at, self.page, handle)
             });
@@ -143,7 +158,7 @@ impl Expandable {
             self.orphans[last].1 = Some(at);
         }
         if let Err(e) = made.and_then(|()| driver.mem_set_access(device, start, len)) {
-            self.release_orphans(driver, device);
+            self.unwind(driver, device, new, spare);
             self.trim();
             return Err(e);
         }
@@ -154,31 +169,54 @@ impl Expandable {
         Ok(())
     }
 
-    /// Unmaps and releases `len` bytes at `offset` (whole pages, all mapped; PyTorch
-    /// `ExpandableSegment::unmap`). The caller has made sure that no work on the device still
-    /// uses them: `cuMemUnmap` does not wait.
+    /// Undoes the orphans from index `new` on (a failed map's handles): each is unmapped if
+    /// mapped and goes to `spare`; one the driver will not unmap stays an orphan.
+    fn unwind(&mut self, driver: &dyn Driver, device: i32, new: usize, spare: &mut Vec<PhysHandle>) {
+        let mut i = new;
+        while i < self.orphans.len() {
+            let (handle, at) = self.orphans[i];
+            if let Some(at) = at
+                && driver.mem_unmap(device, at, self.page).is_err()
+            {
+                i += 1;
+                continue;
+            }
+            self.orphans.remove(i);
+            spare.push(handle);
+        }
+    }
+
+    /// Unmaps `len` bytes at `offset` (whole pages, all mapped; PyTorch
+    /// `ExpandableSegment::unmap`) and appends their handles, mapped nowhere now, to `spare`
+    /// (PyTorch releases them). The caller has made sure that no work on the device still uses
+    /// them: `cuMemUnmap` does not wait. Orphans left by earlier failures are retried.
     ///
     /// Errors: the first failure; the pages before it are unmapped, that page and the ones
     /// after it stay mapped.
-    pub fn unmap(&mut self, driver: &dyn Driver, device: i32, offset: usize, len: usize) -> Result<(), DriverError> {
+    pub fn unmap(
+        &mut self,
+        driver: &dyn Driver,
+        device: i32,
+        offset: usize,
+        len: usize,
+        spare: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
         debug_assert!(offset % self.page == 0 && len % self.page == 0 && offset + len <= self.size);
         let first = offset / self.page;
-        let r = (first..first + len / self.page).try_for_each(|i| self.unmap_page(driver, device, i));
+        let r = (first..first + len / self.page).try_for_each(|i| {
+            let at = self.base + (i * self.page) as u64;
+            let handle = self.pages[i].expect("only mapped pages are unmapped");
+            driver.mem_unmap(device, at, self.page)?;
+            self.pages[i] = None;
+            self.mapped -= self.page;
+            spare.push(handle);
+            Ok(())
+        });
         self.trim();
+        if !self.orphans.is_empty() {
+            self.release_orphans(driver, device);
+        }
         r
-    }
-
-    /// Unmaps page `i` and releases its handle (later, if the driver refuses now: see
-    /// [`Expandable::release_orphans`]).
-    fn unmap_page(&mut self, driver: &dyn Driver, device: i32, i: usize) -> Result<(), DriverError> {
-        let at = self.base + (i * self.page) as u64;
-        let handle = self.pages[i].expect("only mapped pages are unmapped");
-        driver.mem_unmap(device, at, self.page)?;
-        self.pages[i] = None;
-        self.mapped -= self.page;
-        self.orphans.push((handle, None));
-        self.release_orphans(driver, device);
-        Ok(())
     }
 
     /// Drops unmapped pages at the end of the table.
@@ -199,11 +237,20 @@ mod tests {
 
     const P: usize = SIM_GRANULARITY;
 
+    /// Releases the handles of `spare`, as the device's page pool does when the cache is
+    /// released.
+    fn release(sim: &SimDriver, spare: &mut Vec<PhysHandle>) {
+        for h in spare.drain(..) {
+            sim.mem_release(0, h).unwrap();
+        }
+    }
+
     #[test]
     fn pages_map_and_unmap_and_memory_is_usable() {
         let sim = SimDriver::new(1, 64 << 20);
+        let mut spare = Vec::new();
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
-        e.map(&sim, 0, 2 * P, 3 * P).unwrap();
+        e.map(&sim, 0, 2 * P, 3 * P, &mut spare).unwrap();
         assert_eq!((e.mapped, sim.used(0), sim.accessible(0)), (3 * P, 3 * P, 3 * P));
         let c = sim.counts();
         assert_eq!((c.mem_create, c.mem_map, c.mem_set_access), (3, 3, 1), "one access grant per run");
@@ -214,40 +261,48 @@ mod tests {
             p.write_bytes(7, 3 * P);
             assert_eq!(*p.add(3 * P - 1), 7);
         }
-        e.unmap(&sim, 0, 3 * P, P).unwrap();
-        assert_eq!((e.mapped, sim.used(0)), (2 * P, 2 * P));
-        e.unmap(&sim, 0, 2 * P, P).unwrap();
-        e.unmap(&sim, 0, 4 * P, P).unwrap();
-        assert_eq!((e.mapped, sim.used(0), e.pages.len()), (0, 0, 0));
-        e.free(&sim, 0).unwrap();
-        assert_eq!(sim.live_vmm(), (0, 0));
-        // A release that fails is made again before the range goes back.
-        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
-        e.map(&sim, 0, 0, P).unwrap();
-        sim.inject(SimOp::MemRelease, 0, SimFault::Fail(DriverError::OutOfMemory));
-        e.unmap(&sim, 0, 0, P).unwrap();
-        assert_eq!((e.mapped, sim.used(0)), (0, P));
+        // An unmapped page's handle is handed back, mapped nowhere, and still device memory.
+        e.unmap(&sim, 0, 3 * P, P, &mut spare).unwrap();
+        assert_eq!((e.mapped, sim.used(0), spare.len()), (2 * P, 3 * P, 1));
+        assert_eq!(sim.handle_mapped_at(spare[0]), Some(None));
+        // Mapping again elsewhere takes it: no new handle.
+        e.map(&sim, 0, 10 * P, P, &mut spare).unwrap();
+        assert_eq!((sim.counts().mem_create, spare.len(), sim.used(0)), (3, 0, 3 * P));
+        e.unmap(&sim, 0, 2 * P, P, &mut spare).unwrap();
+        e.unmap(&sim, 0, 4 * P, P, &mut spare).unwrap();
+        e.unmap(&sim, 0, 10 * P, P, &mut spare).unwrap();
+        assert_eq!((e.mapped, sim.accessible(0), e.pages.len(), spare.len()), (0, 0, 0, 3));
+        assert_eq!(sim.counts().mem_release, 0, "unmapping releases nothing");
+        release(&sim, &mut spare);
         e.free(&sim, 0).unwrap();
         assert_eq!((sim.used(0), sim.live_vmm()), (0, (0, 0)));
     }
 
     #[test]
-    fn a_failed_map_undoes_its_pages() {
+    fn a_failed_map_undoes_its_pages_and_hands_their_handles_back() {
         let sim = SimDriver::new(1, 64 << 20);
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
-        // One access grant covers the whole run, so it fails at its first call.
-        for (op, at) in [(SimOp::MemCreate, 2), (SimOp::MemMap, 2), (SimOp::MemSetAccess, 0)] {
+        // One access grant covers the whole run, so it fails at its first call. Two handles
+        // are handed in: the failed call hands back what it took and what it made.
+        for (op, at, back) in [(SimOp::MemCreate, 0, 2), (SimOp::MemMap, 2, 3), (SimOp::MemSetAccess, 0, 4)] {
+            let mut spare = vec![sim.mem_create(0, P).unwrap(), sim.mem_create(0, P).unwrap()];
             sim.inject(op, at, SimFault::Fail(DriverError::OutOfMemory));
-            assert_eq!(e.map(&sim, 0, 0, 4 * P), Err(DriverError::OutOfMemory), "{op:?}");
-            assert_eq!((e.mapped, sim.used(0), sim.live_vmm()), (0, 0, (1, 0)), "{op:?}");
+            assert_eq!(e.map(&sim, 0, 0, 4 * P, &mut spare), Err(DriverError::OutOfMemory), "{op:?}");
+            assert_eq!((e.mapped, spare.len(), sim.accessible(0)), (0, back, 0), "{op:?}");
+            assert!(spare.iter().all(|&h| sim.handle_mapped_at(h) == Some(None)), "{op:?}");
+            release(&sim, &mut spare);
+            assert_eq!((sim.used(0), sim.live_vmm()), (0, (1, 0)), "{op:?}");
         }
         // The device runs out halfway: nothing stays mapped.
         let small = SimDriver::new(1, 3 * P);
+        let mut spare = Vec::new();
         let mut e2 = Expandable::reserve(&small, 0, 16 * P, P).unwrap();
-        assert_eq!(e2.map(&small, 0, 0, 4 * P), Err(DriverError::OutOfMemory));
-        assert_eq!((e2.mapped, small.used(0)), (0, 0));
-        e2.map(&small, 0, 0, 3 * P).unwrap();
-        e2.unmap(&small, 0, 0, 3 * P).unwrap();
+        assert_eq!(e2.map(&small, 0, 0, 4 * P, &mut spare), Err(DriverError::OutOfMemory));
+        assert_eq!((e2.mapped, spare.len(), small.used(0)), (0, 3, 3 * P));
+        e2.map(&small, 0, 0, 3 * P, &mut spare).unwrap();
+        assert_eq!((small.counts().mem_create, spare.len()), (4, 0), "the handles handed back were mapped");
+        e2.unmap(&small, 0, 0, 3 * P, &mut spare).unwrap();
+        release(&small, &mut spare);
         e2.free(&small, 0).unwrap();
         let _ = e.free(&sim, 0);
     }
@@ -255,18 +310,36 @@ mod tests {
     #[test]
     fn a_page_without_access_is_never_counted_and_is_undone_later() {
         let sim = SimDriver::new(1, 64 << 20);
+        let mut spare = Vec::new();
         let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
         // Access to the run fails, and unmapping its first page fails too: that page is mapped
-        // in the driver, without access, and not in the table.
+        // in the driver, without access, and not in the table; the other three are handed back.
         sim.inject(SimOp::MemSetAccess, 0, SimFault::Fail(DriverError::OutOfMemory));
         sim.inject(SimOp::MemUnmap, 0, SimFault::Fail(DriverError::OutOfMemory));
-        assert!(e.map(&sim, 0, 0, 4 * P).is_err());
+        assert!(e.map(&sim, 0, 0, 4 * P, &mut spare).is_err());
         assert!(!e.is_mapped(0) && !e.is_mapped(P));
-        assert_eq!((e.mapped, sim.used(0)), (0, P), "the orphan still holds its page");
-        // Mapping there again undoes the orphan first.
-        e.map(&sim, 0, 0, 4 * P).unwrap();
-        assert_eq!((e.mapped, sim.used(0), sim.accessible(0)), (4 * P, 4 * P, 4 * P));
-        e.unmap(&sim, 0, 0, 4 * P).unwrap();
+        assert_eq!((e.mapped, spare.len(), sim.used(0)), (0, 3, 4 * P), "the orphan still holds its page");
+        // Mapping there again undoes the orphan first (released: orphans are never counted).
+        e.map(&sim, 0, 0, 4 * P, &mut spare).unwrap();
+        assert_eq!((e.mapped, sim.used(0), sim.accessible(0), spare.len()), (4 * P, 4 * P, 4 * P, 0));
+        assert_eq!(sim.counts().mem_release, 1);
+        e.unmap(&sim, 0, 0, 4 * P, &mut spare).unwrap();
+        release(&sim, &mut spare);
+        e.free(&sim, 0).unwrap();
+        assert_eq!((sim.used(0), sim.live_vmm()), (0, (0, 0)));
+    }
+
+    #[test]
+    fn an_orphan_whose_release_fails_is_released_before_the_range_goes_back() {
+        let sim = SimDriver::new(1, 64 << 20);
+        let mut spare = Vec::new();
+        let mut e = Expandable::reserve(&sim, 0, 16 * P, P).unwrap();
+        sim.inject(SimOp::MemSetAccess, 0, SimFault::Fail(DriverError::OutOfMemory));
+        sim.inject(SimOp::MemUnmap, 0, SimFault::Fail(DriverError::OutOfMemory));
+        assert!(e.map(&sim, 0, 0, P, &mut spare).is_err());
+        sim.inject(SimOp::MemRelease, 0, SimFault::Fail(DriverError::OutOfMemory));
+        assert!(e.free(&sim, 0).is_err(), "the orphan could not be released: the range stays");
+        assert_eq!((sim.used(0), sim.live_vmm()), (P, (1, 1)));
         e.free(&sim, 0).unwrap();
         assert_eq!((sim.used(0), sim.live_vmm()), (0, (0, 0)));
     }

@@ -1,24 +1,32 @@
 //! The device's byte limit: PyTorch's `set_per_process_memory_fraction`, checked against the
-//! bytes the device has reserved from the driver.
+//! device memory gpupool holds from the driver.
 //!
 //! Each shard counts its own segments; this keeps their sum in one atomic as well, so that a
 //! new segment can be checked against the limit without locking every shard (PyTorch checks
 //! `total_allocated_memory + size > allowed_memory_maximum` in `alloc_block`, under its one
-//! device mutex).
+//! device mutex). What it counts is physical memory: ordinary segments, the pages mapped in
+//! expandable segments, and the handles the device's page pool holds unmapped (`page_pool`;
+//! device memory all the same). A growth that maps a held handle charges nothing new, and a
+//! page unmapped into the pool uncharges nothing until its handle is released.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-/// Reserved bytes of one device and the most it may reserve.
+/// Physical bytes of one device (reserved bytes and held pages) and the most it may hold.
 #[derive(Debug)]
 pub(crate) struct MemoryLimit {
-    /// Bytes of every segment of the device (PyTorch `total_allocated_memory`), counted before
-    /// the driver is asked, so that two streams cannot both pass the limit at once.
+    /// Bytes of every segment of the device (PyTorch `total_allocated_memory`) and of the
+    /// pages its pool holds, counted before the driver is asked, so that two streams cannot
+    /// both pass the limit at once.
     reserved: AtomicI64,
     /// The most bytes the device may reserve (PyTorch `allowed_memory_maximum`); `i64::MAX`
     /// when no fraction is set.
     limit: AtomicI64,
-    /// The most bytes the device has had reserved at once since it started, its cache was
-    /// last released or its peak statistics were last reset (its high-water mark).
+    /// The most bytes the device has held at once (reserved and held pages) since it started,
+    /// its cache was last released or its peak statistics were last reset (its high-water
+    /// mark). Physical memory, as the rest: unmapping a page into the pool does not lower
+    /// what counts, and mapping a held handle does not raise it, so the high-water rule
+    /// (`shard::expand::mark`) keeps what the device holds from the driver under its mark, and
+    /// a growth that maps the pages the rule unmapped passes no mark.
     mark: AtomicI64,
 }
 
@@ -44,11 +52,14 @@ impl Charge<'_> {
         std::mem::forget(self);
     }
 
-    /// Keeps `bytes` of the charge counted (what was obtained: an expandable segment's
-    /// pages mapped before a failure) and gives the rest back.
-    pub fn commit_part(self, bytes: usize) {
-        debug_assert!(bytes as i64 <= self.size);
-        self.limit.reserved.fetch_sub(self.size - bytes as i64, Ordering::Relaxed);
+    /// Keeps `change` bytes of the charge counted and gives the rest back: what a growth
+    /// changed of the device's physical bytes (pages it mapped from new handles, less held
+    /// handles it took and did not give back, which were counted already), at most the
+    /// charge; negative when held handles it took became orphans of its expandable segment,
+    /// which are not counted.
+    pub fn settle(self, change: isize) {
+        debug_assert!(change as i64 <= self.size);
+        self.limit.reserved.fetch_sub(self.size - change as i64, Ordering::Relaxed);
         self.limit.raise_mark();
         std::mem::forget(self);
     }
@@ -74,7 +85,8 @@ impl MemoryLimit {
         Some(charge)
     }
 
-    /// Counts `size` bytes no longer reserved (a segment went back to the driver).
+    /// Counts `size` bytes no longer held (a segment or a page's handle went back to the
+    /// driver).
     pub fn uncharge(&self, size: usize) {
         self.reserved.fetch_sub(size as i64, Ordering::Relaxed);
     }
@@ -99,14 +111,14 @@ impl MemoryLimit {
         self.mark.store(self.reserved.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    /// By how many bytes `size` more would take the device's reserved bytes past its
+    /// By how many bytes `size` more would take the device's physical bytes past its
     /// high-water mark (0: they stay at or below it).
     pub fn over_mark(&self, size: usize) -> usize {
         let after = self.reserved.load(Ordering::Relaxed) + size as i64;
         (after - self.mark.load(Ordering::Relaxed)).max(0) as usize
     }
 
-    /// The bytes counted as reserved (for the consistency check).
+    /// The physical bytes counted: reserved bytes plus held pages.
     pub fn reserved(&self) -> i64 {
         self.reserved.load(Ordering::Relaxed)
     }
@@ -144,9 +156,12 @@ mod tests {
         assert_eq!(l.over_mark(60), 0, "40 reserved, 60 more stays at the mark of 100");
         drop(l.try_charge(500));
         assert_eq!(l.over_mark(61), 1, "a charge given back raises nothing");
-        l.try_charge(100).unwrap().commit_part(30);
+        l.try_charge(100).unwrap().settle(30);
         assert_eq!(l.over_mark(30), 0, "the part kept counts: 70 reserved");
         l.reset_mark();
         assert_eq!(l.over_mark(1), 1, "the mark is what is reserved now");
+        // A growth whose held handles became orphans gives back more than it charged.
+        l.try_charge(20).unwrap().settle(-10);
+        assert_eq!(l.reserved(), 60);
     }
 }

@@ -11,6 +11,7 @@
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
 //!   `cells`: the statistics' layout and the device's totals, which both use (a leaf);
 //!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
+//!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
 //!   `observers`: the functions called when a request fails; `largest`: the largest request
 //!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
@@ -33,6 +34,7 @@ mod largest;
 mod limit;
 pub(crate) mod observers;
 mod oom;
+mod page_pool;
 mod peaks;
 mod pool;
 pub(crate) mod rules;

@@ -146,6 +146,14 @@ pub trait Driver: Send + Sync {
     /// Unmaps `size` bytes at `ptr` (`cuMemUnmap`). Does not wait for work that may still
     /// use the memory: the caller has made sure none does.
     fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;
+    /// For consistency checks only: whether `handle` is a live handle from
+    /// [`Driver::mem_create`] that is mapped nowhere (`Some(false)`: mapped somewhere, or
+    /// released). `None` when the driver cannot tell: CUDA has no such query, so the CUDA
+    /// driver answers `None`; the simulated device answers.
+    fn handle_is_free(&self, handle: PhysHandle) -> Option<bool> {
+        let _ = handle;
+        None
+    }
     /// The device whose primary context is current on the calling thread; `None` when no
     /// context, or a context the program created itself (`cuCtxCreate`), is current. Memory
     /// from gpupool is valid only in primary contexts.

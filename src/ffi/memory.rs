@@ -128,8 +128,12 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 /// Private pools: their wholly free segments go back too, but those a CUDA graph captured into
 /// stay until `gpupool_release_pool` (see `gpupool_begin_allocate_to_pool`).
 ///
+/// Expandable segments: every wholly free page is unmapped, and the physical pages held
+/// unmapped (`gpupool_stats_t.unmapped_held_bytes`) are released (`cuMemRelease`) with them.
+///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range); `GPUPOOL_ERROR_CUDA` when
-/// waiting or freeing fails, a wait that fails for lack of memory included (what was released
+/// waiting or freeing fails (a held page the driver will not release stays held, and counted,
+/// for the next call), a wait that fails for lack of memory included (what was released
 /// before stays released); `GPUPOOL_ERROR_STREAM_CAPTURE`, nothing done on that device, while
 /// a capture may be under way there (a route by stream or filter is active, or a stream gpupool
 /// found capturing still captures): waiting and freeing would break it;
@@ -165,6 +169,9 @@ pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_stat
 /// the device's reserved bytes past `fraction * total` counts as out of memory, so gpupool
 /// releases its cache and retries once, then fails with `GPUPOOL_ERROR_OUT_OF_MEMORY` (the
 /// message names the limit). Segments already reserved stay; 1.0 allows the whole device.
+/// With expandable segments the limit counts the physical pages held unmapped as well
+/// (`gpupool_stats_t.unmapped_held_bytes`: device memory all the same), and a growth that maps
+/// one of them adds nothing.
 ///
 /// - `fraction`: from 0 to 1.
 /// - `device`: a device ordinal, or -1 for the current device.

@@ -7,8 +7,9 @@ use super::status::{boundary, gpupool_status, out_ptr, write_text};
 use crate::error::Error;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
-/// The layout version of `gpupool_stats_t` this library writes.
-pub const GPUPOOL_STATS_VERSION: u32 = 1;
+/// The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
+/// adds `unmapped_held_bytes` at the end.
+pub const GPUPOOL_STATS_VERSION: u32 = 2;
 
 /// One statistic, as PyTorch's `Stat`: `current` value, `peak` (highest since the last
 /// `gpupool_reset_peak_stats`), and the sums of every increase (`allocated`) and decrease
@@ -87,6 +88,17 @@ pub struct gpupool_stats_t {
     /// `max_split_size` in bytes (`GPUPOOL_CONF`'s `max_split_size_mb`); INT64_MAX when
     /// unlimited.
     pub max_split_size: i64,
+    /// Version 2. Bytes of physical pages the device holds unmapped for its expandable
+    /// segments (not in PyTorch, which releases each page it unmaps): device memory outside
+    /// `reserved_bytes` (mapped pages only) that counts against
+    /// `gpupool_set_memory_fraction`, mapped again by the next growth before any new page is
+    /// created, and released by `gpupool_empty_cache`, on the out-of-memory path and under
+    /// `garbage_collection_threshold`. Device-wide; `allocated` sums the bytes put in,
+    /// `freed` those mapped again or released. 0 without expandable segments, and between
+    /// calls with `GPUPOOL_EXPANDABLE_RECLAIM` off (unless the driver refused a release); 0 in
+    /// `gpupool_pool_stats` (private pools have no expandable segments). A caller built
+    /// against version 1 passes a smaller `size` and gets every field before this one.
+    pub unmapped_held_bytes: gpupool_stat_t,
 }
 
 // Each conversion names every field of both sides, with no `..`: a field added to the core's
@@ -122,6 +134,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             num_device_alloc,
             num_device_free,
             max_split_size,
+            unmapped_held_bytes,
         } = *s;
         gpupool_stats_t {
             size: size_of::<gpupool_stats_t>() as u32,
@@ -143,6 +156,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             num_device_alloc,
             num_device_free,
             max_split_size,
+            unmapped_held_bytes: stat(&unmapped_held_bytes),
         }
     }
 }

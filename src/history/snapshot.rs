@@ -143,6 +143,11 @@ pub struct Snapshot {
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// The allocator's settings.
     pub allocator_settings: AllocatorSettings,
+    /// Per device ordinal (as `device_traces`), the bytes of physical pages held unmapped for
+    /// expandable segments when the device was taken (`DeviceStats::unmapped_held_bytes`;
+    /// not in PyTorch). The pickle writes it as `gpupool_unmapped_held_bytes`, a top-level key
+    /// PyTorch's viewer does not read.
+    pub unmapped_held_bytes: Vec<usize>,
 }
 
 /// A segment as the allocator core collects it under its locks: its stacks still as ids
@@ -156,13 +161,14 @@ pub(crate) struct RawSegment {
 }
 
 impl Snapshot {
-    /// The snapshot of `segments` (any order) and of each device's trace (`traces[d]` for
-    /// device `d`), their stacks symbolised from `contexts`.
+    /// The snapshot of `segments` (any order), of each device's trace (`traces[d]` for
+    /// device `d`) and held pages, their stacks symbolised from `contexts`.
     pub(crate) fn assemble(
         contexts: &ContextTable,
         mut segments: Vec<RawSegment>,
         traces: Vec<Vec<Entry>>,
         allocator_settings: AllocatorSettings,
+        unmapped_held_bytes: Vec<usize>,
     ) -> Snapshot {
         segments.sort_by_key(|r| (r.segment.device, r.segment.address));
         let mut sym = contexts.symbolizer();
@@ -194,6 +200,6 @@ impl Snapshot {
                     .collect()
             })
             .collect();
-        Snapshot { segments, device_traces, allocator_settings }
+        Snapshot { segments, device_traces, allocator_settings, unmapped_held_bytes }
     }
 }

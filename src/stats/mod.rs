@@ -67,4 +67,13 @@ pub struct DeviceStats {
     /// The `max_split_size` in force, in bytes (`i64::MAX` when unlimited, like PyTorch's
     /// `SIZE_MAX`).
     pub max_split_size: i64,
+    /// Bytes of physical pages the device holds unmapped for its expandable segments (not in
+    /// PyTorch, which releases a page when it unmaps it): device memory that is not reserved
+    /// (`reserved_bytes` counts mapped pages) but counts against the memory fraction, mapped
+    /// by the next growth before any page is created, and released by `empty_cache`, on the
+    /// out-of-memory path and under `garbage_collection_threshold`. Device-wide, so no pools;
+    /// `allocated` sums the bytes put in the pool, `freed` those mapped again or released.
+    /// Always 0 without expandable segments and in a private pool's statistics, and between
+    /// calls with the high-water rule off (unless the driver refused a release).
+    pub unmapped_held_bytes: Stat,
 }

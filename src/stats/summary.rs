@@ -102,6 +102,15 @@ pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
     let sync = format!("syncs of all streams: {:<6}", s.num_sync_all_streams);
     let calls = format!("device allocs: {:<7} frees: {:<7}", s.num_device_alloc, s.num_device_free);
     let _ = writeln!(out, "|{sync:^37}|{calls:^37}|");
+    rule(&mut out, '-');
+    // Not in PyTorch: physical pages held unmapped for expandable segments, outside reserved.
+    let h = &s.unmapped_held_bytes;
+    let held = format!(
+        "Unmapped pages held: {} now, {} at peak",
+        format_size(h.current.max(0) as u64),
+        format_size(h.peak.max(0) as u64)
+    );
+    let _ = writeln!(out, "|{held:^WIDTH$}|");
     rule(&mut out, '=');
     out
 }
@@ -167,6 +176,12 @@ mod tests {
         }
         assert!(text.contains("Allocated memory"));
         assert!(text.contains("Non-releasable allocs"));
+        let mut s = DeviceStats::default();
+        s.unmapped_held_bytes.current = 6 << 20;
+        s.unmapped_held_bytes.peak = 3 << 30;
+        let text = memory_summary(0, "sim", &s);
+        assert!(text.contains("Unmapped pages held: 6.00 MiB now, 3.00 GiB at peak"), "{text}");
+        assert!(text.lines().all(|l| l.chars().count() == WIDTH + 2), "{text}");
     }
 
     #[test]

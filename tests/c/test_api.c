@@ -145,9 +145,17 @@ static void test_stats_struct(void) {
   CHECK(s.allocation.all.current >= 0);
   unsigned char *tail = (unsigned char *)&s.segment;
   CHECK(tail[0] == 0xab && tail[sizeof s.segment - 1] == 0xab); /* untouched */
+  /* A caller built against version 1 of the struct, which ended at `max_split_size`. */
+  memset(&s, 0xab, sizeof s);
+  s.size = (uint32_t)(offsetof(gpupool_stats_t, unmapped_held_bytes));
+  CHECK_OK(gpupool_stats(0, &s));
+  CHECK(s.size == offsetof(gpupool_stats_t, unmapped_held_bytes) && s.max_split_size > 0);
+  tail = (unsigned char *)&s.unmapped_held_bytes;
+  CHECK(tail[0] == 0xab && tail[sizeof s.unmapped_held_bytes - 1] == 0xab); /* untouched */
   s = stats(0);
   CHECK(s.size == sizeof(gpupool_stats_t));
   CHECK(s.max_split_size > 0);
+  CHECK(s.version == 2 && s.unmapped_held_bytes.current == 0); /* no expandable segments */
 }
 
 static void test_summary(void) {

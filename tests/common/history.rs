@@ -78,6 +78,8 @@ pub fn snapshot_agrees(a: &Allocator, full_trace: bool) -> Snapshot {
         let blocks =
             |state: BlockState| segs.iter().flat_map(|g| &g.blocks).filter(|b| b.state == state).count() as i64;
         assert_eq!(sum(&|g| g.total_size), s.reserved_bytes.all.current, "device {d}: reserved");
+        let held = snap.unmapped_held_bytes[d as usize] as i64;
+        assert_eq!(held, s.unmapped_held_bytes.current, "device {d}: pages held unmapped");
         assert_eq!(sum(&|g| if g.is_large { g.total_size } else { 0 }), s.reserved_bytes.large_pool.current);
         assert_eq!(sum(&|g| g.allocated_size), s.allocated_bytes.all.current, "device {d}: allocated");
         assert_eq!(sum(&|g| g.active_size), s.active_bytes.all.current, "device {d}: active");

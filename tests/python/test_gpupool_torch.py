@@ -58,6 +58,13 @@ check(lib.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0, "gpupool_mallo
 s = gpupool_torch.stats()
 check(s["allocated_bytes.all.current"] == 3 << 20, f"stats() sees the block: {s['allocated_bytes.all.current']}")
 check(s["segment.all.current"] >= 1, "stats() sees its segment")
+check(s["unmapped_held_bytes.current"] == 0, "stats() has the held pages, none without expandable segments")
+# _Stats mirrors gpupool_stats_t field for field: the library writes exactly its size.
+room = ctypes.create_string_buffer(ctypes.sizeof(gpupool_torch._Stats) + 256)
+size = ctypes.c_uint32.from_buffer(room)
+size.value = len(room)
+check(lib.gpupool_stats(0, room) == 0 and size.value == ctypes.sizeof(gpupool_torch._Stats),
+      f"gpupool_stats_t is {size.value} bytes, _Stats {ctypes.sizeof(gpupool_torch._Stats)}")
 check("device ID 0" in gpupool_torch.summary(), "summary() is gpupool's memory summary")
 gpupool_torch.record_history(True, "none", 100)
 check(lib.gpupool_free(p) == 0, "gpupool_free")

@@ -50,9 +50,10 @@ impl Allocator {
         crate::caching::fork::check()?;
         let mut segments = Vec::new();
         let mut traces = vec![Vec::new(); self.devices.len()];
-        for (trace, dev) in traces.iter_mut().zip(self.devices.iter()) {
+        let mut held = vec![0; self.devices.len()];
+        for ((trace, held), dev) in traces.iter_mut().zip(held.iter_mut()).zip(self.devices.iter()) {
             if let Some(dev) = dev.get() {
-                *trace = dev.snapshot_into(&mut segments);
+                (*trace, *held) = dev.snapshot_into(&mut segments);
             }
         }
         let c = self.config();
@@ -66,7 +67,7 @@ impl Allocator {
             pinned_use_cuda_host_register: c.pinned_use_cuda_host_register,
             roundup_power2_divisions: c.roundup_power2_divisions.to_vec(),
         };
-        Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings))
+        Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings, held))
     }
 
     /// The statistics of the blocks allocated under tag `name` (see [`crate::history::tags`]),

@@ -35,7 +35,8 @@ impl Allocator {
     }
 
     /// Returns every wholly free cached segment to the driver, after waiting for all pending
-    /// events (PyTorch `emptyCache`). `device` -1: every device in use.
+    /// events (PyTorch `emptyCache`), and with expandable segments every wholly free page and
+    /// the physical pages held unmapped. `device` -1: every device in use.
     ///
     /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`].
     pub fn empty_cache(&self, device: i32) -> Result<(), Error> {
@@ -53,7 +54,9 @@ impl Allocator {
     /// (PyTorch `torch.cuda.set_per_process_memory_fraction` / `setMemoryFraction`). A
     /// segment that would pass the limit is treated as out of memory: gpupool releases its
     /// cache and retries as for a full device, then fails with the out-of-memory error.
-    /// Segments already reserved stay. 1.0 allows the whole device.
+    /// Segments already reserved stay. 1.0 allows the whole device. The limit counts physical
+    /// memory: with expandable segments, the pages held unmapped too
+    /// ([`crate::stats::DeviceStats::unmapped_held_bytes`]).
     ///
     /// Errors: [`Error::InvalidValue`] (`fraction` not within 0 to 1, device out of range),
     /// [`Error::Cuda`] (the device's total cannot be read).

@@ -20,7 +20,9 @@ impl DeviceAllocator {
     }
 
     /// PyTorch `garbage_collect_cached_blocks`: while reserved bytes are over the threshold,
-    /// releases the whole free segments whose age is at least the average age of those left,
+    /// releases the physical pages held for expandable segments (`page_pool`; not in
+    /// PyTorch, which holds none), then the whole free segments whose age is at least the
+    /// average age of those left,
     /// and again with the new average, until enough is released or nothing more is. A driver
     /// failure stops the collection (the out-of-memory path, if it comes to that, tries
     /// again). Returns the bytes released.
@@ -28,6 +30,13 @@ impl DeviceAllocator {
         let Some(limit) = self.limit.get() else { return 0 };
         let threshold = (self.gc_threshold * limit as f64) as i64;
         let target = (self.limit.reserved() - threshold).max(0) as usize;
+        // Held pages first: they count against the limit and hold nothing a stream cached.
+        let held = self.pages.held();
+        let (mut released, failure) =
+            self.pages.release(&*self.driver, self.device, &self.limit, held.saturating_sub(target));
+        if failure.is_some() || released >= target {
+            return released;
+        }
         let mut candidates = Vec::new();
         let mut owners = Vec::new();
         for shard in self.shards.all() {
@@ -38,7 +47,6 @@ impl DeviceAllocator {
             owners.extend(std::iter::repeat_n(shard, candidates.len() - before));
         }
         let mut left: Vec<usize> = (0..candidates.len()).collect();
-        let mut released = 0;
         while released < target && !left.is_empty() {
             let total: u64 = left.iter().map(|&i| u64::from(candidates[i].2)).sum();
             let average = total as f64 / left.len() as f64;

@@ -44,11 +44,12 @@ impl DeviceAllocator {
         out
     }
 
-    /// Appends the device's segments to `out` and returns its trace, both taken with every
-    /// shard locked (one consistent state, as PyTorch takes it under its device lock); while
+    /// Appends the device's segments to `out` and returns its trace and the bytes of pages it
+    /// holds unmapped, all taken with every shard locked (one consistent state, as PyTorch
+    /// takes it under its device lock); while
     /// history is on, the trace ends with a `snapshot` event carrying the device's active
     /// bytes (PyTorch `snapshot`).
-    pub fn snapshot_into(&self, out: &mut Vec<RawSegment>) -> Vec<Entry> {
+    pub fn snapshot_into(&self, out: &mut Vec<RawSegment>) -> (Vec<Entry>, usize) {
         let _peaks = self.peaks.lock();
         let list = self.shards.all();
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
@@ -60,6 +61,6 @@ impl DeviceAllocator {
             let active = out[start..].iter().map(|r| r.segment.active_size).sum();
             self.history.record(Action::Snapshot, 0, active, active, 0, 0);
         }
-        self.history.recorder().trace(self.device as usize)
+        (self.history.recorder().trace(self.device as usize), self.pages.held())
     }
 }

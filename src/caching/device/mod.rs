@@ -16,9 +16,9 @@
 //! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
 //! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
 //! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
-//! pools' lock (`pools.rs`) and the capture probe's list of streams seen capturing
-//! (`capture.rs`) are leaves: taken with or without shard locks held, never held while taking
-//! another lock. Out-of-memory observers and route filters run with none of these held
+//! pools' lock (`pools.rs`), the capture probe's list of streams seen capturing
+//! (`capture.rs`) and the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls)
+//! are leaves: taken with or without shard locks held, never held while taking another lock. Out-of-memory observers and route filters run with none of these held
 //! (`out_of_memory.rs`, `pools.rs`).
 
 use std::sync::Arc;
@@ -31,6 +31,7 @@ use super::counters::DeviceCounters;
 use super::deferred::DeferredFrees;
 use super::limit::MemoryLimit;
 use super::observers::OomObservers;
+use super::page_pool::PagePool;
 use super::peaks::{SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
@@ -78,6 +79,8 @@ pub(crate) struct DeviceAllocator {
     spare: SpareCredit,
     counters: DeviceCounters,
     limit: MemoryLimit,
+    /// Physical pages held unmapped for expandable segments (see `page_pool`).
+    pages: PagePool,
     deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     expandable: Option<ExpandablePolicy>,
@@ -136,6 +139,7 @@ impl DeviceAllocator {
             spare: std::array::from_fn(|_| AtomicI64::new(0)),
             counters: DeviceCounters::default(),
             limit: MemoryLimit::default(),
+            pages: PagePool::default(),
             deferred: DeferredFrees::default(),
             observers,
             history,
@@ -156,6 +160,7 @@ impl DeviceAllocator {
             index: &self.index,
             shard,
             limit: &self.limit,
+            pages: &self.pages,
             counters: &self.counters,
             deferred: &self.deferred,
             expandable: if private { None } else { self.expandable.as_ref() },

@@ -49,10 +49,12 @@ impl DeviceAllocator {
     /// PyTorch `release_cached_blocks` (`empty_cache`, and the OOM path): waits for every
     /// outstanding event of the device (`num_sync_all_streams`), and for the device if blocks
     /// await its synchronisation (gpupool's addition, see `release_deferred`), then returns
-    /// every wholly free cached segment of every stream to the driver.
+    /// every wholly free cached segment of every stream to the driver, and the physical pages
+    /// the device holds for expandable segments (`page_pool`).
     ///
     /// Errors: [`Error::Cuda`] when waiting or freeing fails; what was done up to then stays
-    /// done, and the rest stays cached.
+    /// done, and the rest stays cached (a page the driver will not release stays held and
+    /// counted, for the next release).
     ///
     /// Errors: [`Error::Capture`], nothing done, while a capture may be under way on the device
     /// (see `capture`).
@@ -72,10 +74,15 @@ impl DeviceAllocator {
             st.release_cached(&ctx)?;
             self.finish(st, ());
         }
+        // The handles the shards unmapped, and any held before, go back to the driver.
+        let (_, failure) = self.pages.release(&*self.driver, self.device, &self.limit, 0);
         self.retire_idle_shards();
         self.prune_released();
         self.limit.reset_mark();
-        Ok(())
+        match failure {
+            Some(e) => Err(Error::driver(e, "releasing the physical pages held for expandable segments")),
+            None => Ok(()),
+        }
     }
 
     /// Takes the shards that hold nothing out of the table (see `shard_table`), after a

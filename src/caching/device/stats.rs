@@ -111,7 +111,9 @@ impl DeviceAllocator {
     pub fn stats(&self) -> DeviceStats {
         self.visit(|t, shards, holds| {
             peaks::settle(t, shards, &self.spare, holds);
-            counters::collect(t, &self.counters, self.max_split_size)
+            let mut s = counters::collect(t, &self.counters, self.max_split_size);
+            s.unmapped_held_bytes = self.pages.stat();
+            s
         })
     }
 
@@ -119,6 +121,7 @@ impl DeviceAllocator {
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
         self.reset_pool_peaks();
+        self.pages.reset_peak();
         self.limit.reset_mark();
     }
 }

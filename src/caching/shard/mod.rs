@@ -46,6 +46,7 @@ use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
 use super::limit::MemoryLimit;
+use super::page_pool::PagePool;
 use super::pool::FreePool;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
@@ -103,6 +104,8 @@ pub(crate) struct ShardCtx<'a> {
     pub index: &'a SegmentIndex<Arc<Shard>>,
     pub shard: &'a Arc<Shard>,
     pub limit: &'a MemoryLimit,
+    /// The device's physical pages held unmapped, for expandable segments to map first.
+    pub pages: &'a PagePool,
     pub counters: &'a DeviceCounters,
     pub deferred: &'a DeferredFrees,
     /// How expandable segments are laid out; `None` when the device uses ordinary segments.

@@ -76,6 +76,8 @@ pub struct SimCounts {
     pub mem_map: u64,
     pub mem_set_access: u64,
     pub mem_unmap: u64,
+    /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
+    pub mem_release: u64,
     pub host_alloc: u64,
     pub host_free: u64,
     pub host_register: u64,
@@ -247,6 +249,10 @@ impl Driver for SimDriver {
 
     fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
         self.sim_mem_unmap(ptr, size)
+    }
+
+    fn handle_is_free(&self, handle: PhysHandle) -> Option<bool> {
+        Some(self.handle_mapped_at(handle) == Some(None))
     }
 
     fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {

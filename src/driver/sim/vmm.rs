@@ -67,6 +67,12 @@ impl SimDriver {
         (st.ranges.len(), st.handles.len())
     }
 
+    /// Where `handle` is mapped: `Some(None)` for a live handle mapped nowhere, `None` for a
+    /// handle that was released or never made.
+    pub fn handle_mapped_at(&self, handle: PhysHandle) -> Option<Option<DevicePtr>> {
+        self.state.lock().handles.get(&handle.0).map(|h| h.mapped_at)
+    }
+
     /// Bytes mapped with access set on `device` (what a kernel could touch).
     pub fn accessible(&self, device: i32) -> usize {
         let st = self.state.lock();
@@ -147,6 +153,7 @@ impl SimDriver {
 
     pub(super) fn sim_mem_release(&self, handle: PhysHandle) -> Result<(), DriverError> {
         let mut st = self.state.lock();
+        st.counts.mem_release += 1;
         st.fault(SimOp::MemRelease)?;
         st.unsafe_call("cuMemRelease")?;
         match st.handles.get(&handle.0) {

@@ -191,13 +191,17 @@ impl<'a, W: Write> Pickler<'a, W> {
     }
 
     fn snapshot(&mut self, snap: &'a Snapshot) -> io::Result<()> {
-        self.dict(3, |p| {
+        self.dict(4, |p| {
             p.str("segments")?;
             p.list(&snap.segments, Self::segment)?;
             p.str("device_traces")?;
             p.list(&snap.device_traces, |p, t| p.list(t, Self::event))?;
             p.str("allocator_settings")?;
-            p.settings(&snap.allocator_settings)
+            p.settings(&snap.allocator_settings)?;
+            // gpupool's own key, which PyTorch's viewer and `_snapshot()` readers pass over:
+            // per device ordinal, the bytes of physical pages held unmapped.
+            p.str("gpupool_unmapped_held_bytes")?;
+            p.list(&snap.unmapped_held_bytes, |p, &b| p.w.int(int(b)))
         })
     }
 

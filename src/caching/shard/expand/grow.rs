@@ -9,21 +9,28 @@ use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;
 use crate::caching::shard::{Growth, SegmentInfo, ShardCtx, ShardState};
-use crate::driver::DriverError;
+use crate::driver::{DriverError, PhysHandle};
 use crate::history::HistoryContext;
 
 /// A step of a growth's plan: (block, offset of its pages in the range, bytes to map).
 type MapStep = (BlockId, usize, usize);
 
-/// Maps the pages of `plan` (block, offset, bytes) in `e`, counting in `attempted` the entries
-/// tried. When one fails (it undid its own pages), the earlier ones are unmapped again; a page
-/// the driver keeps stays mapped, and counted.
-fn map_plan(ctx: &ShardCtx, e: &mut Expandable, plan: &[MapStep], attempted: &mut usize) -> Result<(), DriverError> {
+/// Maps the pages of `plan` (block, offset, bytes) in `e`, held handles of `spare` first,
+/// counting in `attempted` the entries tried. When one fails (it undid its own pages), the
+/// earlier ones are unmapped again, their handles to `spare`; a page the driver keeps stays
+/// mapped, and counted.
+fn map_plan(
+    ctx: &ShardCtx,
+    e: &mut Expandable,
+    plan: &[MapStep],
+    attempted: &mut usize,
+    spare: &mut Vec<PhysHandle>,
+) -> Result<(), DriverError> {
     for (i, &(_, offset, len)) in plan.iter().enumerate() {
         *attempted = i + 1;
-        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len) {
+        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len, spare) {
             for &(_, offset, len) in plan[..i].iter().rev() {
-                let _ = e.unmap(ctx.driver, ctx.device, offset, len);
+                let _ = e.unmap(ctx.driver, ctx.device, offset, len, spare);
             }
             return Err(err);
         }
@@ -37,10 +44,16 @@ impl ShardState {
     /// (the first, by address, where free and unmapped blocks in a row are large enough), or in
     /// a new one; taken out of the pool for the caller to hand out.
     ///
+    /// The pages are mapped with the handles the device's page pool holds first, then new
+    /// ones: only those count towards the high-water mark and the memory fraction, which
+    /// count physical memory. After a growth the pool keeps at most its bound
+    /// ([`PagePool::trim`](crate::caching::page_pool::PagePool::trim)).
+    ///
     /// Errors: [`DriverError::OutOfMemory`] when the device (or the memory fraction) has no
     /// room for the pages; any other failure of the virtual memory calls. The pages mapped
-    /// for the request are unmapped again then; the shard is as it was, but for a new range
-    /// that could not be given back (it stays, empty, until the cache is released).
+    /// for the request are unmapped again then, their handles back in the pool, and the pool
+    /// released down to what it held before; the shard is as it was, but for a new range that
+    /// could not be given back (it stays, empty, until the cache is released).
     ///
     /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
     /// failed call that the driver would not unmap included), with the call's stack, which is
@@ -49,12 +62,22 @@ impl ShardState {
         let policy = ctx.expandable.expect("only called with expandable segments on");
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
         let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
-        let bytes: usize = plan.iter().map(|p| p.2).sum();
-        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, bytes) {
+        let page = policy.page(pool);
+        let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
+        // Held handles first: they are device memory counted already, so only the pages
+        // still wanted count towards the high-water mark and the memory limit. Whatever
+        // happens, unwinding included, those not mapped go back to the pool.
+        let mut spare = scopeguard::guard(Vec::new(), |mut spare: Vec<PhysHandle>| ctx.pages.put(page, &mut spare));
+        let held_before = ctx.pages.held();
+        let mut taken = ctx.pages.take(page, pages, &mut spare);
+        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, (pages - taken) * page) {
             return Ok(Growth::PastMark(past));
         }
+        // What the rule unmapped waits in the pool.
+        taken += ctx.pages.take(page, pages - taken, &mut spare);
         let base = self.expandable_of(self.blocks[start].addr).0;
-        let Some(charge) = ctx.limit.try_charge(bytes) else {
+        let Some(charge) = ctx.limit.try_charge((pages - taken) * page) else {
+            drop(spare);
             self.free_range_if_empty(ctx, base);
             return Err(DriverError::OutOfMemory);
         };
@@ -62,24 +85,35 @@ impl ShardState {
         let mut attempted = 0;
         let result = {
             // The blocks follow the page table whatever happens, unwinding included; the
-            // memory limit keeps what was mapped.
-            let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
-                let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
-                charge.commit_part(grown.max(0) as usize);
-                if ctx.history.on() {
-                    for &(_, offset, len) in &plan[..*attempted] {
-                        st.record_pages(ctx, base, offset, len, true, c);
+            // handles not mapped go back to the pool, and the memory limit keeps what the
+            // device's physical bytes changed by.
+            let mut g = scopeguard::guard(
+                (&mut *self, &mut attempted, &mut *spare, charge),
+                |(st, attempted, spare, charge)| {
+                    let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                    let back = spare.len();
+                    ctx.pages.put(page, spare);
+                    charge.settle(grown + (back as isize - taken as isize) * page as isize);
+                    if ctx.history.on() {
+                        for &(_, offset, len) in &plan[..*attempted] {
+                            st.record_pages(ctx, base, offset, len, true, c);
+                        }
                     }
-                }
-            });
-            let (st, attempted, _) = &mut *g;
+                },
+            );
+            let (st, attempted, spare, _) = &mut *g;
             let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            map_plan(ctx, e, &plan, attempted)
+            map_plan(ctx, e, &plan, attempted, spare)
         };
         if let Err(e) = result {
+            // A failed growth leaves the pool no fuller than it found it: the handles it
+            // created go back to the driver (a device out of memory needs them; a refusal
+            // leaves them held, for the next release).
+            let _ = ctx.pages.release(ctx.driver, ctx.device, ctx.limit, held_before);
             self.free_range_if_empty(ctx, base);
             return Err(e);
         }
+        ctx.pages.trim(ctx.driver, ctx.device, ctx.limit);
         // The free block at `start`'s address now holds at least `rounded` bytes: blocks merge
         // into their lower neighbour, and `start` had no free block before it.
         let b = &self.blocks[start];

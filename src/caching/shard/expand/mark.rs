@@ -6,11 +6,16 @@ use crate::caching::block::BlockId;
 use crate::caching::shard::{ShardCtx, ShardState};
 
 /// gpupool's rule for expandable segments (not in PyTorch, which unmaps pages only when the
-/// cache is released): the device's reserved bytes do not pass their high-water mark while
-/// wholly free pages are mapped anywhere on the device. Before an expandable segment grows
-/// past the mark, free pages are unmapped instead (a device synchronisation, see
-/// `ShardState::unmap_free_pages`), so that memory freed by one request or one stream holds
-/// the next one's growth, wherever it must be mapped.
+/// cache is released): the device's physical bytes (reserved, and pages held unmapped in its
+/// pool) do not pass their high-water mark while wholly free pages are mapped anywhere on the
+/// device. Before an expandable segment creates pages past the mark, free pages are unmapped
+/// instead (a device synchronisation, see `ShardState::unmap_free_pages`) and their handles,
+/// held in the device's page pool, are mapped where the growth needs them, so that memory
+/// freed by one request or one stream holds the next one's growth, wherever it must be mapped,
+/// without a page created or released. The mark counts physical memory because that is what
+/// the rule saves: unmapping a page into the pool frees nothing on the device, so it must not
+/// lower what counts (a growth would then create past the real peak), and mapping a held
+/// handle takes nothing new, so it must not raise it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Reclaim {
     /// Grow without unmapping (the rule is off).
@@ -24,9 +29,10 @@ pub(crate) enum Reclaim {
 }
 
 impl ShardState {
-    /// The high-water rule before [`ShardState::grow_expandable`] maps `bytes` for a request
-    /// of `rounded` bytes whose plan starts at block `start`: with the rule on, free pages of
-    /// this shard are unmapped, as many as the growth passes the mark by. Returns the bytes it
+    /// The high-water rule before [`ShardState::grow_expandable`] creates `bytes` of new pages
+    /// (those its held handles do not cover) for a request of `rounded` bytes whose plan
+    /// starts at block `start`: with the rule on, free pages of this shard are unmapped into
+    /// the device's pool, as many as the growth passes the mark by, for the growth to map. Returns the bytes it
     /// would still pass the mark by when the caller must unmap other streams' pages before it
     /// grows ([`Reclaim::Device`]; a range the growth reserved and left empty is given back
     /// then), `None` when the growth goes on.

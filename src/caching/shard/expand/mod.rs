@@ -23,9 +23,10 @@
 //! are unmapped the device is synchronised, never a stream (a stream the program destroyed
 //! would crash `cudaStreamSynchronize`, as it crashes PyTorch 2.11's `emptyCache`); a map that
 //! fails halfway is undone (PyTorch keeps what it mapped); each range counts as a segment
-//! (PyTorch counts none); and a segment does not grow past the device's high-water mark while
+//! (PyTorch counts none); a segment does not grow past the device's high-water mark while
 //! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
-//! memory).
+//! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
+//! growth of any stream to map (`caching::page_pool`; PyTorch releases it).
 
 mod grow;
 mod mark;

@@ -40,9 +40,10 @@ impl ShardState {
     }
 
     /// The expandable half of PyTorch `release_blocks` (`empty_cache`, the out-of-memory
-    /// path): every wholly free page of this shard's expandable segments is unmapped and
-    /// released (see [`ShardState::unmap_free_pages`]), and a range left with nothing mapped
-    /// is given back. Returns the bytes unmapped.
+    /// path): every wholly free page of this shard's expandable segments is unmapped (see
+    /// [`ShardState::unmap_free_pages`]; its handle goes to the device's pool, which the
+    /// device releases once every shard is done), and a range left with nothing mapped is
+    /// given back. Returns the bytes unmapped.
     ///
     /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
     /// unmapped stays unmapped, the rest stays cached.
@@ -58,7 +59,8 @@ impl ShardState {
 
     /// PyTorch `unmap_block` over the free blocks of this shard's expandable segments, the
     /// largest first, until `want` bytes are unmapped (whole pages; the last block gives only
-    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. First
+    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. The
+    /// handles unmapped go to the device's page pool (PyTorch releases them). First
     /// the device is synchronised, if anything is to be unmapped (with the shard's lock held,
     /// so that no block of this stream is handed out and freed again meanwhile): a block
     /// freed in stream order may still be in use by work queued before its free, and
@@ -120,18 +122,21 @@ impl ShardState {
             };
             let left = (want - released) as u64;
             let len = if left >= hi - lo { hi - lo } else { round_up(left as usize, page) as u64 };
-            // The block follows the page table whatever happens, unwinding included, and the
-            // pages unmapped are recorded.
-            let mut g = scopeguard::guard(&mut *self, |st| {
-                let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
-                ctx.limit.uncharge(shrunk.max(0) as usize);
+            // The block follows the page table whatever happens, unwinding included, the
+            // handles unmapped go to the device's pool (still device memory: the limit keeps
+            // counting them), and the pages unmapped are recorded.
+            let mut spare = Vec::new();
+            let mut g = scopeguard::guard((&mut *self, &mut spare), |(st, spare)| {
+                st.adopt(ctx, base, std::iter::once(id), before);
+                ctx.pages.put(page, spare);
                 if ctx.history.on() {
                     let c = st.segments[&base].ctx;
                     st.record_pages(ctx, base, lo as usize, len as usize, false, c);
                 }
             });
-            let e = g.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize);
+            let (st, spare) = &mut *g;
+            let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+            let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize, spare);
             drop(g);
             released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
             r.map_err(|e| Error::driver(e, "unmapping the free pages of an expandable segment"))?;
