@@ -154,7 +154,6 @@ impl DeviceAllocator {
             index: &self.index,
             shard,
             limit: &self.limit,
-            counters: &self.counters,
             deferred: &self.deferred,
             expandable: if private { None } else { self.expandable.as_ref() },
             reclaim: if private { Reclaim::Off } else { self.reclaim },

@@ -39,7 +39,7 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::block::{Arena, BlockId};
-use super::counters::{DeviceCounters, ShardCounters};
+use super::counters::ShardCounters;
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
@@ -101,7 +101,6 @@ pub(crate) struct ShardCtx<'a> {
     pub index: &'a SegmentIndex<Arc<Shard>>,
     pub shard: &'a Arc<Shard>,
     pub limit: &'a MemoryLimit,
-    pub counters: &'a DeviceCounters,
     pub deferred: &'a DeferredFrees,
     /// How expandable segments are laid out; `None` when the device uses ordinary segments.
     pub expandable: Option<&'a ExpandablePolicy>,

@@ -64,7 +64,7 @@ impl ShardState {
             // The blocks follow the page table whatever happens, unwinding included; the
             // memory limit keeps what was mapped.
             let mut g = scopeguard::guard((&mut *self, &mut attempted, charge), |(st, attempted, charge)| {
-                let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                let grown = st.adopt(base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
                 charge.commit_part(grown.max(0) as usize);
                 if ctx.history.on() {
                     for &(_, offset, len) in &plan[..*attempted] {

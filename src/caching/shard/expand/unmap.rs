@@ -123,7 +123,7 @@ impl ShardState {
             // The block follows the page table whatever happens, unwinding included, and the
             // pages unmapped are recorded.
             let mut g = scopeguard::guard(&mut *self, |st| {
-                let shrunk = -st.adopt(ctx, base, std::iter::once(id), before);
+                let shrunk = -st.adopt(base, std::iter::once(id), before);
                 ctx.limit.uncharge(shrunk.max(0) as usize);
                 if ctx.history.on() {
                     let c = st.segments[&base].ctx;
