@@ -405,8 +405,10 @@ extern "C" {
 /**
  * Sets the process-wide allocator's configuration from `conf`, a string in the syntax of
  * PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (PyTorch 2.11, native backend), as the `GPUPOOL_CONF`
- * environment variable takes it: `key:value` entries separated by commas, spaces ignored, a
- * list value as `[256:1,512:2,>:4]`, booleans `True`/`False`. For example
+ * environment variable takes it: `key:value` entries separated by commas, ASCII spaces
+ * ignored (any other white space or control character is an error naming it and its byte
+ * offset), a list value as `[256:1,512:2,>:4]`, booleans `True`/`False`, sizes in whole MiB up
+ * to 17592186044415 (past it, an error; PyTorch clamps). For example
  * `"max_split_size_mb:128,roundup_power2_divisions:4"`. The keys are PyTorch's, with its
  * meanings, defaults and limits: `backend` (`native` only), `large_segment_size_mb`,
  * `max_split_size_mb`, `max_non_split_rounding_mb`, `roundup_power2_divisions`,
@@ -529,8 +531,9 @@ gpupool_status gpupool_record_history(int enabled, size_t max_entries, uint32_t 
  * (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
  * synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
  * run of mapped pages, as PyTorch shows it. `device_traces`, per device ordinal, the events
- * `gpupool_record_history` recorded, oldest first (`action`, `addr` (`device_free` for `oom`),
- * `size`, `stream`, `time_us`, `frames`). `allocator_settings`, the configuration (PyTorch's
+ * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
+ * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
+ * `allocator_settings`, the configuration (PyTorch's
  * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
  *
  * With history on, each device's trace ends with the `snapshot` event this call records.
@@ -1112,8 +1115,12 @@ gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stat
  * overstated by what those streams moved during the moment it was settled. What a reader may
  * always rely on, concurrent or not: `current <= peak` for every statistic, and for each one
  * with pools, `max(small_pool.peak, large_pool.peak) <= all.peak <= small_pool.peak +
- * large_pool.peak`. The time taken follows the streams that allocated or freed since the
- * last snapshot, not the number of streams.
+ * large_pool.peak`; without expandable segments, `num_device_alloc - num_device_free ==
+ * segment.all.current` (each growth of an expandable segment counts as a device allocation,
+ * and each address range as one segment); `allocated_bytes.all.current` and
+ * `active_bytes.all.current` at most `reserved_bytes.all.current`. A stream whose first call
+ * runs during the read is in the snapshot wholly or not at all. The time taken follows the
+ * streams that allocated or freed since the last snapshot, not the number of streams.
  *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
  * range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
@@ -1202,16 +1209,19 @@ const char *gpupool_version(void);
  * too), so that PyTorch's viewer groups a tag's blocks; `gpupool_live_report` groups by tag;
  * the out-of-memory message names the three tags holding the most of the device's memory.
  *
- * - `name`: 1 to 255 bytes of UTF-8, NUL-terminated, read during the call only. Names are
- *   interned for the life of the process (at most 65535 distinct names).
+ * - `name`: 1 to 255 bytes of UTF-8, NUL-terminated, read during the call only, without
+ *   control characters (C0 such as newline or tab, DEL, C1) or U+2028/U+2029, which would break
+ *   the lines of the live report. Names are interned for the life of the process (at most
+ *   65535 distinct names).
  *
  * Cost: no allocation pays anything for tags until the first push of the process but one
  * relaxed atomic load; after it, each allocation and free reads the thread's tag and updates
  * its counters (a few atomic operations). The push itself takes a process-wide lock.
  *
  * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL name, one that is
- * not UTF-8, empty or over 255 bytes, a 65536th distinct name, or 1024 tags pushed on this
- * thread already (a missing pop).
+ * not UTF-8, empty or over 255 bytes, one holding a control character or line separator
+ * (`gpupool_last_error_message()` names it and its byte offset), a 65536th distinct name, or
+ * 1024 tags pushed on this thread already (a missing pop).
  *
  * Thread-safe: each thread has its own stack. Needs no device and starts nothing.
  *

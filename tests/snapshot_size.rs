@@ -144,6 +144,7 @@ fn expected(snap: &Snapshot) -> Vec<u8> {
         ("segments", V::List(segments.collect())),
         ("device_traces", V::List(traces.collect())),
         ("allocator_settings", settings),
+        ("gpupool_unmapped_held_bytes", V::List(snap.unmapped_held_bytes.iter().map(|&b| int(b as u64)).collect())),
     ]);
     serde_pickle::value_to_vec(&root, serde_pickle::SerOptions::new()).unwrap()
 }

@@ -247,6 +247,47 @@ fn the_live_report_groups_by_tag_then_stack_largest_first() {
     check(&a);
 }
 
+/// A name holding a control character (C0, DEL, C1) or a Unicode line or paragraph separator
+/// is refused, naming the byte where it is, and changes nothing: a newline in a name once
+/// forged a line of the live report.
+#[test]
+fn a_name_with_a_control_character_is_refused() {
+    let (a, _drv) = sim(1, 256 * MIB);
+    let forged = "ctl-x\n  8.00 GiB in 999 blocks: tag fake";
+    for (name, at) in [
+        (forged, 5),
+        ("ctl-tab\there", 7),
+        ("ctl-cr\r", 6),
+        ("ctl-nul\0", 7),
+        ("ctl-del\u{7f}", 7),
+        ("ctl-é\u{85}next", 6),
+        ("ctl-csi\u{9b}", 7),
+        ("\u{2028}ctl-line", 0),
+        ("ctl-para\u{2029}", 8),
+    ] {
+        tags::push("ctl-good").unwrap();
+        let e = tags::push(name).expect_err(name);
+        assert!(matches!(e, gpupool::Error::InvalidValue(_)), "{name:?}: {e:?}");
+        assert!(e.message().contains(&format!("at byte {at}")), "{name:?}: {e}");
+        assert!(tags::id_of(name).is_none(), "{name:?} was interned");
+        assert_eq!(tags::name_of(tags::current()).as_deref(), Some("ctl-good"), "{name:?} was pushed");
+        tags::pop().unwrap();
+    }
+    assert!(tags::pop().is_err(), "each refused push left the stack as it was");
+    tags::push("ctl-good").unwrap();
+    assert!(tags::push(forged).is_err());
+    let p = a.malloc(1000, 0, S).unwrap();
+    tags::pop().unwrap();
+    let report = a.live_report(0).unwrap();
+    assert_eq!(report.lines().count(), 3, "{report}");
+    assert!(report.contains(" in 1 block: tag ctl-good\n") && !report.contains("fake"), "{report}");
+    a.free(p).unwrap();
+    // Other characters outside ASCII are names like any other.
+    tags::push("ctl-ünïcödé ✓ 名前").unwrap();
+    tags::pop().unwrap();
+    check(&a);
+}
+
 #[test]
 fn out_of_memory_names_the_top_tags() {
     let (a, _drv) = sim(1, 64 * MIB);

@@ -73,10 +73,22 @@ pub(crate) struct Totals {
     pub freed: [i64; CELLS],
     /// Credit the shards held (`sum(h_j)`), all of it in shards a settle visits.
     pub held: [i64; CELLS],
+    /// PyTorch's `num_device_alloc` and `num_device_free`, summed as the cells are (see
+    /// `counters::ShardCounters::device_allocs`).
+    pub device_allocs: i64,
+    pub device_frees: i64,
 }
 
 impl Default for Totals {
     fn default() -> Self {
-        Totals { peak: [0; CELLS], current: [0; CELLS], allocated: [0; CELLS], freed: [0; CELLS], held: [0; CELLS] }
+        Totals {
+            peak: [0; CELLS],
+            current: [0; CELLS],
+            allocated: [0; CELLS],
+            freed: [0; CELLS],
+            held: [0; CELLS],
+            device_allocs: 0,
+            device_frees: 0,
+        }
     }
 }

@@ -60,6 +60,16 @@ pub(crate) struct ShardCounters {
     /// Some cell holds [`SURPLUS_FACTOR`] times more credit than it keeps: give what it does
     /// not keep back.
     pub has_surplus: bool,
+    /// Segments (and growths of expandable segments) this shard had from the driver, and
+    /// those it gave back: its share of PyTorch's `num_device_alloc` and `num_device_free`.
+    /// Kept here, beside the `segment` cells, and summed into the device's totals by the same
+    /// visits (`peaks::absorb`), so that a snapshot counts a segment in all three or in none.
+    /// (As device-wide atomics, a snapshot could count the segment of a stream it did not
+    /// visit in these and not in `segment`: 2% of reads while streams came and went.)
+    pub device_allocs: i64,
+    pub device_frees: i64,
+    /// `device_allocs` and `device_frees` as the device's totals last took them.
+    pub seen_device: (i64, i64),
 }
 
 impl Default for ShardCounters {
@@ -69,6 +79,9 @@ impl Default for ShardCounters {
             seen: [Seen::default(); CELLS],
             needs_settle: false,
             has_surplus: false,
+            device_allocs: 0,
+            device_frees: 0,
+            seen_device: (0, 0),
         }
     }
 }
@@ -130,15 +143,14 @@ impl ShardCounters {
     }
 }
 
-/// Device-wide event counts of PyTorch's `DeviceStats` that change only on slow paths (driver
-/// calls, out of memory, `empty_cache`), and gpupool's settle count.
+/// Device-wide event counts of PyTorch's `DeviceStats` that change only on slow paths (out of
+/// memory, `empty_cache`), and gpupool's settle count. (`num_device_alloc` and
+/// `num_device_free` are counted per shard: [`ShardCounters::device_allocs`].)
 #[derive(Debug, Default)]
 pub(crate) struct DeviceCounters {
     pub num_alloc_retries: AtomicI64,
     pub num_ooms: AtomicI64,
     pub num_sync_all_streams: AtomicI64,
-    pub num_device_alloc: AtomicI64,
-    pub num_device_free: AtomicI64,
     /// Peak settles that locked the device's shards (a diagnostic; see [`super::peaks`]).
     pub num_peak_settles: AtomicI64,
 }
@@ -177,8 +189,8 @@ pub(crate) fn collect(t: &Totals, counters: &DeviceCounters, max_split_size: usi
         num_alloc_retries: load(&counters.num_alloc_retries),
         num_ooms: load(&counters.num_ooms),
         num_sync_all_streams: load(&counters.num_sync_all_streams),
-        num_device_alloc: load(&counters.num_device_alloc),
-        num_device_free: load(&counters.num_device_free),
+        num_device_alloc: t.device_allocs,
+        num_device_free: t.device_frees,
         max_split_size: i64::try_from(max_split_size).unwrap_or(i64::MAX),
         // The device's page pool's, not the shards': the caller fills it in.
         unmapped_held_bytes: Stat::default(),

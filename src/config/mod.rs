@@ -3,6 +3,21 @@
 //! process-wide allocator starts (the first call of the C API or of the shim). The shim reads
 //! its options from the same [`Config`] ([`Allocator::config`](crate::Allocator::config)).
 //!
+//! One rule for sizes and white space, for every row and for `GPUPOOL_CONF` alike (module
+//! `blank`, `conf::keys::mb_in`; docs/configuration.md, section "Sizes and white space"):
+//! - The ASCII space is the only blank a value may hold: around a value and before a size's
+//!   unit here, anywhere in `GPUPOOL_CONF` (PyTorch's tokenizer drops it too). Any other white
+//!   space (tab, newline, carriage return, no-break space, the Unicode spaces and separators),
+//!   control character or invisible character (zero width space, byte order mark) is an error
+//!   naming the character and its byte offset. PyTorch drops tab, newline, carriage return,
+//!   vertical tab and form feed in its configuration string; gpupool is stricter there.
+//! - A size past the largest its option takes is an error naming the largest, never clamped:
+//!   `usize::MAX` bytes for the sizes here (17592186044415 MiB for
+//!   `GPUPOOL_MAX_SPLIT_SIZE_MB`, which at that value means unlimited, as `max_split_size_mb`
+//!   does), 17592186044415 MiB for every `*_mb` key of `GPUPOOL_CONF`. PyTorch clamps
+//!   `large_segment_size_mb`, `max_split_size_mb` and `max_non_split_rounding_mb` to that
+//!   largest; gpupool is stricter there too.
+//!
 //! The syntax, the same for every row:
 //! - An empty value, or one of spaces only, counts as unset: the default applies. Spaces
 //!   around a value are ignored.
@@ -46,7 +61,7 @@
 //!
 //! `GPUPOOL_CONF`, read after the rows, has PyTorch's syntax instead (module `conf`, the rules
 //! of PyTorch 2.11's `ConfigTokenizer` and parsers): `key:value` entries separated by commas,
-//! spaces ignored anywhere, booleans `True`/`False` only, sizes in whole MiB, a list value as
+//! ASCII spaces ignored anywhere, booleans `True`/`False` only, sizes in whole MiB, a list value as
 //! `[256:1,512:2,>:4]`. Its keys are [`CONF_KEYS`], each a field of [`Config`], with PyTorch's
 //! meanings, defaults and limits (docs/configuration.md lists them too, and a unit test checks
 //! both):
@@ -74,6 +89,7 @@
 
 use crate::history::HistorySettings;
 
+mod blank;
 mod conf;
 mod env;
 mod options;

@@ -91,7 +91,8 @@ pub static OPTIONS: [Opt; 10] = [
         doc: "Deprecated: use `GPUPOOL_CONF=max_split_size_mb:N`. PyTorch's `max_split_size_mb`: cached blocks \
               of at least this size are never split, and serve only requests of about their size. Set in both \
               with different values: an error naming both",
-        set: |c, v| c.max_split_size = v.size(),
+        // The largest, 17592186044415 MiB, means unlimited, as max_split_size_mb's does.
+        set: |c, v| c.max_split_size = if v.size() >= usize::MAX / MIB * MIB { usize::MAX } else { v.size() },
         get: |c| Value::Size(c.max_split_size),
     },
     Opt {

@@ -6,6 +6,7 @@
 use std::ffi::OsStr;
 
 use super::MIB;
+use super::blank;
 use super::options::{Kind, Opt, Value};
 use crate::error::Error;
 use crate::history::{HistoryContext, HistorySettings};
@@ -33,9 +34,11 @@ impl Kind {
             Kind::Size { unit, min } => {
                 let counts = unit_name(unit);
                 let min = if min == 0 { String::new() } else { format!(", at least {}", show_size(min, unit)) };
+                // The largest, in the unit a bare number counts: past it, refused, never clamped.
+                let max = format!("at most {} {counts}", usize::MAX / unit);
                 format!(
                     "a size such as 4096, 512K or 16GiB (a bare number counts {counts}; units K, M, G, T or \
-                     KiB, MiB, GiB, TiB are powers of 1024){min}"
+                     KiB, MiB, GiB, TiB are powers of 1024){min}, {max}"
                 )
             }
             Kind::Count { min, max } => format!("a whole number from {min} to {max}"),
@@ -69,7 +72,7 @@ fn parse_history(text: &str) -> Option<Option<HistorySettings>> {
     }
     let (n, context) = match text.split_once(':') {
         Some((n, c)) => {
-            let c = c.trim();
+            let c = c.trim_matches(' ');
             let context = [HistoryContext::None, HistoryContext::State, HistoryContext::Alloc, HistoryContext::All]
                 .into_iter()
                 .find(|h| h.name().eq_ignore_ascii_case(c))?;
@@ -77,7 +80,7 @@ fn parse_history(text: &str) -> Option<Option<HistorySettings>> {
         }
         None => (text, HistoryContext::All),
     };
-    let max_entries = n.trim().parse().ok()?;
+    let max_entries = n.trim_matches(' ').parse().ok()?;
     Some(Some(HistorySettings { max_entries, context }))
 }
 
@@ -87,7 +90,14 @@ impl Opt {
     ///
     /// Errors: [`Error::InvalidValue`] naming `origin`, the value and what is expected.
     pub fn parse_text(&self, origin: &str, text: &str) -> Result<Option<Value>, Error> {
-        let t = text.trim();
+        if let Some(found) = blank::stray(text) {
+            let place = "around a value and before a size's unit";
+            return Err(Error::InvalidValue(format!(
+                "{origin}={text:?} is not valid: {}",
+                blank::message(found, place)
+            )));
+        }
+        let t = text.trim_matches(' ');
         if t.is_empty() {
             return Ok(None);
         }
@@ -137,19 +147,20 @@ pub(super) fn show_size(n: usize, unit: usize) -> String {
     if unit == 1 { n.to_string() } else { format!("{n}B") }
 }
 
-/// Parses "4096", "512K", "64MiB", "16 GiB" (case-insensitive; every unit a power of 1024) to
-/// bytes; `None` when it does not parse or overflows.
+/// Parses "4096", "512K", "64MiB", "16 GiB" (case-insensitive; every unit a power of 1024;
+/// ASCII spaces around it and before the unit) to bytes; `None` when it does not parse or is
+/// past `usize::MAX`.
 pub fn parse_size(text: &str) -> Option<usize> {
     parse_size_in(text, 1)
 }
 
 /// As [`parse_size`], a number without a unit counting `unit` bytes.
 fn parse_size_in(text: &str, unit: usize) -> Option<usize> {
-    let t = text.trim();
+    let t = text.trim_matches(' ');
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, suffix) = t.split_at(split);
     let n: usize = digits.parse().ok()?;
-    let scale = match suffix.trim().to_ascii_lowercase().as_str() {
+    let scale = match suffix.trim_start_matches(' ').to_ascii_lowercase().as_str() {
         "" => unit,
         "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,

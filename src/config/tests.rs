@@ -94,10 +94,50 @@ fn every_size_option_takes_every_suffix() {
 #[test]
 fn empty_means_unset_for_every_option() {
     for name in OPTIONS.iter().map(|o| o.name).chain([CONF_VAR]) {
-        for empty in ["", "  ", "\t"] {
+        for empty in ["", "  "] {
             assert_eq!(one(name, empty), Ok(Config::default()), "{name}={empty:?}");
         }
     }
+}
+
+/// GPUPOOL_CONF's rule for every variable: only the ASCII space is ignored (around a value, and
+/// before a size's unit); any other white space or control character is an error naming the
+/// variable, the character and its byte offset.
+#[test]
+fn only_the_ascii_space_surrounds_a_value() {
+    for name in OPTIONS.iter().map(|o| o.name).chain([CONF_VAR]) {
+        for (text, named, at) in [("\t", "U+0009 (tab)", 0), (" \n", "U+000A (line feed)", 1)] {
+            let e = one(name, text).unwrap_err();
+            for w in [name, named, &format!("at byte {at}"), "only the ASCII space"] {
+                assert!(e.message().contains(w), "{name}={text:?}: the message should name {w:?}: {e}");
+            }
+        }
+    }
+    for (name, text, named, at) in [
+        ("GPUPOOL_SIM_CAPACITY", "16\u{a0}GiB", "U+00A0", 2),
+        ("GPUPOOL_DRIVER", "sim\r", "U+000D", 3),
+        ("GPUPOOL_RECORD_HISTORY", "1000:\tall", "U+0009", 5),
+        ("GPUPOOL_PRELOAD_STATS", "\u{2029}on", "U+2029", 0),
+    ] {
+        let e = one(name, text).unwrap_err();
+        assert!(e.message().contains(named) && e.message().contains(&format!("at byte {at}")), "{e}");
+    }
+    assert_eq!(one("GPUPOOL_SIM_CAPACITY", " 16 GiB ").unwrap().sim_capacity, 16 << 30);
+}
+
+/// A size past the largest is refused naming the largest; `GPUPOOL_MAX_SPLIT_SIZE_MB` at the
+/// largest, 17592186044415 MiB, means unlimited, as `max_split_size_mb` at it does.
+#[test]
+fn sizes_past_the_largest_are_refused_naming_it() {
+    let e = one("GPUPOOL_SIM_CAPACITY", "99999999999T").unwrap_err();
+    assert!(e.message().contains(&format!("at most {} bytes", usize::MAX)), "{e}");
+    let largest = usize::MAX / MIB;
+    let e = one("GPUPOOL_MAX_SPLIT_SIZE_MB", &(largest + 1).to_string()).unwrap_err();
+    assert!(e.message().contains(&format!("at most {largest} MiB")), "{e}");
+    assert_eq!(one("GPUPOOL_MAX_SPLIT_SIZE_MB", &largest.to_string()).unwrap().max_split_size, usize::MAX);
+    let both = [("GPUPOOL_MAX_SPLIT_SIZE_MB", largest.to_string()), (CONF_VAR, format!("max_split_size_mb:{largest}"))];
+    let c = Config::from_lookup(|k| both.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
+    assert_eq!(c.max_split_size, usize::MAX, "the two spellings agree");
 }
 
 #[test]

@@ -10,8 +10,10 @@ use crate::error::Error;
 
 /// Sets the process-wide allocator's configuration from `conf`, a string in the syntax of
 /// PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (PyTorch 2.11, native backend), as the `GPUPOOL_CONF`
-/// environment variable takes it: `key:value` entries separated by commas, spaces ignored, a
-/// list value as `[256:1,512:2,>:4]`, booleans `True`/`False`. For example
+/// environment variable takes it: `key:value` entries separated by commas, ASCII spaces
+/// ignored (any other white space or control character is an error naming it and its byte
+/// offset), a list value as `[256:1,512:2,>:4]`, booleans `True`/`False`, sizes in whole MiB up
+/// to 17592186044415 (past it, an error; PyTorch clamps). For example
 /// `"max_split_size_mb:128,roundup_power2_divisions:4"`. The keys are PyTorch's, with its
 /// meanings, defaults and limits: `backend` (`native` only), `large_segment_size_mb`,
 /// `max_split_size_mb`, `max_non_split_rounding_mb`, `roundup_power2_divisions`,

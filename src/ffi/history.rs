@@ -95,8 +95,9 @@ pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, con
 /// (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
 /// synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
 /// run of mapped pages, as PyTorch shows it. `device_traces`, per device ordinal, the events
-/// `gpupool_record_history` recorded, oldest first (`action`, `addr` (`device_free` for `oom`),
-/// `size`, `stream`, `time_us`, `frames`). `allocator_settings`, the configuration (PyTorch's
+/// `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
+/// (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
+/// `allocator_settings`, the configuration (PyTorch's
 /// keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
 ///
 /// With history on, each device's trace ends with the `snapshot` event this call records.

@@ -174,8 +174,12 @@ const HEADER: usize = 8;
 /// overstated by what those streams moved during the moment it was settled. What a reader may
 /// always rely on, concurrent or not: `current <= peak` for every statistic, and for each one
 /// with pools, `max(small_pool.peak, large_pool.peak) <= all.peak <= small_pool.peak +
-/// large_pool.peak`. The time taken follows the streams that allocated or freed since the
-/// last snapshot, not the number of streams.
+/// large_pool.peak`; without expandable segments, `num_device_alloc - num_device_free ==
+/// segment.all.current` (each growth of an expandable segment counts as a device allocation,
+/// and each address range as one segment); `allocated_bytes.all.current` and
+/// `active_bytes.all.current` at most `reserved_bytes.all.current`. A stream whose first call
+/// runs during the read is in the snapshot wholly or not at all. The time taken follows the
+/// streams that allocated or freed since the last snapshot, not the number of streams.
 ///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
 /// range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.

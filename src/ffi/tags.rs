@@ -56,16 +56,19 @@ unsafe fn name_arg<'a>(name: *const c_char) -> Result<&'a str, Error> {
 /// too), so that PyTorch's viewer groups a tag's blocks; `gpupool_live_report` groups by tag;
 /// the out-of-memory message names the three tags holding the most of the device's memory.
 ///
-/// - `name`: 1 to 255 bytes of UTF-8, NUL-terminated, read during the call only. Names are
-///   interned for the life of the process (at most 65535 distinct names).
+/// - `name`: 1 to 255 bytes of UTF-8, NUL-terminated, read during the call only, without
+///   control characters (C0 such as newline or tab, DEL, C1) or U+2028/U+2029, which would break
+///   the lines of the live report. Names are interned for the life of the process (at most
+///   65535 distinct names).
 ///
 /// Cost: no allocation pays anything for tags until the first push of the process but one
 /// relaxed atomic load; after it, each allocation and free reads the thread's tag and updates
 /// its counters (a few atomic operations). The push itself takes a process-wide lock.
 ///
 /// Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL name, one that is
-/// not UTF-8, empty or over 255 bytes, a 65536th distinct name, or 1024 tags pushed on this
-/// thread already (a missing pop).
+/// not UTF-8, empty or over 255 bytes, one holding a control character or line separator
+/// (`gpupool_last_error_message()` names it and its byte offset), a 65536th distinct name, or
+/// 1024 tags pushed on this thread already (a missing pop).
 ///
 /// Thread-safe: each thread has its own stack. Needs no device and starts nothing.
 ///

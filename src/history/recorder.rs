@@ -150,29 +150,28 @@ impl HistoryHook {
         &self.recorder
     }
 
-    fn entry(
-        &self,
-        action: Action,
-        addr: u64,
-        size: usize,
-        block_size: usize,
-        stream: StreamHandle,
-        ctx: u32,
-    ) -> Entry {
-        // PyTorch `record_trace`: events carry a stack only from `context="alloc"` on; a tag
-        // they always carry.
-        let ctx = if self.keeps(HistoryContext::Alloc) { ctx } else { self.recorder.contexts.without_stack(ctx) };
-        Entry { action, ctx, addr, size, block_size, stream, time_us: self.recorder.clock.now_us() }
+    /// The context an event carries: PyTorch `record_trace` puts a stack on events only from
+    /// `context="alloc"` on; a tag they always carry. Before the trace's lock, since it may
+    /// take the context table's.
+    fn trace_ctx(&self, ctx: u32) -> u32 {
+        if self.keeps(HistoryContext::Alloc) { ctx } else { self.recorder.contexts.without_stack(ctx) }
     }
 
     /// Records an event on this device's trace (PyTorch `record_trace`); `ctx` is the stack it
     /// would carry (kept from [`HistoryContext::Alloc`] on). Call under the lock of the shard
     /// whose state the event describes, so that the trace follows the order of the changes.
+    ///
+    /// The time is read under the trace's lock, the lock that orders the events, so that a
+    /// trace's times never go back (`Instant` never does). Read before it, a thread that waited
+    /// for the lock, or was preempted on its way, appended an event older than those appended
+    /// meanwhile: 4 threads on 2 cores put up to 634 events in 1.44 million after a later one,
+    /// by up to 16 ms.
     #[cold]
     pub fn record(&self, action: Action, addr: u64, size: usize, block_size: usize, stream: StreamHandle, ctx: u32) {
-        let e = self.entry(action, addr, size, block_size, stream, ctx);
+        let ctx = self.trace_ctx(ctx);
         if let Some(t) = self.recorder.traces.get(self.device) {
-            t.lock().push(e);
+            let mut t = t.lock();
+            t.push(Entry { action, ctx, addr, size, block_size, stream, time_us: self.recorder.clock.now_us() });
         }
     }
 
@@ -190,9 +189,10 @@ impl HistoryHook {
         f: impl FnOnce() -> Result<T, E>,
     ) -> Result<T, E> {
         let (true, Some(t)) = (self.on(), self.recorder.traces.get(self.device)) else { return f() };
+        let ctx = self.trace_ctx(ctx);
         let mut t = t.lock();
         let r = f()?;
-        t.push(self.entry(action, addr, size, size, stream, ctx));
+        t.push(Entry { action, ctx, addr, size, block_size: size, stream, time_us: self.recorder.clock.now_us() });
         Ok(r)
     }
 }

@@ -59,12 +59,27 @@ pub fn current() -> u32 {
     CURRENT.with(Cell::get)
 }
 
-/// Checks `name` (1 to [`MAX_TAG_LEN`] bytes) and interns it: its id.
+/// Whether `c` may not stand in a tag's name: a control character (C0, DEL, C1) or a Unicode
+/// line or paragraph separator. Each would break the lines of the live report, the
+/// out-of-memory message or a viewer's labels (`"x\n  8.00 GiB in 999 blocks: tag fake"`
+/// forged a line of the report).
+fn breaks_lines(c: char) -> bool {
+    c.is_control() || c == '\u{2028}' || c == '\u{2029}'
+}
+
+/// Checks `name` (1 to [`MAX_TAG_LEN`] bytes, no character that [`breaks_lines`]) and interns
+/// it: its id.
 fn intern(name: &str) -> Result<u32, Error> {
     if name.is_empty() || name.len() > MAX_TAG_LEN {
         return Err(Error::InvalidValue(format!(
             "a tag name is 1 to {MAX_TAG_LEN} bytes of UTF-8; this one has {} bytes",
             name.len()
+        )));
+    }
+    if let Some((at, c)) = name.char_indices().find(|&(_, c)| breaks_lines(c)) {
+        return Err(Error::InvalidValue(format!(
+            "a tag name may not hold control characters or line separators; {name:?} has U+{:04X} at byte {at}",
+            c as u32
         )));
     }
     let mut r = REGISTRY.lock();
@@ -89,7 +104,9 @@ fn intern(name: &str) -> Result<u32, Error> {
 /// the matching [`pop`]. Returns the tag's id.
 ///
 /// Errors, each changing nothing: [`Error::InvalidValue`] for an empty name or one over
-/// [`MAX_TAG_LEN`] bytes, a new name past [`MAX_TAGS`], or a stack [`MAX_DEPTH`] deep.
+/// [`MAX_TAG_LEN`] bytes, one holding a control character (C0, DEL, C1) or U+2028/U+2029
+/// (the message names its byte offset), a new name past [`MAX_TAGS`], or a stack
+/// [`MAX_DEPTH`] deep.
 pub fn push(name: &str) -> Result<u32, Error> {
     let id = intern(name)?;
     STACK.with_borrow_mut(|s| {

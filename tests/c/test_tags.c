@@ -62,6 +62,10 @@ int main(void) {
   CHECK(gpupool_push_tag("\xff\xfe") == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(strstr(gpupool_last_error_message(), "UTF-8") != NULL);
   CHECK(gpupool_push_tag("") == GPUPOOL_ERROR_INVALID_VALUE);
+  /* A newline would forge a line of the live report. */
+  CHECK(gpupool_push_tag("x\n  8.00 GiB in 999 blocks: tag fake") == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(strstr(gpupool_last_error_message(), "at byte 1") != NULL);
+  CHECK(gpupool_push_tag("tab\there") == GPUPOOL_ERROR_INVALID_VALUE);
   char longname[300];
   memset(longname, 'x', sizeof longname - 1);
   longname[sizeof longname - 1] = 0;

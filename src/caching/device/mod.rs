@@ -161,7 +161,6 @@ impl DeviceAllocator {
             shard,
             limit: &self.limit,
             pages: &self.pages,
-            counters: &self.counters,
             deferred: &self.deferred,
             expandable: if private { None } else { self.expandable.as_ref() },
             reclaim: if private { Reclaim::Off } else { self.reclaim },

@@ -339,7 +339,7 @@ impl DeviceAllocator {
             }
             None => (current, ps.released.contains(&pool)),
         };
-        let t = Totals { peak, current, allocated, freed, held: [0; CELLS] };
+        let t = Totals { peak, current, allocated, freed, ..Totals::default() };
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
         stats.max_split_size = i64::try_from(self.max_split_size).unwrap_or(i64::MAX);
         PoolStats { pool, stats, released, routes }

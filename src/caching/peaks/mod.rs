@@ -120,6 +120,9 @@ pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: boo
 /// Adds what `shards` changed since their last visit to the totals, and marks it seen.
 pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
     for s in shards.iter_mut() {
+        t.device_allocs += s.device_allocs - s.seen_device.0;
+        t.device_frees += s.device_frees - s.seen_device.1;
+        s.seen_device = (s.device_allocs, s.device_frees);
         let ShardCounters { cells, seen, .. } = &mut **s;
         for (i, (c, seen)) in cells.iter().zip(seen.iter_mut()).enumerate() {
             t.current[i] += c.current - seen.current;

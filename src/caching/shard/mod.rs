@@ -41,7 +41,7 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::block::{Arena, BlockId};
-use super::counters::{DeviceCounters, ShardCounters};
+use super::counters::ShardCounters;
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
@@ -106,7 +106,6 @@ pub(crate) struct ShardCtx<'a> {
     pub limit: &'a MemoryLimit,
     /// The device's physical pages held unmapped, for expandable segments to map first.
     pub pages: &'a PagePool,
-    pub counters: &'a DeviceCounters,
     pub deferred: &'a DeferredFrees,
     /// How expandable segments are laid out; `None` when the device uses ordinary segments.
     pub expandable: Option<&'a ExpandablePolicy>,

@@ -3,7 +3,7 @@
 
 use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
 use crate::caching::block::{Block, BlockId, BlockState};
-use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS, bump};
+use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS};
 use crate::caching::segment_index::SegmentEntry;
 use crate::driver::DriverError;
 use crate::error::Error;
@@ -50,7 +50,7 @@ impl ShardState {
         if size >= ctx.max_split_size {
             self.counters.increase_single(OVERSIZE_SEGMENTS);
         }
-        bump(&ctx.counters.num_device_alloc);
+        self.counters.device_allocs += 1;
         Ok(id)
     }
 
@@ -84,7 +84,7 @@ impl ShardState {
             self.counters.decrease_single(OVERSIZE_SEGMENTS);
         }
         ctx.limit.uncharge(size);
-        bump(&ctx.counters.num_device_free);
+        self.counters.device_frees += 1;
         Ok(())
     }
 

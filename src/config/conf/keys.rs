@@ -53,11 +53,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
               `get_allocation_size`; `kLargeBuffer` before 2.11). Also the default of \
               `max_non_split_rounding_mb` and the floor of both `*_mb` limits.",
         apply: |c, v| {
-            let mb = v.count()?;
-            if mb <= MIN_LARGE_SEGMENT_MB {
-                return Err(format!("a whole number of MiB more than {MIN_LARGE_SEGMENT_MB}"));
-            }
-            c.large_segment_size = mb.min(MAX_MB) * MIB;
+            let mb = mb_in(v, MIN_LARGE_SEGMENT_MB + 1, &format!("more than {MIN_LARGE_SEGMENT_MB}"))?;
+            c.large_segment_size = mb * MIB;
             Ok(())
         },
         show: |c| Some((c.large_segment_size / MIB).to_string()),
@@ -85,7 +82,7 @@ pub static CONF_KEYS: [ConfKey; 14] = [
               much larger (PyTorch `get_free_block`).",
         apply: |c, v| {
             let mb = mb_at_least_large_segment(c, v)?;
-            c.max_non_split_rounding = mb.min(MAX_MB) * MIB;
+            c.max_non_split_rounding = mb * MIB;
             Ok(())
         },
         show: |c| Some((c.max_non_split_rounding / MIB).to_string()),
@@ -219,14 +216,8 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         doc: "Pinned host memory: one segment of this size pinned at the first miss and carved (4 KiB aligned) \
               for new blocks while it has room; never released. Left out of the configuration string while unset.",
         apply: |c, v| {
-            let mb = v.count()?;
-            match mb.checked_mul(MIB) {
-                Some(bytes) if mb > 0 => {
-                    c.pinned_reserve_segment_size = bytes;
-                    Ok(())
-                }
-                _ => Err(format!("a whole number of MiB from 1 to {MAX_MB}")),
-            }
+            c.pinned_reserve_segment_size = mb_in(v, 1, "at least 1")? * MIB;
+            Ok(())
         },
         show: |c| (c.pinned_reserve_segment_size > 0).then(|| (c.pinned_reserve_segment_size / MIB).to_string()),
     },
@@ -237,12 +228,27 @@ fn show_bool(b: bool) -> String {
 }
 
 /// The `*_mb` limits: a whole number of MiB, at least `large_segment_size_mb` (PyTorch
-/// `parseMaxSplitSize`, `parseMaxNonSplitRoundingSize`), clamped to [`MAX_MB`].
+/// `parseMaxSplitSize`, `parseMaxNonSplitRoundingSize`), at most [`MAX_MB`].
 fn mb_at_least_large_segment(c: &Config, v: &Raw) -> Result<usize, String> {
     let floor = c.large_segment_size / MIB;
-    let mb = v.count()?;
-    if mb < floor {
-        return Err(format!("a whole number of MiB, at least large_segment_size_mb ({floor})"));
+    mb_in(v, floor, &format!("at least large_segment_size_mb ({floor})"))
+}
+
+/// Every size key's one rule: a whole number of MiB from `least` (said as `least_is`) to
+/// [`MAX_MB`], the most whose bytes fit in `usize` (17592186044415). Past it, refused: PyTorch
+/// clamps `large_segment_size_mb`, `max_split_size_mb` and `max_non_split_rounding_mb` to it
+/// (and lets `pinned_reserve_segment_size_mb`'s bytes overflow); gpupool refuses, as it
+/// refuses every `GPUPOOL_*` size past the largest, so that no size is ever other than
+/// written. For `max_split_size_mb`, the largest means unlimited.
+fn mb_in(v: &Raw, least: usize, least_is: &str) -> Result<usize, String> {
+    let expected = || format!("a whole number of MiB, {least_is}, at most {MAX_MB}");
+    let word = v.word()?;
+    if word.is_empty() || !word.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{} (digits only)", expected()));
     }
-    Ok(mb.min(MAX_MB))
+    // Digits past usize are past the largest too.
+    match word.parse::<usize>() {
+        Ok(mb) if (least..=MAX_MB).contains(&mb) => Ok(mb),
+        _ => Err(expected()),
+    }
 }

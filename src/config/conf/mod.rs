@@ -5,9 +5,9 @@
 //! [`CONF_KEYS`] is a field of [`Config`].
 //!
 //! The syntax, PyTorch's:
-//! - `key:value` entries separated by `,`; a list value is `[a:b,c:d,...]`. Spaces and other
-//!   white space are ignored wherever they are, as PyTorch's tokenizer drops them. An empty
-//!   string sets nothing. A `,` after the last entry, or after the last item of a list, is
+//! - `key:value` entries separated by `,`; a list value is `[a:b,c:d,...]`. ASCII spaces are
+//!   ignored wherever they are, as PyTorch's tokenizer drops them. An empty string sets
+//!   nothing. A `,` after the last entry, or after the last item of a list, is
 //!   allowed, as in PyTorch.
 //! - Keys are matched exactly (case counts), as are the booleans `True` and `False`.
 //! - A key given twice: each occurrence is applied in order, so the last one wins; for
@@ -24,7 +24,14 @@
 //! - a number with anything after it (`64MB`, `0.5x`), a sign (`-1` wraps to a huge number in
 //!   PyTorch), or a fraction where a whole number is expected (`30.5`);
 //! - a separator other than the one expected (`max_split_size_mb,64`, `max_split_size_mb:64:65`,
-//!   `[256:1;512:2]`).
+//!   `[256:1;512:2]`);
+//! - white space other than the ASCII space, and control characters (`config::blank`):
+//!   PyTorch drops tab, newline, carriage return, vertical tab and form feed as it drops the
+//!   space, and keeps a no-break space in the word, where `std::stoull` ignores it;
+//! - a size past the largest, 17592186044415 MiB ([`MAX_MB`]; `keys::mb_in`): PyTorch clamps
+//!   `large_segment_size_mb`, `max_split_size_mb` and `max_non_split_rounding_mb` to it, and
+//!   lets `pinned_reserve_segment_size_mb`'s bytes overflow. (At the largest,
+//!   `max_split_size_mb` means unlimited, PyTorch's default.)
 
 use super::Config;
 use crate::error::Error;
@@ -53,7 +60,8 @@ pub const ROUNDUP_INTERVALS: usize = 16;
 
 /// `large_segment_size_mb` must be more than this many MiB (PyTorch: `kMinLargeAlloc / kMB`).
 const MIN_LARGE_SEGMENT_MB: usize = 10;
-/// The largest count of MiB that fits `usize` in bytes; PyTorch clamps the `*_mb` values to it.
+/// The largest count of MiB that fits `usize` in bytes: the most any `*_mb` key takes
+/// (PyTorch clamps to it; gpupool refuses past it).
 const MAX_MB: usize = usize::MAX / MIB;
 /// `pinned_num_register_threads` at most (PyTorch `pinned_max_register_threads`).
 const MAX_REGISTER_THREADS: usize = 128;

@@ -3,6 +3,8 @@
 //! [`Raw`], a value as written with its readers (whole numbers, decimals, `True`/`False`).
 //! What the keys mean is in `keys`.
 
+use crate::config::blank;
+
 /// A whole number, digits only (PyTorch reads it with `std::stoull`, which also takes a sign
 /// and ignores what follows the digits).
 pub(super) fn count(text: &str) -> Option<usize> {
@@ -61,8 +63,10 @@ impl std::fmt::Display for Raw {
     }
 }
 
-/// PyTorch's `ConfigTokenizer`: `,`, `:`, `[` and `]` stand alone, white space is dropped,
-/// everything else runs together into words.
+/// PyTorch's `ConfigTokenizer`: `,`, `:`, `[` and `]` stand alone, the ASCII space is
+/// dropped, everything else runs together into words. (PyTorch drops every byte that C's
+/// `isspace` takes: tab, newline, vertical tab, form feed and carriage return too; gpupool
+/// refuses those before it gets here, see `config::blank`.)
 fn tokens(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut word = String::new();
@@ -72,7 +76,7 @@ fn tokens(text: &str) -> Vec<String> {
                 out.push(std::mem::take(&mut word));
             }
             out.push(ch.to_string());
-        } else if !ch.is_whitespace() {
+        } else if ch != ' ' {
             word.push(ch);
         }
     }
@@ -89,6 +93,12 @@ fn is_sep(t: &str) -> bool {
 /// The entries of a configuration string, in order; a message saying what is wrong when it is
 /// not of the form `key:value,key:[a:b,...],...`.
 pub(super) fn entries(text: &str) -> Result<Vec<(String, Raw)>, String> {
+    if let Some(found) = blank::stray(text) {
+        return Err(blank::message(
+            found,
+            "between tokens (PyTorch's tokenizer drops tab, newline, carriage return, vertical tab and form feed too; gpupool refuses them)",
+        ));
+    }
     let toks = tokens(text);
     let mut it = toks.into_iter();
     let mut out = Vec::new();

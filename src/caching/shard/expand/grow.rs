@@ -90,7 +90,7 @@ impl ShardState {
             let mut g = scopeguard::guard(
                 (&mut *self, &mut attempted, &mut *spare, charge),
                 |(st, attempted, spare, charge)| {
-                    let grown = st.adopt(ctx, base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                    let grown = st.adopt(base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
                     let back = spare.len();
                     ctx.pages.put(page, spare);
                     charge.settle(grown + (back as isize - taken as isize) * page as isize);

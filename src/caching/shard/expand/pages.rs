@@ -3,8 +3,8 @@
 //! and the change is counted (PyTorch `map_block` and `unmap_block` do this block by block).
 
 use crate::caching::block::{BlockId, BlockState, NIL};
-use crate::caching::counters::{Metric, bump};
-use crate::caching::shard::{ShardCtx, ShardState};
+use crate::caching::counters::Metric;
+use crate::caching::shard::ShardState;
 use crate::driver::DevicePtr;
 
 impl ShardState {
@@ -14,13 +14,7 @@ impl ShardState {
     /// the change from `mapped_before`, the bytes the segment had mapped before, in reserved
     /// bytes and as PyTorch's `map_block`/`unmap_block` do (`num_device_alloc`,
     /// `num_device_free`). Returns that change (bytes, negative when unmapped).
-    pub(super) fn adopt(
-        &mut self,
-        ctx: &ShardCtx,
-        base: DevicePtr,
-        ids: impl Iterator<Item = BlockId>,
-        mapped_before: usize,
-    ) -> isize {
+    pub(super) fn adopt(&mut self, base: DevicePtr, ids: impl Iterator<Item = BlockId>, mapped_before: usize) -> isize {
         for id in ids {
             self.follow_pages(base, id);
         }
@@ -28,8 +22,8 @@ impl ShardState {
         let change = self.segments[&base].exp.as_deref().expect("expandable").mapped as isize - mapped_before as isize;
         self.counters.change(Metric::ReservedBytes, pool, change as i64);
         match change.signum() {
-            1 => bump(&ctx.counters.num_device_alloc),
-            -1 => bump(&ctx.counters.num_device_free),
+            1 => self.counters.device_allocs += 1,
+            -1 => self.counters.device_frees += 1,
             _ => {}
         }
         change

@@ -127,7 +127,7 @@ impl ShardState {
             // counting them), and the pages unmapped are recorded.
             let mut spare = Vec::new();
             let mut g = scopeguard::guard((&mut *self, &mut spare), |(st, spare)| {
-                st.adopt(ctx, base, std::iter::once(id), before);
+                st.adopt(base, std::iter::once(id), before);
                 ctx.pages.put(page, spare);
                 if ctx.history.on() {
                     let c = st.segments[&base].ctx;
