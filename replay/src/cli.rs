@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use gpupool::config::{Config, parse_size};
 
 use crate::cuda::Gpu;
-use crate::input::load;
+use crate::input::load_limited;
+use crate::limits::Limits;
 use crate::report::{Row, csv, json, table};
 use crate::run::{default_capacity, replay_sim};
 use crate::trace::Trace;
@@ -45,6 +46,9 @@ options:
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
                       largest peak live rounded up to a GiB when that is more)
   --device N          of a snapshot, replay only device N's trace (default: every device's)
+  --max-input SIZE    the most a trace file may hold once decompressed, and about the most
+                      memory what is read from it may take (default 4GiB); a file over it
+                      fails, saying so
   --format FORMAT     table (default), json or csv. The table names a snapshot's recorded
                       configuration 'recorded' and one of over 32 characters 'conf N', and
                       spells them out below it; json and csv write them whole
@@ -79,6 +83,7 @@ struct Options {
     driver: DriverChoice,
     capacity: Option<usize>,
     device: Option<usize>,
+    limits: Limits,
     format: Format,
     output: Option<PathBuf>,
     traces: Vec<PathBuf>,
@@ -107,6 +112,7 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
         driver: DriverChoice::Sim,
         capacity: None,
         device: None,
+        limits: Limits::default(),
         format: Format::Table,
         output: None,
         traces: Vec::new(),
@@ -158,6 +164,12 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
                     v.parse()
                         .map_err(|_| Stop::Usage(format!("--device {v:?}: expected a device number, 0 or more")))?,
                 );
+            }
+            "--max-input" => {
+                let v = value()?;
+                o.limits.max_input = parse_size(&v).filter(|&n| n > 0).map(|n| n as u64).ok_or_else(|| {
+                    Stop::Usage(format!("--max-input {v:?}: expected a size such as 4GiB, 512MiB or a number of bytes"))
+                })?;
             }
             "--format" => {
                 o.format = match value()?.as_str() {
@@ -217,7 +229,7 @@ fn recorded_conf(t: &Trace, confs: &[(String, Config)], err: &mut dyn Write) -> 
 fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
     let mut traces = Vec::new();
     for path in &o.traces {
-        traces.extend(load(path, o.device).map_err(Stop::Failed)?);
+        traces.extend(load_limited(path, o.device, &o.limits).map_err(Stop::Failed)?);
     }
     let gpu = match o.driver {
         DriverChoice::Cuda => Some(Gpu::open().map_err(|e| {

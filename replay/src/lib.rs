@@ -8,9 +8,10 @@
 //! simulated device or on the GPU, and each replay reports peak reserved against peak live
 //! bytes, driver allocations, out-of-memory errors and the time per event.
 //!
-//! - [`input::load`] reads a file of either kind, gzipped or not, into [`Trace`]s;
-//!   [`snapshot`] says how a snapshot becomes a trace (frees of blocks allocated before a
-//!   wrapped history, blocks alive in its segments).
+//! - [`input::load`] reads a file of either kind, gzipped or not, streamed, into [`Trace`]s,
+//!   within [`limits`] (a file may be hostile); [`snapshot`] says how a snapshot becomes a
+//!   trace (frees of blocks allocated before a wrapped history, blocks alive in its segments),
+//!   read by the tool's own [`pickle`] reader (PyTorch's pickles share objects).
 //! - [`run::replay_sim`] replays a trace on a fresh simulated device, [`run::replay`] on any
 //!   [`gpupool::Allocator`], [`cuda::Gpu`] on the GPU; each returns an [`run::Outcome`].
 //! - [`report`] turns outcomes into rows, printed as a table, JSON or CSV; [`cli`] is the
@@ -25,6 +26,8 @@
 pub mod cli;
 pub mod cuda;
 pub mod input;
+pub mod limits;
+pub mod pickle;
 pub mod report;
 pub mod run;
 pub mod snapshot;
