@@ -14,8 +14,9 @@
 //!   read by the tool's own [`pickle`] reader (PyTorch's pickles share objects).
 //! - [`run::replay_sim`] replays a trace on a fresh simulated device, [`run::replay`] on any
 //!   [`gpupool::Allocator`], [`cuda::Gpu`] on the GPU; each returns an [`run::Outcome`].
-//! - [`report`] turns outcomes into rows, printed as a table, JSON or CSV; [`cli`] is the
-//!   command line.
+//! - [`setting`] is a configuration to replay under (`--conf`, `--row`, the `--suggest` grid),
+//!   [`report`] turns outcomes into rows, printed as a [`table`], JSON or CSV, [`suggest`]
+//!   picks one configuration; [`cli`] is the command line.
 //!
 //! A snapshot written by gpupool can be checked against the replay: read it with
 //! [`input::load`], and [`Trace::peak_live`] and the peak reserved of [`run::replay_sim`] under
@@ -30,7 +31,10 @@ pub mod limits;
 pub mod pickle;
 pub mod report;
 pub mod run;
+pub mod setting;
 pub mod snapshot;
+pub mod suggest;
+pub mod table;
 pub mod text;
 pub mod trace;
 
