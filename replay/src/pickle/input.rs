@@ -1,8 +1,10 @@
 //! The bytes of a pickle, as its opcodes read them: fixed-size arguments, lengths, counted
-//! strings, text lines; each error names the offset.
+//! strings, text lines (each error names the offset); and the values of the arguments that
+//! are numbers or quoted text.
 
 use std::io::{BufRead, ErrorKind, Read};
 
+use super::Value;
 use crate::limits::Budget;
 
 /// The longest line a text opcode (`INT`, `GLOBAL`, `GET`...) may have.
@@ -96,4 +98,35 @@ impl<R: BufRead> Input<R> {
         }
         String::from_utf8(v).map_err(|_| bad(at, "a text argument that is not UTF-8"))
     }
+}
+
+/// `LONG1`, `LONG4`: little-endian two's complement; beyond 8 bytes (dropped), not kept.
+pub(super) fn long(bytes: Option<Vec<u8>>) -> Value {
+    let Some(b) = bytes else {
+        return Value::Other("an integer of more than 64 bits");
+    };
+    let mut a = if b.last().is_some_and(|&x| x & 0x80 != 0) { [0xff; 8] } else { [0; 8] };
+    a[..b.len()].copy_from_slice(&b);
+    Value::Int(i64::from_le_bytes(a))
+}
+
+/// `INT` (`I01`/`I00` are Python 2's True and False) and `LONG` (`123L`).
+pub(super) fn text_int(line: &str, int: bool) -> Option<Value> {
+    match (int, line) {
+        (true, "01") => return Some(Value::Bool(true)),
+        (true, "00") => return Some(Value::Bool(false)),
+        _ => {}
+    }
+    let digits = line.trim().trim_end_matches('L');
+    if let Ok(n) = digits.parse() {
+        return Some(Value::Int(n));
+    }
+    let unsigned = digits.strip_prefix('-').unwrap_or(digits);
+    (!unsigned.is_empty() && unsigned.bytes().all(|c| c.is_ascii_digit()))
+        .then_some(Value::Other("an integer of more than 64 bits"))
+}
+
+/// The text of a `STRING` argument, Python's repr of a str: in single or double quotes.
+pub(super) fn unquote(s: &str) -> Option<&str> {
+    ['\'', '"'].into_iter().find_map(|q| s.strip_prefix(q)?.strip_suffix(q))
 }

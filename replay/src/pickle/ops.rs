@@ -3,7 +3,7 @@
 
 use std::io::BufRead;
 
-use super::input::{Input, bad};
+use super::input::{Input, bad, long, text_int, unquote};
 use super::{MAX_KEPT_STRING, Memo, Pickled, Value};
 use crate::limits::Budget;
 
@@ -391,35 +391,4 @@ impl<'b, R: BufRead> Machine<'b, R> {
 /// An arena index for the `len`th object.
 fn index(len: usize, at: u64) -> Result<u32, String> {
     u32::try_from(len).map_err(|_| format!("not a pickle the replay reads, at byte {at}: over 2^32 objects of a kind"))
-}
-
-/// `LONG1`, `LONG4`: little-endian two's complement; beyond 8 bytes (dropped), not kept.
-fn long(bytes: Option<Vec<u8>>) -> Value {
-    let Some(b) = bytes else {
-        return Value::Other("an integer of more than 64 bits");
-    };
-    let mut a = if b.last().is_some_and(|&x| x & 0x80 != 0) { [0xff; 8] } else { [0; 8] };
-    a[..b.len()].copy_from_slice(&b);
-    Value::Int(i64::from_le_bytes(a))
-}
-
-/// `INT` (`I01`/`I00` are Python 2's True and False) and `LONG` (`123L`).
-fn text_int(line: &str, int: bool) -> Option<Value> {
-    match (int, line) {
-        (true, "01") => return Some(Value::Bool(true)),
-        (true, "00") => return Some(Value::Bool(false)),
-        _ => {}
-    }
-    let digits = line.trim().trim_end_matches('L');
-    if let Ok(n) = digits.parse() {
-        return Some(Value::Int(n));
-    }
-    let unsigned = digits.strip_prefix('-').unwrap_or(digits);
-    (!unsigned.is_empty() && unsigned.bytes().all(|c| c.is_ascii_digit()))
-        .then_some(Value::Other("an integer of more than 64 bits"))
-}
-
-/// The text of a `STRING` argument, Python's repr of a str: in single or double quotes.
-fn unquote(s: &str) -> Option<&str> {
-    ['\'', '"'].into_iter().find_map(|q| s.strip_prefix(q)?.strip_suffix(q))
 }
