@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use gpupool::Allocator;
 use gpupool::driver::sim::{SimCounts, SimDriver};
-use gpupool_replay::{cli, cuda, input, run};
+use gpupool_replay::{cuda, input, run, setting};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -36,7 +36,7 @@ fn main() {
     let t = &traces[0];
     println!("{}: {} events, peak live {:.1} MiB", args[1], t.events.len(), t.peak_live() as f64 / 1048576.0);
     for reclaim in [false, true] {
-        let mut config = cli::parse_conf("expandable_segments:True").unwrap();
+        let mut config = setting::Setting::conf("expandable_segments:True").unwrap().config;
         config.expandable_reclaim = reclaim;
         let drv = Arc::new(SimDriver::new(1, capacity));
         let a = Allocator::new(drv.clone(), config);
@@ -46,7 +46,7 @@ fn main() {
             let c0 = drv.counts();
             // The counts include the frees after the pass: with expandable segments a free
             // calls the driver for nothing, so they count what the events did.
-            let (ns, _) = run::pass(&a, 0, t, &streams, &mut ptrs).expect("replay");
+            let ns = run::pass(&a, 0, t, &streams, &mut ptrs).expect("replay").ns;
             let c1 = drv.counts();
             let ns = ns as f64 / t.events.len() as f64;
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
@@ -81,7 +81,7 @@ fn on_gpu(args: &[String]) {
         t.peak_live() as f64 / 1048576.0
     );
     for reclaim in [false, true] {
-        let mut config = cli::parse_conf("expandable_segments:True").unwrap();
+        let mut config = setting::Setting::conf("expandable_segments:True").unwrap().config;
         config.expandable_reclaim = reclaim;
         for _ in 0..repeats {
             let o = gpu.replay(t, &config).expect("replay");

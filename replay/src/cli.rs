@@ -3,12 +3,16 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use gpupool::config::{Config, parse_size};
+use gpupool::config::{CONF_VAR, Config, parse_size};
 
 use crate::cuda::Gpu;
-use crate::input::load;
-use crate::report::{Row, csv, json, table};
+use crate::input::load_limited;
+use crate::limits::Limits;
+use crate::report::{Row, csv, json};
 use crate::run::{default_capacity, replay_sim};
+use crate::setting::{Setting, grid};
+use crate::suggest::mark;
+use crate::table::table;
 use crate::trace::Trace;
 
 /// The text of `--help`.
@@ -38,13 +42,29 @@ options:
                       PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True' or
                       'max_split_size_mb:128,roundup_power2_divisions:4': one row each;
                       '' is the defaults. The environment is not read.
+  --row 'NAME=VALUE;NAME=VALUE'
+                      a row set by any of gpupool's variables, as a program's environment
+                      sets them: GPUPOOL_CONF and the GPUPOOL_* of its options table
+                      (gpupool_print_options lists them; GPUPOOL_EXPANDABLE_RECLAIM and
+                      GPUPOOL_RECORD_HISTORY change a replay), for instance
+                      --row 'GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_RECLAIM=1'
+  --suggest           also replay a grid of configurations (each key that matters for
+                      fragmentation, and gpupool's GPUPOOL_EXPANDABLE_RECLAIM), and say per
+                      trace which one to use: of those that never ran out of memory, the
+                      least peak reserved among those whose warm pass is within 10% of the
+                      fastest; with the environment that sets it
   --no-defaults       no row of the defaults, nor of a snapshot's recorded configuration:
-                      only the --conf rows (at least one)
+                      only the --conf and --row rows (at least one)
   --driver sim|cuda   sim (default): the simulated device, no GPU needed; cuda: device 0 of
                       this machine's GPU, with one CUDA stream per stream of the trace
   --capacity SIZE     the simulated device's memory, e.g. 24GiB (default: 80GiB, or twice the
-                      largest peak live rounded up to a GiB when that is more)
+                      largest peak live rounded up to a GiB when that is more): whether the
+                      trace fits a GPU of that size. A row that ran out of memory gives the
+                      first allocation that did (its event, from 0, and its size)
   --device N          of a snapshot, replay only device N's trace (default: every device's)
+  --max-input SIZE    the most a trace file may hold once decompressed, and about the most
+                      memory what is read from it may take (default 4GiB); a file over it
+                      fails, saying so
   --format FORMAT     table (default), json or csv. The table names a snapshot's recorded
                       configuration 'recorded' and one of over 32 characters 'conf N', and
                       spells them out below it; json and csv write them whole
@@ -55,7 +75,7 @@ options:
 
 Exit status: 0 done (out-of-memory errors in a replay are reported, not failures); 1 a trace
 could not be read or a replay failed (no GPU for --driver cuda, for one); 2 bad usage (an
-unknown option, a --conf that does not parse).
+unknown option, a --conf or --row that does not parse).
 ";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -73,12 +93,15 @@ enum DriverChoice {
 
 struct Options {
     /// The rows to replay, the defaults first unless `--no-defaults`; each label once.
-    confs: Vec<(String, Config)>,
+    confs: Vec<Setting>,
+    /// `--suggest`: the grid too, and the suggestion.
+    suggest: bool,
     /// `--no-defaults`: only the `--conf` rows, not even a snapshot's recorded configuration.
     no_defaults: bool,
     driver: DriverChoice,
     capacity: Option<usize>,
     device: Option<usize>,
+    limits: Limits,
     format: Format,
     output: Option<PathBuf>,
     traces: Vec<PathBuf>,
@@ -92,21 +115,15 @@ enum Stop {
     Version,
 }
 
-/// The configuration `text` means, as `GPUPOOL_CONF` would set it over the defaults.
-///
-/// Errors: the message of gpupool's parser (the key and value at fault, and what is expected),
-/// after the option as given.
-pub fn parse_conf(text: &str) -> Result<Config, String> {
-    Config::default().with_conf(text).map_err(|e| format!("--conf {text:?}: {e}"))
-}
-
 fn parse_args(args: &[String]) -> Result<Options, Stop> {
     let mut o = Options {
         confs: Vec::new(),
+        suggest: false,
         no_defaults: false,
         driver: DriverChoice::Sim,
         capacity: None,
         device: None,
+        limits: Limits::default(),
         format: Format::Table,
         output: None,
         traces: Vec::new(),
@@ -122,7 +139,9 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
-        if inline.is_some() && matches!(name, "--help" | "--version" | "--no-defaults" | "--json" | "--csv") {
+        if inline.is_some()
+            && matches!(name, "--help" | "--version" | "--no-defaults" | "--suggest" | "--json" | "--csv")
+        {
             return Err(Stop::Usage(format!("{name} takes no value")));
         }
         let mut value = || {
@@ -132,12 +151,9 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
             "--" => only_traces = true,
             "-h" | "--help" => return Err(Stop::Help),
             "-V" | "--version" => return Err(Stop::Version),
-            "--conf" => {
-                let text = value()?;
-                let config = parse_conf(&text).map_err(Stop::Usage)?;
-                let label = if text.trim().is_empty() { "defaults".to_string() } else { text };
-                o.confs.push((label, config));
-            }
+            "--conf" => o.confs.push(Setting::conf(&value()?).map_err(Stop::Usage)?),
+            "--row" => o.confs.push(Setting::row(&value()?).map_err(Stop::Usage)?),
+            "--suggest" => o.suggest = true,
             "--no-defaults" => o.no_defaults = true,
             "--driver" => {
                 o.driver = match value()?.as_str() {
@@ -159,6 +175,12 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
                         .map_err(|_| Stop::Usage(format!("--device {v:?}: expected a device number, 0 or more")))?,
                 );
             }
+            "--max-input" => {
+                let v = value()?;
+                o.limits.max_input = parse_size(&v).filter(|&n| n > 0).map(|n| n as u64).ok_or_else(|| {
+                    Stop::Usage(format!("--max-input {v:?}: expected a size such as 4GiB, 512MiB or a number of bytes"))
+                })?;
+            }
             "--format" => {
                 o.format = match value()?.as_str() {
                     "table" => Format::Table,
@@ -179,15 +201,24 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
     if o.driver == DriverChoice::Cuda && o.capacity.is_some() {
         return Err(Stop::Usage("--capacity sizes the simulated device: it does not go with --driver cuda".into()));
     }
-    if o.no_defaults && o.confs.is_empty() {
+    if o.no_defaults && o.confs.is_empty() && !o.suggest {
         return Err(Stop::Usage("--no-defaults leaves nothing to replay: give a --conf".into()));
     }
     if !o.no_defaults {
-        o.confs.insert(0, ("defaults".into(), Config::default()));
+        o.confs.insert(0, Setting::defaults());
+    }
+    if o.suggest {
+        // After the rows asked for; a configuration one of them replays already is not
+        // replayed again.
+        for s in grid() {
+            if !o.confs.iter().any(|c| c.config == s.config) {
+                o.confs.push(s);
+            }
+        }
     }
     // `--conf ''` is the defaults: replayed once, where they come first.
     let mut defaults_seen = false;
-    o.confs.retain(|(label, _)| label != "defaults" || !std::mem::replace(&mut defaults_seen, true));
+    o.confs.retain(|s| s.label != "defaults" || !std::mem::replace(&mut defaults_seen, true));
     Ok(o)
 }
 
@@ -196,20 +227,21 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
 /// that recorded none or an empty one (the defaults); and, with a line in `err` saying why,
 /// for one that a row of `confs` replays already or that gpupool does not run (a key of a
 /// later PyTorch, say).
-fn recorded_conf(t: &Trace, confs: &[(String, Config)], err: &mut dyn Write) -> Option<(String, Config)> {
+fn recorded_conf(t: &Trace, confs: &[Setting], err: &mut dyn Write) -> Option<Setting> {
     let text = t.recorded.as_ref()?.conf.as_deref().filter(|c| !c.trim().is_empty())?;
-    let config = match Config::default().with_conf(text) {
-        Ok(c) => c,
+    let setting = match Config::default().with_conf(text) {
+        Ok(config) => Setting { label: text.to_string(), config, vars: vec![(CONF_VAR.into(), text.into())] },
         Err(e) => {
             let _ = writeln!(err, "{}: no row for the recorded configuration, which gpupool does not run: {e}", t.name);
             return None;
         }
     };
-    if let Some((label, _)) = confs.iter().find(|(_, c)| *c == config) {
-        let _ = writeln!(err, "{}: the recorded configuration is that of the row {label:?}: no row of its own", t.name);
+    if let Some(s) = confs.iter().find(|s| s.config == setting.config) {
+        let _ =
+            writeln!(err, "{}: the recorded configuration is that of the row {:?}: no row of its own", t.name, s.label);
         return None;
     }
-    Some((text.to_string(), config))
+    Some(setting)
 }
 
 /// Loads the traces and replays each under every configuration; returns the rows, writing the
@@ -217,7 +249,7 @@ fn recorded_conf(t: &Trace, confs: &[(String, Config)], err: &mut dyn Write) -> 
 fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
     let mut traces = Vec::new();
     for path in &o.traces {
-        traces.extend(load(path, o.device).map_err(Stop::Failed)?);
+        traces.extend(load_limited(path, o.device, &o.limits).map_err(Stop::Failed)?);
     }
     let gpu = match o.driver {
         DriverChoice::Cuda => Some(Gpu::open().map_err(|e| {
@@ -248,16 +280,16 @@ fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
             // After the defaults row, which is first.
             confs.splice(1..1, recorded_conf(t, &o.confs, err));
         }
-        for (text, config) in &confs {
+        for s in &confs {
             let row = match &gpu {
                 Some(gpu) => {
-                    let outcome = gpu.replay(t, config).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
-                    Row::replayed(t, text, "cuda", None, &outcome)
+                    let outcome = gpu.replay(t, &s.config).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
+                    Row::replayed(t, s, "cuda", None, &outcome)
                 }
                 None => {
                     let outcome =
-                        replay_sim(t, config, capacity).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
-                    Row::replayed(t, text, "sim", Some(capacity), &outcome)
+                        replay_sim(t, &s.config, capacity).map_err(|e| Stop::Failed(format!("{}: {e}", t.name)))?;
+                    Row::replayed(t, s, "sim", Some(capacity), &outcome)
                 }
             };
             rows.push(row);
@@ -271,11 +303,16 @@ fn rows(o: &Options, err: &mut dyn Write) -> Result<Vec<Row>, Stop> {
 /// 2 bad usage.
 pub fn main_with(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> i32 {
     let result = parse_args(args).and_then(|o| {
-        let rows = rows(&o, err)?;
+        let mut rows = rows(&o, err)?;
+        let suggestion = if o.suggest { mark(&mut rows) } else { String::new() };
         let text = match o.format {
-            Format::Table => table(&rows),
-            Format::Json => json(&rows),
-            Format::Csv => csv(&rows),
+            Format::Table if suggestion.is_empty() => table(&rows),
+            Format::Table => format!("{}\n{suggestion}", table(&rows)),
+            // The suggestion is in the rows (`suggested`); said on stderr too.
+            Format::Json | Format::Csv => {
+                let _ = err.write_all(suggestion.as_bytes());
+                if o.format == Format::Json { json(&rows) } else { csv(&rows) }
+            }
         };
         match &o.output {
             Some(path) => std::fs::write(path, text).map_err(|e| Stop::Failed(format!("{}: {e}", path.display()))),

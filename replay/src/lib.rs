@@ -8,13 +8,15 @@
 //! simulated device or on the GPU, and each replay reports peak reserved against peak live
 //! bytes, driver allocations, out-of-memory errors and the time per event.
 //!
-//! - [`input::load`] reads a file of either kind, gzipped or not, into [`Trace`]s;
-//!   [`snapshot`] says how a snapshot becomes a trace (frees of blocks allocated before a
-//!   wrapped history, blocks alive in its segments).
+//! - [`input::load`] reads a file of either kind, gzipped or not, streamed, into [`Trace`]s,
+//!   within [`limits`] (a file may be hostile); [`snapshot`] says how a snapshot becomes a
+//!   trace (frees of blocks allocated before a wrapped history, blocks alive in its segments),
+//!   read by the tool's own [`pickle`] reader (PyTorch's pickles share objects).
 //! - [`run::replay_sim`] replays a trace on a fresh simulated device, [`run::replay`] on any
 //!   [`gpupool::Allocator`], [`cuda::Gpu`] on the GPU; each returns an [`run::Outcome`].
-//! - [`report`] turns outcomes into rows, printed as a table, JSON or CSV; [`cli`] is the
-//!   command line.
+//! - [`setting`] is a configuration to replay under (`--conf`, `--row`, the `--suggest` grid),
+//!   [`report`] turns outcomes into rows, printed as a [`table`], JSON or CSV, [`suggest`]
+//!   picks one configuration; [`cli`] is the command line.
 //!
 //! A snapshot written by gpupool can be checked against the replay: read it with
 //! [`input::load`], and [`Trace::peak_live`] and the peak reserved of [`run::replay_sim`] under
@@ -25,9 +27,14 @@
 pub mod cli;
 pub mod cuda;
 pub mod input;
+pub mod limits;
+pub mod pickle;
 pub mod report;
 pub mod run;
+pub mod setting;
 pub mod snapshot;
+pub mod suggest;
+pub mod table;
 pub mod text;
 pub mod trace;
 

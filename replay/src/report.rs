@@ -1,12 +1,10 @@
 //! The report: one row per trace and configuration (and one for what PyTorch itself did, when
-//! a snapshot says), as a table for people or as JSON or CSV for scripts.
-
-use std::collections::HashMap;
-use std::fmt::Write as _;
+//! a snapshot says), for JSON or CSV for scripts, or a table for people ([`crate::table`]).
 
 use serde::Serialize;
 
 use crate::run::Outcome;
+use crate::setting::Setting;
 use crate::trace::{Recorded, Trace};
 
 /// One line of the report. Sizes are bytes; `None` where the row has no such figure (the
@@ -15,8 +13,8 @@ use crate::trace::{Recorded, Trace};
 pub struct Row {
     /// The trace's name (file, and device for a snapshot of several).
     pub trace: String,
-    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), `defaults` for
-    /// gpupool's defaults; for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when
+    /// The configuration as given to `--conf` (`GPUPOOL_CONF`'s syntax), a `--row`'s label
+    /// ([`Setting::label`]), `defaults` for gpupool's defaults; for the recorded row, the recording's `PYTORCH_CUDA_ALLOC_CONF` when
     /// the snapshot has it (`defaults` when it is empty, `as recorded` when the snapshot does
     /// not say), and the row replaying that configuration on gpupool has the same text.
     pub configuration: String,
@@ -57,6 +55,19 @@ pub struct Row {
     pub ooms: u64,
     /// Allocations that ran out of memory in the warm pass.
     pub ooms_warm: Option<u64>,
+    /// The first allocation that ran out of memory in the cold pass: its index in the
+    /// replayed events, from 0 (the blocks alive before a snapshot's trace, allocated first,
+    /// count); `None` when none did. With `--capacity`, where a device of that size would
+    /// have failed the program.
+    pub first_oom_event: Option<usize>,
+    /// The bytes that allocation asked for.
+    pub first_oom_bytes: Option<usize>,
+    /// The environment that sets the row's configuration for a program using gpupool
+    /// (`GPUPOOL_CONF=...` and any other `GPUPOOL_*` variable; empty for the defaults);
+    /// `None` for the recorded row.
+    pub environment: Option<String>,
+    /// Whether `--suggest` chose this row's configuration for its trace.
+    pub suggested: bool,
     /// Calls that locked every stream to settle gpupool's exact peaks, warm pass.
     pub peak_settles_warm: Option<i64>,
     /// Nanoseconds per event, cold pass (with the driver's calls).
@@ -74,12 +85,12 @@ fn count(n: i64) -> u64 {
 }
 
 impl Row {
-    /// The row of a replay of `trace` under `configuration` on `driver`.
-    pub fn replayed(trace: &Trace, configuration: &str, driver: &str, capacity: Option<usize>, o: &Outcome) -> Row {
+    /// The row of a replay of `trace` under `setting` on `driver`.
+    pub fn replayed(trace: &Trace, setting: &Setting, driver: &str, capacity: Option<usize>, o: &Outcome) -> Row {
         let live = trace.peak_live();
         Row {
             trace: trace.name.clone(),
-            configuration: configuration.to_string(),
+            configuration: setting.label.clone(),
             driver: driver.to_string(),
             capacity_bytes: capacity,
             events: trace.events.len(),
@@ -96,6 +107,10 @@ impl Row {
             alloc_retries: Some(count(o.alloc_retries)),
             ooms: o.ooms,
             ooms_warm: Some(o.ooms_warm),
+            first_oom_event: o.first_oom.map(|f| f.event),
+            first_oom_bytes: o.first_oom.map(|f| f.size),
+            environment: Some(setting.environment()),
+            suggested: false,
             peak_settles_warm: Some(o.peak_settles_warm),
             cold_ns_per_event: Some(o.cold_ns_per_event),
             warm_ns_per_event: Some(o.warm_ns_per_event),
@@ -128,149 +143,15 @@ impl Row {
             alloc_retries: None,
             ooms: r.ooms,
             ooms_warm: None,
+            first_oom_event: None,
+            first_oom_bytes: None,
+            environment: None,
+            suggested: false,
             peak_settles_warm: None,
             cold_ns_per_event: None,
             warm_ns_per_event: None,
         }
     }
-}
-
-fn mib(bytes: usize) -> String {
-    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
-}
-
-fn or_dash<T>(v: Option<T>, f: impl FnOnce(T) -> String) -> String {
-    v.map_or_else(|| "-".to_string(), f)
-}
-
-/// A configuration longer than this many characters is named by a label in the table and
-/// printed in full below it: a snapshot's configuration string, which names every key, would
-/// make every line of the table hundreds of columns wide.
-const CONF_WIDTH: usize = 32;
-
-/// The legend's lines are cut (at commas) to this many characters.
-const LEGEND_WIDTH: usize = 100;
-
-/// The name each configuration of `rows` takes in the table, and the legend that gives each
-/// name's full text: a snapshot's recorded configuration is `recorded` (`recorded 1`,
-/// `recorded 2`... when the traces recorded several), whatever its length, so that the row of
-/// PyTorch under it and the row of gpupool replaying it read as one configuration; any other
-/// configuration longer than [`CONF_WIDTH`] characters is `conf 1`, `conf 2`...
-fn conf_labels(rows: &[Row]) -> (HashMap<&str, String>, Vec<String>) {
-    let mut recorded: Vec<(&str, &str)> = Vec::new();
-    for r in rows.iter().filter(|r| r.driver == "recorded") {
-        let c = r.configuration.as_str();
-        if !matches!(c, "defaults" | "as recorded") && !recorded.iter().any(|&(k, _)| k == c) {
-            recorded.push((c, &r.trace));
-        }
-    }
-    let (mut labels, mut legend) = (HashMap::new(), Vec::new());
-    for (i, &(conf, trace)) in recorded.iter().enumerate() {
-        let label = if recorded.len() == 1 { "recorded".to_string() } else { format!("recorded {}", i + 1) };
-        legend_entry(&mut legend, &format!("{label} (the PYTORCH_CUDA_ALLOC_CONF of {trace})"), conf);
-        labels.insert(conf, label);
-    }
-    let mut long = 0;
-    for r in rows {
-        let c = r.configuration.as_str();
-        if c.chars().count() > CONF_WIDTH && !labels.contains_key(c) {
-            long += 1;
-            let label = format!("conf {long}");
-            legend_entry(&mut legend, &label, c);
-            labels.insert(c, label);
-        }
-    }
-    (labels, legend)
-}
-
-/// Adds `name: text` to `legend`: on one line where it fits in [`LEGEND_WIDTH`], else the name
-/// on a line and the text below it, indented, cut after commas.
-fn legend_entry(legend: &mut Vec<String>, name: &str, text: &str) {
-    if name.chars().count() + 2 + text.chars().count() <= LEGEND_WIDTH {
-        legend.push(format!("{name}: {text}"));
-        return;
-    }
-    legend.push(format!("{name}:"));
-    let mut line = String::from("  ");
-    for piece in text.split_inclusive(',') {
-        if line.chars().count() + piece.chars().count() > LEGEND_WIDTH && line.len() > 2 {
-            legend.push(std::mem::replace(&mut line, String::from("  ")));
-        }
-        line.push_str(piece);
-    }
-    legend.push(line);
-}
-
-/// The rows as a table with aligned columns, sizes in MiB, one line each; a configuration too
-/// long for its column, or recorded by a snapshot, is named by a label that a legend below the
-/// table spells out (`conf_labels`).
-pub fn table(rows: &[Row]) -> String {
-    let (labels, legend) = conf_labels(rows);
-    let header = [
-        "trace",
-        "configuration",
-        "driver",
-        "events",
-        "peak live MiB",
-        "peak reserved MiB",
-        "reserved/live",
-        "driver allocs",
-        "retries",
-        "OOMs",
-        "cold ns/event",
-        "warm ns/event",
-    ];
-    let cells: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.trace.clone(),
-                labels.get(r.configuration.as_str()).unwrap_or(&r.configuration).clone(),
-                r.driver.clone(),
-                r.events.to_string(),
-                mib(r.peak_live_bytes),
-                mib(r.peak_reserved_bytes),
-                or_dash(r.reserved_over_live, |x| format!("{x:.3}")),
-                r.device_allocs.to_string(),
-                or_dash(r.alloc_retries, |x| x.to_string()),
-                r.ooms.to_string(),
-                or_dash(r.cold_ns_per_event, |x| format!("{x:.0}")),
-                or_dash(r.warm_ns_per_event, |x| format!("{x:.0}")),
-            ]
-        })
-        .collect();
-    let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in &cells {
-        for (w, c) in width.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |fields: &[String]| {
-        let mut s = String::new();
-        for (i, (f, w)) in fields.iter().zip(&width).enumerate() {
-            // Names to the left, figures to the right.
-            if i < 3 {
-                let _ = write!(s, "{f:<w$}  ");
-            } else {
-                let _ = write!(s, "{f:>w$}  ");
-            }
-        }
-        out.push_str(s.trim_end());
-        out.push('\n');
-    };
-    line(&header.map(String::from));
-    for row in &cells {
-        line(row);
-    }
-    if !legend.is_empty() {
-        out.push('\n');
-        for l in legend {
-            out.push_str(&l);
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// The rows as a JSON array of objects, one per row, with the fields of [`Row`].

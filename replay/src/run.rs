@@ -38,6 +38,9 @@ pub struct Outcome {
     pub ooms: u64,
     /// The same during the warm pass.
     pub ooms_warm: u64,
+    /// The first allocation that ran out of memory in the cold pass: where a device of this
+    /// size would have failed the program.
+    pub first_oom: Option<FirstOom>,
     /// Calls that had to lock every stream of the device to settle the exact peaks during the
     /// warm pass (`Allocator::peak_settles`; see gpupool's `src/caching/peaks.rs`): a cost of
     /// gpupool's exact peaks that the hit path pays now and then. Not a PyTorch statistic.
@@ -87,10 +90,10 @@ pub fn replay(a: &Allocator, device: i32, trace: &Trace, streams: &[StreamHandle
     }
     let mut ptrs = vec![0u64; trace.blocks as usize];
     let before = a.stats(device)?;
-    let (cold_ns, ooms) = pass(a, device, trace, streams, &mut ptrs)?;
+    let cold_pass = pass(a, device, trace, streams, &mut ptrs)?;
     let cold = a.stats(device)?;
     let settles = a.peak_settles(device)?;
-    let (warm_ns, ooms_warm) = pass(a, device, trace, streams, &mut ptrs)?;
+    let warm_pass = pass(a, device, trace, streams, &mut ptrs)?;
     let warm = a.stats(device)?;
     let peak_settles_warm = a.peak_settles(device)? - settles;
     let per_event = |ns: u128| if trace.events.is_empty() { 0.0 } else { ns as f64 / trace.events.len() as f64 };
@@ -103,19 +106,40 @@ pub fn replay(a: &Allocator, device: i32, trace: &Trace, streams: &[StreamHandle
         device_allocs: cold.num_device_alloc - before.num_device_alloc,
         device_allocs_warm: warm.num_device_alloc - cold.num_device_alloc,
         alloc_retries: warm.num_alloc_retries - before.num_alloc_retries,
-        ooms,
-        ooms_warm,
+        ooms: cold_pass.ooms,
+        ooms_warm: warm_pass.ooms,
+        first_oom: cold_pass.first_oom,
         peak_settles_warm,
-        cold_ns_per_event: per_event(cold_ns),
-        warm_ns_per_event: per_event(warm_ns),
+        cold_ns_per_event: per_event(cold_pass.ns),
+        warm_ns_per_event: per_event(warm_pass.ns),
     })
+}
+
+/// The first allocation of a pass that ran out of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FirstOom {
+    /// Its index in [`Trace::events`], from 0 (the blocks alive before the trace, allocated
+    /// first, count).
+    pub event: usize,
+    /// The bytes it asked for.
+    pub size: usize,
+}
+
+/// What one [`pass`] measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pass {
+    /// The time the events took, in nanoseconds.
+    pub ns: u128,
+    /// Allocations that ran out of memory (their frees are skipped).
+    pub ooms: u64,
+    /// The first of them.
+    pub first_oom: Option<FirstOom>,
 }
 
 /// One pass over `trace`'s events on `device` of `a` (stream number `i` on `streams[i]`), the
 /// pointers of live blocks kept in `ptrs` (one per block id, 0 when none; all 0 on return):
-/// then frees what is still alive, untimed. Returns the time the events took (ns) and how many
-/// allocations ran out of memory (their frees are skipped). [`replay`] runs two; a caller
-/// that counts something between passes (the driver's calls, say) runs them itself.
+/// then frees what is still alive, untimed. [`replay`] runs two; a caller that counts
+/// something between passes (the driver's calls, say) runs them itself.
 ///
 /// Errors: any failure of the allocator other than out-of-memory.
 pub fn pass(
@@ -124,14 +148,18 @@ pub fn pass(
     trace: &Trace,
     streams: &[StreamHandle],
     ptrs: &mut [u64],
-) -> Result<(u128, u64), Error> {
+) -> Result<Pass, Error> {
     let mut ooms = 0;
+    let mut first_oom = None;
     let t0 = Instant::now();
-    for e in &trace.events {
+    for (i, e) in trace.events.iter().enumerate() {
         match *e {
             Event::Alloc { id, size, stream } => match a.malloc(size, device, streams[stream as usize]) {
                 Ok(p) => ptrs[id as usize] = p,
-                Err(Error::OutOfMemory(_)) => ooms += 1,
+                Err(Error::OutOfMemory(_)) => {
+                    ooms += 1;
+                    first_oom.get_or_insert(FirstOom { event: i, size });
+                }
                 Err(e) => return Err(e),
             },
             Event::Free { id } => {
@@ -146,5 +174,5 @@ pub fn pass(
     for p in ptrs.iter_mut().filter(|p| **p != 0) {
         a.free(std::mem::take(p))?;
     }
-    Ok((ns, ooms))
+    Ok(Pass { ns, ooms, first_oom })
 }

@@ -37,60 +37,18 @@
 //!   notes.
 //! - Private pools (CUDA graphs, `MemPool`) are replayed in the ordinary pools.
 
-use std::collections::HashMap;
+mod raw;
 
-use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::BufRead;
 
+use crate::limits::Budget;
+use crate::pickle;
 use crate::trace::{Recorded, Trace, TraceBuilder};
+use raw::{Entry, Segment};
 
-#[derive(Deserialize)]
-struct RawSnapshot {
-    #[serde(default)]
-    segments: Vec<RawSegment>,
-    #[serde(default)]
-    device_traces: Vec<Vec<RawEntry>>,
-    #[serde(default)]
-    allocator_settings: Option<RawSettings>,
-}
-
-#[derive(Deserialize)]
-struct RawSegment {
-    #[serde(default)]
-    device: i64,
-    address: u64,
-    total_size: u64,
-    #[serde(default)]
-    stream: i64,
-    #[serde(default)]
-    blocks: Vec<RawBlock>,
-}
-
-#[derive(Deserialize)]
-struct RawBlock {
-    size: u64,
-    #[serde(default)]
-    requested_size: Option<u64>,
-    #[serde(default)]
-    address: Option<u64>,
-    state: String,
-}
-
-#[derive(Deserialize)]
-struct RawEntry {
-    action: String,
-    #[serde(default)]
-    addr: Option<u64>,
-    #[serde(default)]
-    size: u64,
-    #[serde(default)]
-    stream: i64,
-}
-
-#[derive(Deserialize)]
-struct RawSettings {
-    #[serde(rename = "PYTORCH_CUDA_ALLOC_CONF", default)]
-    conf: Option<String>,
-}
+/// The most kinds of entries not replayed that the notes name one by one.
+const MAX_NOTED_ACTIONS: usize = 10;
 
 /// Whether `bytes` starts as a pickle of protocol 2 or later does (the `PROTO` opcode), which
 /// no text trace does.
@@ -98,62 +56,79 @@ pub fn is_pickle(bytes: &[u8]) -> bool {
     bytes.len() >= 2 && bytes[0] == 0x80 && (2..=5).contains(&bytes[1])
 }
 
-/// Reads a PyTorch memory snapshot pickle: one trace for each device with entries or live
-/// blocks, or only device `device` when it is given. `name` names the traces (with
-/// `:device N` added when the snapshot has more than one).
+/// Reads a PyTorch memory snapshot pickle from `r`: one trace for each device with entries or
+/// live blocks, or only device `device` when it is given. `name` names the traces (with
+/// `:device N` added when the snapshot has more than one). The pickle's objects and the
+/// traces' events are charged to `budget`.
 ///
-/// Errors: the bytes are not a pickle of a dict in the snapshot's layout (the message says
-/// what serde-pickle found); `device` has neither entries nor live blocks.
-pub fn read_snapshot(name: &str, bytes: &[u8], device: Option<usize>) -> Result<Vec<Trace>, String> {
-    // serde-pickle counts the references to each memoized object and drops it after as many
-    // visits (birkenfeld/serde-pickle#24), but visits what a shared object holds once per
-    // visit of that object: the frame dicts of a traceback list that several entries share
-    // (PyTorch shares both the lists and the dicts) are used up early, and later visits fail as
-    // "recursive". Those visits get None instead here. Only frames are shared in PyTorch's
-    // snapshots, and they are not read; their strings are objects of their own (made by
-    // `py_symbolize`), not the action or state strings. Were a string that is read used up so,
-    // it would fail as a type error naming the field, never pass silently; integers are never
-    // memoized. Globals (no snapshot has any) become None too.
-    let options = serde_pickle::DeOptions::new().replace_recursive_structures().replace_unresolved_globals();
-    let raw: RawSnapshot =
-        serde_pickle::from_slice(bytes, options).map_err(|e| format!("{name}: not a PyTorch memory snapshot ({e})"))?;
-    let conf = raw.allocator_settings.and_then(|s| s.conf);
-    let mut devices = raw.device_traces.len();
+/// Errors: the bytes are not a pickle ([`crate::pickle::read`]), or not of a dict in the
+/// snapshot's layout (the message names the field at fault and what was expected); the
+/// snapshot has nothing to replay, or `device` has neither entries nor live blocks.
+pub fn read_snapshot(
+    name: &str,
+    r: impl BufRead,
+    device: Option<usize>,
+    budget: &mut Budget,
+) -> Result<Vec<Trace>, String> {
+    let not = |e: String| format!("{name}: not a PyTorch memory snapshot ({e})");
+    let pickled = pickle::read(r, budget, raw::is_read).map_err(not)?;
+    let raw = raw::read(&pickled).map_err(not)?;
+    // Each device's segments, and the devices with something to replay: only the numbers
+    // that occur are visited, however large.
+    let mut segments: BTreeMap<u64, Vec<&Segment>> = BTreeMap::new();
     for s in &raw.segments {
-        devices = devices.max(usize::try_from(s.device).map_or(0, |d| d + 1));
+        segments.entry(s.device).or_default().push(s);
     }
-    let used = |d: usize| {
-        raw.device_traces.get(d).is_some_and(|t| !t.is_empty())
-            || raw.segments.iter().any(|s| s.device == d as i64 && s.blocks.iter().any(|b| b.state != "inactive"))
-    };
-    let chosen: Vec<usize> = match device {
-        Some(d) if used(d) => vec![d],
+    let mut used: BTreeSet<u64> =
+        (0u64..).zip(&raw.device_traces).filter(|(_, t)| !t.is_empty()).map(|(d, _)| d).collect();
+    for (&d, segs) in &segments {
+        if segs.iter().any(|s| s.blocks.iter().any(|b| b.state != "inactive")) {
+            used.insert(d);
+        }
+    }
+    let chosen: Vec<u64> = match device.map(|d| d as u64) {
+        Some(d) if used.contains(&d) => vec![d],
         Some(d) => {
-            let with: Vec<String> = (0..devices).filter(|&d| used(d)).map(|d| d.to_string()).collect();
+            let with: Vec<String> = used.iter().map(u64::to_string).collect();
             return Err(format!(
                 "{name}: device {d} has no trace entries and no live blocks in this snapshot (devices with some: {})",
                 if with.is_empty() { "none".to_string() } else { with.join(", ") }
             ));
         }
-        None => (0..devices).filter(|&d| used(d)).collect(),
+        None if used.is_empty() => {
+            return Err(format!(
+                "{name}: the snapshot has no trace entries and no live blocks: nothing to replay (was the \
+                 history recorded? torch.cuda.memory._record_memory_history() records it)"
+            ));
+        }
+        None => used.iter().copied().collect(),
     };
-    let several = (0..devices).filter(|&d| used(d)).count() > 1;
-    Ok(chosen
-        .into_iter()
-        .map(|d| {
-            let entries = raw.device_traces.get(d).map_or(&[][..], |t| &t[..]);
-            let segments: Vec<&RawSegment> = raw.segments.iter().filter(|s| s.device == d as i64).collect();
-            let trace_name = if several { format!("{name}:device {d}") } else { name.to_string() };
-            device_trace(trace_name, entries, &segments, conf.clone())
-        })
-        .collect())
+    let several = used.len() > 1;
+    let mut traces = Vec::new();
+    for d in chosen {
+        let entries = usize::try_from(d).ok().and_then(|d| raw.device_traces.get(d)).map_or(&[][..], |t| &t[..]);
+        let segments = segments.get(&d).map_or(&[][..], |s| &s[..]);
+        let trace_name = if several { format!("{name}:device {d}") } else { name.to_string() };
+        let conf = raw.conf.map(str::to_string);
+        let trace = device_trace(trace_name, entries, segments, conf, budget).map_err(|e| format!("{name}: {e}"))?;
+        traces.push(trace);
+    }
+    Ok(traces)
 }
 
 /// The trace of one device, as the module's documentation says.
-fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], conf: Option<String>) -> Trace {
+///
+/// Errors: the budget is spent.
+fn device_trace(
+    name: String,
+    entries: &[Entry],
+    segments: &[&Segment],
+    conf: Option<String>,
+    budget: &mut Budget,
+) -> Result<Trace, String> {
     let free_action =
         if entries.iter().any(|e| e.action == "free_requested") { "free_requested" } else { "free_completed" };
-    let mut b = TraceBuilder::default();
+    let mut b = TraceBuilder::new(budget);
     // Address -> id of the block alive there.
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut skipped: HashMap<&str, u64> = HashMap::new();
@@ -163,24 +138,24 @@ fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], co
     let (mut device_allocs, mut ooms, mut segment_events) = (0u64, 0u64, 0u64);
     for e in entries {
         let size = usize::try_from(e.size).unwrap_or(usize::MAX);
-        match e.action.as_str() {
+        match e.action {
             "alloc" | "free_requested" | "free_completed" if e.addr.is_none() => no_addr += 1,
             "alloc" => {
                 let addr = e.addr.expect("checked above");
                 if let Some(old) = live.remove(&addr) {
                     realloc += 1;
-                    b.free(old);
+                    b.free(old)?;
                 }
-                live.insert(addr, b.alloc(size, e.stream));
+                live.insert(addr, b.alloc(size, e.stream)?);
             }
             a if a == free_action => {
                 let addr = e.addr.expect("checked above");
                 match live.remove(&addr) {
-                    Some(id) => b.free(id),
+                    Some(id) => b.free(id)?,
                     None => {
                         before += 1;
-                        let id = b.initial(size, e.stream, addr);
-                        b.free(id);
+                        let id = b.initial(size, e.stream, addr)?;
+                        b.free(id)?;
                     }
                 }
             }
@@ -207,7 +182,7 @@ fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], co
         let mut addr = s.address;
         for block in &s.blocks {
             let at = block.address.unwrap_or(addr);
-            addr = at + block.size;
+            addr = at.saturating_add(block.size);
             if block.state != "active_allocated" {
                 continue;
             }
@@ -215,7 +190,7 @@ fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], co
                 accounted += 1;
             } else {
                 let size = usize::try_from(block.requested_size.unwrap_or(block.size)).unwrap_or(usize::MAX);
-                b.initial(size, s.stream, at);
+                b.initial(size, s.stream, at)?;
                 at_end += 1;
             }
         }
@@ -242,8 +217,13 @@ fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], co
     }
     let mut skipped: Vec<_> = skipped.into_iter().collect();
     skipped.sort();
-    for (action, n) in skipped {
+    // A handful of kinds in a real snapshot; a list of any length in a made-up one.
+    let others = skipped.len().saturating_sub(MAX_NOTED_ACTIONS);
+    for (action, n) in skipped.into_iter().take(MAX_NOTED_ACTIONS) {
         b.note(format!("{n} '{action}' entries are not replayed"));
+    }
+    if others > 0 {
+        b.note(format!("entries of {others} other actions are not replayed"));
     }
     // Reserved at the end is the segments' total; the window began `reserved` bytes below it.
     let at_end_reserved: i128 = segments.iter().map(|s| s.total_size as i128).sum();
@@ -267,5 +247,5 @@ fn device_trace(name: String, entries: &[RawEntry], segments: &[&RawSegment], co
             conf,
         })
     };
-    b.finish(name, recorded)
+    Ok(b.finish(name, recorded))
 }

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use crate::limits::Budget;
+
 /// One step of a trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -89,9 +91,8 @@ impl Trace {
 }
 
 /// Builds a [`Trace`]: numbers the blocks and streams as they come, and keeps the blocks alive
-/// before the trace apart, to be allocated first.
-#[derive(Default)]
-pub(crate) struct TraceBuilder {
+/// before the trace apart, to be allocated first. Each event is charged to a [`Budget`].
+pub(crate) struct TraceBuilder<'b> {
     /// The blocks alive before the trace, with the keys they are sorted by.
     initial: Vec<(u64, Event)>,
     events: Vec<Event>,
@@ -99,9 +100,22 @@ pub(crate) struct TraceBuilder {
     stream_numbers: HashMap<i64, u32>,
     blocks: u32,
     notes: Vec<String>,
+    budget: &'b mut Budget,
 }
 
-impl TraceBuilder {
+impl<'b> TraceBuilder<'b> {
+    pub fn new(budget: &'b mut Budget) -> TraceBuilder<'b> {
+        TraceBuilder {
+            initial: Vec::new(),
+            events: Vec::new(),
+            streams: Vec::new(),
+            stream_numbers: HashMap::new(),
+            blocks: 0,
+            notes: Vec::new(),
+            budget,
+        }
+    }
+
     fn stream(&mut self, stream: i64) -> u32 {
         let next = self.streams.len() as u32;
         *self.stream_numbers.entry(stream).or_insert_with(|| {
@@ -110,33 +124,44 @@ impl TraceBuilder {
         })
     }
 
-    fn next_id(&mut self) -> u32 {
+    /// A new block id, and the event's cost charged.
+    fn next_id(&mut self) -> Result<u32, String> {
+        // The event, and the live map entry that the reader keeps for it.
+        self.budget.charge(std::mem::size_of::<Event>() as u64 + 24)?;
         let id = self.blocks;
-        self.blocks = self.blocks.checked_add(1).expect("fewer than 2^32 blocks in a trace");
-        id
+        self.blocks = self.blocks.checked_add(1).ok_or("over 2^32 blocks: more than the replay takes")?;
+        Ok(id)
     }
 
     /// A block allocated by the program during the trace; returns its id.
-    pub fn alloc(&mut self, size: usize, stream: i64) -> u32 {
+    ///
+    /// Errors: the budget is spent, or the trace has 2^32 blocks already.
+    pub fn alloc(&mut self, size: usize, stream: i64) -> Result<u32, String> {
+        let id = self.next_id()?;
         let stream = self.stream(stream);
-        let id = self.next_id();
         self.events.push(Event::Alloc { id, size, stream });
-        id
+        Ok(id)
     }
 
     /// A block that was alive when the trace began; it is allocated before every event of the
     /// trace, the blocks in the order of `key` (ties in the order of these calls). Returns its
     /// id.
-    pub fn initial(&mut self, size: usize, stream: i64, key: u64) -> u32 {
+    ///
+    /// Errors: as [`TraceBuilder::alloc`].
+    pub fn initial(&mut self, size: usize, stream: i64, key: u64) -> Result<u32, String> {
+        let id = self.next_id()?;
         let stream = self.stream(stream);
-        let id = self.next_id();
         self.initial.push((key, Event::Alloc { id, size, stream }));
-        id
+        Ok(id)
     }
 
     /// The program freed block `id`.
-    pub fn free(&mut self, id: u32) {
+    ///
+    /// Errors: the budget is spent.
+    pub fn free(&mut self, id: u32) -> Result<(), String> {
+        self.budget.charge(std::mem::size_of::<Event>() as u64)?;
         self.events.push(Event::Free { id });
+        Ok(())
     }
 
     /// Keeps a line for the report's notes.

@@ -66,6 +66,14 @@ impl DeviceAllocator {
         self.release_deferred()?;
         for shard in self.shards.all() {
             let ctx = self.ctx(&shard);
+            // A shard with nothing to release (most, when many streams hold memory) is
+            // tidied without being marked changed, which would make the settle below visit it.
+            let mut st = shard.lock();
+            if !st.has_cache_to_release() {
+                st.release_cached(&ctx)?;
+                continue;
+            }
+            drop(st);
             let mut st = self.shards.lock_for_change(&shard);
             if st.has_capture_deferred() && !self.capture.capture_routed() {
                 st.insert_deferred_events(&ctx);

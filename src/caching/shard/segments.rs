@@ -97,20 +97,37 @@ impl ShardState {
         if !self.expandables.is_empty() {
             self.release_pages(ctx)?;
         }
-        let whole: Vec<BlockId> = self
-            .small
-            .iter()
-            .chain(self.large.iter())
-            .map(|(_, _, id)| id)
-            .filter(|&id| !self.blocks[id].is_split() && !self.blocks[id].expandable)
-            .filter(|&id| self.releasable(self.blocks[id].addr))
-            .collect();
+        let whole: Vec<BlockId> = self.whole_cached().collect();
         for id in whole {
             self.release_segment(ctx, id)?;
         }
         self.small.sweep();
         self.large.sweep();
         Ok(())
+    }
+
+    /// The cached blocks that are a whole ordinary segment, free, that may go back to the
+    /// driver.
+    fn whole_cached(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.small
+            .iter()
+            .chain(self.large.iter())
+            .map(|(_, _, id)| id)
+            .filter(|&id| !self.blocks[id].is_split() && !self.blocks[id].expandable)
+            .filter(|&id| self.releasable(self.blocks[id].addr))
+    }
+
+    /// Whether `release_cached_blocks` may change what this shard counts: it has events to
+    /// wait for, blocks awaiting a capture's end, an expandable segment, or a whole free
+    /// segment. If not, [`ShardState::release_cached`] only destroys idle events and drops
+    /// empty bins, and the shard need not be locked for a change: the settle after the release
+    /// then visits only the shards that changed, not every stream's (with N streams holding
+    /// memory, N out-of-memory errors each visited N shards).
+    pub fn has_cache_to_release(&self) -> bool {
+        self.events_pending()
+            || self.has_capture_deferred()
+            || !self.expandables.is_empty()
+            || self.whole_cached().next().is_some()
     }
 
     /// PyTorch `release_available_cached_blocks`: with `max_split_size` set, release oversize
