@@ -19,6 +19,8 @@
 #   c           the C API tests on the real driver
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
+#   streams     tests/gpu/test_streams (a stream per step for 1,000 steps, slow readers), with
+#               ordinary segments, expandable segments, and expandable segments with the rule
 #   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools) and
 #               examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
 #   examples    hello, the C++ consumer, engine and engine_graphs
@@ -73,7 +75,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable graphs examples preload python traces snapshot bench replay host"
+all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot bench replay host"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -124,12 +126,19 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable || want graphs; then
+if want gpu || want expandable || want graphs || want streams; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
+    if want streams; then
+      export GPUPOOL_RELEASE_UNUSED_STREAMS=1
+      GPUPOOL_CONF= run_gpu_test test_streams streams-ordinary.log
+      GPUPOOL_CONF=expandable_segments:True run_gpu_test test_streams streams-expandable.log
+      GPUPOOL_CONF=expandable_segments:True GPUPOOL_EXPANDABLE_RECLAIM=1 run_gpu_test test_streams streams-rule.log
+      unset GPUPOOL_RELEASE_UNUSED_STREAMS
+    fi
   else
     echo "GPU tests did not configure (see gpu-tests-build.log)"
     status=1

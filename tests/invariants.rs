@@ -164,8 +164,11 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     let streams = [0usize, 0x1000, 0x2000];
     // Half the cases with gpupool's high-water rule for expandable segments.
     let expandable_reclaim = ops.len() % 2 == 0;
-    let (a, drv) =
-        sim_with(1, 160 * MIB, Config { max_split_size, expandable_segments, expandable_reclaim, ..Config::default() });
+    // Half the cases, crossing those, release unused streams' cache before growing past the mark.
+    let release_unused_streams = ops.len() % 4 < 2;
+    let config =
+        Config { max_split_size, expandable_segments, expandable_reclaim, release_unused_streams, ..Config::default() };
+    let (a, drv) = sim_with(1, 160 * MIB, config);
     if history {
         record_all(&a, HistoryContext::All);
     }
@@ -429,10 +432,12 @@ fn run_with_faults(
     let expandable_reclaim = ops.len() % 2 == 0;
     // A third of the cases collect garbage (it acts only under a memory fraction).
     let garbage_collection_threshold = if ops.len() % 3 == 0 { 0.5 } else { 0.0 };
+    let release_unused_streams = ops.len() % 4 < 2;
     let config = Config {
         max_split_size,
         expandable_segments,
         expandable_reclaim,
+        release_unused_streams,
         garbage_collection_threshold,
         ..Config::default()
     };

@@ -45,6 +45,7 @@
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md) |
+//! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
@@ -191,6 +192,8 @@ pub struct Config {
     /// (since the cache was last emptied or the peaks reset), wholly free pages mapped anywhere
     /// on the device are unmapped (after a device synchronisation). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
+    /// `GPUPOOL_RELEASE_UNUSED_STREAMS` (see `caching::device::stranded`).
+    pub release_unused_streams: bool,
     /// The allocation history an allocator records from its start
     /// ([`Allocator::new`](crate::Allocator::new); `GPUPOOL_RECORD_HISTORY`); `None` (the
     /// default): none until [`Allocator::record_history`](crate::Allocator::record_history).
@@ -223,6 +226,7 @@ impl Default for Config {
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
             expandable_reclaim: false,
+            release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,
         }

@@ -54,7 +54,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 10] = [
+pub static OPTIONS: [Opt; 11] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -129,6 +129,14 @@ pub static OPTIONS: [Opt; 10] = [
         doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md)",
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
+    },
+    Opt {
+        name: "GPUPOOL_RELEASE_UNUSED_STREAMS",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md)",
+        set: |c, v| c.release_unused_streams = v == Value::Bool(true),
+        get: |c| Value::Bool(c.release_unused_streams),
     },
     Opt {
         name: "GPUPOOL_RECORD_HISTORY",

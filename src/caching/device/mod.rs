@@ -22,7 +22,7 @@
 //! (`out_of_memory.rs`, `pools.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicI64;
+use std::sync::atomic::{AtomicI64, AtomicUsize};
 
 use parking_lot::Mutex;
 
@@ -52,6 +52,7 @@ mod pools;
 mod release;
 mod serve;
 mod stats;
+mod stranded;
 
 pub use pools::PoolStats;
 pub(crate) use pools::{RouteFilter, RouteTo};
@@ -88,6 +89,11 @@ pub(crate) struct DeviceAllocator {
     reclaim: Reclaim,
     /// PyTorch's `garbage_collection_threshold` (0: off; see `gc`).
     gc_threshold: f64,
+    /// Whether a growth past the high-water mark releases the cache of unused streams first
+    /// (`GPUPOOL_RELEASE_UNUSED_STREAMS`, see `stranded`).
+    release_unused_streams: bool,
+    /// Bytes grown past the high-water mark since the last scan for unused streams.
+    grown_past_mark: AtomicUsize,
     /// The allocator's out-of-memory observers, read only once a request has failed.
     observers: Arc<OomObservers>,
     /// The allocation history: malloc and free read its flag.
@@ -127,6 +133,8 @@ impl DeviceAllocator {
         let expandable = expandable.then(|| expandable_policy(&*driver, device)).flatten();
         DeviceAllocator {
             gc_threshold,
+            release_unused_streams: config.release_unused_streams,
+            grown_past_mark: AtomicUsize::new(0),
             reclaim: if expandable.is_some() && reclaim { Reclaim::Device } else { Reclaim::Off },
             expandable,
             device,

@@ -95,7 +95,7 @@ impl DeviceAllocator {
 
     /// Takes the shards that hold nothing out of the table (see `shard_table`), after a
     /// settle has counted what they did; credit one still holds goes to the spare credit.
-    fn retire_idle_shards(&self) {
+    pub(super) fn retire_idle_shards(&self) {
         let mut ps = self.peaks.lock();
         self.settle_locked(&mut ps);
         let PeakState { totals, holders, .. } = &mut *ps;

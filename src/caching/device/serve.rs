@@ -29,6 +29,10 @@ enum Served {
     /// No cached block fits and reserved bytes are over `garbage_collection_threshold`: the
     /// caller, holding no shard lock, collects first (see `gc`).
     Collect,
+    /// No cached block fits, and growing would pass the device's high-water mark while other
+    /// streams may hold cache they no longer use: the caller, holding no shard lock, releases
+    /// it first (see `stranded`).
+    Stranded,
 }
 
 impl DeviceAllocator {
@@ -85,6 +89,9 @@ impl DeviceAllocator {
             Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short),
             Some(Served::Collect) => {
                 self.collect_garbage();
+            }
+            Some(Served::Stranded) => {
+                self.release_unused_streams(shard);
             }
             Some(Served::Capturing(status)) => {
                 return Err(capture::needs_private_pool(self.device, shard.stream, req.size, status));
@@ -173,13 +180,16 @@ impl DeviceAllocator {
                     drop(st);
                     return Err(self.out_of_memory_capturing(&shard, req));
                 }
-                Served::PastMark(_) | Served::Collect => unreachable!("only with Reclaim::Device, or collect"),
+                Served::PastMark(_) | Served::Collect | Served::Stranded => {
+                    unreachable!("only with Reclaim::Device, or collect")
+                }
             });
         }
     }
 
     /// A block for `req` from the cache or from the driver. `collect`: answer
-    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due. Its
+    /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due, and
+    /// [`Served::Stranded`] when unused streams' cache should be released first. Its
     /// `alloc` event is the caller's to record (see [`ShardState::record_alloc_at`]).
     #[inline]
     fn serve(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request, collect: bool) -> Result<Served, Error> {
@@ -226,6 +236,9 @@ impl DeviceAllocator {
         let underway = self.capture.any_underway();
         if collect && !underway && self.gc_due() {
             return Ok(Err(Served::Collect));
+        }
+        if collect && !underway && self.stranded_due(ctx.shard, req.segment) {
+            return Ok(Err(Served::Stranded));
         }
         Ok(match self.grow(st, ctx, req, underway)? {
             Some(Growth::Block(id)) => Ok(id),

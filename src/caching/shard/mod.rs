@@ -192,6 +192,17 @@ impl ShardState {
         }
     }
 
+    /// Whether this shard holds cache and no block in use: nothing allocated, nothing
+    /// awaiting an event, a device synchronisation or a capture's end (see
+    /// `device::stranded`).
+    pub fn is_unused_with_cache(&self) -> bool {
+        !self.segments.is_empty()
+            && self.live.is_empty()
+            && !self.events_pending()
+            && self.deferred.len() == 0
+            && !self.has_capture_deferred()
+    }
+
     /// Whether the shard holds nothing: no segment (so no block), no event, no deferred free.
     /// Its counters' current values are then all zero.
     pub fn is_idle(&self) -> bool {
