@@ -98,7 +98,7 @@ pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, con
             };
             let (Some(level), Some(stacks)) = (HistoryContext::from_u32(context & 0xf), stacks) else {
                 return Err(Error::InvalidValue(format!(
-                    "context {context:#x} is not valid: expected GPUPOOL_HISTORY_CONTEXT_NONE (0), _STATE (1), \
+                    "context {context} ({context:#x}) is not valid: expected GPUPOOL_HISTORY_CONTEXT_NONE (0), _STATE (1), \
                      _ALLOC (2) or _ALL (3), plus at most one of GPUPOOL_HISTORY_STACKS_PYTHON (0x10) and \
                      GPUPOOL_HISTORY_STACKS_NATIVE (0x20)"
                 )));

@@ -277,6 +277,29 @@ mod tests {
     }
 
     #[test]
+    fn without_cpython_stacks_are_native_as_before() {
+        // `cargo test` runs no CPython: the default (`All`) captures what `Native` does, and
+        // `Python` an empty stack.
+        let t = ContextTable::default();
+        #[inline(never)]
+        fn at_one_site(t: &ContextTable) -> u32 {
+            t.capture(0)
+        }
+        let modes = [HistoryStacks::Native, HistoryStacks::All, HistoryStacks::Python];
+        let ids: Vec<u32> = std::hint::black_box(&modes[..])
+            .iter()
+            .map(|&m| {
+                t.set_stacks(m);
+                at_one_site(&t)
+            })
+            .collect();
+        assert_eq!(ids[0], ids[1], "the same stack with and without Python frames");
+        let mut s = t.symbolizer();
+        assert!(!s.frames(ids[1]).is_empty());
+        assert!(s.frames(ids[2]).is_empty(), "Python frames only: none");
+    }
+
+    #[test]
     fn contexts_pair_a_tag_with_a_stack() {
         let t = ContextTable::default();
         let tag = crate::history::tags::push("stacks-unit").unwrap();

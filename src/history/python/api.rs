@@ -62,38 +62,38 @@ fn find(name: &str) -> Option<*mut c_void> {
 
 fn lookup() -> Option<Api> {
     macro_rules! f {
-        ($name:literal) => {
-            // SAFETY: the symbol is CPython's function of that name, whose C signature is the
-            // field's (CPython's headers, 3.10 to 3.13).
-            unsafe { std::mem::transmute::<*mut c_void, _>(find(concat!($name, "\0"))?) }
+        ($name:literal, $t:ty) => {
+            // SAFETY: the symbol is CPython's function of that name, whose C signature is `$t`
+            // (CPython's headers, 3.10 to 3.13).
+            unsafe { std::mem::transmute::<*mut c_void, $t>(find(concat!($name, "\0"))?) }
         };
     }
     let current = find("PyThreadState_GetUnchecked\0").or_else(|| find("_PyThreadState_UncheckedGet\0"))?;
     Some(Api {
-        is_initialized: f!("Py_IsInitialized"),
+        is_initialized: f!("Py_IsInitialized", unsafe extern "C" fn() -> c_int),
         // SAFETY: both names are `PyThreadState *(void)`.
         current: unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> Ptr>(current) },
-        this_thread: f!("PyGILState_GetThisThreadState"),
-        interpreter_of: f!("PyThreadState_GetInterpreter"),
-        main_interpreter: f!("PyInterpreterState_Main"),
-        thread_frame: f!("PyThreadState_GetFrame"),
-        frame_back: f!("PyFrame_GetBack"),
-        frame_code: f!("PyFrame_GetCode"),
+        this_thread: f!("PyGILState_GetThisThreadState", unsafe extern "C" fn() -> Ptr),
+        interpreter_of: f!("PyThreadState_GetInterpreter", unsafe extern "C" fn(Ptr) -> Ptr),
+        main_interpreter: f!("PyInterpreterState_Main", unsafe extern "C" fn() -> Ptr),
+        thread_frame: f!("PyThreadState_GetFrame", unsafe extern "C" fn(Ptr) -> Ptr),
+        frame_back: f!("PyFrame_GetBack", unsafe extern "C" fn(Ptr) -> Ptr),
+        frame_code: f!("PyFrame_GetCode", unsafe extern "C" fn(Ptr) -> Ptr),
         frame_lasti: find("PyFrame_GetLasti\0").map(|p| {
             // SAFETY: `int PyFrame_GetLasti(PyFrameObject *)`.
             unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(Ptr) -> c_int>(p) }
         }),
-        frame_line: f!("PyFrame_GetLineNumber"),
-        addr2line: f!("PyCode_Addr2Line"),
-        decref: f!("Py_DecRef"),
-        getattr: f!("PyObject_GetAttrString"),
-        as_utf8: f!("PyUnicode_AsUTF8"),
-        err_clear: f!("PyErr_Clear"),
-        err_occurred: f!("PyErr_Occurred"),
-        gc_disable: f!("PyGC_Disable"),
-        gc_enable: f!("PyGC_Enable"),
-        gil_ensure: f!("PyGILState_Ensure"),
-        gil_release: f!("PyGILState_Release"),
+        frame_line: f!("PyFrame_GetLineNumber", unsafe extern "C" fn(Ptr) -> c_int),
+        addr2line: f!("PyCode_Addr2Line", unsafe extern "C" fn(Ptr, c_int) -> c_int),
+        decref: f!("Py_DecRef", unsafe extern "C" fn(Ptr)),
+        getattr: f!("PyObject_GetAttrString", unsafe extern "C" fn(Ptr, *const c_char) -> Ptr),
+        as_utf8: f!("PyUnicode_AsUTF8", unsafe extern "C" fn(Ptr) -> *const c_char),
+        err_clear: f!("PyErr_Clear", unsafe extern "C" fn()),
+        err_occurred: f!("PyErr_Occurred", unsafe extern "C" fn() -> Ptr),
+        gc_disable: f!("PyGC_Disable", unsafe extern "C" fn() -> c_int),
+        gc_enable: f!("PyGC_Enable", unsafe extern "C" fn() -> c_int),
+        gil_ensure: f!("PyGILState_Ensure", unsafe extern "C" fn() -> c_int),
+        gil_release: f!("PyGILState_Release", unsafe extern "C" fn(c_int)),
     })
 }
 
