@@ -26,7 +26,7 @@ fn main() {
             .into_iter()
             .find(|c| c.name() == history)
             .expect("HISTORY: off, none, state, alloc or all");
-        a.record_history(Some(HistorySettings { max_entries: 100_000, context })).unwrap();
+        a.record_history(Some(HistorySettings { max_entries: 100_000, context, stacks: Default::default() })).unwrap();
     }
     let tag = args.next();
     if let Some(tag) = &tag {

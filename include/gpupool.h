@@ -52,6 +52,22 @@
 #define GPUPOOL_HISTORY_CONTEXT_ALL 3
 
 /**
+ * Added to `context` for `gpupool_record_history` (`GPUPOOL_HISTORY_CONTEXT_ALL |
+ * GPUPOOL_HISTORY_STACKS_PYTHON`): stacks hold the Python frames only, no native frames
+ * (PyTorch `stacks="python"`); nothing is unwound, and a thread without Python frames records
+ * an empty stack. Without either `GPUPOOL_HISTORY_STACKS_` value, stacks hold the native frames
+ * and, under CPython, the Python frames in place of the interpreter's (PyTorch
+ * `stacks="all"`, its default).
+ */
+#define GPUPOOL_HISTORY_STACKS_PYTHON 16
+
+/**
+ * Added to `context` for `gpupool_record_history`: stacks hold the native frames only, and
+ * Python is never called (gpupool before 2026-11-25).
+ */
+#define GPUPOOL_HISTORY_STACKS_NATIVE 32
+
+/**
  * The layout version of `gpupool_host_stats_t` this library writes.
  */
 #define GPUPOOL_HOST_STATS_VERSION 1
@@ -489,33 +505,45 @@ gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
  *   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
  *   address, the bytes (those asked for, for a block), the stream, and the time in
  *   microseconds since the Unix epoch. About 48 bytes of host memory each.
- * - `context`: which native call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
+ * - `context`: which call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
  *   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
  *   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
  *   microsecond or two of unwinding) and symbolised only by `gpupool_dump_snapshot`; each
  *   distinct stack is kept once, for the life of the process. Frames of gpupool itself are
- *   left out.
+ *   left out. Plus, optionally, which frames a stack holds (PyTorch's `stacks`):
+ *   `GPUPOOL_HISTORY_STACKS_PYTHON` or `GPUPOOL_HISTORY_STACKS_NATIVE`; by default the native
+ *   frames and, when the process runs CPython (3.10 or later; found at run time, gpupool does
+ *   not link it) and the calling thread has a Python thread state, its Python frames (file,
+ *   line, function; at most 128, the innermost) in place of the interpreter's evaluation
+ *   loops, as PyTorch's `stacks="all"` shows them. For those, gpupool takes the GIL
+ *   (`PyGILState_Ensure`) before any lock of its own when the thread released it, as PyTorch
+ *   does; names are read by `gpupool_dump_snapshot`, which takes the GIL too. A thread Python
+ *   never saw (a C++ engine's) gets none and Python is not called.
  *
  * Calling it again changes the settings: a trace keeps its newest events up to the new
  * `max_entries`. When stacks stop being kept (`enabled` 0, or `context` below
- * `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too. The environment
- * variable `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>]` (`none`, `state`, `alloc`,
- * `all`; default `all`) turns recording on from the start, when the process-wide allocator
- * starts.
+ * `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too; with `enabled` 0, the
+ * references to Python code objects that stacks hold are given back (under the GIL; left when
+ * Python is finalised), the frames keeping their names. The environment variable
+ * `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>[:<stacks>]]` (`none`, `state`, `alloc`,
+ * `all`, default `all`; `all`, `python`, `native`, default `all`) turns recording on from the
+ * start, when the process-wide allocator starts.
  *
  * Cost: off, one relaxed atomic load on each allocation and free. On, see docs/history.md (the
  * table of what it costs): an event without a stack costs tens of nanoseconds, a stack
  * microseconds.
  *
- * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` above 3 (the
- * message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
+ * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` other than a
+ * level (0 to 3) plus at most one `GPUPOOL_HISTORY_STACKS_` value (the message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
  * a process forked from one that used gpupool).
  *
  * Thread-safe; allocations made on other threads during the call are recorded with the old
  * settings or the new ones. Starts the process-wide allocator if no call did yet, but no
  * device.
  */
-gpupool_status gpupool_record_history(int enabled, size_t max_entries, uint32_t context);
+gpupool_status gpupool_record_history(int enabled,
+                                      size_t max_entries,
+                                      uint32_t context);
 
 /**
  * Writes a snapshot of the process-wide allocator to the file at `path`, in the format of

@@ -30,6 +30,9 @@
 #   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
 #               under PyTorch's allocator and under gpupool, both rendered by PyTorch's viewer
 #               (trace_plot, segment_plot) into OUT/snapshot
+#   frames      examples/python/frames_cost.py --torch: ns per torch.empty with Python frames
+#               in the history, PyTorch's against gpupool's, and a small model's snapshot
+#               through gpupool read by PyTorch's viewer code, into OUT/frames
 #   bench       examples/c/bench with DIR/traces and build-gpu/traces (recorded by this run or
 #               an earlier one); BENCH_ONLY=main or frag passes through to it
 #   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
@@ -75,7 +78,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot bench replay host"
+all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench replay host"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -283,6 +286,19 @@ if want snapshot; then
     done
   else
     echo "skipped: python3 lacks torch or torchvision"
+  fi
+fi
+
+# Python frames in the history: what they cost per allocation under each allocator, and
+# whether PyTorch's viewer shows gpupool's (examples/python/frames_cost.py).
+if want frames; then
+  echo "== frames: Python frames in the allocation history, PyTorch's and gpupool's"
+  if python3 -c "import torch" 2>/dev/null; then
+    mkdir -p "$out/frames"
+    python3 examples/python/frames_cost.py --torch --lib "$prefix/lib/libgpupool.so" --out "$out/frames" 2>&1 |
+      tee "$out/frames.log" || status=1
+  else
+    echo "skipped: python3 lacks torch"
   fi
 fi
 

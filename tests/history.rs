@@ -20,7 +20,7 @@ const T: usize = 0x20;
 const PAGE: usize = SIM_GRANULARITY;
 
 fn record(a: &Allocator, max_entries: usize, context: HistoryContext) {
-    a.record_history(Some(HistorySettings { max_entries, context })).unwrap();
+    a.record_history(Some(HistorySettings { max_entries, context, stacks: Default::default() })).unwrap();
 }
 
 /// Device 0's events as (action, address, size).
@@ -154,7 +154,10 @@ fn off_records_nothing_and_stopping_forgets() {
     // Recording, then stopping: the trace and the blocks' stacks are forgotten.
     record(&a, 100, HistoryContext::All);
     let r = a.malloc(1000, 0, S).unwrap();
-    assert_eq!(a.history(), Some(HistorySettings { max_entries: 100, context: HistoryContext::All }));
+    assert_eq!(
+        a.history(),
+        Some(HistorySettings { max_entries: 100, context: HistoryContext::All, stacks: Default::default() })
+    );
     assert!(!snapshot_agrees(&a, false).device_traces[0].is_empty());
     a.record_history(None).unwrap();
     assert_eq!(a.history(), None);

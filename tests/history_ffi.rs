@@ -85,6 +85,11 @@ fn the_c_api_records_from_the_start_dumps_and_stops() {
     // Bad arguments change nothing.
     assert_eq!(gpupool_record_history(1, 10, 4), GPUPOOL_ERROR_INVALID_VALUE);
     assert!(message().contains("context 4"), "{}", message());
+    // Both STACKS_ values, or an unknown bit: refused too.
+    for bad in [0x33, 0x43, 0x13 | 0x100] {
+        assert_eq!(gpupool_record_history(1, 10, bad), GPUPOOL_ERROR_INVALID_VALUE, "{bad:#x}");
+        assert!(message().contains("GPUPOOL_HISTORY_STACKS_PYTHON"), "{}", message());
+    }
     // SAFETY: NULL is refused; the other path is NUL-terminated.
     unsafe {
         assert_eq!(gpupool_dump_snapshot(std::ptr::null()), GPUPOOL_ERROR_INVALID_VALUE);

@@ -372,7 +372,12 @@ fn trace_events_are_in_time_order() {
     let mut late = Vec::new();
     for round in 0..4 {
         a.record_history(None).unwrap();
-        a.record_history(Some(HistorySettings { max_entries: 1 << 20, context: HistoryContext::None })).unwrap();
+        a.record_history(Some(HistorySettings {
+            max_entries: 1 << 20,
+            context: HistoryContext::None,
+            stacks: Default::default(),
+        }))
+        .unwrap();
         let start = Arc::new(std::sync::Barrier::new(4));
         let threads: Vec<_> = (0..4usize)
             .map(|t| {

@@ -151,7 +151,12 @@ fn check_pickle(a: &Allocator, want: &[(u64, &str)]) {
 #[test]
 fn the_snapshot_shows_each_blocks_tag_as_its_outermost_frame() {
     let (a, _drv) = sim(1, 256 * MIB);
-    a.record_history(Some(HistorySettings { max_entries: 1000, context: HistoryContext::All })).unwrap();
+    a.record_history(Some(HistorySettings {
+        max_entries: 1000,
+        context: HistoryContext::All,
+        stacks: Default::default(),
+    }))
+    .unwrap();
     tags::push("snap-encoder").unwrap();
     let p1 = a.malloc(1000, 0, S).unwrap();
     tags::pop().unwrap();
@@ -170,7 +175,12 @@ fn the_snapshot_shows_each_blocks_tag_as_its_outermost_frame() {
     check_pickle(&a, &[(p1, "snap-encoder"), (plain, ""), (p2, "snap-decoder")]);
 
     // Stacks no longer kept: blocks forget theirs and keep their tags; events carry the tag.
-    a.record_history(Some(HistorySettings { max_entries: 1000, context: HistoryContext::None })).unwrap();
+    a.record_history(Some(HistorySettings {
+        max_entries: 1000,
+        context: HistoryContext::None,
+        stacks: Default::default(),
+    }))
+    .unwrap();
     tags::push("snap-late").unwrap();
     let p3 = a.malloc(5000, 0, S).unwrap();
     tags::pop().unwrap();
@@ -208,7 +218,12 @@ fn the_live_report_groups_by_tag_then_stack_largest_first() {
     tags::pop().unwrap();
     let u = a.malloc(100_000, 0, S).unwrap();
     // Stacks from here on: two call sites under one tag.
-    a.record_history(Some(HistorySettings { max_entries: 0, context: HistoryContext::State })).unwrap();
+    a.record_history(Some(HistorySettings {
+        max_entries: 0,
+        context: HistoryContext::State,
+        stacks: Default::default(),
+    }))
+    .unwrap();
     tags::push("live-stacked").unwrap();
     #[inline(never)]
     fn site_a(a: &Allocator) -> u64 {
@@ -320,7 +335,12 @@ fn out_of_memory_names_the_top_tags() {
 fn untagged_process() {
     assert!(!tags::in_use());
     let (a, _drv) = sim(1, 256 * MIB);
-    a.record_history(Some(HistorySettings { max_entries: 100, context: HistoryContext::None })).unwrap();
+    a.record_history(Some(HistorySettings {
+        max_entries: 100,
+        context: HistoryContext::None,
+        stacks: Default::default(),
+    }))
+    .unwrap();
     let ps: Vec<u64> = (0..10).map(|i| a.malloc(1000 * (i + 1), 0, S).unwrap()).collect();
     a.free(ps[0]).unwrap();
     assert!(a.all_tag_stats().is_empty());

@@ -250,15 +250,21 @@ def summary(device=0):
 # GPUPOOL_HISTORY_CONTEXT_* of gpupool.h, by PyTorch's names for them.
 # PyTorch's context=None, and GPUPOOL_RECORD_HISTORY's word for it.
 _CONTEXTS = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
+# GPUPOOL_HISTORY_STACKS_*: added to the context.
+_STACKS = {"all": 0, "python": 0x10, "native": 0x20}
 
 
-def record_history(enabled=True, context="all", max_entries=100000):
+def record_history(enabled=True, context="all", max_entries=100000, stacks="all"):
     """gpupool's torch.cuda.memory._record_memory_history: record the allocation history (the
-    newest max_entries events per device, with the native call stacks of `context`: None,
-    "state", "alloc" or "all"), or stop and forget it (enabled=False)."""
+    newest max_entries events per device, with the call stacks of `context`: None, "state",
+    "alloc" or "all"), or stop and forget it (enabled=False). `stacks` as PyTorch's: "all" (the
+    native frames and this thread's Python frames in place of the interpreter's), "python"
+    (Python frames only), or gpupool's "native" (no Python frames)."""
     if context not in _CONTEXTS:
         raise ValueError(f"context {context!r}: expected None, 'none', 'state', 'alloc' or 'all'")
-    _check(_bound().gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context]),
+    if stacks not in _STACKS:
+        raise ValueError(f"stacks {stacks!r}: expected 'all', 'python' or 'native'")
+    _check(_bound().gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context] | _STACKS[stacks]),
            "gpupool_record_history")
 
 

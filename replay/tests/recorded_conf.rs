@@ -17,7 +17,12 @@ const MIB: usize = 1 << 20;
 /// `config` on a simulated device of 4 GiB; its configuration string names every key.
 fn snapshot(name: &str, config: Config) -> PathBuf {
     let a = Allocator::new(Arc::new(SimDriver::new(1, 4096 * MIB)), config);
-    a.record_history(Some(HistorySettings { max_entries: 1000, context: HistoryContext::None })).unwrap();
+    a.record_history(Some(HistorySettings {
+        max_entries: 1000,
+        context: HistoryContext::None,
+        stacks: Default::default(),
+    }))
+    .unwrap();
     let ptrs: Vec<u64> = [12 * MIB, 3 * MIB, MIB].iter().map(|&s| a.malloc(s, 0, 0x10).unwrap()).collect();
     for p in ptrs {
         a.free(p).unwrap();

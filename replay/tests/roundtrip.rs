@@ -37,7 +37,8 @@ fn run_program(a: &Allocator) {
 fn a_snapshot_written_by_gpupool_replays_to_the_same_peaks() {
     for config in [Config::default(), Config { expandable_segments: true, ..Config::default() }] {
         let a = Allocator::new(Arc::new(SimDriver::new(1, CAPACITY)), config.clone());
-        let settings = HistorySettings { max_entries: 1_000_000, context: HistoryContext::None };
+        let settings =
+            HistorySettings { max_entries: 1_000_000, context: HistoryContext::None, stacks: Default::default() };
         a.record_history(Some(settings)).unwrap();
         run_program(&a);
         let stats = a.stats(0).unwrap();

@@ -17,9 +17,10 @@ pub enum Kind {
     Bool,
     /// One of these words (lower case; matched in any case).
     Word(&'static [&'static str]),
-    /// The allocation history's settings: `off`, or `<max_entries>[:<context>]`, the events
-    /// kept per device and which stacks (`none`, `state`, `alloc` or `all`; `all` when left
-    /// out, PyTorch's default).
+    /// The allocation history's settings: `off`, or `<max_entries>[:<context>[:<stacks>]]`,
+    /// the events kept per device, which stacks (`none`, `state`, `alloc` or `all`; `all` when
+    /// left out, PyTorch's default) and which frames they hold (`all`, `python`, `native`; `all`
+    /// when left out).
     History,
 }
 
@@ -144,8 +145,9 @@ pub static OPTIONS: [Opt; 11] = [
         default: Value::History(None),
         doc: "Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` \
               would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call \
-              stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`); `gpupool_dump_snapshot` \
-              writes them",
+              stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of \
+              `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); \
+              `gpupool_dump_snapshot` writes them",
         set: |c, v| {
             if let Value::History(h) = v {
                 c.record_history = h;

@@ -9,7 +9,7 @@ use super::MIB;
 use super::blank;
 use super::options::{Kind, Opt, Value};
 use crate::error::Error;
-use crate::history::{HistoryContext, HistorySettings};
+use crate::history::{HistoryContext, HistorySettings, HistoryStacks};
 
 impl Kind {
     /// Reads `text` (trimmed, not empty) as this kind; `None` when it does not parse or is out
@@ -44,8 +44,9 @@ impl Kind {
             Kind::Count { min, max } => format!("a whole number from {min} to {max}"),
             Kind::Bool => "a boolean: 1/0, true/false, yes/no or on/off".to_string(),
             Kind::Word(words) => words.join(" or "),
-            Kind::History => "off, or the events kept per device with an optional context: 100000 or 100000:alloc \
-                              (contexts none, state, alloc, all; all when left out)"
+            Kind::History => "off, or the events kept per device with an optional context and frames: 100000, \
+                              100000:alloc or 100000:all:python (contexts none, state, alloc, all; frames all, \
+                              python, native; all when left out)"
                 .to_string(),
         }
     }
@@ -60,28 +61,45 @@ impl Kind {
             (_, Value::Bool(b)) => (if b { "on" } else { "off" }).to_string(),
             (_, Value::Word(w)) => w.to_string(),
             (_, Value::History(None)) => "off".to_string(),
-            (_, Value::History(Some(h))) => format!("{}:{}", h.max_entries, h.context.name()),
+            (_, Value::History(Some(h))) if h.stacks == HistoryStacks::All => {
+                format!("{}:{}", h.max_entries, h.context.name())
+            }
+            (_, Value::History(Some(h))) => format!("{}:{}:{}", h.max_entries, h.context.name(), h.stacks.name()),
         }
     }
 }
 
-/// Reads history settings: `off`, or `<max_entries>[:<context>]` (see [`Kind::History`]).
+/// Reads history settings: `off`, or `<max_entries>[:<context>[:<stacks>]]` (see
+/// [`Kind::History`]).
 fn parse_history(text: &str) -> Option<Option<HistorySettings>> {
     if text.eq_ignore_ascii_case("off") {
         return Some(None);
     }
-    let (n, context) = match text.split_once(':') {
-        Some((n, c)) => {
+    let mut parts = text.split(':');
+    let n = parts.next()?;
+    let context = match parts.next() {
+        Some(c) => {
             let c = c.trim_matches(' ');
-            let context = [HistoryContext::None, HistoryContext::State, HistoryContext::Alloc, HistoryContext::All]
+            [HistoryContext::None, HistoryContext::State, HistoryContext::Alloc, HistoryContext::All]
                 .into_iter()
-                .find(|h| h.name().eq_ignore_ascii_case(c))?;
-            (n, context)
+                .find(|h| h.name().eq_ignore_ascii_case(c))?
         }
-        None => (text, HistoryContext::All),
+        None => HistoryContext::All,
     };
+    let stacks = match parts.next() {
+        Some(s) => {
+            let s = s.trim_matches(' ');
+            [HistoryStacks::All, HistoryStacks::Python, HistoryStacks::Native]
+                .into_iter()
+                .find(|h| h.name().eq_ignore_ascii_case(s))?
+        }
+        None => HistoryStacks::All,
+    };
+    if parts.next().is_some() {
+        return None;
+    }
     let max_entries = n.trim_matches(' ').parse().ok()?;
-    Some(Some(HistorySettings { max_entries, context }))
+    Some(Some(HistorySettings { max_entries, context, stacks }))
 }
 
 impl Opt {

@@ -27,7 +27,7 @@ impl Kind {
             Kind::Count { min, max } => format!("count, {min} to {max}"),
             Kind::Bool => "boolean".to_string(),
             Kind::Word(words) => words.iter().map(|w| format!("`{w}`")).collect::<Vec<_>>().join(" or "),
-            Kind::History => "`off` or `<max_entries>[:<context>]`".to_string(),
+            Kind::History => "`off` or `<max_entries>[:<context>[:<stacks>]]`".to_string(),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::os::unix::ffi::OsStringExt;
 use super::unknown::READ_ELSEWHERE;
 use super::*;
 use crate::error::Error;
-use crate::history::{HistoryContext, HistorySettings};
+use crate::history::{HistoryContext, HistorySettings, HistoryStacks};
 
 fn table(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
     let owned: Vec<(String, String)> = pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
@@ -211,19 +211,33 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
 #[test]
 fn history_settings_parse() {
     let h = |t: &str| one("GPUPOOL_RECORD_HISTORY", t).map(|c| c.record_history);
-    let on = |max_entries, context| Ok(Some(HistorySettings { max_entries, context }));
+    let on = |max_entries, context| Ok(Some(HistorySettings { max_entries, context, stacks: Default::default() }));
     assert_eq!(h(""), Ok(None));
     assert_eq!(h("off"), Ok(None));
     assert_eq!(h("100000"), on(100000, HistoryContext::All));
     assert_eq!(h(" 5000 : State "), on(5000, HistoryContext::State));
     assert_eq!(h("0:none"), on(0, HistoryContext::None));
     assert_eq!(h("7:alloc"), on(7, HistoryContext::Alloc));
-    for bad in ["on", "-1", "10:", "10:stacks", ":all", "1e5", "10:all:x"] {
+    let stacks = |t: &str| h(t).unwrap().unwrap().stacks;
+    assert_eq!(stacks("7:alloc"), HistoryStacks::All);
+    assert_eq!(stacks("7:all:Python"), HistoryStacks::Python);
+    assert_eq!(stacks("7:state: native "), HistoryStacks::Native);
+    for bad in ["on", "-1", "10:", "10:stacks", ":all", "1e5", "10:all:x", "10:all:", "10:all:python:native"] {
         assert!(h(bad).is_err(), "{bad}");
     }
     let row = opt("GPUPOOL_RECORD_HISTORY");
-    let v = Value::History(Some(HistorySettings { max_entries: 12, context: HistoryContext::Alloc }));
+    let v = Value::History(Some(HistorySettings {
+        max_entries: 12,
+        context: HistoryContext::Alloc,
+        stacks: Default::default(),
+    }));
     assert_eq!(row.kind.show(v), "12:alloc");
+    let v = Value::History(Some(HistorySettings {
+        max_entries: 12,
+        context: HistoryContext::All,
+        stacks: HistoryStacks::Native,
+    }));
+    assert_eq!(row.kind.show(v), "12:all:native");
 }
 
 #[test]

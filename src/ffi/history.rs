@@ -8,7 +8,7 @@ use std::os::unix::ffi::OsStrExt;
 use super::runtime;
 use super::status::{boundary, gpupool_status};
 use crate::error::Error;
-use crate::history::{HistoryContext, HistorySettings};
+use crate::history::{HistoryContext, HistorySettings, HistoryStacks};
 
 /// `context` for `gpupool_record_history`: no call stacks (PyTorch `context=None`).
 pub const GPUPOOL_HISTORY_CONTEXT_NONE: u32 = 0;
@@ -23,6 +23,16 @@ pub const GPUPOOL_HISTORY_CONTEXT_ALLOC: u32 = 2;
 /// `context` for `gpupool_record_history`: also a stack captured at each free, on its
 /// `free_requested` event (PyTorch `context="all"`, its default).
 pub const GPUPOOL_HISTORY_CONTEXT_ALL: u32 = 3;
+/// Added to `context` for `gpupool_record_history` (`GPUPOOL_HISTORY_CONTEXT_ALL |
+/// GPUPOOL_HISTORY_STACKS_PYTHON`): stacks hold the Python frames only, no native frames
+/// (PyTorch `stacks="python"`); nothing is unwound, and a thread without Python frames records
+/// an empty stack. Without either `GPUPOOL_HISTORY_STACKS_` value, stacks hold the native frames
+/// and, under CPython, the Python frames in place of the interpreter's (PyTorch
+/// `stacks="all"`, its default).
+pub const GPUPOOL_HISTORY_STACKS_PYTHON: u32 = 0x10;
+/// Added to `context` for `gpupool_record_history`: stacks hold the native frames only, and
+/// Python is never called (gpupool before 2026-11-25).
+pub const GPUPOOL_HISTORY_STACKS_NATIVE: u32 = 0x20;
 
 /// Starts, changes or stops recording the allocation history of every device of the
 /// process-wide allocator (PyTorch `torch.cuda.memory._record_memory_history`), for
@@ -39,26 +49,36 @@ pub const GPUPOOL_HISTORY_CONTEXT_ALL: u32 = 3;
 ///   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
 ///   address, the bytes (those asked for, for a block), the stream, and the time in
 ///   microseconds since the Unix epoch. About 48 bytes of host memory each.
-/// - `context`: which native call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
+/// - `context`: which call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
 ///   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
 ///   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
 ///   microsecond or two of unwinding) and symbolised only by `gpupool_dump_snapshot`; each
 ///   distinct stack is kept once, for the life of the process. Frames of gpupool itself are
-///   left out.
+///   left out. Plus, optionally, which frames a stack holds (PyTorch's `stacks`):
+///   `GPUPOOL_HISTORY_STACKS_PYTHON` or `GPUPOOL_HISTORY_STACKS_NATIVE`; by default the native
+///   frames and, when the process runs CPython (3.10 or later; found at run time, gpupool does
+///   not link it) and the calling thread has a Python thread state, its Python frames (file,
+///   line, function; at most 128, the innermost) in place of the interpreter's evaluation
+///   loops, as PyTorch's `stacks="all"` shows them. For those, gpupool takes the GIL
+///   (`PyGILState_Ensure`) before any lock of its own when the thread released it, as PyTorch
+///   does; names are read by `gpupool_dump_snapshot`, which takes the GIL too. A thread Python
+///   never saw (a C++ engine's) gets none and Python is not called.
 ///
 /// Calling it again changes the settings: a trace keeps its newest events up to the new
 /// `max_entries`. When stacks stop being kept (`enabled` 0, or `context` below
-/// `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too. The environment
-/// variable `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>]` (`none`, `state`, `alloc`,
-/// `all`; default `all`) turns recording on from the start, when the process-wide allocator
-/// starts.
+/// `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too; with `enabled` 0, the
+/// references to Python code objects that stacks hold are given back (under the GIL; left when
+/// Python is finalised), the frames keeping their names. The environment variable
+/// `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>[:<stacks>]]` (`none`, `state`, `alloc`,
+/// `all`, default `all`; `all`, `python`, `native`, default `all`) turns recording on from the
+/// start, when the process-wide allocator starts.
 ///
 /// Cost: off, one relaxed atomic load on each allocation and free. On, see docs/history.md (the
 /// table of what it costs): an event without a stack costs tens of nanoseconds, a stack
 /// microseconds.
 ///
-/// Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` above 3 (the
-/// message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
+/// Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` other than a
+/// level (0 to 3) plus at most one `GPUPOOL_HISTORY_STACKS_` value (the message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
 /// a process forked from one that used gpupool).
 ///
 /// Thread-safe; allocations made on other threads during the call are recorded with the old
@@ -70,13 +90,20 @@ pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, con
         let settings = if enabled == 0 {
             None
         } else {
-            let context = HistoryContext::from_u32(context).ok_or_else(|| {
-                Error::InvalidValue(format!(
-                    "context {context} is not valid: expected GPUPOOL_HISTORY_CONTEXT_NONE (0), _STATE (1), _ALLOC (2) \
-                     or _ALL (3)"
-                ))
-            })?;
-            Some(HistorySettings { max_entries, context })
+            let stacks = match context & !0xf {
+                0 => Some(HistoryStacks::All),
+                GPUPOOL_HISTORY_STACKS_PYTHON => Some(HistoryStacks::Python),
+                GPUPOOL_HISTORY_STACKS_NATIVE => Some(HistoryStacks::Native),
+                _ => None,
+            };
+            let (Some(level), Some(stacks)) = (HistoryContext::from_u32(context & 0xf), stacks) else {
+                return Err(Error::InvalidValue(format!(
+                    "context {context} ({context:#x}) is not valid: expected GPUPOOL_HISTORY_CONTEXT_NONE (0), _STATE (1), \
+                     _ALLOC (2) or _ALL (3), plus at most one of GPUPOOL_HISTORY_STACKS_PYTHON (0x10) and \
+                     GPUPOOL_HISTORY_STACKS_NATIVE (0x20)"
+                )));
+            };
+            Some(HistorySettings { max_entries, context: level, stacks })
         };
         runtime()?.allocator.record_history(settings)
     })

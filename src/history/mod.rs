@@ -6,10 +6,13 @@
 //!
 //! - `entry`: one event as recorded, its stack still an id;
 //! - `frame`: one frame of a symbolised stack ([`Frame`]);
+//! - `native`: native frames: unwound, symbolised, gpupool's own left out;
 //! - `ring`: the trace of one device, the newest `max_entries` events (PyTorch
 //!   `RingBuffer<TraceEntry>`);
-//! - `stacks`: native call stacks, captured unresolved and interned, symbolised when a
-//!   snapshot is taken (PyTorch `CapturedTraceback` with `symbolize`);
+//! - `stacks`: call stacks, captured unresolved and interned, symbolised when a snapshot is
+//!   taken (PyTorch `CapturedTraceback` with `symbolize`);
+//! - `python`: the Python frames of a stack under CPython, found at run time (PyTorch's
+//!   `stacks="all"`/`"python"`);
 //! - `recorder`: the recorder of an allocator and the flag each device reads on its malloc
 //!   and free paths;
 //! - `snapshot`: what a snapshot holds ([`Snapshot`]);
@@ -22,7 +25,9 @@
 
 mod entry;
 mod frame;
+mod native;
 mod pickle;
+mod python;
 mod recorder;
 mod report;
 mod ring;
@@ -32,6 +37,7 @@ pub mod tags;
 
 pub(crate) use entry::Entry;
 pub use frame::Frame;
+pub(crate) use python::Scope;
 pub(crate) use recorder::{HistoryHook, Recorder};
 pub(crate) use report::live_report;
 pub(crate) use snapshot::RawSegment;
@@ -88,6 +94,40 @@ pub struct HistorySettings {
     pub max_entries: usize,
     /// Which call stacks are kept.
     pub context: HistoryContext,
+    /// Which frames a stack holds: native, Python, or both.
+    pub stacks: HistoryStacks,
+}
+
+/// Which frames a stack holds (PyTorch's `stacks` argument of `_record_memory_history`).
+/// Python frames are those of the calling thread when the process runs CPython and the thread
+/// has a Python thread state (see `docs/history.md`); in a C or C++ program there are none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HistoryStacks {
+    /// Native frames, the Python frames in place of the interpreter's evaluation loops
+    /// (PyTorch `stacks="all"`, its default).
+    #[default]
+    All = 0,
+    /// Python frames only, no native unwinding (PyTorch `stacks="python"`): a thread without
+    /// Python frames records an empty stack.
+    Python = 1,
+    /// Native frames only, Python never read.
+    Native = 2,
+}
+
+impl HistoryStacks {
+    /// The mode numbered `value` (see [`HistoryStacks`]).
+    pub fn from_u32(value: u32) -> Option<HistoryStacks> {
+        [HistoryStacks::All, HistoryStacks::Python, HistoryStacks::Native].into_iter().find(|s| *s as u32 == value)
+    }
+
+    /// Its name: `all`, `python`, `native`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HistoryStacks::All => "all",
+            HistoryStacks::Python => "python",
+            HistoryStacks::Native => "native",
+        }
+    }
 }
 
 /// The kind of an event of the trace, with PyTorch's name for it (`TraceEntry::Action`).

@@ -14,6 +14,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use super::entry::Entry;
+use super::python::Scope;
 use super::ring::Ring;
 use super::stacks::{self, ContextTable};
 use super::tags::{self, TagCounters};
@@ -75,6 +76,9 @@ impl Recorder {
     /// `max_entries`. Returns the level every device's hook must take.
     pub fn set(&self, settings: Option<HistorySettings>) -> u32 {
         *self.settings.lock() = settings;
+        if let Some(s) = settings {
+            self.contexts.set_stacks(s.stacks);
+        }
         for t in self.traces.iter() {
             let mut t = t.lock();
             match settings {
@@ -130,6 +134,14 @@ impl HistoryHook {
     /// Whether stacks are kept at `context`.
     pub fn keeps(&self, context: HistoryContext) -> bool {
         self.level.load(Ordering::Relaxed) > context as u32
+    }
+
+    /// The calling thread's Python frames for the stacks this call captures, if stacks are kept
+    /// at `context` (see `super::python`): taken at the start of a malloc or a free, before
+    /// any lock of gpupool's. Nothing without CPython, or while history is off.
+    #[cold]
+    pub fn python_scope(&self, context: HistoryContext) -> Scope {
+        if self.keeps(context) { self.recorder.contexts.python_scope() } else { Scope::none() }
     }
 
     /// The calling thread's innermost tag with its stack if stacks are kept at `context`, else

@@ -1,8 +1,10 @@
-//! Native call stacks (PyTorch `CapturedTraceback` with its `symbolize`): captured at an event
-//! as bare instruction pointers with the `backtrace` crate's unwinder, interned so that each
-//! distinct stack is stored once and named by a `u32` (a block's `ctx`, an event's), and
-//! symbolised only when a snapshot is taken, each instruction pointer once (the symbols found
-//! are kept for later snapshots).
+//! Call stacks (PyTorch `CapturedTraceback` with its `symbolize`): captured at an event as bare
+//! instruction pointers with the `backtrace` crate's unwinder, followed by the ids of the
+//! thread's Python frames (`super::python`, under CPython; [`HistoryStacks`] says which of the
+//! two), interned so that each distinct stack is stored once and named by a `u32` (a block's
+//! `ctx`, an event's), and symbolised only when a snapshot is taken, each instruction pointer
+//! once (the symbols found are kept for later snapshots), the Python frames put in place of the
+//! interpreter's evaluation loops as PyTorch does ([`interleave`]).
 //!
 //! The table keeps every distinct stack for the allocator's life: an allocator's memory for
 //! stacks follows the number of distinct call paths that allocate and free, not the number of
@@ -14,13 +16,16 @@
 //! records while history keeps no stacks, with no lock taken); otherwise it is an interned
 //! (tag, stack) pair, the tag 0 when none was pushed.
 
-use std::ffi::c_void;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
+use super::HistoryStacks;
 use super::frame::Frame;
+use super::native::{callers_only, interleave, symbolise, walk};
+use super::python::{self, MAX_PY_FRAMES, PY_BIT, PyFrames, Scope};
 
 /// Frames kept of a stack, innermost first; deeper callers are cut.
 const MAX_FRAMES: usize = 128;
@@ -40,6 +45,10 @@ pub(crate) struct ContextTable {
     /// The frames of each instruction pointer symbolised so far (several when calls were
     /// inlined there), gpupool's own included; taken for the whole of a snapshot.
     symbols: Mutex<FxHashMap<usize, Arc<[Frame]>>>,
+    /// The Python frames of the stacks.
+    python: PyFrames,
+    /// Which frames a stack holds: a [`HistoryStacks`], as a number.
+    stacks: AtomicU32,
 }
 
 #[derive(Default)]
@@ -53,18 +62,47 @@ struct Interned {
 }
 
 impl ContextTable {
+    /// Which frames stacks hold from now on.
+    pub fn set_stacks(&self, stacks: HistoryStacks) {
+        self.stacks.store(stacks as u32, Ordering::Relaxed);
+    }
+
+    fn stacks(&self) -> HistoryStacks {
+        HistoryStacks::from_u32(self.stacks.load(Ordering::Relaxed)).unwrap_or_default()
+    }
+
+    /// The calling thread's Python frames, read for the stacks captured until the scope is
+    /// dropped, unless stacks hold native frames only (see [`PyFrames::scope`]). Call with no
+    /// lock of gpupool's held.
+    pub fn python_scope(&self) -> Scope {
+        if self.stacks() == HistoryStacks::Native { Scope::none() } else { self.python.scope() }
+    }
+
+    /// Gives back the Python objects the stacks hold (see [`PyFrames::release`]). Call with
+    /// no lock of gpupool's held.
+    pub fn release_python(&self) {
+        self.python.release();
+    }
+
     /// The context of `tag` (0: none) and the calling thread's stack, interned: its id (1 or
     /// more), or [`tag_only`] when 2 billion distinct contexts are stored already. Unwinds the
-    /// stack (some microseconds) and resolves nothing.
+    /// stack (some microseconds) and resolves nothing; the Python frames are those of the
+    /// thread's scope ([`ContextTable::python_scope`]).
     #[inline(never)]
     pub fn capture(&self, tag: u32) -> u32 {
-        let mut ips = [0usize; MAX_FRAMES];
+        let mut ips = [0usize; MAX_FRAMES + MAX_PY_FRAMES];
         let mut n = 0;
-        walk(|ip| {
-            ips[n] = ip;
-            n += 1;
-            n < MAX_FRAMES
-        });
+        let stacks = self.stacks();
+        if stacks != HistoryStacks::Python {
+            walk(|ip| {
+                ips[n] = ip;
+                n += 1;
+                n < MAX_FRAMES
+            });
+        }
+        if stacks != HistoryStacks::Native {
+            n += self.python.capture(&mut ips[n..]);
+        }
         let stack = &ips[..n];
         let mut t = self.interned.lock();
         let sid = match t.ids.get(stack) {
@@ -114,13 +152,17 @@ impl ContextTable {
         self.interned.lock().stacks.len()
     }
 
-    /// A symboliser for one snapshot: holds the symbol cache until dropped.
+    /// A symboliser for one snapshot: holds the symbol cache until dropped, and the GIL when
+    /// Python frames are to be named. Call with no lock of gpupool's held.
     pub fn symbolizer(&self) -> Symbolizer<'_> {
+        // The GIL first, then the cache's lock (see `python`'s lock order).
+        let names = self.python.namer();
         Symbolizer {
             table: self,
             by_id: FxHashMap::default(),
             by_ctx: FxHashMap::default(),
             symbols: self.symbols.lock(),
+            names,
             none: Arc::from([]),
         }
     }
@@ -140,6 +182,7 @@ pub(crate) struct Symbolizer<'a> {
     /// By context.
     by_ctx: FxHashMap<u32, Arc<[Frame]>>,
     symbols: MutexGuard<'a, FxHashMap<usize, Arc<[Frame]>>>,
+    names: python::Namer<'a>,
     none: Arc<[Frame]>,
 }
 
@@ -167,7 +210,8 @@ impl Symbolizer<'_> {
     }
 
     /// The frames of stack `id`, innermost first, without gpupool's own (see
-    /// [`callers_only`]); empty for 0.
+    /// [`callers_only`]), its Python frames in place of the interpreter's ([`interleave`]);
+    /// empty for 0.
     pub fn stack_frames(&mut self, id: u32) -> Arc<[Frame]> {
         if id == 0 {
             return self.none.clone();
@@ -177,11 +221,16 @@ impl Symbolizer<'_> {
         }
         let Some(stack) = self.table.stack(id) else { return self.none.clone() };
         let mut frames = Vec::with_capacity(stack.len());
+        let mut py = Vec::new();
         for &ip in stack.iter() {
+            if ip & PY_BIT != 0 {
+                py.push(self.names.frame(ip & !PY_BIT));
+                continue;
+            }
             let f = self.symbols.entry(ip).or_insert_with(|| symbolise(ip)).clone();
             frames.extend(f.iter().cloned());
         }
-        let frames: Arc<[Frame]> = callers_only(frames).into();
+        let frames: Arc<[Frame]> = interleave(callers_only(frames), py).into();
         self.by_id.insert(id, frames.clone());
         frames
     }
@@ -195,119 +244,10 @@ pub(crate) fn tag_frame(name: &str) -> Frame {
     Frame { name: format!("tag {name}"), filename: "<tag>".to_string(), line: 0 }
 }
 
-/// Calls `f` with each instruction pointer of the calling thread's stack, innermost first,
-/// until it returns false.
-fn walk(mut f: impl FnMut(usize) -> bool) {
-    #[cfg(unix)]
-    // SAFETY: `trace_unsynchronized` is unsafe because some of the crate's backends (dbghelp, on
-    // Windows) are not thread-safe; on Unix it is the unwinder of libgcc or libunwind
-    // (`_Unwind_Backtrace`), which is, and it touches none of the crate's global state. The
-    // crate's `trace` would serialise every thread recording a stack behind one global lock.
-    // The callback does not panic.
-    unsafe {
-        backtrace::trace_unsynchronized(|frame| f(frame.ip() as usize))
-    };
-    #[cfg(not(unix))]
-    backtrace::trace(|frame| f(frame.ip() as usize));
-}
-
-/// The frames of one instruction pointer, innermost (inlined) first; one frame naming the
-/// address when no symbol is found.
-fn symbolise(ip: usize) -> Arc<[Frame]> {
-    let mut frames = Vec::new();
-    backtrace::resolve(ip as *mut c_void, |sym| {
-        let name = match sym.name() {
-            Some(n) => format!("{n:#}"),
-            None => format!("{ip:#x}"),
-        };
-        let filename = sym.filename().map_or_else(|| "??".to_string(), |p| p.display().to_string());
-        frames.push(Frame { name, filename, line: sym.lineno().unwrap_or(0) });
-    });
-    if frames.is_empty() {
-        frames.push(Frame { name: format!("{ip:#x}"), filename: "??".to_string(), line: 0 });
-    }
-    frames.into()
-}
-
-/// `frames` (innermost first) without the innermost ones that are gpupool's own: the unwinder,
-/// the recorder, the allocator and the C boundary, with the standard library's and the
-/// dependencies' frames between them (the boundary's `catch_unwind`, a lock). What stays
-/// starts at the caller of gpupool.
-fn callers_only(mut frames: Vec<Frame>) -> Vec<Frame> {
-    let mut cut = 0;
-    for (i, f) in frames.iter().enumerate() {
-        if is_gpupool(f) {
-            cut = i + 1;
-        } else if !is_glue(f) {
-            break;
-        }
-    }
-    frames.drain(..cut);
-    frames
-}
-
-/// gpupool's own sources, as the debug information names them.
-const OWN_SOURCES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/");
-
-/// A frame of gpupool: by its symbol (`gpupool::...`, or a `gpupool_` export), or, for a call
-/// inlined into another (whose name the debug information gives without its path), by its
-/// source file.
-fn is_gpupool(f: &Frame) -> bool {
-    f.name.contains("gpupool::") || f.name.starts_with("gpupool_") || f.filename.starts_with(OWN_SOURCES)
-}
-
-/// A frame found between gpupool's own: the unwinder's, the standard library's, a
-/// dependency's.
-fn is_glue(f: &Frame) -> bool {
-    let name = f.name.trim_start_matches('<');
-    ["backtrace::", "std::", "core::", "alloc::", "__rust", "_Unwind_", "parking_lot", "scopeguard::"]
-        .iter()
-        .any(|p| name.starts_with(p))
-        || f.filename.starts_with("/rustc/")
-        || f.filename.contains("/.cargo/registry/")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn frame(name: &str) -> Frame {
-        Frame { name: name.to_string(), filename: "f.rs".to_string(), line: 1 }
-    }
-
-    fn inlined(name: &str, file: &str) -> Frame {
-        Frame { name: name.to_string(), filename: file.to_string(), line: 1 }
-    }
-
-    #[test]
-    fn gpupool_frames_are_left_out() {
-        let names = |fs: Vec<Frame>| fs.into_iter().map(|f| f.name).collect::<Vec<_>>();
-        let stack = vec![
-            frame("backtrace::backtrace::libunwind::trace"),
-            frame("gpupool::history::stacks::ContextTable::capture"),
-            frame("gpupool::caching::allocator::Allocator::malloc"),
-            frame("gpupool::ffi::memory::gpupool_malloc::{{closure}}"),
-            frame("std::panicking::try::do_call"),
-            frame("__rust_try"),
-            frame("gpupool::ffi::status::boundary"),
-            frame("gpupool_malloc"),
-            frame("engine::step"),
-            frame("std::rt::lang_start"),
-            frame("main"),
-        ];
-        assert_eq!(names(callers_only(stack)), ["engine::step", "std::rt::lang_start", "main"]);
-        // Inlined calls carry bare names: known by their files.
-        let stack = vec![
-            inlined("trace", "/home/u/.cargo/registry/src/index/backtrace-0.3.76/src/backtrace/libunwind.rs"),
-            inlined("capture", concat!(env!("CARGO_MANIFEST_DIR"), "/src/history/stacks.rs")),
-            inlined("call_once", "/rustc/0123/library/core/src/ops/function.rs"),
-            frame("gpupool_malloc"),
-            frame("engine::step"),
-        ];
-        assert_eq!(names(callers_only(stack)), ["engine::step"]);
-        // A stack with no gpupool frame (not captured by gpupool) is kept whole.
-        assert_eq!(names(callers_only(vec![frame("std::a"), frame("main")])), ["std::a", "main"]);
-    }
+    use crate::history::native::is_gpupool;
 
     #[test]
     fn stacks_are_interned_and_symbolised() {
@@ -334,6 +274,29 @@ mod tests {
         assert!(frames.iter().all(|f| !is_gpupool(f)), "{frames:?}");
         assert!(s.frames(0).is_empty());
         assert!(s.frames(999).is_empty());
+    }
+
+    #[test]
+    fn without_cpython_stacks_are_native_as_before() {
+        // `cargo test` runs no CPython: the default (`All`) captures what `Native` does, and
+        // `Python` an empty stack.
+        let t = ContextTable::default();
+        #[inline(never)]
+        fn at_one_site(t: &ContextTable) -> u32 {
+            t.capture(0)
+        }
+        let modes = [HistoryStacks::Native, HistoryStacks::All, HistoryStacks::Python];
+        let ids: Vec<u32> = std::hint::black_box(&modes[..])
+            .iter()
+            .map(|&m| {
+                t.set_stacks(m);
+                at_one_site(&t)
+            })
+            .collect();
+        assert_eq!(ids[0], ids[1], "the same stack with and without Python frames");
+        let mut s = t.symbolizer();
+        assert!(!s.frames(ids[1]).is_empty());
+        assert!(s.frames(ids[2]).is_empty(), "Python frames only: none");
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub const VIEWER_OPCODES: &str = "PROTO FRAME STOP MARK EMPTY_DICT EMPTY_LIST EM
 
 /// Records everything, with the stacks of `context`, keeping a million events per device.
 pub fn record_all(a: &Allocator, context: HistoryContext) {
-    a.record_history(Some(HistorySettings { max_entries: 1 << 20, context })).unwrap();
+    a.record_history(Some(HistorySettings { max_entries: 1 << 20, context, stacks: Default::default() })).unwrap();
 }
 
 /// Address ranges, merged where they touch.

@@ -15,7 +15,8 @@ impl Allocator {
     /// recorded already keeps its newest events up to the new limit. `None` stops recording and
     /// forgets every trace. When stacks stop being kept (`None`, or a context below
     /// [`HistoryContext::State`](crate::history::HistoryContext::State)), the live blocks
-    /// forget theirs too.
+    /// forget theirs too; with `None`, the Python code objects that stacks refer to are given
+    /// back, under the GIL (see `crate::history`'s `python`).
     ///
     /// Costs, while off, one relaxed load per malloc and free; while on, see docs/history.md
     /// (the table of what it costs). Calls that race with this one record with the old
@@ -24,10 +25,15 @@ impl Allocator {
     /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
     pub fn record_history(&self, settings: Option<HistorySettings>) -> Result<(), Error> {
         crate::caching::fork::check()?;
-        let _starting = self.starting.lock();
+        let starting = self.starting.lock();
         let level = self.recorder.set(settings);
         for dev in self.devices.iter().filter_map(|d| d.get()) {
             dev.set_history_level(level);
+        }
+        drop(starting);
+        if settings.is_none() {
+            // With no lock held: it takes the GIL.
+            self.recorder.contexts.release_python();
         }
         Ok(())
     }

@@ -7,6 +7,7 @@ use super::DeviceAllocator;
 use crate::caching::shard::{Shard, ShardState};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
+use crate::history::{HistoryContext, Scope, tags};
 
 impl DeviceAllocator {
     /// PyTorch `free` on the block at `ptr` of `shard`'s segment at `segment`.
@@ -15,9 +16,28 @@ impl DeviceAllocator {
     /// next call on the shard, if the stream is not hot for its thread, gives it back, and a
     /// settle takes it back from a stream that went quiet.
     pub fn free(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+        if self.history.on() {
+            return self.free_with_history(shard, ptr, segment);
+        }
+        self.free_body(shard, ptr, segment, true)
+    }
+
+    /// [`DeviceAllocator::free`] while history is on: the calling thread's Python frames are
+    /// read first, before any lock, for the stack of the free (see `crate::history`'s
+    /// `python`).
+    #[cold]
+    #[inline(never)]
+    fn free_with_history(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
+        let _python = self.history.python_scope(HistoryContext::All);
+        self.free_body(shard, ptr, segment, false)
+    }
+
+    /// The body of [`DeviceAllocator::free`]; `off`: history was off at the call's start.
+    #[inline(always)]
+    fn free_body(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr, off: bool) -> Result<(), Error> {
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
-        if self.history.on_or_tagged() {
+        if if off { tags::in_use() } else { self.history.on_or_tagged() } {
             self.free_recorded(&mut st, shard, ptr, segment)?;
         } else {
             st.free(&ctx, ptr, segment)?;
@@ -54,6 +74,7 @@ impl DeviceAllocator {
     /// A free that waits for the next device synchronisation (see
     /// [`crate::Allocator::free_after_device_sync`]). Returns the device's deferred bytes.
     pub fn free_after_sync(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
+        let _python = if self.history.on() { self.history.python_scope(HistoryContext::All) } else { Scope::none() };
         let ctx = self.ctx(shard);
         let mut st = self.shards.lock_for_change(shard);
         let freed = if self.history.on_or_tagged() { st.about_to_free(&self.history, ptr) } else { None };

@@ -11,6 +11,7 @@ use crate::caching::capture;
 use crate::caching::shard::{Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
 use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, DriverError, StreamHandle};
 use crate::error::Error;
+use crate::history::{HistoryContext, tags};
 
 /// What [`DeviceAllocator::serve`] obtained.
 enum Served {
@@ -56,7 +57,8 @@ impl DeviceAllocator {
     /// [`DeviceAllocator::malloc`] of a rounded request. `graph`: the stream captures into a
     /// private pool, whose segment the block is from is then kept for the graph. Inlined into
     /// both callers: called out of line, the hit path paid about 35 instructions a malloc
-    /// (callgrind, `examples/hit_loop`).
+    /// (callgrind, `examples/hit_loop`). While history is on, out of line
+    /// ([`DeviceAllocator::malloc_recorded`]).
     #[inline(always)]
     pub(super) fn malloc_req(
         &self,
@@ -64,6 +66,33 @@ impl DeviceAllocator {
         req: &Request,
         hot: bool,
         graph: bool,
+    ) -> Result<DevicePtr, Error> {
+        if self.history.on() {
+            return self.malloc_recorded(shard, req, hot, graph);
+        }
+        self.malloc_body(shard, req, hot, graph, true)
+    }
+
+    /// [`DeviceAllocator::malloc_req`] while history is on: the calling thread's Python frames
+    /// are read first, before any lock (see `crate::history`'s `python`), for the stacks the
+    /// call captures.
+    #[cold]
+    #[inline(never)]
+    fn malloc_recorded(&self, shard: &Arc<Shard>, req: &Request, hot: bool, graph: bool) -> Result<DevicePtr, Error> {
+        let _python = self.history.python_scope(HistoryContext::State);
+        self.malloc_body(shard, req, hot, graph, false)
+    }
+
+    /// The body of [`DeviceAllocator::malloc_req`]; `off`: history was off at the call's start
+    /// (only tags are then looked at: the flag was read already).
+    #[inline(always)]
+    fn malloc_body(
+        &self,
+        shard: &Arc<Shard>,
+        req: &Request,
+        hot: bool,
+        graph: bool,
+        off: bool,
     ) -> Result<DevicePtr, Error> {
         let mut st = self.shards.lock_for_change(shard);
         let detour = if !shard.is_retired() {
@@ -74,7 +103,7 @@ impl DeviceAllocator {
                     if graph {
                         st.mark_graph(ptr);
                     }
-                    if self.history.on_or_tagged() {
+                    if if off { tags::in_use() } else { self.history.on_or_tagged() } {
                         st.record_alloc_at(&self.history, shard.stream, ptr, req.size);
                     }
                     return Ok(self.finish_call(st, ptr, hot));
