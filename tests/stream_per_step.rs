@@ -66,7 +66,8 @@ fn without_it_each_old_stream_keeps_its_cache_as_in_pytorch() {
 
 #[test]
 fn the_expandable_rule_alone_also_keeps_it_flat() {
-    let config = Config { expandable_reclaim: true, ..Config::default().with_conf("expandable_segments:True").unwrap() };
+    let config =
+        Config { expandable_reclaim: true, ..Config::default().with_conf("expandable_segments:True").unwrap() };
     let (a, _drv) = sim_with(1, 80 << 30, config);
     for step in 0..200usize {
         let ptrs: Vec<u64> = SIZES.iter().map(|&b| a.malloc(b, 0, 0x10_0000 + step * 0x10).unwrap()).collect();
