@@ -20,7 +20,8 @@
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
 #   streams     tests/gpu/test_streams (a stream per step for 1,000 steps, slow readers), with
-#               ordinary segments, expandable segments, and expandable segments with the rule
+#               ordinary segments, expandable segments, and expandable segments with the rule;
+#               tests/gpu/test_rule_wait (the rule waits for the growing stream, not the device)
 #   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools) and
 #               examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
 #   examples    hello, the C++ consumer, engine and engine_graphs
@@ -141,6 +142,7 @@ if want gpu || want expandable || want graphs || want streams; then
       GPUPOOL_CONF=expandable_segments:True run_gpu_test test_streams streams-expandable.log
       GPUPOOL_CONF=expandable_segments:True GPUPOOL_EXPANDABLE_RECLAIM=1 run_gpu_test test_streams streams-rule.log
       unset GPUPOOL_RELEASE_UNUSED_STREAMS
+      run_gpu_test test_rule_wait rule-wait.log
     fi
   else
     echo "GPU tests did not configure (see gpu-tests-build.log)"

@@ -178,7 +178,7 @@ fn growth_past_the_high_water_mark_unmaps_free_pages_first() {
         let first = a.malloc(10 * PAGE, 0, 0x10).unwrap();
         let second = a.malloc(10 * PAGE, 0, 0x10).unwrap();
         a.free(first).unwrap();
-        let syncs = drv.counts().device_synchronize;
+        let c0 = drv.counts();
         // 20 pages do not fit the 10-page hole: the segment grows at its end.
         let third = a.malloc(20 * PAGE, 0, 0x10).unwrap();
         touch(third, 20 * PAGE, 3);
@@ -186,7 +186,9 @@ fn growth_past_the_high_water_mark_unmaps_free_pages_first() {
         let (peak, unmapped) = if reclaim { (30, 1) } else { (40, 0) };
         assert_eq!(s.reserved_bytes.all.peak, peak * PAGE as i64, "reclaim {reclaim}");
         assert_eq!(drv.used(0), peak as usize * PAGE, "reserved is what is mapped");
-        assert_eq!(drv.counts().device_synchronize - syncs, unmapped, "a synchronisation before unmapping");
+        let c1 = drv.counts();
+        let waits = (c1.device_synchronize - c0.device_synchronize, c1.event_synchronize - c0.event_synchronize);
+        assert_eq!(waits, (0, unmapped), "the stream's work waited for before unmapping, not the device");
         // A request that fits a free block is served from it, not from the unmapped hole
         // (without the rule, the hole is still mapped: the two free blocks coalesced).
         a.free(second).unwrap();
@@ -371,8 +373,9 @@ fn garbage_collection_releases_held_pages_first() {
 }
 
 /// A growth that took held handles and then unwinds before it maps them (a panic in the
-/// synchronisation before the high-water rule unmaps this stream's free page) gives them back
-/// to the pool: the memory fraction's count stays reserved plus held.
+/// wait for the stream's work before the high-water rule unmaps this stream's free page) gives
+/// them back to the pool, and the event it waited on back to the stream's idle events: the
+/// memory fraction's count stays reserved plus held.
 #[test]
 fn a_growth_that_unwinds_gives_its_held_handles_back() {
     let (a, drv) = sim_with(1, 1 << 30, reclaiming());
@@ -389,13 +392,61 @@ fn a_growth_that_unwinds_gives_its_held_handles_back() {
     a.free(r1).unwrap();
     assert_eq!(a.stats(0).unwrap().unmapped_held_bytes.current, 2 * PAGE as i64);
     // Four pages: two held, two past the mark, so the rule unmaps the free page first.
-    drv.inject(SimOp::DeviceSynchronize, 0, SimFault::Panic);
+    drv.inject(SimOp::EventSynchronize, 0, SimFault::Panic);
     let grown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.malloc(4 * PAGE, 0, 0x10)));
     assert!(grown.is_err(), "the injected panic unwinds");
     assert_eq!(a.stats(0).unwrap().unmapped_held_bytes.current, 2 * PAGE as i64, "both back in the pool");
     check(&a);
+    a.empty_cache(0).unwrap();
+    assert_eq!(drv.live_events(), 0, "the event is idle again, and destroyed by empty_cache");
     for p in [big, r2, two] {
         a.free(p).unwrap();
     }
     all_given_back(&a, &drv);
+}
+
+/// The high-water rule unmaps the growing stream's own free pages once that stream's queued
+/// work has run (an event recorded on it and waited for), without waiting for the other
+/// streams' work or synchronising the device; if the event cannot be recorded, nothing is
+/// unmapped and the growth goes past the mark instead.
+#[test]
+fn the_rule_waits_for_the_growing_streams_work_only() {
+    use gpupool::driver::Driver;
+    for fail in [false, true] {
+        let (a, drv) = sim_with(1, 1 << 30, reclaiming());
+        let first = a.malloc(10 * PAGE, 0, 0x10).unwrap();
+        let second = a.malloc(10 * PAGE, 0, 0x10).unwrap();
+        // Both streams busy: work queued on 0x10 before `first` is freed may still read it.
+        let (mine, other) = (drv.event_create(0).unwrap(), drv.event_create(0).unwrap());
+        for (ev, stream) in [(mine, 0x10), (other, 0x20)] {
+            drv.hold_stream(stream);
+            drv.event_record(0, ev, stream).unwrap();
+        }
+        a.free(first).unwrap();
+        let c0 = drv.counts();
+        if fail {
+            drv.inject(SimOp::EventRecord, 0, SimFault::Fail(cuda("cuEventRecord")));
+        }
+        let third = a.malloc(20 * PAGE, 0, 0x10).unwrap();
+        touch(third, 20 * PAGE, 7);
+        let c1 = drv.counts();
+        assert_eq!(c1.device_synchronize, c0.device_synchronize, "fail {fail}: the device is not synchronised");
+        assert_eq!(c1.mem_unmap - c0.mem_unmap, if fail { 0 } else { 10 }, "fail {fail}: pages unmapped");
+        let peak = if fail { 40 } else { 30 };
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.peak, peak * PAGE as i64, "fail {fail}");
+        assert_eq!(drv.event_query(mine).unwrap(), !fail, "fail {fail}: the growing stream's work ran first");
+        assert!(!drv.event_query(other).unwrap(), "fail {fail}: the other stream's work was not waited for");
+        check(&a);
+        for stream in [0x10, 0x20] {
+            drv.release_stream(stream);
+        }
+        for ev in [mine, other] {
+            drv.event_destroy(0, ev);
+        }
+        for p in [second, third] {
+            a.free(p).unwrap();
+        }
+        all_given_back(&a, &drv);
+        assert_eq!(drv.live_events(), 0, "fail {fail}: no event left behind");
+    }
 }

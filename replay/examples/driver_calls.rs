@@ -4,7 +4,8 @@
 //! its share of a `cuMemSetAccess`, plus a `cuMemCreate` unless a held handle is mapped, and
 //! each page unmapped a `cuMemUnmap`, plus a `cuMemRelease` when its handle goes back to the
 //! driver, tens of microseconds in all; the simulated device's times say nothing of that, so
-//! the counts are what to compare. Each pass's counts: device synchronisations, handles
+//! the counts are what to compare. Each pass's counts: device synchronisations, waits for an
+//! event (the rule unmapping the growing stream's own pages waits for that stream), handles
 //! created, pages mapped, access grants, pages unmapped, handles released; then the pages
 //! held unmapped in the device's pool after the pass and at most (2 MiB pages; the peak is
 //! since the start).
@@ -52,9 +53,10 @@ fn main() {
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
             let s = a.stats(0).unwrap();
             println!(
-                "reclaim {reclaim:5} {pass}: syncs {:5} create {:6} map {:6} set_access {:6} unmap {:6} release {:6}; \
-                 held now/peak {}/{} pages; reserved/live {:.3}; {ns:.0} ns/event (sim)",
+                "reclaim {reclaim:5} {pass}: syncs {:5} event waits {:5} create {:6} map {:6} set_access {:6} unmap {:6} \
+                 release {:6}; held now/peak {}/{} pages; reserved/live {:.3}; {ns:.0} ns/event (sim)",
                 d(|c| c.device_synchronize),
+                d(|c| c.event_synchronize),
                 d(|c| c.mem_create),
                 d(|c| c.mem_map),
                 d(|c| c.mem_set_access),

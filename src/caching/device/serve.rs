@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::DeviceAllocator;
 use crate::caching::block::BlockId;
 use crate::caching::capture;
-use crate::caching::shard::{Growth, Reclaim, Request, Shard, ShardCtx, ShardState};
+use crate::caching::shard::{Growth, PageWait, Reclaim, Request, Shard, ShardCtx, ShardState};
 use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryContext, tags};
@@ -169,7 +169,8 @@ impl DeviceAllocator {
             if other.is_retired() {
                 continue;
             }
-            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None).unwrap_or(0));
+            // The other stream may have been destroyed: the device is synchronised.
+            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None, PageWait::Device).unwrap_or(0));
             self.finish(st, ());
         }
     }

@@ -30,7 +30,7 @@ mod record;
 mod segments;
 mod waiting;
 
-pub(crate) use expand::{ExpandablePolicy, Reclaim};
+pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
 pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;

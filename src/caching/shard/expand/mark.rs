@@ -2,6 +2,7 @@
 //! PyTorch, which unmaps pages only in `empty_cache` and on out of memory): what growing past
 //! the device's high-water mark does first.
 
+use super::PageWait;
 use crate::caching::block::BlockId;
 use crate::caching::shard::{ShardCtx, ShardState};
 
@@ -9,7 +10,8 @@ use crate::caching::shard::{ShardCtx, ShardState};
 /// cache is released): the device's physical bytes (reserved, and pages held unmapped in its
 /// pool) do not pass their high-water mark while wholly free pages are mapped anywhere on the
 /// device. Before an expandable segment creates pages past the mark, free pages are unmapped
-/// instead (a device synchronisation, see `ShardState::unmap_free_pages`) and their handles,
+/// instead (after the growing stream's work is waited for, see `ShardState::unmap_free_pages`;
+/// other streams' pages after a device synchronisation) and their handles,
 /// held in the device's page pool, are mapped where the growth needs them, so that memory
 /// freed by one request or one stream holds the next one's growth, wherever it must be mapped,
 /// without a page created or released. The mark counts physical memory because that is what
@@ -52,7 +54,10 @@ impl ShardState {
             // or unmap leaves those pages cached (the next release of the cache reports it),
             // and the request maps past the mark.
             let at = self.blocks[start].addr;
-            let unmapped = self.unmap_free_pages(ctx, over, Some(at..at + rounded as u64)).unwrap_or(0);
+            // The call is on this shard's stream (a growth serves a malloc on it), so only that
+            // stream's work is waited for.
+            let unmapped =
+                self.unmap_free_pages(ctx, over, Some(at..at + rounded as u64), PageWait::Stream).unwrap_or(0);
             if unmapped < over && ctx.reclaim == Reclaim::Device {
                 let base = self.expandable_of(at).0;
                 self.free_range_if_empty(ctx, base);

@@ -20,8 +20,10 @@
 //! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
 //! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
 //! not exhaust the address space, and a shard may hold several ranges per pool; before pages
-//! are unmapped the device is synchronised, never a stream (a stream the program destroyed
-//! would crash `cudaStreamSynchronize`, as it crashes PyTorch 2.11's `emptyCache`); a map that
+//! are unmapped when the cache is released the device is synchronised, never a stream (a
+//! stream the program destroyed would crash `cudaStreamSynchronize`, as it crashes PyTorch
+//! 2.11's `emptyCache`), and before the high-water rule unmaps the growing stream's own pages
+//! an event recorded on that stream is waited for (see `unmap::PageWait`); a map that
 //! fails halfway is undone (PyTorch keeps what it mapped); each range counts as a segment
 //! (PyTorch counts none); a segment does not grow past the device's high-water mark while
 //! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
@@ -37,6 +39,7 @@ mod unmap;
 mod tests;
 
 pub(crate) use mark::Reclaim;
+pub(crate) use unmap::PageWait;
 
 use super::ShardState;
 use crate::caching::block::BlockId;

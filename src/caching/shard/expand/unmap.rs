@@ -9,6 +9,26 @@ use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 use crate::error::Error;
 
+/// What [`ShardState::unmap_free_pages`] waits for before it unmaps: the work that may still
+/// read or write the free pages of a shard. Those blocks were freed in stream order on the
+/// shard's stream, and a block another stream used (`record_stream`) reaches the pool only
+/// once that stream's event completed, so the shard's stream is the only one whose queued work
+/// can still touch them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PageWait {
+    /// A device synchronisation, when the shard's stream may have been destroyed (the cache
+    /// released by `empty_cache` or on out of memory, another stream's growth unmapping this
+    /// shard's pages): a synchronisation of a destroyed stream crashes, as it crashes PyTorch
+    /// 2.11's `emptyCache`.
+    Device,
+    /// An event recorded on the shard's stream now and waited for (`cuEventRecord`,
+    /// `cuEventSynchronize`), when the call is on that stream (the high-water rule before a
+    /// growth of the calling stream's segment): only that stream's work is waited for, not
+    /// the other streams' (PyTorch's `ExpandableSegment::unmapHandles` synchronises the
+    /// segment's stream likewise).
+    Stream,
+}
+
 impl ShardState {
     /// Gives back the range of the expandable segment at `base` if nothing is mapped in it
     /// (its one block is unmapped). A failure leaves it as it is, to be tried again when the
@@ -48,7 +68,7 @@ impl ShardState {
     /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
     /// unmapped stays unmapped, the rest stays cached.
     pub fn release_pages(&mut self, ctx: &ShardCtx) -> Result<usize, Error> {
-        let released = self.unmap_free_pages(ctx, usize::MAX, None);
+        let released = self.unmap_free_pages(ctx, usize::MAX, None, PageWait::Device);
         for base in self.expandables.clone() {
             let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
             e.release_orphans(ctx.driver, ctx.device);
@@ -60,21 +80,21 @@ impl ShardState {
     /// PyTorch `unmap_block` over the free blocks of this shard's expandable segments, the
     /// largest first, until `want` bytes are unmapped (whole pages; the last block gives only
     /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. The
-    /// handles unmapped go to the device's page pool (PyTorch releases them). First
-    /// the device is synchronised, if anything is to be unmapped (with the shard's lock held,
-    /// so that no block of this stream is handed out and freed again meanwhile): a block
-    /// freed in stream order may still be in use by work queued before its free, and
-    /// `cuMemUnmap` does not wait for it. A device synchronisation, not a stream's (PyTorch
-    /// synchronises the segment's stream): the stream may have been destroyed. Returns the
-    /// bytes unmapped.
+    /// handles unmapped go to the device's page pool (PyTorch releases them). First, if
+    /// anything is to be unmapped, the work that may still use those pages is waited for as
+    /// `wait` says (with the shard's lock held, so that no block of this stream is handed out
+    /// and freed again meanwhile): a block freed in stream order may still be in use by work
+    /// queued before its free, and `cuMemUnmap` does not wait for it. Returns the bytes
+    /// unmapped.
     ///
-    /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
-    /// unmapped stays unmapped, the rest stays cached.
+    /// Errors: [`Error::Cuda`] when the wait or an unmapping fails; what was unmapped stays
+    /// unmapped, the rest stays cached.
     pub fn unmap_free_pages(
         &mut self,
         ctx: &ShardCtx,
         want: usize,
         keep: Option<std::ops::Range<DevicePtr>>,
+        wait: PageWait,
     ) -> Result<usize, Error> {
         // (segment base, block, first page offset, end offset) of each free block with whole
         // pages outside `keep`'s pages, largest first. `keep` starts at a block's address, so
@@ -109,9 +129,7 @@ impl ShardState {
         if candidates.is_empty() || ctx.capture.any_underway() {
             return Ok(0);
         }
-        ctx.driver.device_synchronize(ctx.device).map_err(|e| {
-            Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
-        })?;
+        self.wait_for_pages(ctx, wait)?;
         for (base, id, lo, hi) in candidates {
             if released >= want {
                 break;
@@ -142,5 +160,25 @@ impl ShardState {
             r.map_err(|e| Error::driver(e, "unmapping the free pages of an expandable segment"))?;
         }
         Ok(released)
+    }
+
+    /// Waits as `wait` says for the work that may still use this shard's free pages (see
+    /// [`PageWait`]). The event comes from, and goes back to, the shard's idle events.
+    fn wait_for_pages(&mut self, ctx: &ShardCtx, wait: PageWait) -> Result<(), Error> {
+        match wait {
+            PageWait::Device => ctx.driver.device_synchronize(ctx.device).map_err(|e| {
+                Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
+            }),
+            PageWait::Stream => {
+                let ev = self.events.record(ctx.driver, ctx.device, ctx.shard.stream).map_err(|e| {
+                    Error::driver(e, "recording an event on the stream before unmapping its free pages")
+                })?;
+                // Back to the idle events whatever happens, unwinding included.
+                let events = scopeguard::guard(&mut self.events, |events| events.unused([ev]));
+                let r = ctx.driver.event_synchronize(ev);
+                drop(events);
+                r.map_err(|e| Error::driver(e, "waiting for the stream's work before unmapping its free pages"))
+            }
+        }
     }
 }
