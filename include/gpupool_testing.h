@@ -28,6 +28,20 @@ extern "C" {
 gpupool_status gpupool_sim_hold_stream(gpupool_stream_t stream);
 
 /**
+ * Simulated device only: how many times gpupool waited for work held on `stream`
+ * (`cuEventSynchronize` of an event recorded there, as the high-water rule of expandable
+ * segments and the out-of-memory path do); the simulated device completes that work then, as
+ * a real one would have run it meanwhile. Written to `*count`.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `count` is
+ * NULL. Thread-safe.
+ *
+ * # Safety
+ * `count` must be NULL or point to a writable `uint64_t`.
+ */
+gpupool_status gpupool_sim_stream_waits(gpupool_stream_t stream, uint64_t *count);
+
+/**
  * Simulated device only: completes all work queued on `stream` and stops holding it.
  *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.

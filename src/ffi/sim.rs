@@ -3,7 +3,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::status::{boundary, gpupool_status};
+use super::status::{boundary, gpupool_status, out_ptr};
 use super::{Runtime, gpupool_stream_t, runtime};
 use crate::driver::CaptureMode;
 use crate::driver::sim::SimDriver;
@@ -28,6 +28,27 @@ fn sim() -> Result<(&'static Runtime, &'static SimDriver), Error> {
 pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_hold_stream", || {
         sim()?.1.hold_stream(stream as usize);
+        Ok(())
+    })
+}
+
+/// Simulated device only: how many times gpupool waited for work held on `stream`
+/// (`cuEventSynchronize` of an event recorded there, as the high-water rule of expandable
+/// segments and the out-of-memory path do); the simulated device completes that work then, as
+/// a real one would have run it meanwhile. Written to `*count`.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `count` is
+/// NULL. Thread-safe.
+///
+/// # Safety
+/// `count` must be NULL or point to a writable `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, count: *mut u64) -> gpupool_status {
+    boundary("gpupool_sim_stream_waits", || {
+        let count = out_ptr(count, "count")?;
+        let n = sim()?.1.stream_waits(stream as usize);
+        // SAFETY: non-NULL, and the caller passes a writable u64.
+        unsafe { count.write(n) };
         Ok(())
     })
 }

@@ -205,6 +205,11 @@ static void test_record_stream_sim(void) {
   CHECK_OK(gpupool_malloc(&q, 2 * MIB, 0, a));
   CHECK(q != p); /* b may still be using p */
   CHECK_OK(gpupool_free(q));
+  uint64_t waits = 99;
+  CHECK_OK(gpupool_sim_stream_waits(b, &waits));
+  CHECK(waits == 0); /* nothing waited for b's held work */
+  CHECK(gpupool_sim_stream_waits(b, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(message_from("gpupool_sim_stream_waits"));
   CHECK_OK(gpupool_sim_release_stream(b));
   CHECK_OK(gpupool_malloc(&r, 2 * MIB, 0, a));
   CHECK(r == p); /* b has passed the free */

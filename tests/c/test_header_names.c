@@ -92,6 +92,7 @@ int main(void) {
       (any_fn)gpupool_pool_stats,
       (any_fn)gpupool_sim_hold_stream,
       (any_fn)gpupool_sim_release_stream,
+      (any_fn)gpupool_sim_stream_waits,
       (any_fn)gpupool_sim_set_device,
       (any_fn)gpupool_sim_host_pinned,
       (any_fn)gpupool_sim_begin_capture,
@@ -106,5 +107,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 51 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 52 ? 0 : 1)) != 0;
 }

@@ -9,6 +9,9 @@ pub(super) struct SimStream {
     recorded: u64,
     completed: u64,
     held: bool,
+    /// Times a host wait (`cuEventSynchronize`) completed work of this stream while it was held
+    /// (the host waited for it: the simulated device runs it then).
+    waits: u64,
 }
 
 impl SimDriver {
@@ -23,6 +26,13 @@ impl SimDriver {
         let s = st.streams.entry(stream).or_default();
         s.held = false;
         s.completed = s.recorded;
+    }
+
+    /// How many times a host wait (`cuEventSynchronize`) completed work held on `stream`: a
+    /// test that holds a stream sees which of its work gpupool waited for (a real device
+    /// would have run it meanwhile).
+    pub fn stream_waits(&self, stream: StreamHandle) -> u64 {
+        self.state.lock().streams.get(&stream).map_or(0, |s| s.waits)
     }
 
     /// Events created and not destroyed.
@@ -92,6 +102,9 @@ impl SimDriver {
         st.captured_event(event, "cuEventSynchronize")?;
         if let Some(Some((stream, ticket))) = st.events.get(&event.0).copied() {
             let s = st.streams.entry(stream).or_default();
+            if s.held && ticket > s.completed {
+                s.waits += 1;
+            }
             s.completed = s.completed.max(ticket);
             Ok(())
         } else {

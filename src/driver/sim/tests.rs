@@ -1,4 +1,5 @@
-//! The simulated driver's unit tests: injected faults, of each kind, fire on the call chosen.
+//! The simulated driver's unit tests: injected faults, of each kind, fire on the call chosen; a host
+//! wait runs held work up to its event.
 
 use super::*;
 
@@ -41,4 +42,25 @@ fn a_missing_symbol_is_reported_by_name_and_a_panic_names_it_too() {
     sim.inject_panic(SimOp::MemAlloc, 5);
     assert_eq!(sim.clear_faults(), 1);
     sim.mem_free(0, sim.mem_alloc(0, 512).unwrap()).unwrap();
+}
+
+#[test]
+fn a_host_wait_runs_held_work_up_to_its_event_and_is_counted() {
+    let sim = SimDriver::new(1, 64 << 20);
+    let (early, late) = (sim.event_create(0).unwrap(), sim.event_create(0).unwrap());
+    sim.hold_stream(7);
+    sim.event_record(0, early, 7).unwrap();
+    sim.event_record(0, late, 7).unwrap();
+    assert!(!sim.event_query(early).unwrap(), "held work does not run");
+    sim.event_synchronize(early).unwrap();
+    assert_eq!(sim.stream_waits(7), 1);
+    assert!(sim.event_query(early).unwrap() && !sim.event_query(late).unwrap(), "only up to the event waited for");
+    sim.event_synchronize(early).unwrap();
+    assert_eq!(sim.stream_waits(7), 1, "a wait for work already run is not counted");
+    sim.release_stream(7);
+    sim.event_synchronize(late).unwrap();
+    assert_eq!((sim.stream_waits(7), sim.stream_waits(8)), (1, 0), "nor one on a stream not held");
+    for ev in [early, late] {
+        sim.event_destroy(0, ev);
+    }
 }
