@@ -450,3 +450,41 @@ fn the_rule_waits_for_the_growing_streams_work_only() {
         assert_eq!(drv.live_events(), 0, "fail {fail}: no event left behind");
     }
 }
+
+/// `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more grows a range of 20 MiB
+/// pages, a smaller one a range of 2 MiB pages, and the page pool keeps each size apart; a map
+/// that fails leaves nothing behind.
+#[test]
+fn large_requests_map_large_pages_in_ranges_of_their_own() {
+    const HUGE: usize = 20 * MIB;
+    for reclaim in [false, true] {
+        let config = Config { expandable_large_pages: true, expandable_reclaim: reclaim, ..expandable() };
+        let (a, drv) = sim_with(1, 1 << 30, config);
+        let c0 = drv.counts();
+        let big = a.malloc(2 * HUGE, 0, 0x10).unwrap();
+        touch(big, 2 * HUGE, 1);
+        let c1 = drv.counts();
+        assert_eq!(c1.mem_map - c0.mem_map, 2, "reclaim {reclaim}: two pages of 20 MiB");
+        let small = a.malloc(3 * MIB, 0, 0x10).unwrap();
+        touch(small, 3 * MIB, 2);
+        assert_eq!(drv.counts().mem_map - c1.mem_map, 2, "reclaim {reclaim}: two pages of 2 MiB");
+        assert!(small.abs_diff(big) >= (2 * HUGE) as u64, "reclaim {reclaim}: another range");
+        let s = a.stats(0).unwrap();
+        assert_eq!((s.segment.all.current, s.reserved_bytes.all.current), (2, (2 * HUGE + 4 * MIB) as i64));
+        check(&a);
+        // A third large page fails to map: the growth falls back to an ordinary segment, and
+        // the large range is as it was.
+        drv.inject(SimOp::MemMap, 0, SimFault::Fail(cuda("cuMemMap")));
+        let third = a.malloc(HUGE, 0, 0x10).unwrap();
+        touch(third, HUGE, 3);
+        check(&a);
+        // Freed, the large block serves a large request again from the cache.
+        a.free(big).unwrap();
+        let again = a.malloc(2 * HUGE, 0, 0x10).unwrap();
+        assert_eq!(again, big, "reclaim {reclaim}");
+        for p in [again, small, third] {
+            a.free(p).unwrap();
+        }
+        all_given_back(&a, &drv);
+    }
+}

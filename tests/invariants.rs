@@ -166,8 +166,16 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     let expandable_reclaim = ops.len() % 2 == 0;
     // Half the cases, crossing those, release unused streams' cache before growing past the mark.
     let release_unused_streams = ops.len() % 4 < 2;
-    let config =
-        Config { max_split_size, expandable_segments, expandable_reclaim, release_unused_streams, ..Config::default() };
+    // Half the cases, crossing both, with large requests in ranges of 20 MiB pages.
+    let expandable_large_pages = ops.len() % 8 < 4;
+    let config = Config {
+        max_split_size,
+        expandable_segments,
+        expandable_reclaim,
+        release_unused_streams,
+        expandable_large_pages,
+        ..Config::default()
+    };
     let (a, drv) = sim_with(1, 160 * MIB, config);
     if history {
         record_all(&a, HistoryContext::All);
@@ -433,11 +441,13 @@ fn run_with_faults(
     // A third of the cases collect garbage (it acts only under a memory fraction).
     let garbage_collection_threshold = if ops.len() % 3 == 0 { 0.5 } else { 0.0 };
     let release_unused_streams = ops.len() % 4 < 2;
+    let expandable_large_pages = ops.len() % 8 < 4;
     let config = Config {
         max_split_size,
         expandable_segments,
         expandable_reclaim,
         release_unused_streams,
+        expandable_large_pages,
         garbage_collection_threshold,
         ..Config::default()
     };

@@ -304,8 +304,9 @@ const CONFS: [&str; 9] = [
 
 /// An allocator of `capacity` bytes under `conf` after `ops` (failures ignored). Stream 7,
 /// which `RecordStream` names, is held and released by `Hold` and `Release`.
-fn replay(conf: &str, reclaim: bool, capacity: usize, ops: &[Op]) -> (Allocator, Arc<SimDriver>) {
-    let (a, sim) = sim_with(1, capacity, Config { expandable_reclaim: reclaim, ..config(conf) });
+fn replay(conf: &str, reclaim: bool, large_pages: bool, capacity: usize, ops: &[Op]) -> (Allocator, Arc<SimDriver>) {
+    let config = Config { expandable_reclaim: reclaim, expandable_large_pages: large_pages, ..config(conf) };
+    let (a, sim) = sim_with(1, capacity, config);
     let mut live: Vec<DevicePtr> = Vec::new();
     for op in ops {
         match *op {
@@ -332,9 +333,10 @@ proptest! {
         ops in proptest::collection::vec(op(), 0..40),
         conf in 0..CONFS.len(),
         reclaim in any::<bool>(),
+        large_pages in any::<bool>(),
         capacity in prop_oneof![Just(64 * MIB), Just(200 * MIB), Just(512 * MIB)],
         stream in 0usize..4,
     ) {
-        exact(&|| replay(CONFS[conf], reclaim, capacity, &ops), stream);
+        exact(&|| replay(CONFS[conf], reclaim, large_pages, capacity, &ops), stream);
     }
 }

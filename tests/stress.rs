@@ -36,11 +36,14 @@ fn threads_on_several_streams_keep_every_invariant_with_expandable_segments() {
 /// unmapped, their locks taken one at a time while threads allocate on them.
 #[test]
 fn threads_on_several_streams_keep_every_invariant_with_the_high_water_rule() {
-    threads_on_several_streams_with(Config {
-        expandable_segments: true,
-        expandable_reclaim: true,
-        ..Config::default()
-    });
+    for expandable_large_pages in [false, true] {
+        threads_on_several_streams_with(Config {
+            expandable_segments: true,
+            expandable_reclaim: true,
+            expandable_large_pages,
+            ..Config::default()
+        });
+    }
 }
 
 fn threads_on_several_streams(expandable_segments: bool) {

@@ -13,6 +13,9 @@
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
 //!
+//! With `GPUPOOL_EXPANDABLE_LARGE_PAGES=1` in the environment, requests of 20 MiB and more map
+//! 20 MiB pages in ranges of their own.
+//!
 //! CAPACITY_GIB: the simulated device's memory (default 80, an H100's), which sizes the
 //! expandable segments' address ranges. With `--cuda`, the same replays on device 0 of this
 //! machine's GPU instead (a fresh allocator each, `REPEATS` times, default 3), timed: cold and
@@ -37,7 +40,10 @@ fn main() {
     let t = &traces[0];
     println!("{}: {} events, peak live {:.1} MiB", args[1], t.events.len(), t.peak_live() as f64 / 1048576.0);
     for reclaim in [false, true] {
-        let mut config = setting::Setting::conf("expandable_segments:True").unwrap().config;
+        // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
+        let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
+        let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
+        let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
         config.expandable_reclaim = reclaim;
         let drv = Arc::new(SimDriver::new(1, capacity));
         let a = Allocator::new(drv.clone(), config);
@@ -83,7 +89,10 @@ fn on_gpu(args: &[String]) {
         t.peak_live() as f64 / 1048576.0
     );
     for reclaim in [false, true] {
-        let mut config = setting::Setting::conf("expandable_segments:True").unwrap().config;
+        // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
+        let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
+        let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
+        let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
         config.expandable_reclaim = reclaim;
         for _ in 0..repeats {
             let o = gpu.replay(t, &config).expect("replay");

@@ -91,6 +91,11 @@ impl PagePool {
         self.state.lock().held.current as usize
     }
 
+    /// Bytes held now of each page size: (page bytes, bytes held).
+    pub fn held_by_page(&self) -> Vec<(usize, usize)> {
+        self.state.lock().free.iter().map(|(page, l)| (*page, page * l.len())).collect()
+    }
+
     /// The statistic of held bytes (current, peak, bytes put in, bytes taken or released).
     pub fn stat(&self) -> Stat {
         self.state.lock().held

@@ -45,6 +45,7 @@
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md) |
+//! | `GPUPOOL_EXPANDABLE_LARGE_PAGES` | boolean | `off` | With `expandable_segments:True`: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md) |
 //! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
@@ -190,8 +191,13 @@ pub struct Config {
     /// gpupool's high-water rule for expandable segments (`GPUPOOL_EXPANDABLE_RECLAIM`, off by
     /// default): before an expandable segment grows past the device's peak reserved bytes
     /// (since the cache was last emptied or the peaks reset), wholly free pages mapped anywhere
-    /// on the device are unmapped (after a device synchronisation). Off: PyTorch's behaviour.
+    /// on the device are unmapped (after the growing stream's work, or the device, is waited
+    /// for). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
+    /// `GPUPOOL_EXPANDABLE_LARGE_PAGES` (off by default): with expandable segments, requests of
+    /// 20 MiB and more grow address ranges of their own mapped in 20 MiB pages (PyTorch's page
+    /// in its large pool), the rest 2 MiB pages (see `caching::shard::expand`).
+    pub expandable_large_pages: bool,
     /// `GPUPOOL_RELEASE_UNUSED_STREAMS` (see `caching::device::stranded`).
     pub release_unused_streams: bool,
     /// The allocation history an allocator records from its start
@@ -226,6 +232,7 @@ impl Default for Config {
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
             expandable_reclaim: false,
+            expandable_large_pages: false,
             release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,

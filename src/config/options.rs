@@ -55,7 +55,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 11] = [
+pub static OPTIONS: [Opt; 12] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -130,6 +130,14 @@ pub static OPTIONS: [Opt; 11] = [
         doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md)",
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
+    },
+    Opt {
+        name: "GPUPOOL_EXPANDABLE_LARGE_PAGES",
+        kind: Kind::Bool,
+        default: Value::Bool(false),
+        doc: "With `expandable_segments:True`: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md)",
+        set: |c, v| c.expandable_large_pages = v == Value::Bool(true),
+        get: |c| Value::Bool(c.expandable_large_pages),
     },
     Opt {
         name: "GPUPOOL_RELEASE_UNUSED_STREAMS",

@@ -195,6 +195,7 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
         ("GPUPOOL_PRELOAD_SYNC_BYTES", "lots", "a size"),
         ("GPUPOOL_PRELOAD_STATS", "maybe", "a boolean"),
         ("GPUPOOL_EXPANDABLE_RECLAIM", "sometimes", "a boolean"),
+        ("GPUPOOL_EXPANDABLE_LARGE_PAGES", "20MB", "a boolean"),
         ("GPUPOOL_RELEASE_UNUSED_STREAMS", "often", "a boolean"),
         ("GPUPOOL_RECORD_HISTORY", "100000:stacks", "100000:alloc"),
         ("GPUPOOL_LIVE_REPORT_AT_EXIT", "later", "a boolean"),
@@ -259,6 +260,7 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
          GPUPOOL_PRELOAD_STATS=on\n\
          GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
+         GPUPOOL_EXPANDABLE_LARGE_PAGES=off (default)\n\
          GPUPOOL_RELEASE_UNUSED_STREAMS=off (default)\n\
          GPUPOOL_RECORD_HISTORY=off (default)\n\
          GPUPOOL_LIVE_REPORT_AT_EXIT=off (default)\n\

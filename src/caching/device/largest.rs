@@ -40,9 +40,10 @@ impl DeviceAllocator {
         }
         Ok(largest::largest(&Situation {
             rules: self.rules,
-            pages: self.expandable.as_ref().map(|p| [p.small_page, p.large_page]),
+            pages: self.expandable,
             now,
             room: info.free.min(headroom),
+            held: self.pages.held_by_page(),
             others_release,
             grow: !capturing,
             release: !underway,

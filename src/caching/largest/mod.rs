@@ -31,6 +31,7 @@
 mod tests;
 
 use super::rules::{self, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_SIZE, SizeRules};
+use super::shard::ExpandablePolicy;
 
 /// What a block of the copy is (the allocator's `BlockState`, as the attempts see it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,11 +148,11 @@ impl ShardModel {
         free
     }
 
-    /// Each run of free and unmapped blocks of `pool`'s expandable segments that
-    /// `find_expandable_block` considers, in its order: the blocks from the free block before
-    /// an unmapped one (if any) on while free or unmapped.
-    fn runs(&self, pool: PoolKind) -> impl Iterator<Item = &[(usize, Kind)]> {
-        self.segs.iter().filter(move |s| s.page.is_some() && s.pool == pool).flat_map(|s| {
+    /// Each run of free and unmapped blocks of `pool`'s expandable segments of `page`-byte
+    /// pages that `find_expandable_block` considers, in its order: the blocks from the free
+    /// block before an unmapped one (if any) on while free or unmapped.
+    fn runs(&self, pool: PoolKind, page: usize) -> impl Iterator<Item = &[(usize, Kind)]> {
+        self.segs.iter().filter(move |s| s.page == Some(page) && s.pool == pool).flat_map(|s| {
             let b = &s.blocks;
             let usable = |k: Kind| matches!(k, Kind::Free | Kind::Unmapped);
             (0..b.len()).filter(|&j| b[j].1 == Kind::Unmapped).map(move |j| {
@@ -179,13 +180,18 @@ fn merge(blocks: &mut Vec<(usize, Kind)>, kind: Kind) {
 #[derive(Clone, Debug)]
 pub(crate) struct Situation {
     pub rules: SizeRules,
-    /// Page sizes of expandable segments, `[small, large]`; `None`: ordinary segments.
-    pub pages: Option<[usize; 2]>,
+    /// How expandable segments are laid out (the page a request grows); `None`: ordinary
+    /// segments.
+    pub pages: Option<ExpandablePolicy>,
     /// The stream's blocks as the first attempt finds them (after `process_events`).
     pub now: ShardModel,
     /// Bytes new memory may take now: the driver's free memory (`cuMemGetInfo`), or less
     /// where the memory fraction leaves less.
     pub room: usize,
+    /// The device's page pool: (page bytes, bytes held) for each page size. A growth maps held
+    /// handles of its page size before it takes new memory; release-and-retry gives every
+    /// held handle back to the driver.
+    pub held: Vec<(usize, usize)>,
     /// Bytes release-and-retry gives back from the device's other streams and private pools.
     pub others_release: usize,
     /// Whether a miss may take new memory (not while the stream captures a CUDA graph).
@@ -196,16 +202,23 @@ pub(crate) struct Situation {
     pub deferred: bool,
 }
 
-/// One attempt: the stream's blocks and the room new memory may take.
+/// One attempt: the stream's blocks, the room new memory may take and the held pages a
+/// growth maps first, (page bytes, bytes held).
 struct Attempt {
     shard: ShardModel,
     free: [Vec<usize>; 2],
     room: usize,
+    held: Vec<(usize, usize)>,
 }
 
 impl Attempt {
-    fn new(shard: ShardModel, room: usize) -> Attempt {
-        Attempt { free: shard.free_sizes(), shard, room }
+    fn new(shard: ShardModel, room: usize, held: Vec<(usize, usize)>) -> Attempt {
+        Attempt { free: shard.free_sizes(), shard, room, held }
+    }
+
+    /// The room for a growth in `page`-byte pages: new memory, and the held pages of that size.
+    fn room_for(&self, page: usize) -> usize {
+        self.held.iter().filter(|h| h.0 == page).fold(self.room, |r, h| r.saturating_add(h.1))
     }
 
     /// Whether this attempt serves a request of `rounded` bytes (a size `round_size` keeps).
@@ -222,16 +235,19 @@ impl Attempt {
             return false;
         }
         match s.pages {
-            Some(pages) => self.pages_to_map(pool, pages[pool as usize], rounded) <= self.room,
+            Some(p) => {
+                let page = p.page_for(pool, rounded);
+                self.pages_to_map(pool, page, rounded) <= self.room_for(page)
+            }
             None => rules::segment_size(rounded, &s.rules).is_some_and(|seg| seg <= self.room),
         }
     }
 
-    /// Bytes `try_allocate_expandable_block` maps for `rounded` bytes: in the first run that
-    /// holds them, the unmapped blocks' pages from its start until the run holds `rounded`
-    /// (`map_block`); in a new range if none does.
+    /// Bytes `try_allocate_expandable_block` maps for `rounded` bytes in ranges of `page`-byte
+    /// pages: in the first run that holds them, the unmapped blocks' pages from its start
+    /// until the run holds `rounded` (`map_block`); in a new range if none does.
     fn pages_to_map(&self, pool: PoolKind, page: usize, rounded: usize) -> usize {
-        for run in self.shard.runs(pool) {
+        for run in self.shard.runs(pool, page) {
             if run.iter().map(|b| b.0).sum::<usize>() < rounded {
                 continue;
             }
@@ -264,11 +280,16 @@ impl Attempt {
             return;
         }
         out.extend([self.room, self.room / ROUND_LARGE * ROUND_LARGE]);
-        let Some(pages) = s.pages else { return };
-        for (pool, page) in [PoolKind::Small, PoolKind::Large].into_iter().zip(pages) {
-            out.push(self.room / page * page);
-            for run in self.shard.runs(pool) {
-                let (mut reach, mut left) = (0, self.room);
+        let Some(p) = s.pages else { return };
+        let mut pages = vec![(PoolKind::Small, p.small_page), (PoolKind::Large, p.large_page)];
+        if p.huge_from != usize::MAX {
+            pages.push((PoolKind::Large, p.huge_page));
+        }
+        for (pool, page) in pages {
+            let room = self.room_for(page);
+            out.push(room / page * page);
+            for run in self.shard.runs(pool, page) {
+                let (mut reach, mut left) = (0, room);
                 for &(size, kind) in run {
                     let add = if kind == Kind::Unmapped { size.min(left / page * page) } else { size };
                     reach += add;
@@ -308,24 +329,30 @@ pub(crate) fn largest_rounded_within(x: usize, rules: &SizeRules) -> Option<usiz
 /// The largest request in bytes that one of malloc's attempts serves in situation `s`; 0
 /// when none does (every request fails, but a request of 0 bytes).
 pub(crate) fn largest(s: &Situation) -> usize {
-    let mut attempts = vec![Attempt::new(s.now.clone(), s.room)];
+    let mut attempts = vec![Attempt::new(s.now.clone(), s.room, s.held.clone())];
     if s.release && s.grow {
         if s.deferred {
-            attempts.push(Attempt::new(s.now.freeing(&[Kind::Sync]), s.room));
+            attempts.push(Attempt::new(s.now.freeing(&[Kind::Sync]), s.room, s.held.clone()));
         }
+        // Release-and-retry unmaps the free pages into the pool and gives every held handle back.
         let (after, freed) = s.now.freeing(&[Kind::Events, Kind::Sync]).released();
-        attempts.push(Attempt::new(after, s.room.saturating_add(s.others_release).saturating_add(freed)));
+        let held: usize = s.held.iter().map(|h| h.1).sum();
+        let room = s.room.saturating_add(s.others_release).saturating_add(freed).saturating_add(held);
+        attempts.push(Attempt::new(after, room, Vec::new()));
     }
     let mut bounds = Vec::new();
     for a in &attempts {
         a.bounds(s, &mut bounds);
     }
     // Each bound, and the edges where the rules change (the small pool's largest size, the
-    // last size of `large_segment_size` segments, the last under `max_split_size`) below the
+    // last size of `large_segment_size` segments, the last under `max_split_size`, the last
+    // that grows ranges of small pages) below the
     // largest bound: a bound cut to an edge is the edge. `largest_rounded_within` never
     // decreases, so the sizes stay in order.
     let top = bounds.iter().copied().max().unwrap_or(0);
-    let edges = [SMALL_SIZE, MIN_LARGE_ALLOC - 1, s.rules.max_split_size - 1];
+    // With large pages, requests from `huge_from` on grow other ranges than those below it.
+    let huge = s.pages.map_or(usize::MAX, |p| p.huge_from);
+    let edges = [SMALL_SIZE, MIN_LARGE_ALLOC - 1, s.rules.max_split_size - 1, huge - 1];
     bounds.extend(edges.into_iter().filter(|&e| e <= top));
     bounds.sort_unstable_by(|a, b| b.cmp(a));
     bounds.dedup();

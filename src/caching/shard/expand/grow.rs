@@ -62,7 +62,7 @@ impl ShardState {
         let policy = ctx.expandable.expect("only called with expandable segments on");
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
         let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
-        let page = policy.page(pool);
+        let page = policy.page_for(pool, rounded);
         let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
         // Held handles first: they are device memory counted already, so only the pages
         // still wanted count towards the high-water mark and the memory limit. Whatever
@@ -137,7 +137,7 @@ impl ShardState {
         rounded: usize,
         c: u32,
     ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
-        let start = match self.find_expandable(pool, rounded) {
+        let start = match self.find_expandable(pool, rounded, policy.page_for(pool, rounded)) {
             Some(id) => id,
             None => self.reserve_range(ctx, policy, pool, rounded, c)?,
         };
@@ -161,13 +161,16 @@ impl ShardState {
         Ok((start, plan))
     }
 
-    /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address)
-    /// that, with the free block before it if any and the free and unmapped blocks after it,
-    /// holds `size` bytes. Returns the first block of that run.
-    fn find_expandable(&self, pool: PoolKind, size: usize) -> Option<BlockId> {
+    /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address), in a
+    /// range of `page`-byte pages, that, with the free block before it if any and the free and
+    /// unmapped blocks after it, holds `size` bytes. Returns the first block of that run.
+    fn find_expandable(&self, pool: PoolKind, size: usize, page: usize) -> Option<BlockId> {
         let usable =
             |id: BlockId| id != NIL && matches!(self.blocks[id].state, BlockState::Free | BlockState::Unmapped);
         for &(_, u) in &self.unmapped[pool as usize] {
+            if self.expandable_of(self.blocks[u].addr).1.page != page {
+                continue;
+            }
             let prev = self.blocks[u].prev;
             let start = if usable(prev) { prev } else { u };
             let (mut bytes, mut id) = (0, start);
@@ -182,8 +185,9 @@ impl ShardState {
         None
     }
 
-    /// A new expandable segment of `pool` for a request of `size` bytes, wholly unmapped:
-    /// its one block is returned.
+    /// A new expandable segment of `pool` for a request of `size` bytes, in pages of the size
+    /// the request grows ([`ExpandablePolicy::page_for`]), wholly unmapped: its one block is
+    /// returned.
     fn reserve_range(
         &mut self,
         ctx: &ShardCtx,
@@ -192,15 +196,19 @@ impl ShardState {
         size: usize,
         c: u32,
     ) -> Result<BlockId, DriverError> {
+        let page = policy.page_for(pool, size);
         let largest = self
             .expandables
             .iter()
-            .filter(|b| self.blocks[self.segments[b].head].pool == pool)
+            .filter(|b| {
+                let s = &self.segments[b];
+                self.blocks[s.head].pool == pool && s.exp.as_deref().is_some_and(|e| e.page == page)
+            })
             .map(|b| self.segments[b].size)
             .max()
             .unwrap_or(0);
         let va = policy.range_size(pool, size, largest).ok_or(DriverError::OutOfMemory)?;
-        let exp = Expandable::reserve(ctx.driver, ctx.device, va, policy.page(pool))?;
+        let exp = Expandable::reserve(ctx.driver, ctx.device, va, page)?;
         let base = exp.base;
         let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));
         self.segments.insert(base, SegmentInfo { head: id, size: va, exp: Some(Box::new(exp)), ctx: c, graph: false });

@@ -55,16 +55,26 @@ pub(crate) struct ExpandablePolicy {
     /// Page size of the large pool's segments (PyTorch: `kLargeBuffer`, 20 MiB; gpupool: 2 MiB,
     /// see `device`).
     pub large_page: usize,
+    /// Requests of the large pool from this many bytes on grow ranges of their own mapped in
+    /// pages of `huge_page` bytes (`GPUPOOL_EXPANDABLE_LARGE_PAGES`); `usize::MAX`: never.
+    pub huge_from: usize,
+    /// Page size of those ranges (PyTorch's `kLargeBuffer`, 20 MiB).
+    pub huge_page: usize,
     /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
     /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
-    /// twice the largest it has, or the request if that is larger.
+    /// (and page size) twice the largest it has, or the request if that is larger.
     pub device_total: usize,
 }
 
 impl ExpandablePolicy {
-    fn page(&self, pool: PoolKind) -> usize {
+    /// The page size of the ranges a request of `rounded` bytes of `pool` grows: each range
+    /// has one page size, and a request looks only at ranges of its own (so that blocks of
+    /// 20 MiB and more, laid out in their own ranges, are moved by the high-water rule in large
+    /// pages, and the small ones in small pages).
+    pub(crate) fn page_for(&self, pool: PoolKind, rounded: usize) -> usize {
         match pool {
             PoolKind::Small => self.small_page,
+            PoolKind::Large if rounded >= self.huge_from => self.huge_page,
             PoolKind::Large => self.large_page,
         }
     }
@@ -72,7 +82,7 @@ impl ExpandablePolicy {
     /// Bytes of address space for a new range of `pool` that must hold `need` bytes, when the
     /// shard's largest range of that pool is `largest` bytes (0: none).
     fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
-        let page = self.page(pool);
+        let page = self.page_for(pool, need);
         let share = match pool {
             PoolKind::Small => self.device_total / 64,
             PoolKind::Large => self.device_total / 8,
