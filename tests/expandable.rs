@@ -488,3 +488,67 @@ fn large_requests_map_large_pages_in_ranges_of_their_own() {
         all_given_back(&a, &drv);
     }
 }
+
+/// With large pages and the rule, a growth unmaps only free pages of its own page size (the
+/// only handles it can map): free 2 MiB pages stay mapped while a 20 MiB-page range grows past
+/// the mark, and free 20 MiB pages move to it without a handle created.
+#[test]
+fn the_rule_unmaps_only_pages_a_growth_can_map() {
+    const HUGE: usize = 20 * MIB;
+    let config = Config { expandable_large_pages: true, ..reclaiming() };
+    let (a, drv) = sim_with(1, 1 << 30, config);
+    // Free pages of both sizes: 8 MiB in 2 MiB pages, 40 MiB in 20 MiB pages.
+    let small = a.malloc(8 * MIB, 0, 0x10).unwrap();
+    let big = a.malloc(2 * HUGE, 0, 0x10).unwrap();
+    let kept = a.malloc(HUGE, 0, 0x10).unwrap();
+    for p in [small, big] {
+        a.free(p).unwrap();
+    }
+    // 60 MiB do not fit the 40 MiB hole: the growth passes the mark by 60 MiB.
+    let c0 = drv.counts();
+    let grown = a.malloc(3 * HUGE, 0, 0x10).unwrap();
+    touch(grown, 3 * HUGE, 9);
+    let c1 = drv.counts();
+    assert_eq!(c1.mem_unmap - c0.mem_unmap, 2, "the two free 20 MiB pages, not the 2 MiB ones");
+    assert_eq!(c1.mem_create - c0.mem_create, 1, "one 20 MiB page made, two moved");
+    let s = a.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.all.current, (8 * MIB + 4 * HUGE) as i64);
+    check(&a);
+    for p in [kept, grown] {
+        a.free(p).unwrap();
+    }
+    all_given_back(&a, &drv);
+}
+
+/// On the per-thread default stream (one handle, each thread's own stream) the rule cannot wait
+/// for the one stream that used the pages: it synchronises the device. A panic while the event
+/// is recorded loses no event.
+#[test]
+fn the_rule_synchronises_the_device_for_the_per_thread_stream_and_keeps_its_events() {
+    for (stream, panic) in [(2usize, false), (0x10, true)] {
+        let (a, drv) = sim_with(1, 1 << 30, reclaiming());
+        let first = a.malloc(10 * PAGE, 0, stream).unwrap();
+        let second = a.malloc(10 * PAGE, 0, stream).unwrap();
+        a.free(first).unwrap();
+        let c0 = drv.counts();
+        if panic {
+            drv.inject(SimOp::EventRecord, 0, SimFault::Panic);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.malloc(20 * PAGE, 0, stream)));
+            assert!(r.is_err(), "the injected panic unwinds");
+            check(&a);
+            a.free(second).unwrap();
+            all_given_back(&a, &drv);
+            assert_eq!(drv.live_events(), 0, "the event went back to the idle ones, and was destroyed");
+            continue;
+        }
+        let third = a.malloc(20 * PAGE, 0, stream).unwrap();
+        let c1 = drv.counts();
+        let waits = (c1.device_synchronize - c0.device_synchronize, c1.event_synchronize - c0.event_synchronize);
+        assert_eq!(waits, (1, 0), "stream {stream:#x}");
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.peak, (30 * PAGE) as i64);
+        for p in [second, third] {
+            a.free(p).unwrap();
+        }
+        all_given_back(&a, &drv);
+    }
+}

@@ -45,13 +45,11 @@ impl StreamEvents {
             Some(ev) => ev,
             None => driver.event_create(device)?,
         };
-        match driver.event_record(device, ev, stream) {
-            Ok(()) => Ok(ev),
-            Err(e) => {
-                self.idle.push(ev);
-                Err(e)
-            }
-        }
+        // Back to the idle events unless recorded, unwinding included.
+        let idle = scopeguard::guard(&mut self.idle, |idle| idle.push(ev));
+        driver.event_record(device, ev, stream)?;
+        scopeguard::ScopeGuard::into_inner(idle);
+        Ok(ev)
     }
 
     /// Takes back events recorded by [`StreamEvents::record`] but never queued (a free that

@@ -33,8 +33,8 @@ pub(crate) struct PagePool {
 
 #[derive(Debug, Default)]
 struct PoolState {
-    /// (page bytes, handles of that size mapped nowhere), one entry per page size seen; both
-    /// pools' pages are 2 MiB today, so one entry.
+    /// (page bytes, handles of that size mapped nowhere), one entry per page size seen (2 MiB;
+    /// and 20 MiB with `GPUPOOL_EXPANDABLE_LARGE_PAGES`).
     free: Vec<(usize, Vec<PhysHandle>)>,
     /// Bytes held: `allocated` counts handles put in, `freed` those taken out or released.
     held: Stat,

@@ -117,7 +117,10 @@ typedef struct {
   unsigned awaits; /* QUARANTINED: bit k set while side stream k is held since the free */
   /* QUARANTINED: gpupool_sim_stream_waits of each side stream it awaits, read before the free:
    * once gpupool has waited for that stream since (the high-water rule waits for the stream
-   * it grows on), its events have completed. */
+   * it grows on), its events have most likely completed. A wait between this read and the
+   * free's own event would end the quarantine early (a reuse bug in that window would go
+   * unseen); reading after the free instead would keep quarantines that a wait did end, and
+   * report false overlaps. The simulated device's event tickets would make it exact. */
   uint64_t waits[SIDE_STREAMS];
 } range_t;
 

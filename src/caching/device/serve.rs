@@ -115,7 +115,7 @@ impl DeviceAllocator {
         };
         drop(st);
         match detour {
-            Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short),
+            Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short, req),
             Some(Served::Collect) => {
                 self.collect_garbage();
             }
@@ -153,9 +153,12 @@ impl DeviceAllocator {
     }
 
     /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
-    /// expandable segments are unmapped, `want` bytes of them if they have that many, each
-    /// shard locked in turn (the caller holds none). A failure leaves those pages cached.
-    fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize) {
+    /// expandable segments, of the page size `req` grows, are unmapped, `want` bytes of them
+    /// if they have that many, each shard locked in turn (the caller holds none). A failure
+    /// leaves those pages cached.
+    fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize, req: &Request) {
+        // Only pages of the size the growth maps serve it (see `ExpandablePolicy::page_for`).
+        let page = self.expandable.map(|p| p.page_for(req.pool, req.rounded));
         let mut left = want;
         for other in self.shards.all() {
             if left == 0 {
@@ -170,7 +173,7 @@ impl DeviceAllocator {
                 continue;
             }
             // The other stream may have been destroyed: the device is synchronised.
-            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None, PageWait::Device).unwrap_or(0));
+            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None, page, PageWait::Device).unwrap_or(0));
             self.finish(st, ());
         }
     }

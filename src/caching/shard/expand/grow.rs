@@ -70,7 +70,7 @@ impl ShardState {
         let mut spare = scopeguard::guard(Vec::new(), |mut spare: Vec<PhysHandle>| ctx.pages.put(page, &mut spare));
         let held_before = ctx.pages.held();
         let mut taken = ctx.pages.take(page, pages, &mut spare);
-        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, (pages - taken) * page) {
+        if let Some(past) = self.reclaim_before_growth(ctx, start, rounded, page, (pages - taken) * page) {
             return Ok(Growth::PastMark(past));
         }
         // What the rule unmapped waits in the pool.

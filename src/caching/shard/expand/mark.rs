@@ -33,8 +33,9 @@ pub(crate) enum Reclaim {
 impl ShardState {
     /// The high-water rule before [`ShardState::grow_expandable`] creates `bytes` of new pages
     /// (those its held handles do not cover) for a request of `rounded` bytes whose plan
-    /// starts at block `start`: with the rule on, free pages of this shard are unmapped into
-    /// the device's pool, as many as the growth passes the mark by, for the growth to map. Returns the bytes it
+    /// starts at block `start` in a range of `page`-byte pages: with the rule on, free pages
+    /// of that size of this shard are unmapped into the device's pool, as many as the growth
+    /// passes the mark by, for the growth to map. Returns the bytes it
     /// would still pass the mark by when the caller must unmap other streams' pages before it
     /// grows ([`Reclaim::Device`]; a range the growth reserved and left empty is given back
     /// then), `None` when the growth goes on.
@@ -43,6 +44,7 @@ impl ShardState {
         ctx: &ShardCtx,
         start: BlockId,
         rounded: usize,
+        page: usize,
         bytes: usize,
     ) -> Option<usize> {
         let over = ctx.limit.over_mark(bytes);
@@ -56,8 +58,9 @@ impl ShardState {
             let at = self.blocks[start].addr;
             // The call is on this shard's stream (a growth serves a malloc on it), so only that
             // stream's work is waited for.
-            let unmapped =
-                self.unmap_free_pages(ctx, over, Some(at..at + rounded as u64), PageWait::Stream).unwrap_or(0);
+            let unmapped = self
+                .unmap_free_pages(ctx, over, Some(at..at + rounded as u64), Some(page), PageWait::Stream)
+                .unwrap_or(0);
             if unmapped < over && ctx.reclaim == Reclaim::Device {
                 let base = self.expandable_of(at).0;
                 self.free_range_if_empty(ctx, base);

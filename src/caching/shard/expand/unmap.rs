@@ -9,6 +9,9 @@ use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 use crate::error::Error;
 
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, one handle for all threads.
+const PER_THREAD_STREAM: usize = 2;
+
 /// What [`ShardState::unmap_free_pages`] waits for before it unmaps: the work that may still
 /// read or write the free pages of a shard. Those blocks were freed in stream order on the
 /// shard's stream, and a block another stream used (`record_stream`) reaches the pool only
@@ -25,7 +28,9 @@ pub(crate) enum PageWait {
     /// `cuEventSynchronize`), when the call is on that stream (the high-water rule before a
     /// growth of the calling stream's segment): only that stream's work is waited for, not
     /// the other streams' (PyTorch's `ExpandableSegment::unmapHandles` synchronises the
-    /// segment's stream likewise).
+    /// segment's stream likewise). For the per-thread default stream (`CU_STREAM_PER_THREAD`,
+    /// one handle that names each thread's own stream, so one shard for all of them), a
+    /// device synchronisation.
     Stream,
 }
 
@@ -68,7 +73,7 @@ impl ShardState {
     /// Errors: [`Error::Cuda`] when the synchronisation or an unmapping fails; what was
     /// unmapped stays unmapped, the rest stays cached.
     pub fn release_pages(&mut self, ctx: &ShardCtx) -> Result<usize, Error> {
-        let released = self.unmap_free_pages(ctx, usize::MAX, None, PageWait::Device);
+        let released = self.unmap_free_pages(ctx, usize::MAX, None, None, PageWait::Device);
         for base in self.expandables.clone() {
             let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
             e.release_orphans(ctx.driver, ctx.device);
@@ -79,7 +84,9 @@ impl ShardState {
 
     /// PyTorch `unmap_block` over the free blocks of this shard's expandable segments, the
     /// largest first, until `want` bytes are unmapped (whole pages; the last block gives only
-    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`. The
+    /// what is still wanted, from its lower end), skipping blocks that overlap `keep`, and
+    /// with `page`, blocks of ranges of another page size (a growth can map only handles of
+    /// its own page size: the high-water rule unmaps those). The
     /// handles unmapped go to the device's page pool (PyTorch releases them). First, if
     /// anything is to be unmapped, the work that may still use those pages is waited for as
     /// `wait` says (with the shard's lock held, so that no block of this stream is handed out
@@ -94,6 +101,7 @@ impl ShardState {
         ctx: &ShardCtx,
         want: usize,
         keep: Option<std::ops::Range<DevicePtr>>,
+        page: Option<usize>,
         wait: PageWait,
     ) -> Result<usize, Error> {
         // (segment base, block, first page offset, end offset) of each free block with whole
@@ -107,6 +115,9 @@ impl ShardState {
                 }
                 let end = addr + size as u64;
                 let (base, e) = self.expandable_of(addr);
+                if page.is_some_and(|p| p != e.page) {
+                    continue;
+                }
                 let page = e.page as u64;
                 let mut lo = (addr - base).div_ceil(page) * page;
                 let mut hi = (end - base) / page * page;
@@ -169,6 +180,13 @@ impl ShardState {
             PageWait::Device => ctx.driver.device_synchronize(ctx.device).map_err(|e| {
                 Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
             }),
+            // The per-thread default stream is one handle for every thread's own stream: an
+            // event on the calling thread's would not cover another thread's work on this shard.
+            PageWait::Stream if ctx.shard.stream == PER_THREAD_STREAM => {
+                ctx.driver.device_synchronize(ctx.device).map_err(|e| {
+                    Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
+                })
+            }
             PageWait::Stream => {
                 let ev = self.events.record(ctx.driver, ctx.device, ctx.shard.stream).map_err(|e| {
                     Error::driver(e, "recording an event on the stream before unmapping its free pages")
