@@ -115,7 +115,7 @@ const LARGE_PAGE: usize = 2 << 20;
 /// With `GPUPOOL_EXPANDABLE_LARGE_PAGES`, requests of the large pool of this many bytes and
 /// more grow ranges of their own mapped in pages of this size (PyTorch's `kLargeBuffer`, its
 /// page in the large pool): replaying vit_train on the simulated device with the high-water
-/// rule, the warm pass mapped 32 pages instead of 1,176, at 1.039 times live instead of 1.021
+/// rule, the warm pass mapped 17 pages instead of 1,176, at 1.040 times live instead of 1.021
 /// (docs/fragmentation.md).
 const HUGE_PAGE: usize = 20 << 20;
 
