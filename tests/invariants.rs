@@ -160,23 +160,23 @@ fn stamped(ptr: u64, size: usize, cookie: u64) -> bool {
     head[..n] == cookie.to_le_bytes()[..n] && (size < 16 || tail == cookie.to_le_bytes())
 }
 
-fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: bool) {
-    let streams = [0usize, 0x1000, 0x2000];
-    // Half the cases with gpupool's high-water rule for expandable segments.
-    let expandable_reclaim = ops.len() % 2 == 0;
-    // Half the cases, crossing those, release unused streams' cache before growing past the mark.
-    let release_unused_streams = ops.len() % 4 < 2;
-    // Half the cases, crossing both, with large requests in ranges of 20 MiB pages.
-    let expandable_large_pages = ops.len() % 8 < 4;
-    let config = Config {
+/// The configuration of a case of `n` operations: gpupool's own options crossed, each on in
+/// half the cases (the high-water rule for expandable segments; releasing unused streams'
+/// cache before growing past the mark; large requests in ranges of 20 MiB pages).
+fn case_config(n: usize, max_split_size: usize, expandable_segments: bool) -> Config {
+    Config {
         max_split_size,
         expandable_segments,
-        expandable_reclaim,
-        release_unused_streams,
-        expandable_large_pages,
+        expandable_reclaim: n % 2 == 0,
+        release_unused_streams: n % 4 < 2,
+        expandable_large_pages: n % 8 < 4,
         ..Config::default()
-    };
-    let (a, drv) = sim_with(1, 160 * MIB, config);
+    }
+}
+
+fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: bool) {
+    let streams = [0usize, 0x1000, 0x2000];
+    let (a, drv) = sim_with(1, 160 * MIB, case_config(ops.len(), max_split_size, expandable_segments));
     if history {
         record_all(&a, HistoryContext::All);
     }
@@ -437,20 +437,9 @@ fn run_with_faults(
 ) {
     quiet_injected_panics();
     let streams = [0usize, 0x1000, 0x2000];
-    let expandable_reclaim = ops.len() % 2 == 0;
     // A third of the cases collect garbage (it acts only under a memory fraction).
     let garbage_collection_threshold = if ops.len() % 3 == 0 { 0.5 } else { 0.0 };
-    let release_unused_streams = ops.len() % 4 < 2;
-    let expandable_large_pages = ops.len() % 8 < 4;
-    let config = Config {
-        max_split_size,
-        expandable_segments,
-        expandable_reclaim,
-        release_unused_streams,
-        expandable_large_pages,
-        garbage_collection_threshold,
-        ..Config::default()
-    };
+    let config = Config { garbage_collection_threshold, ..case_config(ops.len(), max_split_size, expandable_segments) };
     let (a, drv) = sim_with(1, CAPACITY, config);
     if history {
         record_all(&a, HistoryContext::All);

@@ -41,10 +41,7 @@ fn main() {
     println!("{}: {} events, peak live {:.1} MiB", args[1], t.events.len(), t.peak_live() as f64 / 1048576.0);
     for reclaim in [false, true] {
         // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
-        let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
-        let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
-        let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
-        config.expandable_reclaim = reclaim;
+        let config = expandable(reclaim);
         let drv = Arc::new(SimDriver::new(1, capacity));
         let a = Allocator::new(drv.clone(), config);
         let streams: Vec<usize> = (1..=t.streams.len()).map(|i| i * 0x100).collect();
@@ -90,10 +87,7 @@ fn on_gpu(args: &[String]) {
     );
     for reclaim in [false, true] {
         // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
-        let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
-        let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
-        let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
-        config.expandable_reclaim = reclaim;
+        let config = expandable(reclaim);
         for _ in 0..repeats {
             let o = gpu.replay(t, &config).expect("replay");
             println!(
@@ -104,4 +98,14 @@ fn on_gpu(args: &[String]) {
             );
         }
     }
+}
+
+/// Expandable segments, with the high-water rule or not, and `GPUPOOL_EXPANDABLE_LARGE_PAGES`
+/// from the environment, read by gpupool's own parser.
+fn expandable(reclaim: bool) -> gpupool::config::Config {
+    let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
+    let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
+    let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
+    config.expandable_reclaim = reclaim;
+    config
 }

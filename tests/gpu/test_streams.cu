@@ -18,33 +18,7 @@
 #include "gpupool.h"
 #include "check.h"
 
-#define CUDA_OK(call) CHECK((call) == cudaSuccess)
-static const size_t MIB = size_t(1) << 20;
-
-__host__ __device__ inline uint32_t pattern(size_t i, uint32_t tag) { return (uint32_t)(i * 2654435761u) ^ tag; }
-
-__global__ void fill(uint32_t *p, size_t n, uint32_t tag) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = pattern(i, tag);
-}
-
-// Spins for about `cycles` clock cycles, then counts the words that differ from pattern(., tag):
-// a kernel still reading a block after the host freed it and destroyed its stream.
-__global__ void slow_check(const uint32_t *p, size_t n, uint32_t tag, long long cycles, unsigned long long *wrong) {
-  long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
-  unsigned long long mine = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    mine += p[i] != pattern(i, tag);
-  if (mine) atomicAdd(wrong, mine);
-}
-
-static gpupool_stats_t stats() {
-  gpupool_stats_t s = GPUPOOL_STATS_INIT;
-  CHECK_OK(gpupool_stats(0, &s));
-  return s;
-}
+#include "readers.cuh"
 
 int main() {
   const char *conf = getenv("GPUPOOL_CONF");

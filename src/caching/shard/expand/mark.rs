@@ -57,9 +57,15 @@ impl ShardState {
             // and the request maps past the mark.
             let at = self.blocks[start].addr;
             // The call is on this shard's stream (a growth serves a malloc on it), so only that
-            // stream's work is waited for.
+            // stream's work is waited for (see `PageWait::for_stream`).
             let unmapped = self
-                .unmap_free_pages(ctx, over, Some(at..at + rounded as u64), Some(page), PageWait::Stream)
+                .unmap_free_pages(
+                    ctx,
+                    over,
+                    Some(at..at + rounded as u64),
+                    Some(page),
+                    PageWait::for_stream(ctx.shard.stream),
+                )
                 .unwrap_or(0);
             if unmapped < over && ctx.reclaim == Reclaim::Device {
                 let base = self.expandable_of(at).0;

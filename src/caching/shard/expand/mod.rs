@@ -67,7 +67,7 @@ pub(crate) struct ExpandablePolicy {
 }
 
 impl ExpandablePolicy {
-    /// The page size of the ranges a request of `rounded` bytes of `pool` grows: each range
+    /// The page size in bytes of the ranges a request of `rounded` bytes of `pool` grows: each range
     /// has one page size, and a request looks only at ranges of its own (so that blocks of
     /// 20 MiB and more, laid out in their own ranges, are moved by the high-water rule in large
     /// pages, and the small ones in small pages).

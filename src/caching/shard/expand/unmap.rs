@@ -28,10 +28,18 @@ pub(crate) enum PageWait {
     /// `cuEventSynchronize`), when the call is on that stream (the high-water rule before a
     /// growth of the calling stream's segment): only that stream's work is waited for, not
     /// the other streams' (PyTorch's `ExpandableSegment::unmapHandles` synchronises the
-    /// segment's stream likewise). For the per-thread default stream (`CU_STREAM_PER_THREAD`,
-    /// one handle that names each thread's own stream, so one shard for all of them), a
-    /// device synchronisation.
+    /// segment's stream likewise). Chosen by [`PageWait::for_stream`].
     Stream,
+}
+
+impl PageWait {
+    /// How to wait for the work of `stream`, the calling stream: an event on it, but for the
+    /// per-thread default stream (`CU_STREAM_PER_THREAD`, one handle that names each thread's
+    /// own stream, so one shard for all of them: an event on the calling thread's stream would
+    /// not cover another thread's work there), a device synchronisation.
+    pub(crate) fn for_stream(stream: usize) -> PageWait {
+        if stream == PER_THREAD_STREAM { PageWait::Device } else { PageWait::Stream }
+    }
 }
 
 impl ShardState {
@@ -180,13 +188,6 @@ impl ShardState {
             PageWait::Device => ctx.driver.device_synchronize(ctx.device).map_err(|e| {
                 Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
             }),
-            // The per-thread default stream is one handle for every thread's own stream: an
-            // event on the calling thread's would not cover another thread's work on this shard.
-            PageWait::Stream if ctx.shard.stream == PER_THREAD_STREAM => {
-                ctx.driver.device_synchronize(ctx.device).map_err(|e| {
-                    Error::driver(e, "synchronising the device before unmapping the free pages of expandable segments")
-                })
-            }
             PageWait::Stream => {
                 let ev = self.events.record(ctx.driver, ctx.device, ctx.shard.stream).map_err(|e| {
                     Error::driver(e, "recording an event on the stream before unmapping its free pages")
