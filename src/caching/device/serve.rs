@@ -114,6 +114,17 @@ impl DeviceAllocator {
             None
         };
         drop(st);
+        self.malloc_detour(shard, req, detour)
+    }
+
+    /// The rest of [`DeviceAllocator::malloc_body`] when the cache did not serve the request,
+    /// with no shard lock held: the detour `detour` asks for, then the stream's current shard
+    /// again and the out-of-memory path. Out of line, so that the detours' code stays out of
+    /// the hit path's (inlined there, a change in any of them moved the hit loop's count by
+    /// two instructions a pair under callgrind).
+    #[cold]
+    #[inline(never)]
+    fn malloc_detour(&self, shard: &Arc<Shard>, req: &Request, detour: Option<Served>) -> Result<DevicePtr, Error> {
         match detour {
             Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short, req),
             Some(Served::Collect) => {
