@@ -474,6 +474,8 @@ static void cuda_setup(int with_torch) {
 static const char *frag_specs[] = {
     "gpupool",
     "gpupool:expandable_segments:True",
+    "gpupool:expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES=1",
+    "gpupool:expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES=1;GPUPOOL_EXPANDABLE_RECLAIM=1",
 #ifdef GPUPOOL_BENCH_TORCH
     "pytorch",
     "pytorch:expandable_segments:True",
@@ -491,13 +493,45 @@ static const char *conf_var(const char *allocator) {
   return NULL;
 }
 
-/* Splits SPEC (ALLOCATOR[:CONF]): the allocator's name into name, and returns CONF (NULL when
- * there is none or it is empty). */
-static const char *split_spec(const char *spec, char *name, size_t len) {
-  const char *colon = strchr(spec, ':');
-  size_t n = colon ? (size_t)(colon - spec) : strlen(spec);
+/* Splits SPEC (ALLOCATOR[:CONF][;VAR=VALUE...]): the allocator's name into name, CONF into conf
+ * (empty when there is none), and returns the settings after the first ';' (gpupool's own
+ * environment variables, which GPUPOOL_CONF does not hold), "" when there are none. */
+static const char *split_spec(const char *spec, char *name, size_t len, char *conf, size_t conf_len) {
+  size_t end = strcspn(spec, ";");
+  size_t n = strcspn(spec, ":");
+  if (n > end) n = end;
   snprintf(name, len, "%.*s", (int)n, spec);
-  return colon && colon[1] ? colon + 1 : NULL;
+  size_t from = n < end ? n + 1 : end;
+  snprintf(conf, conf_len, "%.*s", (int)(end - from), spec + from);
+  return spec[end] == ';' ? spec + end + 1 : "";
+}
+
+/* The next VAR=VALUE of a settings list (split_spec's result) into var and value; returns
+ * the rest of the list, NULL when the list is done. */
+static const char *next_setting(const char *list, char *var, size_t var_len, char *value, size_t value_len) {
+  if (*list == '\0') return NULL;
+  size_t n = strcspn(list, ";");
+  const char *eq = memchr(list, '=', n);
+  size_t v = eq ? (size_t)(eq - list) : n;
+  snprintf(var, var_len, "%.*s", (int)v, list);
+  snprintf(value, value_len, "%.*s", eq ? (int)(n - v - 1) : 0, eq ? eq + 1 : "");
+  return list[n] == ';' ? list + n + 1 : list + n;
+}
+
+/* Whether environment entry env ("VAR=VALUE") sets a variable that some configuration's
+ * settings set: the parent's value must not leak into the configurations that leave it
+ * at its default. */
+static int set_by_specs(const char *env) {
+  char var[128], value[128];
+  for (size_t i = 0; i < sizeof frag_specs / sizeof frag_specs[0]; i++) {
+    char name[32], conf[512];
+    for (const char *l = split_spec(frag_specs[i], name, sizeof name, conf, sizeof conf);
+         (l = next_setting(l, var, sizeof var, value, sizeof value)) != NULL;) {
+      size_t n = strlen(var);
+      if (strncmp(env, var, n) == 0 && env[n] == '=') return 1;
+    }
+  }
+  return 0;
 }
 
 /* Gives VAR the value VALUE (unset for NULL) from the start of the process: when the
@@ -553,18 +587,21 @@ static void frag_line(const char *spec, allocator_t *A, trace_t *t) {
  * allocs), after a "config" line with what the allocator made of its configuration. Exits 1
  * when the configuration did not take effect. */
 static int frag_child(const char *spec, int ntraces, char **paths, char **argv) {
-  char name[32];
-  const char *conf = split_spec(spec, name, sizeof name);
+  char name[32], conf_text[512], set_var[128], set_value[128];
+  const char *settings = split_spec(spec, name, sizeof name, conf_text, sizeof conf_text);
+  const char *conf = conf_text[0] ? conf_text : NULL;
   const char *var = conf_var(name);
   int ai = -1;
   for (int a = 0; a < NALLOC; a++)
     if (strcmp(allocators[a].name, name) == 0 && !allocators[a].slow) ai = a;
-  if (ai < 0 || (conf != NULL && var == NULL)) {
-    fprintf(stderr, "bench --config %s: expected gpupool[:CONF], pytorch[:CONF] (when built with PyTorch) or "
-                    "cudaMallocAsync\n", spec);
+  if (ai < 0 || (conf != NULL && var == NULL) || (settings[0] && strcmp(name, "gpupool") != 0)) {
+    fprintf(stderr, "bench --config %s: expected gpupool[:CONF][;VAR=VALUE...], pytorch[:CONF] (when built with "
+                    "PyTorch) or cudaMallocAsync\n", spec);
     return 2;
   }
   if (var != NULL) ensure_env(var, conf, argv);
+  for (const char *l = settings; (l = next_setting(l, set_var, sizeof set_var, set_value, sizeof set_value)) != NULL;)
+    ensure_env(set_var, set_value[0] ? set_value : NULL, argv);
   allocator_t *A = &allocators[ai];
   cuda_setup(strcmp(name, "pytorch") == 0);
 
@@ -638,15 +675,17 @@ static int frag_workload(const char *name) {
  * and gathers its lines. Returns 0 when the child succeeded. */
 static int frag_run(int ci, int ntraces, char **paths) {
   const char *spec = frag_specs[ci];
-  char name[32], assign[512];
-  const char *conf = split_spec(spec, name, sizeof name);
+  char name[32], assign[512], conf_text[512];
+  split_spec(spec, name, sizeof name, conf_text, sizeof conf_text);
+  const char *conf = conf_text[0] ? conf_text : NULL;
   const char *var = conf_var(name);
   size_t n = 0;
   while (environ[n]) n++;
   char **envp = calloc(n + 2, sizeof(char *));
   size_t k = 0;
   for (size_t i = 0; i < n; i++)
-    if (strncmp(environ[i], "GPUPOOL_CONF=", 13) != 0 && strncmp(environ[i], "PYTORCH_CUDA_ALLOC_CONF=", 24) != 0)
+    if (strncmp(environ[i], "GPUPOOL_CONF=", 13) != 0 && strncmp(environ[i], "PYTORCH_CUDA_ALLOC_CONF=", 24) != 0 &&
+        !set_by_specs(environ[i]))
       envp[k++] = environ[i];
   if (conf != NULL && var != NULL) {
     snprintf(assign, sizeof assign, "%s=%s", var, conf);
@@ -734,7 +773,7 @@ static int bench_frag(int ntraces, char **paths) {
   for (int w = 0; w < nfrag_work; w++) {
     for (int ci = 0; ci < NFRAG; ci++) {
       frag_cell_t *c = &frag_cell[w][ci];
-      char label[64], ratio[32] = "-", reserved[32] = "-", allocs[32] = "-";
+      char label[256], ratio[32] = "-", reserved[32] = "-", allocs[32] = "-";
       snprintf(label, sizeof label, "%s", frag_specs[ci]);
       char *colon = strchr(label, ':');
       if (colon) *colon = ' ';
