@@ -426,14 +426,16 @@ extern "C" {
  * offset), a list value as `[256:1,512:2,>:4]`, booleans `True`/`False`, sizes in whole MiB up
  * to 17592186044415 (past it, an error; PyTorch clamps). For example
  * `"max_split_size_mb:128,roundup_power2_divisions:4"`. The keys are PyTorch's, with its
- * meanings, defaults and limits: `backend` (`native` only), `large_segment_size_mb`,
- * `max_split_size_mb`, `max_non_split_rounding_mb`, `roundup_power2_divisions`,
- * `garbage_collection_threshold`, `expandable_segments`, `release_lock_on_cudamalloc`,
- * `per_process_memory_fraction`, `graph_capture_record_stream_reuse` and the `pinned_*` keys
- * (docs/configuration.md, section "GPUPOOL_CONF").
+ * meanings, defaults and limits but one default (`expandable_segments` is `True` in
+ * gpupool, `False` in PyTorch; docs/fragmentation.md, "The default"): `backend` (`native`
+ * only), `large_segment_size_mb`, `max_split_size_mb`, `max_non_split_rounding_mb`,
+ * `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`,
+ * `release_lock_on_cudamalloc`, `per_process_memory_fraction`,
+ * `graph_capture_record_stream_reuse` and the `pinned_*` keys (docs/configuration.md, section
+ * "GPUPOOL_CONF").
  *
  * The string replaces the whole configuration that `GPUPOOL_CONF` (and the deprecated
- * `GPUPOOL_MAX_SPLIT_SIZE_MB`) set: a key it does not name takes PyTorch's default. The other
+ * `GPUPOOL_MAX_SPLIT_SIZE_MB`) set: a key it does not name takes its default. The other
  * `GPUPOOL_*` variables keep their effect. Starts the process-wide allocator if no call did
  * yet (reading the environment, as any call does).
  *

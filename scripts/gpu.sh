@@ -40,7 +40,8 @@
 #               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
 #               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
-#               defaults and with expandable_segments:True, then the same on the simulated
+#               defaults (expandable segments) and with expandable_segments:False (PyTorch's
+#               ordinary segments), then the same on the simulated
 #               device for comparison; table and JSON in OUT/replay-*
 # e.g. GPU_SECTIONS="expandable traces bench" scripts/gpu.sh run for a short session. `run`
 # stops at nothing and exits 1 at the end if anything it ran failed.
@@ -138,7 +139,7 @@ if want gpu || want expandable || want graphs || want streams; then
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
     if want streams; then
       export GPUPOOL_RELEASE_UNUSED_STREAMS=1
-      GPUPOOL_CONF= run_gpu_test test_streams streams-ordinary.log
+      GPUPOOL_CONF=expandable_segments:False run_gpu_test test_streams streams-ordinary.log
       GPUPOOL_CONF=expandable_segments:True run_gpu_test test_streams streams-expandable.log
       GPUPOOL_CONF=expandable_segments:True GPUPOOL_EXPANDABLE_RECLAIM=1 run_gpu_test test_streams streams-rule.log
       unset GPUPOOL_RELEASE_UNUSED_STREAMS
@@ -325,7 +326,7 @@ if want replay; then
     for driver in cuda sim; do
       for format in table json; do
         "$prefix/bin/gpupool-replay" --driver "$driver" --format "$format" \
-          --conf expandable_segments:True "$trace" >"$out/replay-$driver.$format" 2>"$out/replay-$driver.err" ||
+          --conf expandable_segments:False "$trace" >"$out/replay-$driver.$format" 2>"$out/replay-$driver.err" ||
           { echo "gpupool-replay --driver $driver failed:"; cat "$out/replay-$driver.err"; status=1; }
       done
       cat "$out/replay-$driver.table"

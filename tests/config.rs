@@ -13,8 +13,9 @@ use gpupool::driver::sim::SimOp;
 
 const KIB: usize = 1 << 10;
 
+/// `s` on PyTorch's defaults (ordinary segments), whose rules these tests check.
 fn conf(s: &str) -> Config {
-    Config::default().with_conf(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+    Config::default().with_conf(&format!("expandable_segments:False,{s}")).unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
 /// The block size an allocation of `size` bytes gets.
@@ -51,7 +52,7 @@ fn roundup_power2_divisions_gives_blocks_of_the_rounded_size() {
     check(&a);
 
     // Without the key: PyTorch's 512-byte rounding.
-    let (a, _) = sim_with(1, 1 << 30, Config::default());
+    let (a, _) = sim_with(1, 1 << 30, Config::pytorch());
     assert_eq!(block_size(&a, 1200 * KIB), 1200 * KIB);
     assert_eq!(block_size(&a, 3000), 3072);
 }
@@ -124,7 +125,7 @@ fn a_device_whose_total_cannot_be_read_for_its_fraction_does_not_start() {
 
 #[test]
 fn set_config_applies_until_a_device_starts() {
-    let (a, _) = sim_with(2, 1 << 30, Config::default());
+    let (a, _) = sim_with(2, 1 << 30, Config::pytorch());
     // device_count starts no device.
     assert_eq!(a.device_count(), 2);
     let c = a.config().with_conf("roundup_power2_divisions:4,max_split_size_mb:64").unwrap();
@@ -153,7 +154,7 @@ fn block_size_on(a: &gpupool::Allocator, device: i32, size: usize) -> usize {
 
 #[test]
 fn a_call_that_names_a_device_starts_it() {
-    let (a, _) = sim_with(2, 1 << 30, Config::default());
+    let (a, _) = sim_with(2, 1 << 30, Config::pytorch());
     a.stats(1).unwrap();
     let e = a.set_config(conf("expandable_segments:True")).unwrap_err();
     assert!(e.message().contains("device 1"), "{e}");
@@ -166,7 +167,7 @@ fn the_configuration_string_reads_back_to_the_same_allocator_settings() {
              garbage_collection_threshold:0.8,expandable_segments:True,per_process_memory_fraction:0.75";
     let (a, _) = sim_with(1, 1 << 30, conf(s));
     let shown = a.config_string();
-    let (b, _) = sim_with(1, 1 << 30, Config::default());
+    let (b, _) = sim_with(1, 1 << 30, Config::pytorch());
     b.set_config(b.config().with_conf(&shown).unwrap()).unwrap();
     assert_eq!(*b.config(), *a.config());
     assert_eq!(b.config_string(), shown);

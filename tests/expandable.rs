@@ -15,7 +15,7 @@ use gpupool::driver::sim::{SIM_GRANULARITY, SimDriver, SimFault, SimOp};
 const PAGE: usize = SIM_GRANULARITY;
 
 fn expandable() -> Config {
-    Config { expandable_segments: true, ..Config::default() }
+    Config { expandable_segments: true, expandable_large_pages: false, ..Config::default() }
 }
 
 /// Empties the cache (every block is freed) and checks that the driver has everything back:

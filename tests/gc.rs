@@ -15,7 +15,7 @@ const SEG: usize = 100 * MIB;
 fn the_oldest_whole_free_segment_is_released_before_the_device_grows() {
     for threshold in [0.5, 0.0] {
         let config =
-            Config { garbage_collection_threshold: threshold, per_process_memory_fraction: 0.5, ..Config::default() };
+            Config { garbage_collection_threshold: threshold, per_process_memory_fraction: 0.5, ..Config::pytorch() };
         let (a, drv) = sim_with(1, 1024 * MIB, config);
         let blocks: Vec<u64> = (0..3).map(|_| a.malloc(SEG, 0, 0x10).unwrap()).collect();
         for &b in &blocks {
@@ -47,7 +47,7 @@ fn the_oldest_whole_free_segment_is_released_before_the_device_grows() {
 /// in PyTorch (`set_fraction` is false).
 #[test]
 fn without_a_memory_fraction_nothing_is_collected() {
-    let config = Config { garbage_collection_threshold: 0.1, ..Config::default() };
+    let config = Config { garbage_collection_threshold: 0.1, ..Config::pytorch() };
     let (a, drv) = sim_with(1, 1024 * MIB, config);
     let b = a.malloc(SEG, 0, 0x10).unwrap();
     a.free(b).unwrap();
@@ -61,7 +61,7 @@ fn without_a_memory_fraction_nothing_is_collected() {
 /// live blocks, or are partly free: PyTorch frees only `!is_split()` blocks).
 #[test]
 fn other_streams_segments_are_collected_and_split_ones_kept() {
-    let config = Config { garbage_collection_threshold: 0.2, per_process_memory_fraction: 0.5, ..Config::default() };
+    let config = Config { garbage_collection_threshold: 0.2, per_process_memory_fraction: 0.5, ..Config::pytorch() };
     let (a, drv) = sim_with(1, 1024 * MIB, config);
     let other = a.malloc(SEG, 0, 0x20).unwrap();
     // Requests of 1 to 10 MiB share 20 MiB segments (PyTorch `kLargeBuffer`).

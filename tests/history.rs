@@ -90,7 +90,7 @@ fn each_action_is_recorded_in_the_order_it_happened() {
 
 #[test]
 fn expandable_segments_record_their_pages() {
-    let (a, _drv) = sim_with(1, 1 << 30, Config { expandable_segments: true, ..Config::default() });
+    let (a, _drv) = sim_with(1, 1 << 30, Config { expandable_segments: true, ..Config::pytorch() });
     record(&a, 1000, HistoryContext::None);
     use Action::*;
     let p = a.malloc(PAGE + PAGE / 2, 0, S).unwrap();
@@ -122,7 +122,7 @@ fn expandable_segments_record_their_pages() {
 
 #[test]
 fn an_expandable_segment_shows_each_mapped_run() {
-    let (a, _drv) = sim_with(1, 1 << 30, Config { expandable_segments: true, ..Config::default() });
+    let (a, _drv) = sim_with(1, 1 << 30, Config { expandable_segments: true, ..Config::pytorch() });
     record_all(&a, HistoryContext::State);
     // Three pages, the middle one freed and unmapped: two mapped runs with a hole.
     let x = a.malloc(PAGE, 0, S).unwrap();
@@ -335,9 +335,9 @@ fn workload(a: &Allocator, drv: &gpupool::driver::sim::SimDriver) {
 #[test]
 fn snapshots_tile_agree_with_the_statistics_and_replay_their_trace() {
     for config in [
-        Config::default(),
-        Config { expandable_segments: true, ..Config::default() },
-        Config { max_split_size: 24 * MIB, ..Config::default() },
+        Config::pytorch(),
+        Config { expandable_segments: true, ..Config::pytorch() },
+        Config { max_split_size: 24 * MIB, ..Config::pytorch() },
     ] {
         let (a, drv) = sim_with(1, 512 * MIB, config);
         record_all(&a, HistoryContext::Alloc);
@@ -412,7 +412,7 @@ print("ok", len(raw), "bytes")
 
 #[test]
 fn the_pickle_is_what_pythons_pickle_and_the_viewer_read() {
-    let (a, drv) = sim_with(2, 256 * MIB, Config { expandable_segments: true, ..Config::default() });
+    let (a, drv) = sim_with(2, 256 * MIB, Config { expandable_segments: true, ..Config::pytorch() });
     record_all(&a, HistoryContext::All);
     // Every action and block state: pages mapped and unmapped, a block pending free, an
     // out-of-memory failure; a device never used has an empty trace.

@@ -73,7 +73,7 @@ fn the_c_api_records_from_the_start_dumps_and_stops() {
         assert_eq!(gpupool_free(p), GPUPOOL_SUCCESS);
     }
     let (actions, snap) = dump(&path);
-    assert_eq!(actions, ["segment_alloc", "alloc", "free_requested", "free_completed", "snapshot"]);
+    assert_eq!(actions, ["segment_map", "alloc", "free_requested", "free_completed", "snapshot"]);
     let alloc = &list(&list(get(&snap, "device_traces"))[0])[1];
     assert_eq!(get(alloc, "addr"), &Value::I64(p as i64));
     assert_eq!(get(alloc, "size"), &Value::I64(1000));

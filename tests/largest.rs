@@ -57,13 +57,14 @@ fn exact(build: &dyn Fn() -> (Allocator, Arc<SimDriver>), stream: usize) -> usiz
     answer
 }
 
+/// `conf` on PyTorch's defaults: ordinary segments unless it says otherwise.
 fn config(conf: &str) -> Config {
-    Config::default().with_conf(conf).unwrap()
+    Config::default().with_conf(&format!("expandable_segments:False,{conf}")).unwrap()
 }
 
 #[test]
 fn an_empty_device_answers_its_capacity_and_bad_arguments_are_refused() {
-    let build = || sim_with(2, 1 << 30, Config::default());
+    let build = || sim_with(2, 1 << 30, Config::pytorch());
     assert_eq!(exact(&build, 0), 1 << 30);
     let (a, _) = build();
     let e = a.largest_allocatable(2, 0).unwrap_err();
@@ -74,7 +75,7 @@ fn an_empty_device_answers_its_capacity_and_bad_arguments_are_refused() {
 #[test]
 fn success_is_not_monotone_in_the_size() {
     // 15 MiB free: 14 MiB takes a 14 MiB segment, 5 MiB a 20 MiB one (PyTorch kLargeBuffer).
-    let build = || sim_with(1, 15 * MIB, Config::default());
+    let build = || sim_with(1, 15 * MIB, Config::pytorch());
     assert_eq!(exact(&build, 0), 14 * MIB);
     let (a, _) = build();
     assert!(matches!(a.malloc(5 * MIB, 0, 0), Err(Error::OutOfMemory(_))));
@@ -103,7 +104,7 @@ fn a_fragmented_cache_under_a_memory_fraction_answers_its_largest_free_block() {
     assert_eq!(exact(&build, 1), 10 * MIB);
     // Without the fraction, the driver's 40 MiB free.
     let build = || {
-        let (a, sim) = sim_with(1, 100 * MIB, Config::default());
+        let (a, sim) = sim_with(1, 100 * MIB, Config::pytorch());
         fragmented(&a);
         (a, sim)
     };
@@ -123,7 +124,7 @@ fn a_memory_fraction_bounds_the_answer() {
 fn another_streams_cache_counts_as_what_release_and_retry_gives_back() {
     let build = |free: bool| {
         move || {
-            let (a, sim) = sim_with(1, 128 * MIB, Config::default());
+            let (a, sim) = sim_with(1, 128 * MIB, Config::pytorch());
             let p = a.malloc(100 * MIB, 0, 1).unwrap();
             if free {
                 a.free(p).unwrap();
@@ -140,7 +141,7 @@ fn another_streams_cache_counts_as_what_release_and_retry_gives_back() {
 fn blocks_awaiting_events_or_a_synchronisation_count_once_waited_for() {
     // Freed while stream 7 still uses it: free once release-and-retry has waited.
     let held = || {
-        let (a, sim) = sim_with(1, 128 * MIB, Config::default());
+        let (a, sim) = sim_with(1, 128 * MIB, Config::pytorch());
         let p = a.malloc(100 * MIB, 0, 1).unwrap();
         a.record_stream(p, 7).unwrap();
         sim.hold_stream(7);
@@ -153,7 +154,7 @@ fn blocks_awaiting_events_or_a_synchronisation_count_once_waited_for() {
     sim.release_stream(7);
     assert_eq!(ask(&a, &sim, 1), 128 * MIB);
     let deferred = || {
-        let (a, sim) = sim_with(1, 30 * MIB, Config::default());
+        let (a, sim) = sim_with(1, 30 * MIB, Config::pytorch());
         let p = a.malloc(20 * MIB, 0, 0).unwrap();
         a.free_after_device_sync(p).unwrap();
         (a, sim)
@@ -194,9 +195,11 @@ fn what_the_first_attempts_find_counts_where_release_and_retry_would_serve_less(
 fn expandable_segments_count_free_pages_and_unmapped_room() {
     // A 32 MiB range (an eighth of the device) holding 10 MiB allocated, then 10 MiB free and
     // 12 MiB unmapped; the fraction leaves 12 MiB to map. 22 MiB fits the run after the
-    // allocated block by mapping its 12 unmapped MiB; 24 MiB would need a new range.
+    // allocated block by mapping its 12 unmapped MiB; 24 MiB would need a new range. 2 MiB
+    // pages for every request (the proptest below covers large pages).
     let build = || {
-        let (a, sim) = sim_with(1, 256 * MIB, config("expandable_segments:True,per_process_memory_fraction:0.125"));
+        let conf = config("expandable_segments:True,per_process_memory_fraction:0.125");
+        let (a, sim) = sim_with(1, 256 * MIB, Config { expandable_large_pages: false, ..conf });
         let _keep = a.malloc(10 * MIB, 0, 0).unwrap();
         let b = a.malloc(10 * MIB, 0, 0).unwrap();
         a.free(b).unwrap();
@@ -206,7 +209,8 @@ fn expandable_segments_count_free_pages_and_unmapped_room() {
     // Another stream: its own new range, within the 12 MiB, or 22 once the free pages are
     // unmapped by release-and-retry.
     assert_eq!(exact(&build, 1), 22 * MIB);
-    let (a, sim) = sim_with(1, 256 * MIB, config("expandable_segments:True"));
+    let (a, sim) =
+        sim_with(1, 256 * MIB, Config { expandable_large_pages: false, ..config("expandable_segments:True") });
     let _keep = a.malloc(10 * MIB, 0, 0).unwrap();
     assert_eq!(ask(&a, &sim, 0), 246 * MIB);
 }
@@ -227,7 +231,7 @@ fn an_oversize_cached_block_serves_only_requests_near_its_size() {
 
 #[test]
 fn a_capturing_stream_counts_its_cached_blocks_only() {
-    let (a, sim) = sim_with(1, 1 << 30, Config::default());
+    let (a, sim) = sim_with(1, 1 << 30, Config::pytorch());
     let p = a.malloc(20 * MIB, 0, 5).unwrap();
     a.free(p).unwrap();
     sim.begin_capture(5, CaptureMode::Relaxed).unwrap();
@@ -240,7 +244,7 @@ fn a_capturing_stream_counts_its_cached_blocks_only() {
 #[test]
 fn a_failing_or_panicking_driver_call_changes_nothing() {
     // A 100 MiB block freed while stream 7 still uses it, its event completed: asking queries it.
-    let (a, sim) = sim_with(1, 128 * MIB, Config::default());
+    let (a, sim) = sim_with(1, 128 * MIB, Config::pytorch());
     let p = a.malloc(100 * MIB, 0, 1).unwrap();
     a.record_stream(p, 7).unwrap();
     a.free(p).unwrap();

@@ -219,7 +219,7 @@ fn an_impossible_request_fails_with_pytorchs_message_and_changes_nothing() {
 
 #[test]
 fn max_split_size_keeps_oversize_blocks_whole_and_out_of_small_requests() {
-    let config = Config { max_split_size: 64 * MIB, ..Config::default() };
+    let config = Config { max_split_size: 64 * MIB, ..Config::pytorch() };
     let (a, _) = sim_with(1, 1024 * MIB, config);
     let big = a.malloc(80 * MIB, 0, 0).unwrap();
     let s = a.stats(0).unwrap();
@@ -239,7 +239,7 @@ fn max_split_size_keeps_oversize_blocks_whole_and_out_of_small_requests() {
 
 #[test]
 fn out_of_memory_with_max_split_size_first_releases_oversize_blocks_of_the_stream() {
-    let config = Config { max_split_size: 64 * MIB, ..Config::default() };
+    let config = Config { max_split_size: 64 * MIB, ..Config::pytorch() };
     let (a, drv) = sim_with(1, 160 * MIB, config);
     let p = a.malloc(150 * MIB, 0, 0).unwrap();
     a.free(p).unwrap();

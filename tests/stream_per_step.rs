@@ -49,7 +49,7 @@ fn steps(conf: &str, release: bool) -> (usize, usize, usize) {
 
 #[test]
 fn a_stream_per_step_keeps_reserved_flat_when_unused_streams_are_released() {
-    for conf in ["", "expandable_segments:True", "expandable_segments:True,max_split_size_mb:64"] {
+    for conf in ["expandable_segments:False", "", "expandable_segments:True,max_split_size_mb:64"] {
         let (first, peak, shards) = steps(conf, true);
         // The step's own bytes, plus the block a step may carry and the segments of the
         // stream that carried it (whose cache stays: it holds a block).

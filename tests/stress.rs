@@ -41,13 +41,13 @@ fn threads_on_several_streams_keep_every_invariant_with_the_high_water_rule() {
             expandable_segments: true,
             expandable_reclaim: true,
             expandable_large_pages,
-            ..Config::default()
+            ..Config::pytorch()
         });
     }
 }
 
 fn threads_on_several_streams(expandable_segments: bool) {
-    threads_on_several_streams_with(Config { expandable_segments, ..Config::default() });
+    threads_on_several_streams_with(Config { expandable_segments, ..Config::pytorch() });
 }
 
 fn threads_on_several_streams_with(config: Config) {

@@ -22,8 +22,9 @@ usage: gpupool-replay [OPTIONS] TRACE...
 Replays allocation traces on gpupool, once per configuration, and prints per configuration the
 peak reserved and peak live bytes, their ratio, driver allocations, retries, out-of-memory
 errors and nanoseconds per event (a cold pass from an empty cache, then a warm pass). Each
-trace is replayed under the defaults first (gpupool's, which are PyTorch's: the row
-'defaults'), then under each --conf in order.
+trace is replayed under the defaults first (gpupool's: expandable segments with large pages,
+where PyTorch's are 'expandable_segments:False'; the row 'defaults'), then under each --conf
+in order.
 
 TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or not:
   - a text trace has one event a line: 'a ID SIZE STREAM' allocates SIZE bytes (as the program
@@ -33,8 +34,9 @@ TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or no
     workloads, in replay/traces (its README.md says what each is);
   - a snapshot is the pickle of torch.cuda.memory._dump_snapshot(). It also gives a row of
     driver 'recorded': what PyTorch's allocator reserved over the same events, under the
-    PYTORCH_CUDA_ALLOC_CONF the snapshot recorded; and, when that configuration is not the
-    defaults, a row of gpupool replaying it, after the defaults row. 'defaults' is gpupool's
+    PYTORCH_CUDA_ALLOC_CONF the snapshot recorded; and a row of gpupool replaying that
+    configuration on PyTorch's defaults (ordinary segments unless it says otherwise; an empty
+    one is 'expandable_segments:False'), after the defaults row. 'defaults' is gpupool's
     defaults for a snapshot too, whatever the recording ran with.
 
 options:
@@ -223,14 +225,20 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
 }
 
 /// The row that replays a snapshot's recorded configuration on gpupool, labelled with the
-/// recorded text (as the snapshot's `recorded` row is). None for a text trace, or a snapshot
-/// that recorded none or an empty one (the defaults); and, with a line in `err` saying why,
-/// for one that a row of `confs` replays already or that gpupool does not run (a key of a
-/// later PyTorch, say).
+/// recorded text (as the snapshot's `recorded` row is), `expandable_segments:False` for an
+/// empty one (PyTorch's defaults, which are not gpupool's). The recorded keys apply to
+/// PyTorch's defaults ([`Config::pytorch`]), as they did in the recording, so the row runs
+/// ordinary segments unless the text says `expandable_segments:True`. None for a text trace
+/// or a snapshot that recorded no configuration; and, with a line in `err` saying why, for one
+/// that a row of `confs` replays already or that gpupool does not run (a key of a later
+/// PyTorch, say).
 fn recorded_conf(t: &Trace, confs: &[Setting], err: &mut dyn Write) -> Option<Setting> {
-    let text = t.recorded.as_ref()?.conf.as_deref().filter(|c| !c.trim().is_empty())?;
-    let setting = match Config::default().with_conf(text) {
-        Ok(config) => Setting { label: text.to_string(), config, vars: vec![(CONF_VAR.into(), text.into())] },
+    let text = t.recorded.as_ref()?.conf.as_deref()?.trim();
+    // The key first, so that the recorded text's own `expandable_segments` wins.
+    let conf = if text.is_empty() { PYTORCH.to_string() } else { format!("{PYTORCH},{text}") };
+    let label = if text.is_empty() { PYTORCH } else { text };
+    let setting = match Config::default().with_conf(&conf) {
+        Ok(config) => Setting { label: label.to_string(), config, vars: vec![(CONF_VAR.into(), conf)] },
         Err(e) => {
             let _ = writeln!(err, "{}: no row for the recorded configuration, which gpupool does not run: {e}", t.name);
             return None;
@@ -243,6 +251,9 @@ fn recorded_conf(t: &Trace, confs: &[Setting], err: &mut dyn Write) -> Option<Se
     }
     Some(setting)
 }
+
+/// PyTorch's defaults in `GPUPOOL_CONF`: gpupool's but for its segments.
+const PYTORCH: &str = "expandable_segments:False";
 
 /// Loads the traces and replays each under every configuration; returns the rows, writing the
 /// traces' notes to `err`.

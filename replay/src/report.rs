@@ -124,7 +124,8 @@ impl Row {
             trace: trace.name.clone(),
             configuration: match r.conf.as_deref() {
                 None => "as recorded".into(),
-                Some(c) if c.trim().is_empty() => "defaults".into(),
+                // PyTorch's defaults, in the key where gpupool's differ.
+                Some(c) if c.trim().is_empty() => "expandable_segments:False".into(),
                 Some(c) => c.to_string(),
             },
             driver: "recorded".into(),

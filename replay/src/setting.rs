@@ -22,7 +22,8 @@ pub struct Setting {
 }
 
 impl Setting {
-    /// gpupool's defaults, which are PyTorch's.
+    /// gpupool's defaults: expandable segments with large pages, where PyTorch's are ordinary
+    /// segments (`expandable_segments:False`).
     pub fn defaults() -> Setting {
         Setting { label: "defaults".into(), config: Config::default(), vars: Vec::new() }
     }
@@ -105,23 +106,24 @@ fn shell_word(value: &str) -> String {
     }
 }
 
-/// What `--suggest` replays: the defaults, then each key that matters for fragmentation
-/// changed alone (`expandable_segments`, with and without gpupool's
-/// `GPUPOOL_EXPANDABLE_RECLAIM`; `max_split_size_mb`; `roundup_power2_divisions`;
-/// `garbage_collection_threshold` with the `per_process_memory_fraction` it needs to act;
-/// `large_segment_size_mb`), and two pairs of them.
+/// What `--suggest` replays: the defaults (expandable segments with large pages), then each
+/// key that matters for fragmentation changed alone (PyTorch's ordinary segments,
+/// `expandable_segments:False`; gpupool's `GPUPOOL_EXPANDABLE_RECLAIM`; 2 MiB pages for large
+/// requests; `roundup_power2_divisions`; and on ordinary segments, where they act,
+/// `max_split_size_mb`, `garbage_collection_threshold` with the `per_process_memory_fraction`
+/// it needs, and `large_segment_size_mb`), and pairs of them.
 pub const GRID: [&str; 11] = [
-    "GPUPOOL_CONF=expandable_segments:True",
-    "GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_RECLAIM=1",
-    "GPUPOOL_CONF=max_split_size_mb:128",
-    "GPUPOOL_CONF=max_split_size_mb:512",
+    "GPUPOOL_CONF=expandable_segments:False",
+    "GPUPOOL_EXPANDABLE_RECLAIM=1",
+    "GPUPOOL_EXPANDABLE_LARGE_PAGES=0",
     "GPUPOOL_CONF=roundup_power2_divisions:4",
-    "GPUPOOL_CONF=garbage_collection_threshold:0.8,per_process_memory_fraction:0.99",
-    "GPUPOOL_CONF=large_segment_size_mb:12",
-    "GPUPOOL_CONF=large_segment_size_mb:64",
-    "GPUPOOL_CONF=max_split_size_mb:128,roundup_power2_divisions:4",
-    "GPUPOOL_CONF=expandable_segments:True,roundup_power2_divisions:4",
-    "GPUPOOL_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128,per_process_memory_fraction:0.99",
+    "GPUPOOL_CONF=expandable_segments:False,max_split_size_mb:128",
+    "GPUPOOL_CONF=expandable_segments:False,max_split_size_mb:512",
+    "GPUPOOL_CONF=expandable_segments:False,garbage_collection_threshold:0.8,per_process_memory_fraction:0.99",
+    "GPUPOOL_CONF=expandable_segments:False,large_segment_size_mb:12",
+    "GPUPOOL_CONF=expandable_segments:False,large_segment_size_mb:64",
+    "GPUPOOL_CONF=expandable_segments:False,max_split_size_mb:128,roundup_power2_divisions:4",
+    "GPUPOOL_CONF=roundup_power2_divisions:4;GPUPOOL_EXPANDABLE_RECLAIM=1",
 ];
 
 /// The settings of [`GRID`], after the defaults.

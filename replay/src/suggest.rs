@@ -63,23 +63,33 @@ pub fn mark(rows: &mut [Row]) -> String {
             "{figures}; warm pass {:.0} ns/event (the fastest that fits: {fastest:.0})",
             r.warm_ns_per_event.unwrap_or(0.0)
         );
-        match r.environment.as_deref() {
-            Some("") | None => {
-                let _ = writeln!(out, "  gpupool: nothing to set (the defaults; PyTorch's too)");
-            }
-            Some(env) => {
-                let _ = writeln!(out, "  gpupool: {env}");
-                if let Some(py) = r.environment.as_deref().and_then(pytorch) {
-                    let _ = writeln!(out, "  PyTorch: {py}");
-                }
-            }
+        let env = r.environment.as_deref().unwrap_or("");
+        if env.is_empty() {
+            let _ = writeln!(out, "  gpupool: nothing to set (the defaults)");
+        } else {
+            let _ = writeln!(out, "  gpupool: {env}");
+        }
+        if let Some(py) = pytorch(env) {
+            let _ = writeln!(out, "  PyTorch: {py}");
         }
     }
     out
 }
 
-/// The PyTorch environment of a gpupool environment that sets only `GPUPOOL_CONF`.
+/// The PyTorch environment of a gpupool environment that sets at most `GPUPOOL_CONF`: the
+/// same keys, with `expandable_segments:True` first unless they name it, since gpupool's
+/// segments are expandable by default and PyTorch's are not. The same rules but for the page
+/// size of expandable segments: PyTorch maps 20 MiB pages in its large pool where gpupool maps
+/// 2 MiB pages for requests under 20 MiB (`GPUPOOL_EXPANDABLE_LARGE_PAGES`).
 fn pytorch(env: &str) -> Option<String> {
-    let value = env.strip_prefix("GPUPOOL_CONF=")?;
-    (!value.contains(" GPUPOOL_")).then(|| format!("PYTORCH_CUDA_ALLOC_CONF={value}"))
+    let value = if env.is_empty() { "" } else { env.strip_prefix("GPUPOOL_CONF=")? };
+    if value.contains(" GPUPOOL_") {
+        return None;
+    }
+    let value = match value {
+        v if v.contains("expandable_segments:") => v.to_string(),
+        "" => "expandable_segments:True".to_string(),
+        v => format!("expandable_segments:True,{v}"),
+    };
+    Some(format!("PYTORCH_CUDA_ALLOC_CONF={value}"))
 }

@@ -24,8 +24,8 @@ fn several_confs_give_several_rows() {
     let path = trace_file("cli-rows.txt");
     let out = replay(&[
         "--conf",
-        "expandable_segments:True",
-        "--conf=max_split_size_mb:128",
+        "expandable_segments:False",
+        "--conf=expandable_segments:False,max_split_size_mb:128",
         "--conf",
         "roundup_power2_divisions:4",
         "--json",
@@ -35,7 +35,15 @@ fn several_confs_give_several_rows() {
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
     let confs: Vec<&str> = rows.iter().map(|r| r["configuration"].as_str().unwrap()).collect();
     // The defaults first, then each --conf in order.
-    assert_eq!(confs, ["defaults", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]);
+    assert_eq!(
+        confs,
+        [
+            "defaults",
+            "expandable_segments:False",
+            "expandable_segments:False,max_split_size_mb:128",
+            "roundup_power2_divisions:4"
+        ]
+    );
     for r in &rows {
         assert_eq!(r["trace"], "cli-rows.txt");
         assert_eq!(r["driver"], "sim");
@@ -45,23 +53,23 @@ fn several_confs_give_several_rows() {
         assert_eq!(r["capacity_bytes"], 80u64 << 30);
     }
     // Ordinary segments: 12 + 2 + 20 MiB (see tests/peaks.rs), whatever max_split_size.
-    for r in [&rows[0], &rows[2]] {
+    for r in [&rows[1], &rows[2]] {
         assert_eq!(r["peak_reserved_bytes"], 34 * 1048576);
         assert_eq!(r["device_allocs"], 3);
     }
-    // Expandable segments map 2 MiB pages as needed: 12 MiB, then 2 MiB on the second stream,
-    // then 4 MiB for the 3 MiB block.
-    assert_eq!(rows[1]["peak_reserved_bytes"], 18 * 1048576);
+    // The defaults, expandable segments, map 2 MiB pages as needed: 12 MiB, then 2 MiB on the
+    // second stream, then 4 MiB for the 3 MiB block.
+    assert_eq!(rows[0]["peak_reserved_bytes"], 18 * 1048576);
 
     // CSV: a header, then the same rows.
-    let out = replay(&["--csv", "--conf", "expandable_segments:True", "--capacity", "1GiB", path.to_str().unwrap()]);
+    let out = replay(&["--csv", "--conf", "expandable_segments:False", "--capacity", "1GiB", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let csv = text(&out.stdout);
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len(), 3, "{csv}");
     assert!(lines[0].starts_with("trace,configuration,driver,capacity_bytes,events"), "{csv}");
     assert!(lines[1].starts_with("cli-rows.txt,defaults,sim,1073741824,6,2,0,"), "{csv}");
-    assert!(lines[2].starts_with("cli-rows.txt,expandable_segments:True,sim,1073741824,6,2,0,"), "{csv}");
+    assert!(lines[2].starts_with("cli-rows.txt,expandable_segments:False,sim,1073741824,6,2,0,"), "{csv}");
 
     // No --conf: one row of the defaults; the table names its columns.
     let out = replay(&[path.to_str().unwrap()]);
@@ -70,7 +78,7 @@ fn several_confs_give_several_rows() {
     assert_eq!(table.lines().count(), 2, "{table}");
     assert!(table.starts_with("trace") && table.contains("reserved/live"), "{table}");
     assert!(table.lines().nth(1).unwrap().contains("defaults"), "{table}");
-    assert!(table.contains("2.197"), "34 MiB over 15.48 MiB: {table}");
+    assert!(table.contains("1.163"), "18 MiB over 15.48 MiB: {table}");
 }
 
 #[test]

@@ -29,7 +29,7 @@ fn peaks_follow_pytorchs_rules() {
     let t = parse_text("hand", TRACE).unwrap();
     // Live: 12 MiB + 500,000 + 3 MiB at once, more than 500,000 + 3 MiB + 11.5 MiB later.
     assert_eq!(t.peak_live(), 15 * MIB + 500_000);
-    let o = replay_sim(&t, &Config::default(), 1 << 30).unwrap();
+    let o = replay_sim(&t, &Config::pytorch(), 1 << 30).unwrap();
     assert_eq!(o.peak_reserved, (12 + 2 + 20) * MIB);
     assert_eq!(o.peak_segments, 3);
     assert_eq!(o.device_allocs, 3);
@@ -45,7 +45,7 @@ fn out_of_memory_is_counted_and_the_replay_goes_on() {
     let t = parse_text("hand", TRACE).unwrap();
     // 32 MiB: the 3 MiB request's 20 MiB segment does not fit beside 12 + 2 MiB, and nothing
     // cached can be released; the 11.5 MiB request still gets the 12 MiB block afterwards.
-    let o = replay_sim(&t, &Config::default(), 32 * MIB).unwrap();
+    let o = replay_sim(&t, &Config::pytorch(), 32 * MIB).unwrap();
     assert_eq!((o.ooms, o.ooms_warm), (1, 1));
     assert_eq!(o.peak_reserved, 14 * MIB);
     assert_eq!(o.device_allocs, 2);

@@ -41,9 +41,9 @@ fn each_fixture_reads_as_pytorch_counted_it() {
         assert_eq!(r.peak_reserved as u64, expect["peak_reserved_bytes"].as_u64().unwrap(), "{name}");
         assert_eq!(r.device_allocs, expect["device_allocs"].as_u64().unwrap(), "{name}");
         assert_eq!(r.conf.as_deref(), expect["conf"].as_str(), "{name}");
-        // Under the defaults, gpupool reserves what PyTorch did.
+        // Under PyTorch's defaults, gpupool reserves what PyTorch did.
         if r.conf.as_deref() == Some("") {
-            let o = replay_sim(t, &Config::default(), 80 << 30).unwrap();
+            let o = replay_sim(t, &Config::pytorch(), 80 << 30).unwrap();
             assert_eq!(o.peak_reserved as u64, expect["peak_reserved_bytes"].as_u64().unwrap(), "{name}");
             assert_eq!(o.device_allocs as u64, expect["device_allocs"].as_u64().unwrap(), "{name}");
         }

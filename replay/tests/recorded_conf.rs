@@ -51,9 +51,10 @@ fn labels(rows: &[Value]) -> Vec<(String, String)> {
 
 #[test]
 fn the_recorded_configuration_is_replayed_after_the_defaults() {
-    let config = Config { expandable_segments: true, ..Config::default() };
+    // PyTorch's defaults, every key named: ordinary segments.
+    let config = Config::pytorch();
     let conf = config.conf_string();
-    let path = snapshot("recorded-expandable.pickle", config);
+    let path = snapshot("recorded-ordinary.pickle", config);
     let path = path.to_str().unwrap();
     let (rows, _) = json_rows(&["--conf", "max_split_size_mb:64", path]);
     let own = |s: &str| (conf.clone(), s.to_string());
@@ -61,25 +62,25 @@ fn the_recorded_configuration_is_replayed_after_the_defaults() {
         labels(&rows),
         [own("recorded"), ("defaults".into(), "sim".into()), own("sim"), ("max_split_size_mb:64".into(), "sim".into())]
     );
-    // gpupool under the recording's configuration reserves what the recording did: 12 MiB,
-    // then 2 MiB pages: 4 MiB for 3 MiB, 2 MiB (small pool) for 1 MiB.
-    assert_eq!(rows[0]["peak_reserved_bytes"], 18 * MIB);
+    // gpupool under the recording's configuration reserves what the recording did: 12 MiB, a
+    // 20 MiB segment for 3 MiB and a 2 MiB small one for 1 MiB.
+    assert_eq!(rows[0]["peak_reserved_bytes"], 34 * MIB);
     assert_eq!(rows[2]["peak_reserved_bytes"], rows[0]["peak_reserved_bytes"]);
-    // The defaults are gpupool's, not the recording's: 12 MiB, a 20 MiB segment for 3 MiB and
-    // a 2 MiB small one for 1 MiB.
-    assert_eq!(rows[1]["peak_reserved_bytes"], 34 * MIB);
+    // The defaults are gpupool's, not the recording's: expandable segments, 12 MiB, then
+    // 2 MiB pages: 4 MiB for 3 MiB, 2 MiB (small pool) for 1 MiB.
+    assert_eq!(rows[1]["peak_reserved_bytes"], 18 * MIB);
 
     // --no-defaults: only the --conf rows (and what PyTorch did).
     let (rows, _) = json_rows(&["--no-defaults", "--conf", "max_split_size_mb:64", path]);
     assert_eq!(labels(&rows), [own("recorded"), ("max_split_size_mb:64".into(), "sim".into())]);
 
     // The same configuration asked for by --conf: replayed once.
-    let (rows, err) = json_rows(&["--conf", "expandable_segments:True", path]);
+    let (rows, err) = json_rows(&["--conf", "expandable_segments:False", path]);
     assert_eq!(
         labels(&rows),
-        [own("recorded"), ("defaults".into(), "sim".into()), ("expandable_segments:True".into(), "sim".into())]
+        [own("recorded"), ("defaults".into(), "sim".into()), ("expandable_segments:False".into(), "sim".into())]
     );
-    assert!(err.contains("the recorded configuration is that of the row \"expandable_segments:True\""), "{err}");
+    assert!(err.contains("the recorded configuration is that of the row \"expandable_segments:False\""), "{err}");
 }
 
 #[test]
@@ -102,15 +103,16 @@ fn the_recorded_row_names_what_the_snapshot_says() {
         let r = Recorded { peak_reserved: 0, device_allocs: 0, ooms: 0, conf: conf.map(String::from) };
         Row::recorded(&Trace::default(), &r).configuration
     };
-    // An empty PYTORCH_CUDA_ALLOC_CONF: none was set, the recording ran with the defaults.
-    assert_eq!(row(Some("")), "defaults");
+    // An empty PYTORCH_CUDA_ALLOC_CONF: none was set, the recording ran with PyTorch's
+    // defaults, which gpupool's differ from in this key.
+    assert_eq!(row(Some("")), "expandable_segments:False");
     assert_eq!(row(None), "as recorded");
     assert_eq!(row(Some("expandable_segments:True")), "expandable_segments:True");
 }
 
 #[test]
 fn the_table_names_long_configurations_and_spells_them_out_below() {
-    let config = Config { expandable_segments: true, ..Config::default() };
+    let config = Config::pytorch();
     let conf = config.conf_string();
     assert!(conf.len() > 300, "{conf}");
     let path = snapshot("recorded-table.pickle", config);

@@ -172,13 +172,13 @@ fn a_pickle_of_protocol_4_in_pytorchs_layout_is_read() {
     // Replayed by PyTorch's rules: 4,000,000 bytes take a 20 MiB segment on the default stream,
     // 1 MiB a 2 MiB small segment on S2; the 6 MiB and 2 MiB blocks fit in the first segment,
     // the 7 MiB block on S2 needs a 20 MiB segment of its own (pools are per stream).
-    let o = replay_sim(t, &Config::default(), 1 << 30).unwrap();
+    let o = replay_sim(t, &Config::pytorch(), 1 << 30).unwrap();
     assert_eq!((o.peak_reserved, o.device_allocs, o.peak_segments), (42 * MIB, 3, 3));
-    let o = replay_sim(d1, &Config::default(), 1 << 30).unwrap();
+    let o = replay_sim(d1, &Config::pytorch(), 1 << 30).unwrap();
     assert_eq!(o.peak_reserved, 2 * MIB);
 
     // The same in one call, as a round trip of a snapshot uses it.
-    let (trace, o) = gpupool_replay::replay_snapshot(&path, 0, &Config::default(), 1 << 30).unwrap();
+    let (trace, o) = gpupool_replay::replay_snapshot(&path, 0, &Config::pytorch(), 1 << 30).unwrap();
     assert_eq!((&trace, o.peak_reserved), (t, 42 * MIB));
 }
 

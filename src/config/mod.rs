@@ -45,7 +45,7 @@
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md) |
-//! | `GPUPOOL_EXPANDABLE_LARGE_PAGES` | boolean | `off` | With `expandable_segments:True`: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md) |
+//! | `GPUPOOL_EXPANDABLE_LARGE_PAGES` | boolean | `on` | With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md) |
 //! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
@@ -76,7 +76,7 @@
 //! | `max_non_split_rounding_mb` | whole MiB, at least `large_segment_size_mb` | `large_segment_size_mb` (20) | A request of at least `max_split_size_mb` takes a cached block only if the block is less than this much larger (PyTorch `get_free_block`). |
 //! | `roundup_power2_divisions` | a power of two, or a list `[MiB:divisions,...,>:divisions]` | 0 in every interval | Requests are rounded up to one of this many equal steps between two powers of two, instead of to 512 bytes (PyTorch `round_size`, `roundup_power2_next_division`); 0 or 1 leaves the 512-byte rounding. A list sets it per interval: `MiB` a power of two naming the sizes from that many MiB to twice as many (the first also sets every interval below it), `>` every interval after the last one named; each divisions 0 or a power of two. |
 //! | `garbage_collection_threshold` | a number over 0 and under 1 | off (0, which cannot be written) | With a memory fraction set (`per_process_memory_fraction` or `gpupool_set_memory_fraction`): once reserved memory passes this fraction of the memory allowed, a request that finds no cached block first releases whole free segments of the large pool, the longest unused first, until reserved memory is back under it (PyTorch `garbage_collect_cached_blocks`; gpupool gathers every stream's segments and ages a block by the blocks its stream freed since). Left out of the configuration string while off. |
-//! | `expandable_segments` | `True` or `False` | False | Segments that grow by mapping more memory into one reserved address range (PyTorch `ExpandableSegment`). |
+//! | `expandable_segments` | `True` or `False` | True | Segments that grow by mapping more memory into one reserved address range (PyTorch `ExpandableSegment`), where the device and driver support CUDA's virtual memory calls (ordinary segments otherwise). gpupool's default is `True`, PyTorch's `False`: `expandable_segments:False` gives PyTorch's ordinary segments (docs/fragmentation.md, "The default"). |
 //! | `release_lock_on_cudamalloc` (also `release_lock_on_hipmalloc`) | `True` or `False` | False | PyTorch releases its device lock across `cudaMalloc`. Accepted and changes nothing: gpupool holds one lock per stream across `cuMemAlloc`, which blocks only that stream's callers. |
 //! | `per_process_memory_fraction` | a number from 0 to 1 | 1 | Each device, when it starts, reserves at most this fraction of its total memory, as `gpupool_set_memory_fraction` sets it (PyTorch `setMemoryFraction`). |
 //! | `graph_capture_record_stream_reuse` | `True` or `False` | False | PyTorch: during CUDA graph capture, blocks freed after `record_stream` may be reused within the same graph instead of waiting for the capture to end. Accepted and changes nothing: gpupool always does what PyTorch does with False. A block that other streams used (`gpupool_record_stream`), freed while a capture may be under way (a route to a private pool by stream or filter is active, or one of those streams captures), is reused by nothing, in the graph or out of it, until no capture is; then gpupool records its events, and the block returns to its pool once they complete. |
@@ -126,8 +126,10 @@ pub enum PreloadMode {
 }
 
 /// The options of an allocator, one field per row of [`OPTIONS`] and per key of `GPUPOOL_CONF`
-/// ([`CONF_KEYS`]). [`Config::default`] holds every row's and every key's default (PyTorch's
-/// for the keys).
+/// ([`CONF_KEYS`]). [`Config::default`] holds every row's and every key's default: PyTorch's
+/// for the keys but `expandable_segments`, which is `True` (gpupool's default since
+/// 2026-11-26, with `GPUPOOL_EXPANDABLE_LARGE_PAGES` on: docs/fragmentation.md says why);
+/// [`Config::pytorch`] is the same with PyTorch 2.11's ordinary segments.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// The driver [`Allocator::from_config`](crate::Allocator::from_config) starts.
@@ -156,7 +158,10 @@ pub struct Config {
     /// segments of the large pool (PyTorch `garbage_collect_cached_blocks`).
     pub garbage_collection_threshold: f64,
     /// PyTorch's `expandable_segments`: segments are address ranges whose pages are mapped on
-    /// demand (CUDA's virtual memory calls), when the device supports them.
+    /// demand (CUDA's virtual memory calls), when the device supports them (a device or driver
+    /// without them gets ordinary segments). `true` by default, where PyTorch's is `false`:
+    /// reserved memory within 5% of live on most traces at the speed of ordinary segments
+    /// (docs/fragmentation.md, "The default").
     pub expandable_segments: bool,
     /// PyTorch's `release_lock_on_cudamalloc`. Changes nothing: gpupool's lock across
     /// `cuMemAlloc` is one stream's, not the device's.
@@ -194,7 +199,7 @@ pub struct Config {
     /// on the device are unmapped (after the growing stream's work, or the device, is waited
     /// for). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
-    /// `GPUPOOL_EXPANDABLE_LARGE_PAGES` (off by default): with expandable segments, requests of
+    /// `GPUPOOL_EXPANDABLE_LARGE_PAGES` (on by default): with expandable segments, requests of
     /// 20 MiB and more grow address ranges of their own mapped in 20 MiB pages (PyTorch's page
     /// in its large pool), the rest 2 MiB pages (see `caching::shard::expand`).
     pub expandable_large_pages: bool,
@@ -220,7 +225,7 @@ impl Default for Config {
             large_segment_size: LARGE_SEGMENT,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: 0.0,
-            expandable_segments: false,
+            expandable_segments: true,
             release_lock_on_cudamalloc: false,
             per_process_memory_fraction: 1.0,
             graph_capture_record_stream_reuse: false,
@@ -232,11 +237,21 @@ impl Default for Config {
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
             expandable_reclaim: false,
-            expandable_large_pages: false,
+            expandable_large_pages: true,
             release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,
         }
+    }
+}
+
+impl Config {
+    /// PyTorch 2.11's defaults: [`Config::default`] with ordinary segments
+    /// (`expandable_segments:False`), the configuration whose every rule, statistic and
+    /// segment matches what PyTorch's native allocator does for the same calls
+    /// (docs/rules.md). The same as `GPUPOOL_CONF=expandable_segments:False`.
+    pub fn pytorch() -> Config {
+        Config { expandable_segments: false, ..Config::default() }
     }
 }
 

@@ -134,8 +134,8 @@ pub static OPTIONS: [Opt; 12] = [
     Opt {
         name: "GPUPOOL_EXPANDABLE_LARGE_PAGES",
         kind: Kind::Bool,
-        default: Value::Bool(false),
-        doc: "With `expandable_segments:True`: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md)",
+        default: Value::Bool(true),
+        doc: "With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md)",
         set: |c, v| c.expandable_large_pages = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_large_pages),
     },

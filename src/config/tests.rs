@@ -260,20 +260,20 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
          GPUPOOL_PRELOAD_STATS=on\n\
          GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
-         GPUPOOL_EXPANDABLE_LARGE_PAGES=off (default)\n\
+         GPUPOOL_EXPANDABLE_LARGE_PAGES=on (default)\n\
          GPUPOOL_RELEASE_UNUSED_STREAMS=off (default)\n\
          GPUPOOL_RECORD_HISTORY=off (default)\n\
          GPUPOOL_LIVE_REPORT_AT_EXIT=off (default)\n\
          GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
-         max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:False,\
+         max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:True,\
          release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\
          graph_capture_record_stream_reuse:False,pinned_use_cuda_host_register:False,\
          pinned_num_register_threads:1,pinned_use_background_threads:False (default)\n"
     );
-    let c = Config::from_lookup(table(&[("GPUPOOL_CONF", "max_split_size_mb:64, expandable_segments:True")])).unwrap();
+    let c = Config::from_lookup(table(&[("GPUPOOL_CONF", "max_split_size_mb:64, expandable_segments:False")])).unwrap();
     let last = c.options_text().lines().last().unwrap().to_string();
     assert!(last.starts_with("GPUPOOL_CONF=backend:native,"), "{last}");
-    assert!(last.contains(",max_split_size_mb:64,") && last.contains(",expandable_segments:True,"), "{last}");
+    assert!(last.contains(",max_split_size_mb:64,") && last.contains(",expandable_segments:False,"), "{last}");
     assert!(!last.ends_with("(default)"), "{last}");
     // Every shown value reads back to itself.
     for o in &OPTIONS {

@@ -41,7 +41,8 @@ int main(void) {
   /* Pickle protocol 4, as CPython's pickle writes it and PyTorch's viewer reads it. */
   CHECK(file_len < sizeof file && (unsigned char)file[0] == 0x80 && file[1] == 4 && file[file_len - 1] == '.');
   CHECK(has("segments") && has("device_traces") && has("allocator_settings") && has("blocks"));
-  CHECK(has("segment_alloc") && has("alloc") && has("free_requested") && has("free_completed"));
+  /* gpupool's default segments are expandable: they map pages (PyTorch's segment_map). */
+  CHECK(has("segment_map") && has("alloc") && has("free_requested") && has("free_completed"));
   CHECK(has("active_allocated") && has("inactive") && has("snapshot"));
   CHECK(has("segment_pool_id") && has("frames") && has("time_us"));
 

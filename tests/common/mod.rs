@@ -11,8 +11,10 @@ use gpupool::driver::sim::SimDriver;
 
 pub const MIB: usize = 1 << 20;
 
+/// An allocator under PyTorch's defaults ([`Config::pytorch`]: ordinary segments), whose
+/// rules most tests check one for one against PyTorch's.
 pub fn sim(devices: i32, capacity: usize) -> (Allocator, Arc<SimDriver>) {
-    sim_with(devices, capacity, Config::default())
+    sim_with(devices, capacity, Config::pytorch())
 }
 
 pub fn sim_with(devices: i32, capacity: usize, config: Config) -> (Allocator, Arc<SimDriver>) {

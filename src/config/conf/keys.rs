@@ -124,9 +124,12 @@ pub static CONF_KEYS: [ConfKey; 14] = [
         key: "expandable_segments",
         also: &[],
         value: "`True` or `False`",
-        default: "False",
+        default: "True",
         doc: "Segments that grow by mapping more memory into one reserved address range (PyTorch \
-              `ExpandableSegment`).",
+              `ExpandableSegment`), where the device and driver support CUDA's virtual memory calls \
+              (ordinary segments otherwise). gpupool's default is `True`, PyTorch's `False`: \
+              `expandable_segments:False` gives PyTorch's ordinary segments (docs/fragmentation.md, \
+              \"The default\").",
         apply: |c, v| v.boolean().map(|b| c.expandable_segments = b),
         show: |c| Some(show_bool(c.expandable_segments)),
     },

@@ -127,7 +127,8 @@ impl Config {
     }
 
     /// This config with its `GPUPOOL_CONF` keys set from `conf` alone: every key the string
-    /// does not name takes PyTorch's default, whatever this config had (what
+    /// does not name takes its default (PyTorch's, but `expandable_segments:True`), whatever
+    /// this config had (what
     /// `gpupool_set_config` installs). The other options are kept.
     ///
     /// Errors: [`Error::InvalidValue`] naming the key and the value (or the place the string
