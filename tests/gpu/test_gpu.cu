@@ -77,8 +77,10 @@ static void test_interop() {
   printf("interop: %d of %d floats wrong\n", wrong, n);
 }
 
-// Fill the device through gpupool, free everything (cached), then ask for a larger size:
-// only the release-and-retry path can serve it.
+// Fill the device through gpupool, free everything (cached), then ask for a larger size on
+// another stream: only the release-and-retry path can serve it (the cached blocks are the first
+// stream's; with expandable segments, the default, they are free pages of its range, which
+// would serve a request on the same stream without a retry).
 static void test_out_of_memory() {
   std::vector<void *> blocks;
   const size_t chunk = size_t(1) << 30;
@@ -93,13 +95,17 @@ static void test_out_of_memory() {
   CHECK(blocks.size() > 4);
   for (void *p : blocks) CHECK_OK(gpupool_free(p));
   int64_t retries = stats().num_alloc_retries;
+  cudaStream_t other;
+  CUDA_OK(cudaStreamCreate(&other));
   void *big = nullptr;
-  CHECK_OK(gpupool_malloc(&big, 2 * chunk, 0, nullptr));
+  CHECK_OK(gpupool_malloc(&big, 2 * chunk, 0, other));
   gpupool_stats_t s = stats();
   CHECK(s.num_alloc_retries > retries);
   printf("out-of-memory: 2 GiB after the fill served by release-and-retry (num_alloc_retries %lld -> %lld)\n",
          (long long)retries, (long long)s.num_alloc_retries);
   CHECK_OK(gpupool_free(big));
+  CHECK_OK(gpupool_empty_cache(0));
+  CUDA_OK(cudaStreamDestroy(other));
   void *impossible = nullptr;
   CHECK(gpupool_malloc(&impossible, size_t(1) << 50, 0, nullptr) == GPUPOOL_ERROR_OUT_OF_MEMORY);
   printf("out-of-memory: %s\n", gpupool_last_error_message());
