@@ -98,9 +98,12 @@ c++ -std=c++17 -Wall -Wextra -Werror build/hpp_pc.cpp -o build/hpp_pc $(pc --cfl
 GPUPOOL_DRIVER=sim ./build/hpp_pc
 test -f build/install/share/gpupool/python/gpupool_torch.py
 step "installed package, gpupool-replay"
-# 12 MiB, 500,000 bytes and 3 MiB take segments of 12, 2 and 20 MiB (replay/tests/peaks.rs).
+# 12 MiB, 500,000 bytes and 3 MiB: under the defaults, expandable segments map 12, 2 and 4 MiB;
+# under PyTorch's, ordinary segments of 12, 2 and 20 MiB (replay/tests/peaks.rs).
 printf 'a 1 12582912 0\na 2 500000 0\na 3 3145728 0\nf 1\nf 2\nf 3\n' >build/replay-smoke.txt
-./build/install/bin/gpupool-replay --csv build/replay-smoke.txt 2>/dev/null | tee build/replay-smoke.csv
-grep -q "^replay-smoke.txt,defaults,sim,.*,35651584," build/replay-smoke.csv
+./build/install/bin/gpupool-replay --csv --conf expandable_segments:False build/replay-smoke.txt 2>/dev/null |
+  tee build/replay-smoke.csv
+grep -q "^replay-smoke.txt,defaults,sim,.*,18874368," build/replay-smoke.csv
+grep -q "^replay-smoke.txt,expandable_segments:False,sim,.*,35651584," build/replay-smoke.csv
 step "done"
 echo "test.sh: all tests passed"
