@@ -37,7 +37,9 @@ TRACE is a text trace or a PyTorch memory snapshot, either of them gzipped or no
     PYTORCH_CUDA_ALLOC_CONF the snapshot recorded; and a row of gpupool replaying that
     configuration on PyTorch's defaults (ordinary segments unless it says otherwise; an empty
     one is 'expandable_segments:False'), after the defaults row. 'defaults' is gpupool's
-    defaults for a snapshot too, whatever the recording ran with.
+    defaults for a snapshot too, whatever the recording ran with. Expandable segments differ in
+    their pages: gpupool maps 2 MiB pages for requests under 20 MiB, PyTorch 20 MiB pages in
+    its large pool, so the two rows of an expandable recording may differ.
 
 options:
   --conf CONF         a configuration in GPUPOOL_CONF's syntax (PyTorch's

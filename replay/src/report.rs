@@ -126,7 +126,8 @@ impl Row {
                 None => "as recorded".into(),
                 // PyTorch's defaults, in the key where gpupool's differ.
                 Some(c) if c.trim().is_empty() => "expandable_segments:False".into(),
-                Some(c) => c.to_string(),
+                // Trimmed, as the row replaying it is labelled (`cli::recorded_conf`).
+                Some(c) => c.trim().to_string(),
             },
             driver: "recorded".into(),
             capacity_bytes: None,

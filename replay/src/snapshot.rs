@@ -109,7 +109,7 @@ pub fn read_snapshot(
         let entries = usize::try_from(d).ok().and_then(|d| raw.device_traces.get(d)).map_or(&[][..], |t| &t[..]);
         let segments = segments.get(&d).map_or(&[][..], |s| &s[..]);
         let trace_name = if several { format!("{name}:device {d}") } else { name.to_string() };
-        let conf = raw.conf.map(str::to_string);
+        let conf = raw.conf.clone();
         let trace = device_trace(trace_name, entries, segments, conf, budget).map_err(|e| format!("{name}: {e}"))?;
         traces.push(trace);
     }

@@ -145,3 +145,105 @@ fn the_table_names_long_configurations_and_spells_them_out_below() {
     assert!(csv.contains(&format!(",\"{long}\",sim,")), "{csv}");
     assert!(csv.contains(&format!(",\"{conf}\",recorded,")), "{csv}");
 }
+
+/// A Python value, for pickles written the way CPython writes them (protocol 2), by hand.
+enum Py {
+    S(&'static str),
+    I(i32),
+    B(bool),
+    L(Vec<Py>),
+    D(Vec<(&'static str, Py)>),
+}
+
+fn pickle_into(v: &Py, out: &mut Vec<u8>) {
+    let text = |s: &str, out: &mut Vec<u8>| {
+        out.push(b'X');
+        out.extend((s.len() as u32).to_le_bytes());
+        out.extend(s.as_bytes());
+    };
+    match v {
+        Py::S(s) => text(s, out),
+        Py::I(n) => {
+            out.push(b'J');
+            out.extend(n.to_le_bytes());
+        }
+        Py::B(b) => out.push(if *b { 0x88 } else { 0x89 }),
+        Py::L(items) => {
+            out.push(b']');
+            for i in items {
+                pickle_into(i, out);
+                out.push(b'a');
+            }
+        }
+        Py::D(items) => {
+            out.push(b'}');
+            for (k, v) in items {
+                text(k, out);
+                pickle_into(v, out);
+                out.push(b's');
+            }
+        }
+    }
+}
+
+/// A snapshot as PyTorch writes it, of one 2 MiB segment and a 512-byte block allocated and
+/// freed in it, then the segment freed (`empty_cache`), whose `allocator_settings` hold `conf`
+/// and `expandable`.
+fn settings_snapshot(name: &str, conf: &'static str, expandable: bool) -> PathBuf {
+    let event = |action: &'static str, size: i32| {
+        Py::D(vec![("action", Py::S(action)), ("addr", Py::I(4096)), ("size", Py::I(size)), ("stream", Py::I(0))])
+    };
+    let root = Py::D(vec![
+        ("segments", Py::L(vec![])),
+        (
+            "device_traces",
+            Py::L(vec![Py::L(vec![
+                event("segment_alloc", 2 << 20),
+                event("alloc", 512),
+                event("free_requested", 512),
+                event("segment_free", 2 << 20),
+            ])]),
+        ),
+        (
+            "allocator_settings",
+            Py::D(vec![("PYTORCH_CUDA_ALLOC_CONF", Py::S(conf)), ("expandable_segments", Py::B(expandable))]),
+        ),
+    ]);
+    let mut bytes = vec![0x80, 2];
+    pickle_into(&root, &mut bytes);
+    bytes.push(b'.');
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn the_recorded_text_is_trimmed_on_both_rows_and_completed_by_the_settings() {
+    // Spaces around the text: PyTorch's row and gpupool's replay of it carry the same label,
+    // so the table pairs them.
+    let path = settings_snapshot("recorded-padded.pickle", " max_split_size_mb:128 ", false);
+    let (rows, _) = json_rows(&[path.to_str().unwrap()]);
+    let text = "max_split_size_mb:128".to_string();
+    assert_eq!(
+        labels(&rows),
+        [(text.clone(), "recorded".into()), ("defaults".into(), "sim".into()), (text, "sim".into())]
+    );
+    // An empty text, while the settings say the segments were expandable (PyTorch keeps the
+    // last string set, which need not name a key an earlier one set): the recording ran
+    // expandable segments, as gpupool's defaults do.
+    let path = settings_snapshot("recorded-empty-expandable.pickle", "", true);
+    let (rows, err) = json_rows(&[path.to_str().unwrap()]);
+    assert_eq!(
+        labels(&rows),
+        [("expandable_segments:True".into(), "recorded".into()), ("defaults".into(), "sim".into())]
+    );
+    assert!(err.contains("the recorded configuration is that of the row \"defaults\""), "{err}");
+    // The same text with the settings' false: PyTorch's defaults, a row of their own.
+    let path = settings_snapshot("recorded-empty.pickle", "", false);
+    let (rows, _) = json_rows(&[path.to_str().unwrap()]);
+    let pytorch = "expandable_segments:False".to_string();
+    assert_eq!(
+        labels(&rows),
+        [(pytorch.clone(), "recorded".into()), ("defaults".into(), "sim".into()), (pytorch, "sim".into())]
+    );
+}

@@ -10,9 +10,12 @@ use crate::error::Error;
 /// gpupool's cache when a cached block fits (PyTorch `raw_alloc_with_stream`).
 ///
 /// - `ptr`: out-pointer, written only on success. Must not be NULL.
-/// - `size`: bytes. 0 gives `*ptr = NULL` and success. Rounded up to a multiple of 512 bytes;
-///   requests up to 1 MiB share 2 MiB segments, larger ones are carved from 20 MiB segments
-///   (under 10 MiB) or get a segment of their own rounded up to 2 MiB, as in PyTorch.
+/// - `size`: bytes. 0 gives `*ptr = NULL` and success. Rounded up to a multiple of 512 bytes.
+///   With the default expandable segments, a stream's blocks are carved from address ranges
+///   that map 2 MiB pages as they grow (20 MiB pages for requests of 20 MiB and more). With
+///   `expandable_segments:False`, as in PyTorch: requests up to 1 MiB share 2 MiB segments,
+///   larger ones are carved from 20 MiB segments (under 10 MiB) or get a segment of their own
+///   rounded up to 2 MiB.
 /// - `device`: a device ordinal, or -1 for the calling thread's current device
 ///   (`cudaGetDevice`).
 /// - `stream`: the stream the memory will be used on (`cudaStream_t`/`CUstream`; NULL is the
@@ -211,9 +214,10 @@ pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> g
 /// would free (`gpupool_attach_oom_observer`).
 ///
 /// The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
-/// more than the device's memory. Success is not monotone in the size: with 15 MiB free on
-/// the driver and nothing cached, 14 MiB succeeds (a 14 MiB segment) but 5 MiB fails (it
-/// needs a 20 MiB segment); with `max_split_size`, a cached oversize block serves requests
+/// more than the device's memory. Success is not monotone in the size: with ordinary segments
+/// (`expandable_segments:False`), 15 MiB free on the driver and nothing cached, 14 MiB
+/// succeeds (a 14 MiB segment) but 5 MiB fails (it needs a 20 MiB segment); with
+/// `max_split_size`, a cached oversize block serves requests
 /// near its size only. So the answer is an upper bound on what one request gets, not a
 /// promise that every smaller request succeeds.
 ///

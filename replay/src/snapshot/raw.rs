@@ -12,8 +12,11 @@ pub(super) struct Raw<'p> {
     pub segments: Vec<Segment<'p>>,
     /// Device `d`'s entries at index `d`.
     pub device_traces: Vec<Vec<Entry<'p>>>,
-    /// `allocator_settings.PYTORCH_CUDA_ALLOC_CONF`, where present.
-    pub conf: Option<&'p str>,
+    /// `allocator_settings.PYTORCH_CUDA_ALLOC_CONF`, where present; with `expandable_segments:True`
+    /// after it when `allocator_settings.expandable_segments` is true and the text does not
+    /// name the key (PyTorch keeps the last string set, which need not name a key an earlier
+    /// one set).
+    pub conf: Option<String>,
 }
 
 pub(super) struct Segment<'p> {
@@ -47,6 +50,7 @@ pub(super) fn is_read(key: &str) -> bool {
             | "device_traces"
             | "allocator_settings"
             | "PYTORCH_CUDA_ALLOC_CONF"
+            | "expandable_segments"
             | "device"
             | "address"
             | "total_size"
@@ -100,7 +104,15 @@ pub(super) fn read(p: &Pickled) -> Result<Raw<'_>, String> {
             r.dict(s, &|| "allocator_settings".into())?;
             match r.field(s, "PYTORCH_CUDA_ALLOC_CONF") {
                 None => None,
-                Some(c) => Some(r.string(c, &|| "allocator_settings.PYTORCH_CUDA_ALLOC_CONF".into())?),
+                Some(c) => {
+                    let text = r.string(c, &|| "allocator_settings.PYTORCH_CUDA_ALLOC_CONF".into())?;
+                    let expandable = r.field(s, "expandable_segments") == Some(Value::Bool(true));
+                    Some(match text.trim() {
+                        t if !expandable || t.contains("expandable_segments") => text.to_string(),
+                        "" => "expandable_segments:True".to_string(),
+                        t => format!("{t},expandable_segments:True"),
+                    })
+                }
             }
         }
     };

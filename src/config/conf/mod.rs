@@ -76,7 +76,8 @@ pub(super) struct Seen {
 }
 
 impl Config {
-    /// Every key of `GPUPOOL_CONF` back at its default (PyTorch's, [`CONF_KEYS`]).
+    /// Every key of `GPUPOOL_CONF` back at its default ([`CONF_KEYS`]: PyTorch's, but
+    /// `expandable_segments`, `True`).
     fn reset_conf(&mut self) {
         let d = Config::default();
         self.max_split_size = d.max_split_size;
