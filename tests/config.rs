@@ -15,7 +15,7 @@ const KIB: usize = 1 << 10;
 
 /// `s` on PyTorch's defaults (ordinary segments), whose rules these tests check.
 fn conf(s: &str) -> Config {
-    Config::default().with_conf(&format!("expandable_segments:False,{s}")).unwrap_or_else(|e| panic!("{s}: {e}"))
+    Config::pytorch_conf(s).unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
 /// The block size an allocation of `size` bytes gets.

@@ -59,7 +59,7 @@ fn exact(build: &dyn Fn() -> (Allocator, Arc<SimDriver>), stream: usize) -> usiz
 
 /// `conf` on PyTorch's defaults: ordinary segments unless it says otherwise.
 fn config(conf: &str) -> Config {
-    Config::default().with_conf(&format!("expandable_segments:False,{conf}")).unwrap()
+    Config::pytorch_conf(conf).unwrap()
 }
 
 #[test]

@@ -229,17 +229,18 @@ fn parse_args(args: &[String]) -> Result<Options, Stop> {
 /// The row that replays a snapshot's recorded configuration on gpupool, labelled with the
 /// recorded text (as the snapshot's `recorded` row is), `expandable_segments:False` for an
 /// empty one (PyTorch's defaults, which are not gpupool's). The recorded keys apply to
-/// PyTorch's defaults ([`Config::pytorch`]), as they did in the recording, so the row runs
+/// PyTorch's defaults ([`Config::pytorch_conf`]), as they did in the recording, so the row runs
 /// ordinary segments unless the text says `expandable_segments:True`. None for a text trace
 /// or a snapshot that recorded no configuration; and, with a line in `err` saying why, for one
 /// that a row of `confs` replays already or that gpupool does not run (a key of a later
 /// PyTorch, say).
 fn recorded_conf(t: &Trace, confs: &[Setting], err: &mut dyn Write) -> Option<Setting> {
     let text = t.recorded.as_ref()?.conf.as_deref()?.trim();
-    // The key first, so that the recorded text's own `expandable_segments` wins.
+    // The environment that sets it for gpupool: the key first, so that the recorded text's
+    // own `expandable_segments` wins.
     let conf = if text.is_empty() { PYTORCH.to_string() } else { format!("{PYTORCH},{text}") };
     let label = if text.is_empty() { PYTORCH } else { text };
-    let setting = match Config::default().with_conf(&conf) {
+    let setting = match Config::pytorch_conf(text) {
         Ok(config) => Setting { label: label.to_string(), config, vars: vec![(CONF_VAR.into(), conf)] },
         Err(e) => {
             let _ = writeln!(err, "{}: no row for the recorded configuration, which gpupool does not run: {e}", t.name);

@@ -250,8 +250,8 @@ impl Config {
     /// (`expandable_segments:False`), the configuration whose every rule, statistic and
     /// segment matches what PyTorch's native allocator does for the same calls
     /// (docs/rules.md). The same as `GPUPOOL_CONF=expandable_segments:False`. Note that
-    /// [`Config::with_conf`] resets every key it is not given, this one included: on PyTorch's
-    /// defaults, name it (`expandable_segments:False,max_split_size_mb:128`).
+    /// [`Config::with_conf`] resets every key it is not given, this one included: for keys on
+    /// PyTorch's defaults, [`Config::pytorch_conf`].
     pub fn pytorch() -> Config {
         Config { expandable_segments: false, ..Config::default() }
     }

@@ -281,11 +281,7 @@ impl Attempt {
         }
         out.extend([self.room, self.room / ROUND_LARGE * ROUND_LARGE]);
         let Some(p) = s.pages else { return };
-        let mut pages = vec![(PoolKind::Small, p.small_page), (PoolKind::Large, p.large_page)];
-        if p.huge_from != usize::MAX {
-            pages.push((PoolKind::Large, p.huge_page));
-        }
-        for (pool, page) in pages {
+        for (pool, page) in p.page_sizes() {
             let room = self.room_for(page);
             out.push(room / page * page);
             for run in self.shard.runs(pool, page) {

@@ -140,4 +140,18 @@ impl Config {
         c.apply_conf(CONF_VAR, conf)?;
         Ok(c)
     }
+
+    /// What PyTorch 2.11 runs under `PYTORCH_CUDA_ALLOC_CONF=conf`: [`Config::pytorch`] with
+    /// the keys `conf` names, every other key at PyTorch's default (ordinary segments unless
+    /// `conf` says `expandable_segments:True`; gpupool's own options at their defaults). For
+    /// replaying what PyTorch recorded, and for checking PyTorch's rules one for one.
+    ///
+    /// Errors: those of [`Config::with_conf`].
+    pub fn pytorch_conf(conf: &str) -> Result<Config, Error> {
+        let mut c = Config::pytorch();
+        c.reset_conf();
+        c.expandable_segments = false;
+        c.apply_conf(CONF_VAR, conf)?;
+        Ok(c)
+    }
 }

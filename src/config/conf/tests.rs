@@ -360,3 +360,17 @@ fn every_divisions_table_reads_back() {
         assert_eq!(back, t, "{shown}");
     }
 }
+
+#[test]
+fn pytorch_conf_applies_the_keys_to_pytorchs_defaults() {
+    // No key: PyTorch's defaults, ordinary segments (gpupool's default is expandable).
+    assert_eq!(Config::pytorch_conf("").unwrap(), Config::pytorch());
+    assert_eq!(Config::pytorch_conf(" ").unwrap(), Config::pytorch());
+    let c = Config::pytorch_conf("max_split_size_mb:64").unwrap();
+    assert_eq!((c.max_split_size, c.expandable_segments), (64 * MIB, false));
+    assert!(Config::pytorch_conf("expandable_segments:True").unwrap().expandable_segments);
+    // gpupool's own options stay at their defaults.
+    assert_eq!(c.expandable_large_pages, Config::default().expandable_large_pages);
+    let e = Config::pytorch_conf("max_split_size_mb:19").unwrap_err();
+    assert!(e.message().contains("max_split_size_mb:19"), "{e}");
+}

@@ -67,6 +67,13 @@ pub(crate) struct ExpandablePolicy {
 }
 
 impl ExpandablePolicy {
+    /// Every (pool, page size in bytes) that ranges may have: the small pool's, the large
+    /// pool's, and with large pages the large pool's ranges of large pages.
+    pub(crate) fn page_sizes(&self) -> impl Iterator<Item = (PoolKind, usize)> {
+        let huge = (self.huge_from != usize::MAX).then_some((PoolKind::Large, self.huge_page));
+        [(PoolKind::Small, self.small_page), (PoolKind::Large, self.large_page)].into_iter().chain(huge)
+    }
+
     /// The page size in bytes of the ranges a request of `rounded` bytes of `pool` grows: each range
     /// has one page size, and a request looks only at ranges of its own (so that blocks of
     /// 20 MiB and more, laid out in their own ranges, are moved by the high-water rule in large
