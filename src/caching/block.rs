@@ -20,6 +20,10 @@ pub(crate) enum BlockState {
     Free,
     /// Handed to a caller by malloc.
     Allocated,
+    /// Freed, and held whole in its shard's front cache (`shard::front`): inactive like a free
+    /// block, but in no pool and not merged with its neighbours until the cache is merged.
+    /// Blocks of expandable segments only.
+    Cached,
     /// Freed by the caller, but streams recorded with `record_stream` may still use it: it
     /// goes back to its pool when the last of its events has completed.
     AwaitingEvents,

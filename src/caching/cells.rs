@@ -53,7 +53,7 @@ pub(crate) const OVERSIZE_SEGMENTS: usize = METRICS.len() * TYPES + 1;
 pub(crate) const CELLS: usize = METRICS.len() * TYPES + 2;
 
 /// The index of a metric's cell: the one place that knows the layout.
-#[inline]
+#[inline(always)]
 pub(crate) const fn cell(metric: Metric, t: StatType) -> usize {
     metric as usize * TYPES
         + match t {

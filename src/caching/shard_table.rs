@@ -57,10 +57,27 @@ impl ShardTable {
     }
 
     /// Locks `shard` for a call that may change its counters, and puts it on the dirty list
-    /// if it is not on it yet.
+    /// if it is not on it yet. Its front cache is merged into its pools (see [`Shard::lock`]).
     #[inline]
     pub fn lock_for_change<'a>(&self, shard: &'a Arc<Shard>) -> MutexGuard<'a, ShardState> {
-        let mut st = shard.lock();
+        self.dirty_on_change(shard, shard.lock())
+    }
+
+    /// [`ShardTable::lock_for_change`] for malloc and free on the hit path, which use the
+    /// front cache as it is ([`Shard::lock_hot`]).
+    #[inline(always)]
+    pub fn lock_hot_for_change<'a>(&self, shard: &'a Arc<Shard>) -> MutexGuard<'a, ShardState> {
+        self.dirty_on_change(shard, shard.lock_hot())
+    }
+
+    /// Puts `shard`, locked as `st` by a call that will change it, on the dirty list if it is
+    /// not on it yet (see [`ShardTable::lock_for_change`]).
+    #[inline(always)]
+    pub fn dirty_on_change<'a>(
+        &self,
+        shard: &'a Arc<Shard>,
+        mut st: MutexGuard<'a, ShardState>,
+    ) -> MutexGuard<'a, ShardState> {
         let epoch = self.epoch.load(Ordering::Relaxed);
         if st.dirty_epoch != epoch {
             st.dirty_epoch = epoch;

@@ -113,10 +113,35 @@ impl Allocator {
         if ptr == 0 {
             return Ok(());
         }
+        if let Some(done) = self.free_recent(ptr) {
+            return done;
+        }
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
         })
+    }
+
+    /// The hit path of [`Allocator::free`]: a thread usually frees what it allocated, so the
+    /// shard it allocated from last (the first of its cache of recent shards that is this
+    /// allocator's) is asked first, under its lock, whether `ptr` is one of its allocated
+    /// blocks; the segment index, whose lock-free read costs more than the rest of the free
+    /// (callgrind, `examples/hit_loop`: 130 of 530 instructions), is searched only when it is
+    /// not. A wrong guess costs a lock and a hash probe. `None`: not freed here.
+    #[inline(always)]
+    fn free_recent(&self, ptr: DevicePtr) -> Option<Result<(), Error>> {
+        if crate::caching::fork::check().is_err() {
+            return None;
+        }
+        SHARD_CACHE
+            .try_with(|cache| {
+                let cache = cache.borrow();
+                let slot = cache.slots.iter().flatten().find(|c| c.allocator == self.id)?;
+                let dev = self.devices.get(slot.device as usize)?.get()?;
+                dev.free_if_listed(&slot.shard, ptr)
+            })
+            .ok()
+            .flatten()
     }
 
     /// Frees like [`Allocator::free`], but the block is handed out again only after gpupool has

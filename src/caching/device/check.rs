@@ -16,7 +16,8 @@ impl DeviceAllocator {
     pub fn check(&self) -> Result<(), String> {
         let ps = self.peaks.lock();
         let list = self.shards.all();
-        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
+        // The front caches as they are: the check checks them too.
+        let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock_hot()).collect();
         let fail = |what: String| Err(format!("device {}: {what}", self.device));
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
@@ -24,7 +25,7 @@ impl DeviceAllocator {
         let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
-        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current).sum();
+        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current()).sum();
         // The limit counts physical memory: reserved bytes and the pages held unmapped, each
         // of which the driver (where it can tell) has alive and mapped nowhere.
         self.pages.check(&*self.driver).map_err(|e| format!("device {}: {e}", self.device))?;
@@ -50,7 +51,7 @@ impl DeviceAllocator {
             let sum = |f: fn(&counters::Cell, &counters::Seen) -> i64| {
                 guards.iter().map(|g| f(&g.counters.cells[i], &g.counters.seen[i])).sum::<i64>()
             };
-            let (current, headroom) = (sum(|c, _| c.current), sum(|c, _| c.headroom));
+            let (current, headroom) = (sum(|c, _| c.current()), sum(|c, _| c.headroom));
             let credit = headroom + peaks::spare_credit(&self.spare, i);
             if t.peak[i] != current + credit {
                 return fail(format!("peak of cell {i} is {}, with current {current} and credit {credit}", t.peak[i]));
@@ -62,7 +63,7 @@ impl DeviceAllocator {
         let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
         for (shard, g) in list.iter().zip(&guards) {
             let c = &g.counters;
-            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current != s.current || c.headroom != s.headroom);
+            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current() != s.current || c.headroom != s.headroom);
             let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
             let dirty = g.dirty_epoch == self.shards.epoch();
             // What a shard changed since a settle saw it, and credit it holds, are found by the

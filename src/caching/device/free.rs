@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::MutexGuard;
+
 use super::DeviceAllocator;
 use crate::caching::shard::{Shard, ShardState};
 use crate::driver::{DevicePtr, StreamHandle};
@@ -32,18 +34,49 @@ impl DeviceAllocator {
         self.free_body(shard, ptr, segment, false)
     }
 
+    /// [`DeviceAllocator::free`] of `ptr` if it is an allocated block of `shard`, which the
+    /// caller guessed without the segment index (the shard the calling thread allocated from
+    /// last); `None`, having changed nothing, when it is not, or while history is on (whose
+    /// frees read Python frames before any lock).
+    #[inline(always)]
+    pub fn free_if_listed(&self, shard: &Arc<Shard>, ptr: DevicePtr) -> Option<Result<(), Error>> {
+        if self.history.on() {
+            return None;
+        }
+        let st = shard.lock_hot();
+        st.is_allocated(ptr).then_some(())?;
+        let st = self.shards.dirty_on_change(shard, st);
+        // The block is allocated: the segment's base, which only a bad pointer's message
+        // needs, is not looked up.
+        Some(self.free_locked(shard, st, ptr, 0, true))
+    }
+
     /// The body of [`DeviceAllocator::free`]; `off`: history was off at the call's start.
     #[inline(always)]
     fn free_body(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr, off: bool) -> Result<(), Error> {
-        let ctx = self.ctx(shard);
-        let mut st = self.shards.lock_for_change(shard);
+        let st = self.shards.lock_hot_for_change(shard);
+        self.free_locked(shard, st, ptr, segment, off)
+    }
+
+    /// [`DeviceAllocator::free_body`] with the shard locked for a change.
+    #[inline(always)]
+    fn free_locked(
+        &self,
+        shard: &Arc<Shard>,
+        mut st: MutexGuard<'_, ShardState>,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+        off: bool,
+    ) -> Result<(), Error> {
+        // Made only where a slow path needs it (see `malloc_body`).
+        let ctx = || self.ctx(shard);
         if if off { tags::in_use() } else { self.history.on_or_tagged() } {
             self.free_recorded(&mut st, shard, ptr, segment)?;
         } else {
-            st.free(&ctx, ptr, segment)?;
+            st.free(ctx, self.max_split_size, ptr, segment)?;
         }
         if st.released {
-            self.release_emptied(&mut st, &ctx);
+            self.release_emptied(&mut st, &ctx());
         }
         self.finish(st, ());
         Ok(())
@@ -65,8 +98,11 @@ impl DeviceAllocator {
         segment: DevicePtr,
     ) -> Result<(), Error> {
         let ctx = self.ctx(shard);
-        let Some(freed) = st.about_to_free(&self.history, ptr) else { return st.free(&ctx, ptr, segment) };
-        st.free(&ctx, ptr, segment)?;
+        let max_split_size = self.max_split_size;
+        let Some(freed) = st.about_to_free(&self.history, ptr) else {
+            return st.free(|| ctx, max_split_size, ptr, segment);
+        };
+        st.free(|| ctx, max_split_size, ptr, segment)?;
         freed.record(&self.history, shard.stream);
         Ok(())
     }
@@ -95,6 +131,6 @@ impl DeviceAllocator {
         segment: DevicePtr,
         stream: StreamHandle,
     ) -> Result<(), Error> {
-        shard.lock().record_stream(ptr, segment, shard.stream, stream)
+        shard.lock_hot().record_stream(ptr, segment, shard.stream, stream)
     }
 }

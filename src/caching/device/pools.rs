@@ -183,7 +183,7 @@ impl DeviceAllocator {
                 st.insert_deferred_events(&ctx);
             }
             if shard.pool != 0 && st.events_pending() && !self.capture.capture_routed() {
-                let _ = self.process_events(&mut st, &ctx);
+                let _ = self.process_events(&mut st, || ctx);
             }
             if st.released {
                 self.release_emptied(&mut st, &ctx);
@@ -426,7 +426,7 @@ fn sum_pool(shards: &ShardTable, pool: u64) -> ([i64; CELLS], [i64; CELLS], [i64
     for shard in shards.of_pool(pool) {
         let st = shard.lock();
         for (i, c) in st.counters.cells.iter().enumerate() {
-            current[i] += c.current;
+            current[i] += c.current();
             allocated[i] += c.allocated;
             freed[i] += c.freed;
         }

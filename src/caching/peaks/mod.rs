@@ -125,11 +125,11 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
         s.seen_device = (s.device_allocs, s.device_frees);
         let ShardCounters { cells, seen, .. } = &mut **s;
         for (i, (c, seen)) in cells.iter().zip(seen.iter_mut()).enumerate() {
-            t.current[i] += c.current - seen.current;
+            t.current[i] += c.current() - seen.current;
             t.allocated[i] += c.allocated - seen.allocated;
             t.freed[i] += c.freed - seen.freed;
             t.held[i] += c.headroom - seen.headroom;
-            seen.current = c.current;
+            seen.current = c.current();
         }
     }
 }

@@ -125,7 +125,7 @@ fn reusing_own_credit_needs_no_settle() {
 
 /// `P = G + sum(h) + R` over every shard, `G` and `h` as they are now.
 fn balanced(peaks: &Totals, shards: &[ShardCounters], r: &SpareCredit, cell: usize) -> bool {
-    let g: i64 = shards.iter().map(|s| s.cells[cell].current).sum();
+    let g: i64 = shards.iter().map(|s| s.cells[cell].current()).sum();
     let h: i64 = shards.iter().map(|s| s.cells[cell].headroom).sum();
     peaks.peak[cell] == g + h + spare_credit(r, cell)
 }

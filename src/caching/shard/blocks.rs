@@ -58,8 +58,36 @@ impl ShardState {
     /// PyTorch `free_block`: back to the pool, merged with free neighbours
     /// (`try_merge_blocks`), with PyTorch's net `inactive_split` change.
     pub(super) fn free_block(&mut self, id: BlockId) {
-        let b = &self.blocks[id];
-        let (orig_size, requested, pool, expandable) = (b.size, b.requested, b.pool, b.expandable);
+        self.count_inactive(id);
+        self.merge_free(id);
+    }
+
+    /// The statistics of a block that stops being active: freed at once, or when its events
+    /// completed, or into the front cache (PyTorch `free_block`'s `active` and `requested`
+    /// changes). Reads the block's size and requested bytes, and clears the latter.
+    #[inline(always)]
+    pub(super) fn count_inactive(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id];
+        let (size, requested, pool) = (b.size, b.requested, b.pool);
+        b.requested = 0;
+        let c = &mut self.counters;
+        c.decrease(Metric::Active, pool, 1);
+        c.decrease(Metric::ActiveBytes, pool, size as i64);
+        c.decrease(Metric::RequestedBytes, pool, requested as i64);
+    }
+
+    /// The rest of PyTorch `free_block` for a block already counted inactive: merged with its
+    /// free neighbours into its pool, with the net `inactive_split` change; stamped with the
+    /// shard's count of frees (`garbage_collection_threshold`'s clock), counting this free.
+    pub(super) fn merge_free(&mut self, id: BlockId) {
+        self.frees = self.frees.wrapping_add(1);
+        self.merge_stamped(id, self.frees);
+    }
+
+    /// [`ShardState::merge_free`] of a block whose free the clock counted already, at `stamp`
+    /// (one from the front cache): the merged block keeps that stamp.
+    pub(super) fn merge_stamped(&mut self, id: BlockId, stamp: u32) {
+        let (pool, expandable) = (self.blocks[id].pool, self.blocks[id].expandable);
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let mut id = id;
@@ -76,25 +104,21 @@ impl ShardState {
             net_blocks -= 1;
             net_bytes -= merged as i64;
         }
-        self.frees = self.frees.wrapping_add(1);
         let b = &mut self.blocks[id];
         b.state = BlockState::Free;
         b.requested = 0;
-        b.freed_at = self.frees;
+        b.freed_at = stamp;
         let (size, addr, split) = (b.size, b.addr, b.is_split());
         self.pool(pool).insert(size, addr, id);
         if split {
             net_blocks += 1;
             net_bytes += size as i64;
         }
-        let c = &mut self.counters;
         if !expandable {
+            let c = &mut self.counters;
             c.change(Metric::InactiveSplit, pool, net_blocks);
             c.change(Metric::InactiveSplitBytes, pool, net_bytes);
         }
-        c.decrease(Metric::Active, pool, 1);
-        c.decrease(Metric::ActiveBytes, pool, orig_size as i64);
-        c.decrease(Metric::RequestedBytes, pool, requested as i64);
     }
 
     /// A free block of an expandable segment that is not in its pool yet (memory just mapped,

@@ -32,10 +32,11 @@ impl ShardState {
                          pointer the allocation returned",
                         b.addr
                     ),
-                    (BlockState::Free, 0) | (BlockState::AwaitingEvents | BlockState::AwaitingSync, 0) => {
+                    (BlockState::Free | BlockState::Cached, 0)
+                    | (BlockState::AwaitingEvents | BlockState::AwaitingSync, 0) => {
                         format!("pointer {ptr:#x} is not allocated (double free, or used after it was freed)")
                     }
-                    (BlockState::AwaitingEvents | BlockState::AwaitingSync, _) => format!(
+                    (BlockState::AwaitingEvents | BlockState::AwaitingSync | BlockState::Cached, _) => format!(
                         "pointer {ptr:#x} is {inside} bytes inside the block at {:#x}, which was already freed",
                         b.addr
                     ),
@@ -66,6 +67,7 @@ impl ShardState {
         let mut oversize = [0i64; 2];
         let (mut free_blocks, mut awaiting) = (0usize, FxHashMap::<BlockId, u32>::default());
         let (mut deferred_blocks, mut unmapped_blocks) = (0usize, 0usize);
+        let mut cached = FxHashMap::<BlockId, usize>::default();
         for (&base, seg) in &self.segments {
             let head = &self.blocks[seg.head];
             if head.addr != base || head.prev != NIL {
@@ -124,6 +126,15 @@ impl ShardState {
                             add(Metric::InactiveSplitBytes, pool, b.size as i64);
                         }
                     }
+                    BlockState::Cached => {
+                        if !b.expandable || self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!(
+                                "cached block {:#x} is not in an expandable segment, or not in the live map",
+                                b.addr
+                            ));
+                        }
+                        cached.insert(id, b.size);
+                    }
                     BlockState::AwaitingEvents => {
                         awaiting.insert(id, b.event_count);
                     }
@@ -138,7 +149,7 @@ impl ShardState {
                         deferred_blocks += 1;
                     }
                 }
-                if !matches!(b.state, BlockState::Free | BlockState::Unmapped) {
+                if !matches!(b.state, BlockState::Free | BlockState::Unmapped | BlockState::Cached) {
                     add(Metric::Active, pool, 1);
                     add(Metric::ActiveBytes, pool, b.size as i64);
                     add(Metric::RequestedBytes, pool, b.requested as i64);
@@ -165,10 +176,18 @@ impl ShardState {
                 self.small.len() + self.large.len()
             ));
         }
+        // The front cache lists every cached block once, with its size, within its bounds.
+        let listed: FxHashMap<BlockId, usize> = self.front_blocks().map(|(size, id)| (id, size)).collect();
+        if listed != cached || listed.len() != self.front_blocks().count() {
+            return Err(format!("stream {owner:#x}: the front cache does not list exactly the cached blocks"));
+        }
+        if cached.values().sum::<usize>() > super::front::FRONT_BYTES || cached.len() > super::front::FRONT_SLOTS {
+            return Err(format!("stream {owner:#x}: the front cache is over its bounds"));
+        }
         if deferred_blocks != self.deferred.len() {
             return Err(format!("stream {owner:#x}: blocks listed as awaiting a device synchronisation are not"));
         }
-        if self.live.len() != recount[cell(Metric::Allocation, StatType::All)] as usize {
+        if self.live.len() != recount[cell(Metric::Allocation, StatType::All)] as usize + cached.len() {
             return Err(format!("stream {owner:#x}: the live map holds blocks that are not allocated"));
         }
         // Blocks freed during a capture await its end with no event yet.
@@ -184,7 +203,7 @@ impl ShardState {
             return Err(format!("stream {owner:#x}: pending events do not match the blocks awaiting them"));
         }
         for (i, &want) in recount.iter().enumerate() {
-            let have = self.counters.cells[i].current;
+            let have = self.counters.cells[i].current();
             if have != want {
                 return Err(format!("stream {owner:#x}: statistic cell {i} is {have}, recount {want}"));
             }

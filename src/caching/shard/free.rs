@@ -25,17 +25,29 @@ impl ShardState {
     ///
     /// Inlined into both of the device's paths, with and without the history, so that the
     /// path without keeps the code it would have alone (the cache-hit free).
+    ///
+    /// `ctx` makes what the device passes, for the slow paths only; `max_split_size` is the
+    /// device's.
     #[inline(always)]
-    pub fn free(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
-        let Some(&id) = self.live.get(&ptr) else {
+    pub fn free<'c>(
+        &mut self,
+        ctx: impl FnOnce() -> ShardCtx<'c>,
+        max_split_size: usize,
+        ptr: DevicePtr,
+        segment: DevicePtr,
+    ) -> Result<(), Error> {
+        let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
         if !self.blocks[id].stream_uses.is_empty() {
-            return self.free_used(ctx, ptr, id);
+            return self.free_used(&ctx(), ptr, id);
         }
-        self.live.remove(&ptr);
-        self.count_free(id, ctx.max_split_size);
-        self.free_block(id);
+        self.count_free(id, max_split_size);
+        self.count_inactive(id);
+        // A block the front cache takes stays in the live map (see `live`).
+        if !self.cache_freed(id) {
+            self.live.remove(&ptr);
+        }
         Ok(())
     }
 
@@ -106,7 +118,7 @@ impl ShardState {
         owner: StreamHandle,
         stream: StreamHandle,
     ) -> Result<(), Error> {
-        let Some(&id) = self.live.get(&ptr) else {
+        let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
         let b = &mut self.blocks[id];
@@ -123,9 +135,10 @@ impl ShardState {
     ///
     /// Errors: [`Error::InvalidPointer`] as [`ShardState::free`], nothing changed.
     pub fn free_after_sync(&mut self, ctx: &ShardCtx, ptr: DevicePtr, segment: DevicePtr) -> Result<usize, Error> {
-        let Some(id) = self.live.remove(&ptr) else {
+        let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        self.live.remove(&ptr);
         Ok(self.defer(ctx, id))
     }
 

@@ -38,7 +38,8 @@ impl ShardState {
                 while id != NIL {
                     let b = &self.blocks[id];
                     let kind = match b.state {
-                        BlockState::Free => Kind::Free,
+                        // The front cache is merged before this runs (`Shard::lock`).
+                        BlockState::Free | BlockState::Cached => Kind::Free,
                         BlockState::Allocated => Kind::Used,
                         // A block freed during a capture has no event yet (`capture_deferred`).
                         BlockState::AwaitingEvents if b.event_count > 0 && ready.get(&id) == Some(&b.event_count) => {

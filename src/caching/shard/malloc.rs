@@ -50,6 +50,23 @@ impl ShardState {
     #[inline]
     pub fn hand_out(&mut self, id: BlockId, req: &Request, max_split_size: usize) -> DevicePtr {
         let kept = self.split(id, req.rounded, max_split_size);
+        let addr = self.allocate(id, req, kept, max_split_size);
+        self.live.insert(addr, id);
+        addr
+    }
+
+    /// [`ShardState::hand_out`] of a block of exactly the rounded size from the front cache,
+    /// which nothing is split from (`should_split` is false for a block the request fills),
+    /// and which is in the live map already (see `live`).
+    #[inline(always)]
+    pub fn hand_out_whole(&mut self, id: BlockId, req: &Request, max_split_size: usize) -> DevicePtr {
+        debug_assert_eq!(self.blocks[id].size, req.rounded);
+        self.allocate(id, req, req.rounded, max_split_size)
+    }
+
+    /// Marks the block `id` of `kept` bytes allocated for `req` and counts it.
+    #[inline(always)]
+    fn allocate(&mut self, id: BlockId, req: &Request, kept: usize, max_split_size: usize) -> DevicePtr {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = req.size;
@@ -63,7 +80,6 @@ impl ShardState {
         if kept >= max_split_size {
             c.increase_single(OVERSIZE_ALLOCATIONS);
         }
-        self.live.insert(addr, id);
         addr
     }
 }

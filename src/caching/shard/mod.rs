@@ -13,6 +13,7 @@
 //! - [`waiting`]: freed blocks that wait for events, a device synchronisation or a capture's
 //!   end, and their return to the pools;
 //! - [`blocks`]: splitting and merging blocks;
+//! - [`front`]: blocks freed on the hit path, held whole by exact size in front of the pools;
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
@@ -23,6 +24,7 @@ mod blocks;
 mod check;
 mod expand;
 mod free;
+mod front;
 mod gc;
 mod largest;
 mod malloc;
@@ -52,6 +54,7 @@ use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::history::HistoryHook;
+use front::FrontCache;
 
 /// A shard: the state of one (device, stream) pair of a pool behind its own lock: the
 /// device's default pools (pool 0) or a private pool (see `device::pools`).
@@ -71,14 +74,28 @@ impl Shard {
         Shard { stream, pool, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
     }
 
+    /// The lock, with the front cache merged into the pools (see `front`): what every call
+    /// but the hit path's takes, so that it sees PyTorch's merged pools.
     #[inline]
     pub fn lock(&self) -> MutexGuard<'_, ShardState> {
+        let mut st = self.state.lock();
+        st.drain_front();
+        st
+    }
+
+    /// The lock, the front cache left as it is: for malloc, free and `record_stream`, which
+    /// take from and add to it, and for the consistency check, which checks it.
+    #[inline(always)]
+    pub fn lock_hot(&self) -> MutexGuard<'_, ShardState> {
         self.state.lock()
     }
 
-    /// The lock if it is free now (`empty_cache` passes over a busy shard).
+    /// The lock if it is free now (`empty_cache` passes over a busy shard), with the front
+    /// cache merged as [`Shard::lock`].
     pub fn try_lock(&self) -> Option<MutexGuard<'_, ShardState>> {
-        self.state.try_lock()
+        let mut st = self.state.try_lock()?;
+        st.drain_front();
+        Some(st)
     }
 
     /// Whether the shard was retired; exact when read with its lock held.
@@ -148,7 +165,11 @@ pub(crate) struct ShardState {
     blocks: Arena,
     small: FreePool,
     large: FreePool,
-    /// Allocated blocks by address (PyTorch `allocated_blocks`).
+    /// Blocks freed on the hit path, not merged yet (see `front`).
+    front: FrontCache,
+    /// Allocated blocks by address (PyTorch `allocated_blocks`), and the front cache's blocks,
+    /// which stay listed while cached so that a free and a malloc of the same block touch
+    /// the map neither time ([`ShardState::allocated`] tells the two apart).
     live: FxHashMap<DevicePtr, BlockId>,
     segments: FxHashMap<DevicePtr, SegmentInfo>,
     /// The bases of the expandable segments among `segments`.
@@ -212,7 +233,7 @@ impl ShardState {
     /// Flags as used by a CUDA graph the segment holding the allocated block at `ptr` (see
     /// `SegmentInfo::graph`).
     pub fn mark_graph(&mut self, ptr: DevicePtr) {
-        let Some(&id) = self.live.get(&ptr) else { return };
+        let Some(id) = self.allocated(ptr) else { return };
         let mut head = id;
         while self.blocks[head].prev != super::block::NIL {
             head = self.blocks[head].prev;
@@ -261,6 +282,19 @@ impl ShardState {
     /// The size in bytes (rounded, as counted in `allocated_bytes`) of the allocated block at
     /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
     pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {
-        self.live.get(&ptr).map(|&id| self.blocks[id].size)
+        self.allocated(ptr).map(|id| self.blocks[id].size)
+    }
+
+    /// Whether `ptr` is an allocated block of this shard.
+    #[inline(always)]
+    pub fn is_allocated(&self, ptr: DevicePtr) -> bool {
+        self.allocated(ptr).is_some()
+    }
+
+    /// The allocated block at `ptr`, if there is one (not one of the front cache's).
+    #[inline(always)]
+    fn allocated(&self, ptr: DevicePtr) -> Option<BlockId> {
+        let &id = self.live.get(&ptr)?;
+        (self.blocks[id].state == super::block::BlockState::Allocated).then_some(id)
     }
 }

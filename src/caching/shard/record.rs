@@ -23,7 +23,7 @@ impl ShardState {
     /// and, while history is on, its `alloc` event (PyTorch `alloc_found_block`).
     #[cold]
     pub fn record_alloc_at(&mut self, h: &HistoryHook, stream: StreamHandle, ptr: DevicePtr, requested: usize) {
-        let Some(&id) = self.live.get(&ptr) else { return };
+        let Some(id) = self.allocated(ptr) else { return };
         let tag = tags::current();
         let c = match std::mem::take(&mut self.pending_ctx) {
             0 => h.capture_tagged(HistoryContext::State, tag),
@@ -54,7 +54,7 @@ impl ShardState {
     /// frees.
     #[cold]
     pub fn about_to_free(&self, h: &HistoryHook, ptr: DevicePtr) -> Option<Freed> {
-        let &id = self.live.get(&ptr)?;
+        let id = self.allocated(ptr)?;
         let b = &self.blocks[id];
         let contexts = &h.recorder().contexts;
         let tag = contexts.tag_of(b.ctx);
@@ -112,7 +112,8 @@ impl ShardState {
                 let state = match b.state {
                     BlockState::Allocated => Some(SnapState::ActiveAllocated),
                     BlockState::AwaitingEvents | BlockState::AwaitingSync => Some(SnapState::ActivePendingFree),
-                    BlockState::Free => Some(SnapState::Inactive),
+                    // The front cache is merged before a snapshot (`Shard::lock`).
+                    BlockState::Free | BlockState::Cached => Some(SnapState::Inactive),
                     BlockState::Unmapped => None,
                 };
                 match state {
