@@ -6,6 +6,9 @@
 #                                  into DIR/prefix, copy the Rust test binaries to DIR/bin and
 #                                  the traces to DIR/traces
 #                                  (DIR defaults to .device, which git ignores)
+#   scripts/gpu.sh prepare-base DIR REV
+#                                  where cargo is: the library of commit REV into DIR/base, for
+#                                  section ab
 #   scripts/gpu.sh run [DIR] [OUT] on the GPU machine: build the C tests, the GPU tests and the
 #                                  examples against DIR/prefix, run every test with
 #                                  GPUPOOL_DRIVER=cuda (the Rust tests run on the simulated
@@ -39,6 +42,10 @@
 #   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
 #               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
 #               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
+#   ab          bench's main table (BENCH_ONLY=main) with DIR/base/libgpupool.so (the library
+#               before a change: put it there with `scripts/gpu.sh prepare-base REV`) and with
+#               the new one, alternating base, new, base, new, each run's loaded library named
+#               by ldd; logs in OUT/ab-*.log
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -75,12 +82,29 @@ for l in sys.stdin:
   exit 0
 fi
 
+# The library of revision REV (a commit), built in a worktree of its own, into DIR/base: what
+# section `ab` compares this checkout's library with.
+if [ "$step" = prepare-base ]; then
+  rev=${3:-}
+  [ -n "$rev" ] || { echo "usage: scripts/gpu.sh prepare-base DIR REV" >&2; exit 2; }
+  wt="$dir/base-src"
+  rm -rf "$wt" "$dir/base"
+  git worktree prune
+  git worktree add --detach "$wt" "$rev" >/dev/null
+  (cd "$wt" && cargo build --release --lib --quiet)
+  mkdir -p "$dir/base"
+  cp "$wt/target/release/libgpupool.so" "$dir/base/"
+  strip --strip-debug "$dir/base/libgpupool.so"
+  git worktree remove --force "$wt"
+  exit 0
+fi
+
 if [ "$step" != run ]; then
-  echo "usage: scripts/gpu.sh prepare|run [DIR] [OUT]" >&2
+  echo "usage: scripts/gpu.sh prepare|run [DIR] [OUT], or prepare-base DIR REV" >&2
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench replay host"
+all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench ab replay host"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -315,6 +339,32 @@ if want bench; then
     traces+=("build-gpu/$(basename "$t" .gz)")
   done
   ./build-gpu/examples/bench "${traces[@]}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+# The main table against the library before a change, alternating, in one session: the
+# library is found through LD_LIBRARY_PATH ahead of the prefix (bench's RUNPATH), and ldd
+# says which one each run loaded.
+if want ab; then
+  echo "== bench, base library against this one"
+  build_examples
+  traces=()
+  for t in "$dir"/traces/*.txt.gz; do
+    gunzip -c "$t" >"build-gpu/$(basename "$t" .gz)"
+    traces+=("build-gpu/$(basename "$t" .gz)")
+  done
+  if [ -e "$dir/base/libgpupool.so" ]; then
+    base=$(cd "$dir/base" && pwd)
+    for run in base new base new; do
+      libs=$([ "$run" = base ] && echo "$base" || echo "$prefix/lib")
+      n=$(ls "$out"/ab-"$run"-*.log 2>/dev/null | wc -l)
+      log="$out/ab-$run-$((n + 1)).log"
+      LD_LIBRARY_PATH="$libs" ldd ./build-gpu/examples/bench | grep gpupool | tee "$log"
+      LD_LIBRARY_PATH="$libs" BENCH_ONLY=main ./build-gpu/examples/bench "${traces[@]}" >>"$log" 2>&1 || status=1
+      grep -E "^\| (cache hit|16 threads|replay|random)" "$log" || true
+    done
+  else
+    echo "no $dir/base/libgpupool.so: scripts/gpu.sh prepare-base REV puts the library before a change there"
+    status=1
+  fi
 fi
 # The replay tool on the GPU (CUDA streams made for the trace's), then on the simulated device
 # of this machine, with the same configurations: what the simulated device predicts beside what
