@@ -353,10 +353,11 @@ if want ab; then
   done
   if [ -e "$dir/base/libgpupool.so" ]; then
     base=$(cd "$dir/base" && pwd)
+    i=0
     for run in base new base new; do
+      i=$((i + 1))
       libs=$([ "$run" = base ] && echo "$base" || echo "$prefix/lib")
-      n=$(ls "$out"/ab-"$run"-*.log 2>/dev/null | wc -l)
-      log="$out/ab-$run-$((n + 1)).log"
+      log="$out/ab-$i-$run.log"
       LD_LIBRARY_PATH="$libs" ldd ./build-gpu/examples/bench | grep gpupool | tee "$log"
       LD_LIBRARY_PATH="$libs" BENCH_ONLY=main ./build-gpu/examples/bench "${traces[@]}" >>"$log" 2>&1 || status=1
       grep -E "^\| (cache hit|16 threads|replay|random)" "$log" || true
