@@ -41,7 +41,7 @@ fn a_freed_block_serves_the_next_request_of_its_size_with_exact_statistics() {
     let before = a.stats(0).unwrap();
     for _ in 0..100 {
         let q = a.malloc(1024, 0, 0x10).unwrap();
-        assert_eq!(q, p, "the block freed last of the rounded size");
+        assert_eq!(q, p, "the cached block of the rounded size");
         assert_eq!(counts(&a), (4096 + 1024, 4096 + 1024, 4096 + 1024, 2, 0));
         a.free(q).unwrap();
     }

@@ -127,6 +127,12 @@ impl FreePool {
         Some((found, addr, id))
     }
 
+    /// The address of the lowest block of exactly `size` bytes, if any.
+    #[inline(always)]
+    pub fn lowest_of(&self, size: usize) -> Option<DevicePtr> {
+        self.bins.get(&size).and_then(|b| b.blocks.first()).map(|&(addr, _)| addr)
+    }
+
     /// The best-fitting block of at least `size` bytes, without removing it.
     #[inline]
     pub fn best_fit(&mut self, size: usize) -> Option<(usize, DevicePtr, BlockId)> {

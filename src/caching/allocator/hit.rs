@@ -68,6 +68,13 @@ impl Allocator {
     /// (callgrind, `examples/hit_loop`).
     #[inline(never)]
     fn remember_shard(&self, device: i32, stream: StreamHandle, shard: &Arc<Shard>) {
+        // The segment index's lock-free read keeps a node per thread (`arc-swap`'s debt list)
+        // made at the thread's first read. The hit path's frees rarely read it
+        // (`free_recent`), so a thread's first read could come at its exit, from a
+        // pthread-key destructor that frees, after its thread-locals were destroyed: the node
+        // made then is never freed (`tests/c/test_thread_exit.c` under valgrind). Read once
+        // here, while the thread runs.
+        self.index.with_segment(0, |_| ());
         let _ = SHARD_CACHE.try_with(|cache| {
             // Lent already when `f` of an outer call on this thread calls back into the
             // allocator (an out-of-memory observer that allocates): the cache then stays as it is.

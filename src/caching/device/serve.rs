@@ -249,7 +249,7 @@ impl DeviceAllocator {
         req: &Request,
         collect: bool,
     ) -> Result<Served, Error> {
-        if let Some(id) = st.take_front(req.rounded) {
+        if let Some(id) = st.take_front(req.rounded, req.pool) {
             return Ok(Served::Block(st.hand_out_whole(id, req, self.max_split_size)));
         }
         // Any other request is served as PyTorch serves it, from the merged pools: the best

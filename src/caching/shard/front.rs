@@ -24,12 +24,17 @@
 //! - Bounded: [`FRONT_SLOTS`] blocks and [`FRONT_BYTES`] bytes a shard; the oldest block is
 //!   merged into its pool when a new one would pass either bound.
 //!
-//! Where gpupool differs from PyTorch: a request served from here gets the block freed last of
-//! its size, where PyTorch's best fit is the lowest address among blocks of the smallest
-//! fitting size, merged. Sizes and statistics are the same; addresses may differ.
+//! Which block serves a request of a cached size: the front cache's lowest of that size, unless
+//! the pool holds one of that size lower still (then the pools are merged and searched), as
+//! PyTorch's best fit takes the lowest address among equals. Where gpupool differs from
+//! PyTorch: PyTorch compares blocks merged with their free neighbours, so a cached block that
+//! would have merged into a larger one can be handed out where PyTorch splits another block of
+//! exactly the size elsewhere. Sizes and statistics are the same; addresses may differ then.
 
 use super::ShardState;
 use crate::caching::block::{BlockId, BlockState};
+use crate::caching::rules::PoolKind;
+use crate::driver::DevicePtr;
 
 /// Blocks a shard's front cache holds at most: a scan of this many sizes is cheaper than one
 /// probe of the pools' hash map (callgrind, `examples/hit_loop`).
@@ -45,6 +50,7 @@ pub(crate) struct FrontCache {
     len: usize,
     bytes: usize,
     sizes: [usize; FRONT_SLOTS],
+    addrs: [DevicePtr; FRONT_SLOTS],
     ids: [BlockId; FRONT_SLOTS],
 }
 
@@ -55,24 +61,34 @@ impl FrontCache {
         self.len == 0
     }
 
-    /// Takes out the block freed last of exactly `size` bytes, if any.
+    /// Takes out the block of exactly `size` bytes at the lowest address, if it lies below
+    /// `below` (PyTorch's best fit among equals: the lowest address).
     #[inline(always)]
-    pub fn take(&mut self, size: usize) -> Option<BlockId> {
-        let mut i = self.len;
-        while i > 0 {
-            i -= 1;
-            if self.sizes[i] == size {
-                let id = self.ids[i];
-                if i + 1 < self.len {
-                    self.sizes.copy_within(i + 1..self.len, i);
-                    self.ids.copy_within(i + 1..self.len, i);
-                }
-                self.len -= 1;
-                self.bytes -= size;
-                return Some(id);
+    pub fn take(&mut self, size: usize, below: DevicePtr) -> Option<BlockId> {
+        let mut found = None;
+        let mut lowest = below;
+        for i in 0..self.len {
+            if self.sizes[i] == size && self.addrs[i] < lowest {
+                lowest = self.addrs[i];
+                found = Some(i);
             }
         }
-        None
+        let i = found?;
+        let id = self.ids[i];
+        self.remove(i);
+        Some(id)
+    }
+
+    /// Takes out entry `i`, keeping the order of the rest.
+    #[inline(always)]
+    fn remove(&mut self, i: usize) {
+        self.bytes -= self.sizes[i];
+        if i + 1 < self.len {
+            self.sizes.copy_within(i + 1..self.len, i);
+            self.addrs.copy_within(i + 1..self.len, i);
+            self.ids.copy_within(i + 1..self.len, i);
+        }
+        self.len -= 1;
     }
 
     /// Whether a block of `size` bytes fits without passing a bound.
@@ -81,12 +97,14 @@ impl FrontCache {
         self.len < FRONT_SLOTS && self.bytes + size <= FRONT_BYTES
     }
 
-    /// Adds a block of `size` bytes, the newest. The caller made room ([`FrontCache::has_room`],
-    /// [`FrontCache::pop_oldest`]); a block over [`FRONT_BYTES`] alone never enters.
+    /// Adds the block `id` of `size` bytes at `addr`, the newest. The caller made room
+    /// ([`FrontCache::has_room`], [`FrontCache::pop_oldest`]); a block over [`FRONT_BYTES`]
+    /// alone never enters.
     #[inline(always)]
-    pub fn push(&mut self, size: usize, id: BlockId) {
+    pub fn push(&mut self, size: usize, addr: DevicePtr, id: BlockId) {
         debug_assert!(self.has_room(size));
         self.sizes[self.len] = size;
+        self.addrs[self.len] = addr;
         self.ids[self.len] = id;
         self.len += 1;
         self.bytes += size;
@@ -98,10 +116,7 @@ impl FrontCache {
             return None;
         }
         let id = self.ids[0];
-        self.bytes -= self.sizes[0];
-        self.sizes.copy_within(1..self.len, 0);
-        self.ids.copy_within(1..self.len, 0);
-        self.len -= 1;
+        self.remove(0);
         Some(id)
     }
 
@@ -119,7 +134,7 @@ impl ShardState {
     #[inline(always)]
     pub(super) fn cache_freed(&mut self, id: BlockId) -> bool {
         let b = &self.blocks[id];
-        let size = b.size;
+        let (size, addr) = (b.size, b.addr);
         if !b.expandable || size > FRONT_BYTES {
             self.merge_free(id);
             return false;
@@ -131,7 +146,7 @@ impl ShardState {
         let b = &mut self.blocks[id];
         b.state = BlockState::Cached;
         b.freed_at = self.frees;
-        self.front.push(size, id);
+        self.front.push(size, addr, id);
         true
     }
 
@@ -143,10 +158,13 @@ impl ShardState {
         }
     }
 
-    /// Takes out of the front cache the block freed last of exactly `rounded` bytes.
+    /// Takes out of the front cache its lowest block of exactly `rounded` bytes in `pool`,
+    /// unless the pool holds one of that size at a lower address: PyTorch's best fit among
+    /// blocks of one size is the lowest (the caller then merges and searches the pools).
     #[inline(always)]
-    pub fn take_front(&mut self, rounded: usize) -> Option<BlockId> {
-        let id = self.front.take(rounded)?;
+    pub fn take_front(&mut self, rounded: usize, pool: PoolKind) -> Option<BlockId> {
+        let below = self.pool_ref(pool).lowest_of(rounded).unwrap_or(DevicePtr::MAX);
+        let id = self.front.take(rounded, below)?;
         debug_assert_eq!(self.blocks[id].state, BlockState::Cached);
         Some(id)
     }
@@ -190,17 +208,18 @@ mod tests {
     #[test]
     fn takes_the_newest_of_a_size_and_keeps_the_order_of_the_rest() {
         let mut f = FrontCache::default();
-        for (size, id) in [(512, 1), (1024, 2), (512, 3), (2048, 4)] {
+        for (size, addr, id) in [(512, 0x9000, 1), (1024, 0x1000, 2), (512, 0x3000, 3), (2048, 0x5000, 4)] {
             assert!(f.has_room(size));
-            f.push(size, id);
+            f.push(size, addr, id);
         }
         assert_eq!(f.bytes, 4096);
-        assert_eq!(f.take(512), Some(3), "the newest block of the size");
-        assert_eq!(f.take(4096), None);
+        assert_eq!(f.take(512, 0x3000), None, "the pool's block of the size is lower");
+        assert_eq!(f.take(512, u64::MAX), Some(3), "the lowest block of the size");
+        assert_eq!(f.take(4096, u64::MAX), None);
         assert_eq!(f.iter().collect::<Vec<_>>(), [(512, 1), (1024, 2), (2048, 4)]);
         assert_eq!(f.pop_oldest(), Some(1));
-        assert_eq!(f.take(2048), Some(4));
-        assert_eq!(f.take(1024), Some(2));
+        assert_eq!(f.take(2048, u64::MAX), Some(4));
+        assert_eq!(f.take(1024, u64::MAX), Some(2));
         assert!(f.is_empty());
         assert_eq!((f.bytes, f.pop_oldest()), (0, None));
     }
@@ -209,7 +228,7 @@ mod tests {
     fn bounded_in_blocks_and_bytes() {
         let mut f = FrontCache::default();
         for id in 0..FRONT_SLOTS as BlockId {
-            f.push(512, id);
+            f.push(512, 0x1000 * u64::from(id), id);
         }
         assert!(!f.has_room(512), "full at {FRONT_SLOTS} blocks");
         assert_eq!(f.pop_oldest(), Some(0));
@@ -217,7 +236,7 @@ mod tests {
         assert!(!f.has_room(FRONT_BYTES), "bytes bound");
         let mut g = FrontCache::default();
         assert!(g.has_room(FRONT_BYTES) && !g.has_room(FRONT_BYTES + 512));
-        g.push(FRONT_BYTES, 7);
+        g.push(FRONT_BYTES, 0x1000, 7);
         assert!(!g.has_room(512));
     }
 }
