@@ -39,6 +39,12 @@
 #   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
 #               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
 #               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
+#   plugins     tests/gpu/plugins.py: the gpupool Python package (the wheel `prepare` built,
+#               installed into build-gpu/python) under CuPy (its current stream, and a fixed
+#               stream through CFunctionAllocator), Numba (NUMBA_CUDA_MEMORY_MANAGER=
+#               gpupool.numba), PyTorch, CuPy and Numba in one process, and ONNX Runtime where it
+#               has the CUDA execution provider: identical results against each framework's own
+#               allocator, gpupool's statistics seeing the blocks; OUT/plugins.txt
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -52,7 +58,7 @@ dir=${2:-.device}
 
 if [ "$step" = prepare ]; then
   source scripts/deps.sh
-  rm -rf "$dir/prefix" "$dir/bin" "$dir/traces"
+  rm -rf "$dir/prefix" "$dir/bin" "$dir/traces" "$dir/wheels"
   mkdir -p "$dir/bin" "$dir/traces"
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build build -j"$(nproc)"
@@ -67,6 +73,10 @@ for l in sys.stdin:
   strip "$dir"/bin/*
   strip --strip-debug "$dir/prefix/lib/libgpupool.a" "$dir/prefix/lib/libgpupool.so" "$dir/prefix/lib/libgpupool_preload.so"
   strip "$dir/prefix/bin/gpupool-replay"
+  # The Python package as a wheel (pyproject.toml, over the same cargo build), for the plugins
+  # section; without it, that section uses the prefix's copy of the package.
+  python3 -m pip wheel --quiet --no-deps -w "$dir/wheels" . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/build/cargo" ||
+    echo "the wheel did not build: the plugins section will use $dir/prefix/share/gpupool/python"
   # The traces the repository ships, and the larger set beside a development checkout.
   cp replay/traces/*.txt.gz "$dir/traces/"
   shared=../shared/traces
@@ -80,7 +90,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench replay host"
+all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench replay host plugins"
 sections=${GPU_SECTIONS:-$all_sections}
 sections=${sections//,/ }
 for s in $sections; do
@@ -358,5 +368,21 @@ if want host; then
   if [ -x $hb/bench_host ]; then
     ./$hb/bench_host 2>&1 | tee "$out/bench-host.log" || status=1
   fi
+fi
+# The Python package and the frameworks' allocator plug-ins, each against the framework's own
+# allocator in separate processes (tests/gpu/plugins.py says what each check requires).
+if want plugins; then
+  echo "== plugins: the gpupool package under CuPy, Numba, PyTorch and ONNX Runtime"
+  pydir=build-gpu/python
+  rm -rf "$pydir"
+  wheel=$(ls "$dir"/wheels/gpupool-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$wheel" ] && python3 -m pip install --no-deps --no-index --target "$pydir" "$wheel" >"$out/plugins-install.log" 2>&1; then
+    echo "the package from $(basename "$wheel")"
+  else
+    pydir="$prefix/share/gpupool/python"
+    echo "no wheel in $dir/wheels (or it did not install): the package from $pydir"
+  fi
+  PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/plugins.py --out "$out" 2>&1 |
+    tee "$out/plugins.log" || status=1
 fi
 exit $status
