@@ -44,7 +44,9 @@
 #               stream through CFunctionAllocator), Numba (NUMBA_CUDA_MEMORY_MANAGER=
 #               gpupool.numba), PyTorch, CuPy and Numba in one process, and ONNX Runtime where it
 #               has the CUDA execution provider: identical results against each framework's own
-#               allocator, gpupool's statistics seeing the blocks; OUT/plugins.txt
+#               allocator, gpupool's statistics seeing the blocks; OUT/plugins.txt; then
+#               tests/rmm/test_rmm_gpu.cpp (rmm::device_buffer on gpupool) against the librmm
+#               wheel `prepare` downloaded
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -77,6 +79,9 @@ for l in sys.stdin:
   # section; without it, that section uses the prefix's copy of the package.
   python3 -m pip wheel --quiet --no-deps -w "$dir/wheels" . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/build/cargo" ||
     echo "the wheel did not build: the plugins section will use $dir/prefix/share/gpupool/python"
+  # RMM's library and headers for tests/rmm/test_rmm_gpu.cpp (the GPU machine has no RMM): 5 MiB.
+  python3 -m pip download --quiet --no-deps -d "$dir/wheels" librmm-cu13==26.10.0 rapids-logger==0.3.0 ||
+    echo "librmm did not download: the plugins section will skip RMM"
   # The traces the repository ships, and the larger set beside a development checkout.
   cp replay/traces/*.txt.gz "$dir/traces/"
   shared=../shared/traces
@@ -384,5 +389,25 @@ if want plugins; then
   fi
   PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/plugins.py --out "$out" 2>&1 |
     tee "$out/plugins.log" || status=1
+  # RMM: gpupool_rmm.hpp as RMM's current device resource under rmm::device_buffer.
+  rmm_wheel=$(ls "$dir"/wheels/librmm_cu13-*.whl 2>/dev/null | head -1 || true)
+  logger_wheel=$(ls "$dir"/wheels/rapids_logger-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$rmm_wheel" ] && [ -n "$logger_wheel" ]; then
+    r=build-gpu/rmm
+    rm -rf $r && mkdir -p $r
+    python3 -m zipfile -e "$rmm_wheel" $r && python3 -m zipfile -e "$logger_wheel" $r
+    if command -v nvcc >/dev/null 2>&1; then cuda_home=$(dirname "$(dirname "$(command -v nvcc)")"); else cuda_home=${CUDA_HOME:-/usr/local/cuda}; fi
+    if c++ -std=c++17 -I$r/librmm/include -I$r/librmm/include/rapids -I"$cuda_home/include" -I"$prefix/include" \
+      tests/rmm/test_rmm_gpu.cpp -o $r/test_rmm_gpu -L"$prefix/lib" -lgpupool -L$r/librmm/lib64 -lrmm \
+      -L$r/rapids_logger/lib64 -lrapids_logger -L"$cuda_home/lib64" -lcudart \
+      -Wl,-rpath,"$prefix/lib:$PWD/$r/librmm/lib64:$PWD/$r/rapids_logger/lib64:$cuda_home/lib64" >"$out/rmm-build.log" 2>&1; then
+      ./$r/test_rmm_gpu 2>&1 | tee "$out/rmm.log" || status=1
+    else
+      echo "tests/rmm/test_rmm_gpu.cpp did not build (see rmm-build.log)"
+      status=1
+    fi
+  else
+    echo "RMM skipped: no librmm wheel in $dir/wheels (scripts/gpu.sh prepare downloads it)"
+  fi
 fi
 exit $status
