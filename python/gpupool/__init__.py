@@ -29,7 +29,7 @@ import os
 import tempfile
 
 from . import _structs
-from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle
+from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle, text, unsigned
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
@@ -66,20 +66,20 @@ def malloc(size, device=-1, stream=None):
     """`size` bytes of device memory on `device` for use on `stream` (gpupool_malloc): the
     address as an int, 0 for size 0. Not initialised; give it back with free()."""
     p = ctypes.c_void_p()
-    check(lib().gpupool_malloc(ctypes.byref(p), size, device, stream_handle(stream)), "gpupool_malloc")
+    check(lib().gpupool_malloc(ctypes.byref(p), unsigned(size, "size"), device, stream_handle(stream)), "gpupool_malloc")
     return p.value or 0
 
 
 def free(ptr):
     """Gives back a block malloc() returned (gpupool_free); 0 does nothing. Raises Error for a
     pointer gpupool did not hand out, an interior pointer or a double free (nothing changes)."""
-    check(lib().gpupool_free(ptr), "gpupool_free")
+    check(lib().gpupool_free(unsigned(ptr, "ptr")), "gpupool_free")
 
 
 def record_stream(ptr, stream):
     """The block at `ptr` is also used on `stream`: once freed, it waits for that stream's work
     queued so far before reuse (gpupool_record_stream, PyTorch's Tensor.record_stream)."""
-    check(lib().gpupool_record_stream(ptr, stream_handle(stream)), "gpupool_record_stream")
+    check(lib().gpupool_record_stream(unsigned(ptr, "ptr"), stream_handle(stream)), "gpupool_record_stream")
 
 
 def empty_cache(device=-1):
@@ -116,7 +116,7 @@ def pool_stats(pool, device=0):
     """The statistics of gpupool private pool `pool` (an id from gpupool_pool_create), as
     stats() gives them."""
     s = _structs.sized(_structs.Stats)
-    check(lib().gpupool_pool_stats(device, pool, ctypes.byref(s)), "gpupool_pool_stats")
+    check(lib().gpupool_pool_stats(device, unsigned(pool, "pool"), ctypes.byref(s)), "gpupool_pool_stats")
     return _structs.flat_stats(s)
 
 
@@ -149,7 +149,7 @@ def memory_summary(device=0):
 def set_config(conf):
     """Sets the configuration string (PYTORCH_CUDA_ALLOC_CONF's syntax and keys, as
     $GPUPOOL_CONF), before the first allocation (gpupool_set_config)."""
-    check(lib().gpupool_set_config(conf.encode()), "gpupool_set_config")
+    check(lib().gpupool_set_config(text(conf, "conf")), "gpupool_set_config")
 
 
 def config():
@@ -171,7 +171,8 @@ def record_history(enabled=True, context="all", max_entries=100000, stacks="all"
         raise ValueError(f"context {context!r}: expected None, 'none', 'state', 'alloc' or 'all'")
     if stacks not in _STACKS:
         raise ValueError(f"stacks {stacks!r}: expected 'all', 'python' or 'native'")
-    check(lib().gpupool_record_history(1 if enabled else 0, max_entries, _CONTEXTS[context] | _STACKS[stacks]),
+    check(lib().gpupool_record_history(1 if enabled else 0, unsigned(max_entries, "max_entries"),
+                                       _CONTEXTS[context] | _STACKS[stacks]),
           "gpupool_record_history")
 
 
@@ -195,7 +196,7 @@ def snapshot():
 
 def push_tag(name):
     """Tags this thread's allocations with `name` until pop_tag() (gpupool_push_tag)."""
-    check(lib().gpupool_push_tag(name.encode()), "gpupool_push_tag")
+    check(lib().gpupool_push_tag(text(name, "name")), "gpupool_push_tag")
 
 
 def pop_tag():
@@ -217,7 +218,7 @@ def tag_stats(name):
     """The statistics of the blocks allocated under tag `name`: {'bytes.current': ...,
     'blocks.peak': ...} (gpupool_tag_stats)."""
     s = _structs.TagStats()
-    check(lib().gpupool_tag_stats(name.encode(), ctypes.byref(s)), "gpupool_tag_stats")
+    check(lib().gpupool_tag_stats(text(name, "name"), ctypes.byref(s)), "gpupool_tag_stats")
     return _structs.flat_tag(s)
 
 
@@ -249,20 +250,20 @@ def host_malloc(size):
     """`size` bytes of pinned host memory from gpupool's pinned cache (gpupool_host_malloc,
     PyTorch's CachingHostAllocator): the address as an int, 0 for size 0."""
     p = ctypes.c_void_p()
-    check(lib().gpupool_host_malloc(ctypes.byref(p), size), "gpupool_host_malloc")
+    check(lib().gpupool_host_malloc(ctypes.byref(p), unsigned(size, "size")), "gpupool_host_malloc")
     return p.value or 0
 
 
 def host_free(ptr):
     """Gives back pinned memory host_malloc() returned; reused once the copies recorded on it
     (host_record_event) are done (gpupool_host_free)."""
-    check(lib().gpupool_host_free(ptr), "gpupool_host_free")
+    check(lib().gpupool_host_free(unsigned(ptr, "ptr")), "gpupool_host_free")
 
 
 def host_record_event(ptr, stream):
     """A copy on `stream` uses the pinned block at `ptr`: once freed, it waits for that copy
     (gpupool_host_record_event)."""
-    check(lib().gpupool_host_record_event(ptr, stream_handle(stream)), "gpupool_host_record_event")
+    check(lib().gpupool_host_record_event(unsigned(ptr, "ptr"), stream_handle(stream)), "gpupool_host_record_event")
 
 
 def host_empty_cache():

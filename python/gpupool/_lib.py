@@ -120,6 +120,31 @@ def check(status, call):
         raise (OutOfMemoryError if status == OUT_OF_MEMORY else Error)(call, status, message)
 
 
+def unsigned(value, what):
+    """`value` as an int of 0 to 2**64 - 1 (a size, a pointer, a count, a stream handle): an
+    int, a ctypes value, or an object with __int__ (not a float or a bool); TypeError or
+    ValueError naming `what` otherwise, rather than ctypes' silent wrap to 64 bits."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{what}: expected an int, got {type(value).__name__}")
+    if not isinstance(value, int):
+        if isinstance(getattr(value, "value", 0.5), (int, type(None))):
+            value = value.value or 0  # a ctypes c_void_p or c_size_t
+        elif hasattr(value, "__int__"):
+            value = int(value)  # cuda-bindings' CUstream and CUdeviceptr, numpy integers
+        else:
+            raise TypeError(f"{what}: expected an int, got {type(value).__name__}")
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"{what}: {value} is not in 0 .. 2**64 - 1")
+    return value
+
+
+def text(value, what):
+    """`value` (a str) as UTF-8 bytes for a C string; TypeError naming `what` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: expected a str, got {type(value).__name__}")
+    return value.encode()
+
+
 def stream_handle(stream):
     """A stream argument as a cudaStream_t value: None or 0 (the legacy default stream), an int,
     or any object with a `ptr` (CuPy), `cuda_stream` (PyTorch) or `handle` (Numba) attribute."""
@@ -129,9 +154,7 @@ def stream_handle(stream):
         if hasattr(stream, attr):
             stream = getattr(stream, attr)
             break
-    if hasattr(stream, "value"):  # a ctypes c_void_p, as Numba's handle
-        stream = stream.value or 0
-    return int(stream)
+    return unsigned(stream, "stream")
 
 
 _P = ctypes.c_void_p

@@ -21,7 +21,9 @@ def test_the_installed_package_and_its_library():
     if os.environ.get("GPUPOOL_TEST_INSTALLED") == "1":
         assert "site-packages" in str(here), f"gpupool imported from {here}, not the installed package"
         assert gpupool.bound_path() == str(here / "libgpupool.so")
-        assert (here / "libgpupool_torch_graphs.so").exists()
+        # PyTorch's graphs hooks load from the package, over the same libgpupool.so ($ORIGIN).
+        graphs = ctypes.CDLL(str(here / "libgpupool_torch_graphs.so"))
+        assert graphs.gpupool_torch_pool_id and graphs.gpupool_torch_begin_allocate_to_pool
         # The wheel's version is the crate's, and the library's.
         assert gpupool.version().startswith(importlib.metadata.version("gpupool"))
     assert lib.gpupool_version().decode() == gpupool.version()
@@ -74,6 +76,29 @@ def test_errors_carry_gpupool_status_and_message():
         gpupool.stats(9)
 
 
+def test_bad_arguments_are_refused_before_c():
+    before = gpupool.stats(0)
+    for call, exc in [
+        (lambda: gpupool.malloc(-1), ValueError),
+        (lambda: gpupool.malloc(1 << 64), ValueError),
+        (lambda: gpupool.malloc(1.5), TypeError),
+        (lambda: gpupool.malloc("1"), TypeError),
+        (lambda: gpupool.malloc(1, 0, object()), TypeError),
+        (lambda: gpupool.malloc(1, 0, -3), ValueError),
+        (lambda: gpupool.free(1 << 70), ValueError),  # ctypes would wrap it to 0, a no-op free
+        (lambda: gpupool.free(-5), ValueError),
+        (lambda: gpupool.free(True), TypeError),
+        (lambda: gpupool.record_history(True, "all", -1), ValueError),
+        (lambda: gpupool.push_tag(None), TypeError),
+        (lambda: gpupool.tag_stats(b"bytes"), TypeError),
+        (lambda: gpupool.host_malloc(-1), ValueError),
+        (lambda: gpupool.set_config(None), TypeError),
+    ]:
+        with pytest.raises(exc):
+            call()
+    assert gpupool.stats(0) == before
+
+
 def test_streams_as_objects():
     class CupyLike:
         ptr = 0x30
@@ -84,8 +109,11 @@ def test_streams_as_objects():
     class NumbaLike:
         handle = ctypes.c_void_p(0x30)
 
+    class CudaBindingsLike:  # numba-cuda's Stream.handle, a cuda-bindings CUstream
+        handle = type("CUstream", (), {"__int__": lambda self: 0x30})()
+
     ptrs = []
-    for s in (CupyLike(), TorchLike(), NumbaLike(), 0x30):
+    for s in (CupyLike(), TorchLike(), NumbaLike(), CudaBindingsLike(), 0x30):
         ptrs.append(gpupool.malloc(2 * MIB, 0, s))
         gpupool.free(ptrs[-1])
     # One stream, four spellings: the same cached block each time.
