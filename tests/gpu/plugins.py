@@ -78,19 +78,20 @@ def child_cupy(allocator):
     import numpy as np
 
     result = {}
-    if allocator != "cupy":
-        import gpupool
-
-        if allocator == "gpupool-fixed-stream":
-            fixed = cp.cuda.Stream(non_blocking=True)
-            gpupool.cupy.install(stream=fixed)
-            streams = [fixed]
-        else:
-            gpupool.cupy.install()
+    # cupy and gpupool: the null stream and two of CuPy's own; cupy-one-stream and
+    # gpupool-fixed-stream: one stream of CuPy's own, the latter given to install(stream=...).
     if allocator in ("cupy", "gpupool"):
         streams = [cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)]
-    elif allocator == "cupy-one-stream":
+    else:
         streams = [cp.cuda.Stream(non_blocking=True)]
+    if allocator == "gpupool":
+        import gpupool
+
+        gpupool.cupy.install()
+    elif allocator == "gpupool-fixed-stream":
+        import gpupool
+
+        gpupool.cupy.install(stream=streams[0])
     result["sha256"] = cupy_workload(cp, streams)
     if allocator.startswith("gpupool"):
         s = gpupool.stats(0)
@@ -102,6 +103,7 @@ def child_cupy(allocator):
         during = gpupool.stats(0)["allocated_bytes.all.current"]
         del x
         after = gpupool.stats(0)["allocated_bytes.all.current"]
+        result["array_delta"] = during - before
         result["array_seen"] = (during - before == 1_000_448) and after == before
         # Pinned memory.
         host_before = gpupool.host_stats()["active_requests.current"]
@@ -193,13 +195,12 @@ def child_together(_allocator):
 
 def child_onnxruntime(allocator):
     import numpy as np
-    import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print(json.dumps({"skipped": f"onnxruntime {ort.__version__} has no CUDAExecutionProvider"}))
         return
+    from onnx import TensorProto, helper
     rng = np.random.default_rng(3)
     w = rng.standard_normal((512, 512)).astype(np.float32)
     graph = helper.make_graph(
@@ -222,7 +223,6 @@ def child_onnxruntime(allocator):
     result = {"sha256": h.hexdigest()}
     if allocator == "gpupool":
         result["allocations"] = gpupool.stats(0)["allocation.all.allocated"]
-    del onnx
     print(json.dumps(result))
 
 
@@ -257,8 +257,9 @@ def main():
         ok = own["sha256"] == ours["sha256"] and ours["allocations"] > 0 and ours["array_seen"]
         report(ok, f"cupy (current stream, 3 streams): {'identical' if own['sha256'] == ours['sha256'] else 'DIFFERENT'} "
                    f"results under CuPy's pool and gpupool ({ours['sha256'][:16]}); gpupool served "
-                   f"{ours['allocations']} allocations, peak {ours['peak_mib']:.1f} MiB; an array's bytes "
-                   f"{'seen' if ours['array_seen'] else 'NOT seen'} in gpupool's statistics")
+                   f"{ours['allocations']} allocations, peak {ours['peak_mib']:.1f} MiB; a 1,000,003-byte array "
+                   f"{'seen' if ours['array_seen'] else 'NOT seen'} in gpupool's statistics "
+                   f"(+{ours['array_delta']} bytes, 1,000,448 expected)")
         report(ours["pinned_seen"] and ours["pinned_copy"],
                f"cupy pinned memory: from gpupool's pinned cache {'yes' if ours['pinned_seen'] else 'NO'}, "
                f"copy to the device {'right' if ours['pinned_copy'] else 'WRONG'}")
