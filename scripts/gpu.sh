@@ -77,7 +77,8 @@ for l in sys.stdin:
   strip "$dir/prefix/bin/gpupool-replay"
   # The Python package as a wheel (pyproject.toml, over the same cargo build), for the plugins
   # section; without it, that section uses the prefix's copy of the package.
-  python3 -m pip wheel --quiet --no-deps -w "$dir/wheels" . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/build/cargo" ||
+  cargo_dir=$(sed -n 's/^GPUPOOL_CARGO_DIR:PATH=//p' build/CMakeCache.txt)
+  python3 -m pip wheel --quiet --no-deps -w "$dir/wheels" . -C cmake.define.GPUPOOL_CARGO_DIR="${cargo_dir:-$PWD/build/cargo}" ||
     echo "the wheel did not build: the plugins section will use $dir/prefix/share/gpupool/python"
   # RMM's library and headers for tests/rmm/test_rmm_gpu.cpp (the GPU machine has no RMM): 5 MiB.
   python3 -m pip download --quiet --no-deps -d "$dir/wheels" librmm-cu13==26.10.0 rapids-logger==0.3.0 ||

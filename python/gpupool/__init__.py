@@ -16,8 +16,9 @@ Everything here calls the C API of libgpupool.so (include/gpupool.h) through cty
 bytes, devices CUDA ordinals (-1 the current device), streams cudaStream_t values (an int, or
 a framework's stream object). A failed call raises gpupool.Error (gpupool.OutOfMemoryError,
 also a MemoryError, on out of memory) with gpupool's message. Every function is thread-safe.
-The library is loaded on the first call: $GPUPOOL_LIB, else the one inside this package, else
-the repository's build; a process that already has gpupool (the LD_PRELOAD shim) uses that.
+The library is loaded on the first call: a gpupool the process already has (the LD_PRELOAD
+shim's), else $GPUPOOL_LIB, else the one inside this package, else the repository's build
+(gpupool.bind() chooses another before the first call).
 The GPUPOOL_* variables (GPUPOOL_DRIVER=sim for the simulated device, GPUPOOL_CONF, ...) are
 read at the first call that needs the allocator.
 """

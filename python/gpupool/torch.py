@@ -46,13 +46,13 @@ def install(path=None):
     CUDAPluggableAllocator. Raises RuntimeError when the package is bound to another library,
     or to a gpupool PyTorch cannot open by path (the LD_PRELOAD shim's)."""
     global _graphs
-    import torch
-
     lib = _lib.bind(path)
     path = _lib.bound_path()
     if path is None:
         raise RuntimeError("gpupool is the process's own (LD_PRELOAD): PyTorch's pluggable allocator "
                            "needs a library path; run without the shim, or use attach()")
+    import torch
+
     allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "gpupool_torch_malloc", "gpupool_torch_free")
     native = allocator.allocator()
     hooks = [

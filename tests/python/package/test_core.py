@@ -6,6 +6,8 @@ import ctypes
 import importlib.metadata
 import os
 import pathlib
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -237,3 +239,22 @@ def test_binding_another_library_is_refused(tmp_path):
         gpupool.bind(str(tmp_path / "missing.so"))
     # The same path again is the same library.
     assert gpupool.bind(gpupool.bound_path()) is gpupool.bind()
+
+
+def test_a_preloaded_gpupool_is_the_one_bound():
+    # The LD_PRELOAD shim of the repository's build (scripts/test.sh builds it before this).
+    preload = pathlib.Path(__file__).resolve().parents[3] / "target/release/libgpupool_preload.so"
+    if not preload.exists():
+        pytest.skip(f"{preload} not built")
+    code = ("import gpupool; gpupool.malloc(1 << 20); print(gpupool.bound_path(), "
+            "gpupool.stats()['allocated_bytes.all.current'])\n"
+            "try:\n    gpupool.torch.install()\nexcept RuntimeError as e:\n"
+            "    print('refused:', e)")
+    env = dict(os.environ, LD_PRELOAD=str(preload))
+    env.pop("GPUPOOL_LIB", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split("\n")
+    # Bound to the shim's own allocator (no path), which counts the package's block.
+    assert lines[0] == f"None {1 << 20}"
+    # PyTorch's pluggable allocator needs a path: refused (before torch is imported).
+    assert lines[1].startswith("refused: gpupool is the process's own (LD_PRELOAD)")
