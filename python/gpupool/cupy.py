@@ -10,8 +10,8 @@ each allocation is made for CuPy's current stream (cupy.cuda.get_current_stream(
 own MemoryPool keeps a free list per stream: a block freed by work on one stream is reused on
 that stream only (gpupool_record_stream extends that). CuPy's CFunctionAllocator has no
 stream argument, and CuPy's current stream can be read from Python only, so this default goes
-through cupy.cuda.memory.PythonFunctionAllocator (a few microseconds of Python per
-allocation). install(stream=s) fixes the stream instead and hands CuPy gpupool's C functions
+through cupy.cuda.memory.PythonFunctionAllocator (about 3 microseconds of Python per
+allocation and free; docs/cupy.md). install(stream=s) fixes the stream instead and hands CuPy gpupool's C functions
 through CFunctionAllocator (gpupool_cupy_malloc and gpupool_cupy_free, the stream as
 `param`): no Python per allocation, for programs that run CuPy on one stream.
 """
