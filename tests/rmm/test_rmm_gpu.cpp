@@ -15,6 +15,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 static int passed = 0, failed = 0;
@@ -68,11 +69,17 @@ int main() {
     rmm::device_buffer later(8 * MiB, cuda::stream_ref{a});
     check(later.data() == first, "a buffer freed on stream b comes back to stream a once b's work is done");
   }
+  // More than the GPU has (not an absurd size, which address reservation would refuse first).
+  std::size_t free_bytes = 0, total_bytes = 0;
+  cudaMemGetInfo(&free_bytes, &total_bytes);
   bool oom = false;
   try {
-    rmm::device_buffer huge(std::size_t{1} << 50, cuda::stream_ref{a});
-  } catch (rmm::out_of_memory const&) {
+    rmm::device_buffer huge(total_bytes + (std::size_t{1} << 30), cuda::stream_ref{a});
+  } catch (rmm::out_of_memory const& e) {
     oom = true;
+    std::printf("  (%s)\n", e.what());
+  } catch (std::exception const& e) {
+    std::printf("  not rmm::out_of_memory: %s\n", e.what());
   }
   check(oom, "a request larger than the GPU throws rmm::out_of_memory");
   cudaStreamSynchronize(a);
