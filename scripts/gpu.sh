@@ -17,7 +17,7 @@
 #                                  DIR/traces; logs go to OUT (default DIR/out), the recorded
 #                                  traces to OUT/traces
 #
-# GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all):
+# GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all but ab):
 #   rust        the Rust tests (simulated device)
 #   c           the C API tests on the real driver
 #   gpu         tests/gpu/test_gpu
@@ -46,6 +46,14 @@
 #               before a change: put it there with `scripts/gpu.sh prepare-base REV`) and with
 #               the new one, alternating base, new, base, new, each run's loaded library named
 #               by ldd; logs in OUT/ab-*.log
+#   plugins     tests/gpu/plugins.py: the gpupool Python package (the wheel `prepare` built,
+#               installed into build-gpu/python) under CuPy (its current stream, and a fixed
+#               stream through CFunctionAllocator), Numba (NUMBA_CUDA_MEMORY_MANAGER=
+#               gpupool.numba), PyTorch, CuPy and Numba in one process, and ONNX Runtime where it
+#               has the CUDA execution provider: identical results against each framework's own
+#               allocator, gpupool's statistics seeing the blocks; OUT/plugins.txt; then
+#               tests/rmm/test_rmm_gpu.cpp (rmm::device_buffer on gpupool) against the librmm
+#               wheel `prepare` downloaded
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -59,7 +67,7 @@ dir=${2:-.device}
 
 if [ "$step" = prepare ]; then
   source scripts/deps.sh
-  rm -rf "$dir/prefix" "$dir/bin" "$dir/traces"
+  rm -rf "$dir/prefix" "$dir/bin" "$dir/traces" "$dir/wheels"
   mkdir -p "$dir/bin" "$dir/traces"
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build build -j"$(nproc)"
@@ -74,6 +82,14 @@ for l in sys.stdin:
   strip "$dir"/bin/*
   strip --strip-debug "$dir/prefix/lib/libgpupool.a" "$dir/prefix/lib/libgpupool.so" "$dir/prefix/lib/libgpupool_preload.so"
   strip "$dir/prefix/bin/gpupool-replay"
+  # The Python package as a wheel (pyproject.toml, over the same cargo build), for the plugins
+  # section; without it, that section uses the prefix's copy of the package.
+  cargo_dir=$(sed -n 's/^GPUPOOL_CARGO_DIR:PATH=//p' build/CMakeCache.txt)
+  python3 -m pip wheel --quiet --no-deps -w "$dir/wheels" . -C cmake.define.GPUPOOL_CARGO_DIR="${cargo_dir:-$PWD/build/cargo}" ||
+    echo "the wheel did not build: the plugins section will use $dir/prefix/share/gpupool/python"
+  # RMM's library and headers for tests/rmm/test_rmm_gpu.cpp (the GPU machine has no RMM): 5 MiB.
+  python3 -m pip download --quiet --no-deps -d "$dir/wheels" librmm-cu13==26.10.0 rapids-logger==0.3.0 ||
+    echo "librmm did not download: the plugins section will skip RMM"
   # The traces the repository ships, and the larger set beside a development checkout.
   cp replay/traces/*.txt.gz "$dir/traces/"
   shared=../shared/traces
@@ -104,8 +120,9 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench ab replay host"
-sections=${GPU_SECTIONS:-$all_sections}
+all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench ab replay host plugins"
+# Every section but ab, which needs DIR/base, by default.
+sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
 for s in $sections; do
   case " $all_sections " in
@@ -408,6 +425,42 @@ if want host; then
   fi
   if [ -x $hb/bench_host ]; then
     ./$hb/bench_host 2>&1 | tee "$out/bench-host.log" || status=1
+  fi
+fi
+# The Python package and the frameworks' allocator plug-ins, each against the framework's own
+# allocator in separate processes (tests/gpu/plugins.py says what each check requires).
+if want plugins; then
+  echo "== plugins: the gpupool package under CuPy, Numba, PyTorch and ONNX Runtime"
+  pydir=build-gpu/python
+  rm -rf "$pydir"
+  wheel=$(ls "$dir"/wheels/gpupool-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$wheel" ] && python3 -m pip install --no-deps --no-index --target "$pydir" "$wheel" >"$out/plugins-install.log" 2>&1; then
+    echo "the package from $(basename "$wheel")"
+  else
+    pydir="$prefix/share/gpupool/python"
+    echo "no wheel in $dir/wheels (or it did not install): the package from $pydir"
+  fi
+  PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/plugins.py --out "$out" 2>&1 |
+    tee "$out/plugins.log" || status=1
+  # RMM: gpupool_rmm.hpp as RMM's current device resource under rmm::device_buffer.
+  rmm_wheel=$(ls "$dir"/wheels/librmm_cu13-*.whl 2>/dev/null | head -1 || true)
+  logger_wheel=$(ls "$dir"/wheels/rapids_logger-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$rmm_wheel" ] && [ -n "$logger_wheel" ]; then
+    r=build-gpu/rmm
+    rm -rf $r && mkdir -p $r
+    python3 -m zipfile -e "$rmm_wheel" $r && python3 -m zipfile -e "$logger_wheel" $r
+    if command -v nvcc >/dev/null 2>&1; then cuda_home=$(dirname "$(dirname "$(command -v nvcc)")"); else cuda_home=${CUDA_HOME:-/usr/local/cuda}; fi
+    if c++ -std=c++17 -I$r/librmm/include -I$r/librmm/include/rapids -I"$cuda_home/include" -I"$prefix/include" \
+      tests/rmm/test_rmm_gpu.cpp -o $r/test_rmm_gpu -L"$prefix/lib" -lgpupool -L$r/librmm/lib64 -lrmm \
+      -L$r/rapids_logger/lib64 -lrapids_logger -L"$cuda_home/lib64" -lcudart \
+      -Wl,-rpath,"$prefix/lib:$PWD/$r/librmm/lib64:$PWD/$r/rapids_logger/lib64:$cuda_home/lib64" >"$out/rmm-build.log" 2>&1; then
+      ./$r/test_rmm_gpu 2>&1 | tee "$out/rmm.log" || status=1
+    else
+      echo "tests/rmm/test_rmm_gpu.cpp did not build (see rmm-build.log)"
+      status=1
+    fi
+  else
+    echo "RMM skipped: no librmm wheel in $dir/wheels (scripts/gpu.sh prepare downloads it)"
   fi
 fi
 exit $status

@@ -22,6 +22,9 @@ test.sh: every test that needs no GPU, on the simulated device; about 12 minutes
      libcuda, the Python helper) under CTest, then under valgrind
   4. the LD_PRELOAD shim's report, and the installed package through CMake, pkg-config and
      gpupool-replay
+  5. the Python package: its wheel built over the same target/ in a fresh virtual environment,
+     installed, and its tests (pytest; numba-cuda from PyPI for the Numba plugin); then
+     gpupool_rmm.hpp built against librmm's headers from PyPI and run
 EOF
 
 step "cargo test --release --workspace"
@@ -105,5 +108,36 @@ printf 'a 1 12582912 0\na 2 500000 0\na 3 3145728 0\nf 1\nf 2\nf 3\n' >build/rep
   tee build/replay-smoke.csv
 grep -q "^replay-smoke.txt,defaults,sim,.*,18874368," build/replay-smoke.csv
 grep -q "^replay-smoke.txt,expandable_segments:False,sim,.*,35651584," build/replay-smoke.csv
+test -f build/install/share/gpupool/python/gpupool/__init__.py
+
+# The wheel is built by pip (scikit-build-core over this CMake build, cargo's target/ reused) in
+# a fresh virtual environment, installed there with pytest and numba-cuda (pinned: the EMM
+# plugin's test runs Numba's own set_memory_manager), and tested from outside the repository's
+# python/ folder, so that only the installed package can be imported.
+step "Python package: wheel, fresh virtual environment, pytest"
+rm -rf build/venv build/wheel
+python3 -m venv build/venv
+build/venv/bin/python -m pip install --quiet --upgrade pip
+build/venv/bin/python -m pip install --quiet pytest==9.2.0 numba==0.68.1 numba-cuda==0.30.4 \
+  nvidia-cuda-runtime==13.5.37 nvidia-cuda-crt==13.5.37 librmm-cu13==26.10.0
+build/venv/bin/python -m pip wheel --quiet --no-deps -w build/wheel . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/target"
+build/venv/bin/python -m pip install --quiet --no-deps build/wheel/gpupool-*.whl
+(cd build && GPUPOOL_TEST_INSTALLED=1 venv/bin/python -m pytest -p no:cacheprovider ../tests/python/package)
+
+# gpupool_rmm.hpp against RMM's and CCCL's headers from the librmm wheel (and the CUDA runtime's
+# from PyPI) above, linked with RMM's library, run on the simulated device.
+step "RMM: gpupool_rmm.hpp against librmm's headers, on the simulated device"
+site=$(build/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rmm_libs="$site/librmm/lib64:$site/rapids_logger/lib64"
+c++ -std=c++17 -Wall -Wextra -Werror -I"$site/librmm/include" -I"$site/librmm/include/rapids" \
+  -I"$site/nvidia/cu13/include" -Iinclude -Iexamples/cpp tests/rmm/test_rmm.cpp -o build/test_rmm \
+  -Ltarget/release -lgpupool -L"$site/librmm/lib64" -lrmm -L"$site/rapids_logger/lib64" -lrapids_logger \
+  -Wl,-rpath,"$PWD/target/release:$rmm_libs"
+GPUPOOL_DRIVER=sim GPUPOOL_SIM_DEVICES=2 ./build/test_rmm
+# Its GPU half (rmm::device_buffer on real streams) is built here and run by scripts/gpu.sh.
+c++ -std=c++17 -Wall -Wextra -Werror -I"$site/librmm/include" -I"$site/librmm/include/rapids" \
+  -I"$site/nvidia/cu13/include" -Iinclude -Iexamples/cpp tests/rmm/test_rmm_gpu.cpp -o build/test_rmm_gpu \
+  -Ltarget/release -lgpupool -L"$site/librmm/lib64" -lrmm -L"$site/rapids_logger/lib64" -lrapids_logger \
+  -L"$site/nvidia/cu13/lib" -l:libcudart.so.13
 step "done"
 echo "test.sh: all tests passed"

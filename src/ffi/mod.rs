@@ -7,6 +7,8 @@
 //!   (cbindgen-testing.toml).
 //! - `include/gpupool_torch.h`: [`torch`] alone, PyTorch's pluggable-allocator functions
 //!   (cbindgen-torch.toml).
+//! - `include/gpupool_plugins.h`: [`plugins`] alone, the allocator functions of CuPy and ONNX
+//!   Runtime (cbindgen-plugins.toml).
 //!
 //! Rules every export follows (after rustls-ffi):
 //! - Every call returns a `gpupool_status` (but the three that return strings, and PyTorch's
@@ -24,6 +26,9 @@ pub mod history;
 pub mod host;
 pub mod memory;
 pub mod oom;
+/// The allocator plug-ins of CuPy and ONNX Runtime: `include/gpupool_plugins.h`, not gpupool.h.
+/// cbindgen:ignore
+pub mod plugins;
 pub mod pools;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore

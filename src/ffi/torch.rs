@@ -14,8 +14,9 @@ use super::memory::{empty_cache, free, malloc, record_stream, set_memory_fractio
 use super::status::{boundary, gpupool_last_error_message, gpupool_status};
 use super::{gpupool_stream_t, runtime};
 
-/// Writes a failure to stderr as `gpupool: <status>: <function>: <what went wrong>`.
-fn report(status: gpupool_status) {
+/// Writes a failure to stderr as `gpupool: <status>: <function>: <what went wrong>`; also
+/// for the other frameworks' hooks (`plugins.rs`).
+pub(super) fn report(status: gpupool_status) {
     if status != gpupool_status::GPUPOOL_SUCCESS {
         // SAFETY: a NUL-terminated string that lives until the next failing call on this thread.
         let msg = unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy();

@@ -1,9 +1,9 @@
 #!/bin/sh
 # Every name gpupool's headers declare starts with gpupool_ or GPUPOOL_ (CUstream_st is CUDA's
 # own name for a stream, declared the way cuda.h does), and gpupool.h declares none of the
-# simulated device's or PyTorch's functions: what test_header_names.c cannot list, a new
+# simulated device's, PyTorch's, CuPy's or ONNX Runtime's functions: what test_header_names.c cannot list, a new
 # name leaking from the Rust core, fails here.
-#   tests/c/header_names.sh include/gpupool.h include/gpupool_testing.h include/gpupool_torch.h
+#   tests/c/header_names.sh include/gpupool.h include/gpupool_testing.h include/gpupool_torch.h include/gpupool_plugins.h
 set -eu
 status=0
 for header in "$@"; do
@@ -27,8 +27,8 @@ for header in "$@"; do
   done
   case "$(basename "$header")" in
     gpupool.h)
-      if printf '%s\n' "$names" | grep -E '^gpupool_(sim|torch)_'; then
-        echo "$header: the functions above belong in gpupool_testing.h or gpupool_torch.h" >&2
+      if printf '%s\n' "$names" | grep -E '^gpupool_(sim|torch|cupy|ort)_'; then
+        echo "$header: the functions above belong in gpupool_testing.h, gpupool_torch.h or gpupool_plugins.h" >&2
         status=1
       fi ;;
   esac

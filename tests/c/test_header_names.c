@@ -2,7 +2,7 @@
  * common words, defined by the program before and after the headers. A header that declared
  * any of them (a typedef of another type, a macro) would fail to compile here under -Wall
  * -Wextra -Wpedantic -Werror. Compiled as C11, and as C++17 by test_header_names.cpp. Each
- * header is included twice, and the two others include gpupool.h again. */
+ * header is included twice, and the others include gpupool.h again. */
 
 /* Before the headers: the core's names, as they were once exported by mistake. */
 typedef int BlockId;
@@ -24,9 +24,11 @@ typedef int Config;
 #include "gpupool.h"
 #include "gpupool_testing.h"
 #include "gpupool_torch.h"
+#include "gpupool_plugins.h"
 #include "gpupool.h"
 #include "gpupool_testing.h"
 #include "gpupool_torch.h"
+#include "gpupool_plugins.h"
 
 /* After the headers: names a program may well use for itself. */
 typedef int Block;
@@ -48,7 +50,7 @@ int main(void) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
   gpupool_host_stats_t hs = GPUPOOL_HOST_STATS_INIT;
   gpupool_status status = GPUPOOL_SUCCESS;
-  /* Every function of the three headers is named, so a missing declaration fails too
+  /* Every function of the four headers is named, so a missing declaration fails too
    * (void (*)(void) is the type a function pointer may be cast to without a warning). */
   typedef void (*any_fn)(void);
   any_fn fns[] = {
@@ -99,6 +101,12 @@ int main(void) {
       (any_fn)gpupool_sim_end_capture,
       (any_fn)gpupool_sim_invalidate_capture,
       (any_fn)gpupool_torch_malloc,
+      (any_fn)gpupool_cupy_malloc,
+      (any_fn)gpupool_cupy_free,
+      (any_fn)gpupool_ort_alloc,
+      (any_fn)gpupool_ort_free,
+      (any_fn)gpupool_ort_empty_cache,
+      (any_fn)gpupool_ort_set_stream,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
       (any_fn)gpupool_torch_empty_cache,
@@ -107,5 +115,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 52 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 58 ? 0 : 1)) != 0;
 }

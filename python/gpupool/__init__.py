@@ -1,0 +1,285 @@
+"""gpupool from Python: PyTorch's CUDA caching allocator as a library, shared by every framework
+in the process that takes an allocator plug-in.
+
+    import gpupool
+    gpupool.torch.install()      # PyTorch's allocator (before the first CUDA tensor)
+    gpupool.cupy.install()       # CuPy's, on the same cache
+    print(gpupool.memory_summary())
+
+Submodules, imported on first use (none imports its framework before it is called):
+`gpupool.torch` (PyTorch's pluggable allocator, CUDA graphs), `gpupool.cupy`
+(cupy.cuda.set_allocator, pinned memory), `gpupool.numba` (an External Memory Management
+plugin: NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba), `gpupool.onnxruntime` (the CUDA execution
+provider's external allocator options).
+
+Everything here calls the C API of libgpupool.so (include/gpupool.h) through ctypes: sizes are
+bytes, devices CUDA ordinals (-1 the current device), streams cudaStream_t values (an int, or
+a framework's stream object). A failed call raises gpupool.Error (gpupool.OutOfMemoryError,
+also a MemoryError, on out of memory) with gpupool's message. Every function is thread-safe.
+The library is loaded on the first call: a gpupool the process already has (the LD_PRELOAD
+shim's), else $GPUPOOL_LIB, else the one inside this package, else the repository's build
+(gpupool.bind() chooses another before the first call).
+The GPUPOOL_* variables (GPUPOOL_DRIVER=sim for the simulated device, GPUPOOL_CONF, ...) are
+read at the first call that needs the allocator.
+"""
+
+import contextlib
+import ctypes
+import importlib
+import os
+import tempfile
+
+from . import _structs
+from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle, text, unsigned
+
+__all__ = [
+    "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
+    "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable",
+    "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
+    "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
+    "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
+    "host_stats", "host_reset_peak_stats",
+]
+_SUBMODULES = ("torch", "cupy", "numba", "onnxruntime")
+
+
+def __getattr__(name):
+    # gpupool.torch and the others load on first use, so that `import gpupool` imports no
+    # framework.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def version():
+    """gpupool's version string (gpupool_version)."""
+    return lib().gpupool_version().decode()
+
+
+def device_count():
+    """The number of devices gpupool's driver sees (gpupool_device_count)."""
+    n = ctypes.c_int(0)
+    check(lib().gpupool_device_count(ctypes.byref(n)), "gpupool_device_count")
+    return n.value
+
+
+def malloc(size, device=-1, stream=None):
+    """`size` bytes of device memory on `device` for use on `stream` (gpupool_malloc): the
+    address as an int, 0 for size 0. Not initialised; give it back with free()."""
+    p = ctypes.c_void_p()
+    check(lib().gpupool_malloc(ctypes.byref(p), unsigned(size, "size"), device, stream_handle(stream)), "gpupool_malloc")
+    return p.value or 0
+
+
+def free(ptr):
+    """Gives back a block malloc() returned (gpupool_free); 0 does nothing. Raises Error for a
+    pointer gpupool did not hand out, an interior pointer or a double free (nothing changes)."""
+    check(lib().gpupool_free(unsigned(ptr, "ptr")), "gpupool_free")
+
+
+def record_stream(ptr, stream):
+    """The block at `ptr` is also used on `stream`: once freed, it waits for that stream's work
+    queued so far before reuse (gpupool_record_stream, PyTorch's Tensor.record_stream)."""
+    check(lib().gpupool_record_stream(unsigned(ptr, "ptr"), stream_handle(stream)), "gpupool_record_stream")
+
+
+def empty_cache(device=-1):
+    """Gives the cached free segments of `device` (-1: every device) back to the driver
+    (gpupool_empty_cache, torch.cuda.empty_cache)."""
+    check(lib().gpupool_empty_cache(device), "gpupool_empty_cache")
+
+
+def set_memory_fraction(fraction, device=-1):
+    """Caps gpupool's reserved memory on `device` at `fraction` of its memory
+    (torch.cuda.set_per_process_memory_fraction)."""
+    check(lib().gpupool_set_memory_fraction(fraction, device), "gpupool_set_memory_fraction")
+
+
+def largest_allocatable(device=-1, stream=None):
+    """The largest request that would succeed on `device` and `stream` now, in bytes
+    (gpupool_largest_allocatable); an upper bound, stale as soon as it returns."""
+    n = ctypes.c_size_t(0)
+    check(lib().gpupool_largest_allocatable(device, stream_handle(stream), ctypes.byref(n)),
+          "gpupool_largest_allocatable")
+    return n.value
+
+
+def stats(device=0):
+    """The statistics of `device` as a flat dict with torch.cuda.memory_stats()'s keys
+    ('allocated_bytes.all.current', 'reserved_bytes.all.peak', 'num_ooms', ...), bytes and
+    counts, plus gpupool's 'unmapped_held_bytes.*'."""
+    s = _structs.sized(_structs.Stats)
+    check(lib().gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
+    return _structs.flat_stats(s)
+
+
+def pool_stats(pool, device=0):
+    """The statistics of gpupool private pool `pool` (an id from gpupool_pool_create), as
+    stats() gives them."""
+    s = _structs.sized(_structs.Stats)
+    check(lib().gpupool_pool_stats(device, unsigned(pool, "pool"), ctypes.byref(s)), "gpupool_pool_stats")
+    return _structs.flat_stats(s)
+
+
+def reset_peak_stats(device=0):
+    """Sets every peak of `device` to its current value (torch.cuda.reset_peak_memory_stats)."""
+    check(lib().gpupool_reset_peak_stats(device), "gpupool_reset_peak_stats")
+
+
+def _sized_string(call, fill):
+    """The text a (buf, len, needed) function writes, with a buffer as large as it needs."""
+    needed = ctypes.c_size_t(0)
+    status = fill(None, 0, ctypes.byref(needed))
+    if status != 0 and needed.value == 0:
+        check(status, call)
+    while True:
+        buf = ctypes.create_string_buffer(needed.value + 1)
+        status = fill(buf, len(buf), ctypes.byref(needed))
+        if status == 0:
+            return buf.value.decode()
+        if needed.value < len(buf):
+            check(status, call)
+
+
+def memory_summary(device=0):
+    """gpupool's memory summary of `device`, in torch.cuda.memory_summary()'s layout."""
+    return _sized_string("gpupool_memory_summary",
+                         lambda b, n, need: lib().gpupool_memory_summary(device, b, n, need))
+
+
+def set_config(conf):
+    """Sets the configuration string (PYTORCH_CUDA_ALLOC_CONF's syntax and keys, as
+    $GPUPOOL_CONF), before the first allocation (gpupool_set_config)."""
+    check(lib().gpupool_set_config(text(conf, "conf")), "gpupool_set_config")
+
+
+def config():
+    """The configuration in force, every key with its value (gpupool_config_string)."""
+    return _sized_string("gpupool_config_string", lambda b, n, need: lib().gpupool_config_string(b, n, need))
+
+
+# GPUPOOL_HISTORY_CONTEXT_* by PyTorch's names; GPUPOOL_HISTORY_STACKS_* added to them.
+_CONTEXTS = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
+_STACKS = {"all": 0, "python": 0x10, "native": 0x20}
+
+
+def record_history(enabled=True, context="all", max_entries=100000, stacks="all"):
+    """torch.cuda.memory._record_memory_history for gpupool: record the newest `max_entries`
+    events per device with the call stacks of `context` (None, "state", "alloc", "all"), or
+    stop and forget (enabled=False). `stacks`: "all" (native and Python frames), "python" or
+    "native"."""
+    if context not in _CONTEXTS:
+        raise ValueError(f"context {context!r}: expected None, 'none', 'state', 'alloc' or 'all'")
+    if stacks not in _STACKS:
+        raise ValueError(f"stacks {stacks!r}: expected 'all', 'python' or 'native'")
+    check(lib().gpupool_record_history(1 if enabled else 0, unsigned(max_entries, "max_entries"),
+                                       _CONTEXTS[context] | _STACKS[stacks]),
+          "gpupool_record_history")
+
+
+def dump_snapshot(path):
+    """torch.cuda.memory._dump_snapshot for gpupool: writes the snapshot pickle that PyTorch's
+    memory viewer reads (python -m torch.cuda._memory_viz trace_plot PATH -o PATH.html)."""
+    check(lib().gpupool_dump_snapshot(os.fsencode(path)), "gpupool_dump_snapshot")
+
+
+def snapshot():
+    """The snapshot dump_snapshot() writes, unpickled: a dict with 'segments',
+    'device_traces' and the rest of torch.cuda.memory._snapshot()'s layout."""
+    import pickle
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "snapshot.pickle")
+        dump_snapshot(path)
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+
+def push_tag(name):
+    """Tags this thread's allocations with `name` until pop_tag() (gpupool_push_tag)."""
+    check(lib().gpupool_push_tag(text(name, "name")), "gpupool_push_tag")
+
+
+def pop_tag():
+    """Pops this thread's innermost tag (gpupool_pop_tag)."""
+    check(lib().gpupool_pop_tag(), "gpupool_pop_tag")
+
+
+@contextlib.contextmanager
+def tag(name):
+    """`with gpupool.tag("encoder"): ...`: push_tag(name), then pop_tag() on the way out."""
+    push_tag(name)
+    try:
+        yield
+    finally:
+        pop_tag()
+
+
+def tag_stats(name):
+    """The statistics of the blocks allocated under tag `name`: {'bytes.current': ...,
+    'blocks.peak': ...} (gpupool_tag_stats)."""
+    s = _structs.TagStats()
+    check(lib().gpupool_tag_stats(text(name, "name"), ctypes.byref(s)), "gpupool_tag_stats")
+    return _structs.flat_tag(s)
+
+
+def tags():
+    """Every tag pushed in the process, in the order first pushed, with its statistics:
+    {name: tag_stats(name)} (gpupool_for_each_tag)."""
+    out = {}
+
+    def each(name, s, _user):
+        out[name.decode()] = _structs.flat_tag(s.contents)
+
+    check(lib().gpupool_for_each_tag(_structs.TAG_FN(each), None), "gpupool_for_each_tag")
+    return out
+
+
+def live_report(device=-1):
+    """The live blocks of `device` grouped by tag and call stack, largest first
+    (gpupool_live_report), as a string."""
+    parts = []
+
+    def out(text, _user):
+        parts.append(text.decode("utf-8", "replace"))
+
+    check(lib().gpupool_live_report(device, _structs.OUTPUT_FN(out), None), "gpupool_live_report")
+    return "".join(parts)
+
+
+def host_malloc(size):
+    """`size` bytes of pinned host memory from gpupool's pinned cache (gpupool_host_malloc,
+    PyTorch's CachingHostAllocator): the address as an int, 0 for size 0."""
+    p = ctypes.c_void_p()
+    check(lib().gpupool_host_malloc(ctypes.byref(p), unsigned(size, "size")), "gpupool_host_malloc")
+    return p.value or 0
+
+
+def host_free(ptr):
+    """Gives back pinned memory host_malloc() returned; reused once the copies recorded on it
+    (host_record_event) are done (gpupool_host_free)."""
+    check(lib().gpupool_host_free(unsigned(ptr, "ptr")), "gpupool_host_free")
+
+
+def host_record_event(ptr, stream):
+    """A copy on `stream` uses the pinned block at `ptr`: once freed, it waits for that copy
+    (gpupool_host_record_event)."""
+    check(lib().gpupool_host_record_event(unsigned(ptr, "ptr"), stream_handle(stream)), "gpupool_host_record_event")
+
+
+def host_empty_cache():
+    """Unpins and frees the cached free pinned blocks (gpupool_host_empty_cache)."""
+    check(lib().gpupool_host_empty_cache(), "gpupool_host_empty_cache")
+
+
+def host_stats():
+    """The pinned allocator's statistics as a flat dict ('allocated_bytes.current',
+    'active_requests.peak', 'num_host_alloc', ...; gpupool_host_stats)."""
+    s = _structs.sized(_structs.HostStats)
+    check(lib().gpupool_host_stats(ctypes.byref(s)), "gpupool_host_stats")
+    return _structs.flat_host_stats(s)
+
+
+def host_reset_peak_stats():
+    """Sets the pinned allocator's peaks to their current values."""
+    check(lib().gpupool_host_reset_peak_stats(), "gpupool_host_reset_peak_stats")

@@ -1,0 +1,101 @@
+"""The C structs and callback types of gpupool.h, field for field, and their flat dicts."""
+
+import ctypes
+
+ARRAYS = [
+    "allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+    "active_bytes", "inactive_split_bytes", "requested_bytes",
+]
+COUNTERS = [
+    "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+    "max_split_size",
+]
+_FIELDS = ("current", "peak", "allocated", "freed")
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in _FIELDS]
+
+
+class StatArray(ctypes.Structure):
+    _fields_ = [(n, Stat) for n in ("all", "small_pool", "large_pool")]
+
+
+class Stats(ctypes.Structure):
+    """gpupool_stats_t (include/gpupool.h), version 2."""
+
+    _fields_ = (
+        [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)]
+        + [(n, StatArray) for n in ARRAYS]
+        + [("oversize_allocations", Stat), ("oversize_segments", Stat)]
+        + [(n, ctypes.c_int64) for n in COUNTERS]
+        # Version 2: held physical pages of expandable segments (not in PyTorch).
+        + [("unmapped_held_bytes", Stat)]
+    )
+
+
+class DurationStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("count", "total", "max", "min")]
+
+
+class HostStats(ctypes.Structure):
+    """gpupool_host_stats_t (include/gpupool.h), version 1."""
+
+    _fields_ = (
+        [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)]
+        + [(n, Stat) for n in ("active_requests", "active_bytes", "allocations", "allocated_bytes")]
+        + [(n, DurationStat) for n in ("host_alloc_time", "host_free_time")]
+        + [(n, ctypes.c_int64) for n in ("num_host_alloc", "num_host_free")]
+    )
+
+
+class TagStats(ctypes.Structure):
+    """gpupool_tag_stats_t."""
+
+    _fields_ = [("bytes", Stat), ("blocks", Stat)]
+
+
+TAG_FN = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(TagStats), ctypes.c_void_p)
+OUTPUT_FN = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p)
+
+
+def sized(cls):
+    """A zeroed struct of `cls` whose `size` field says how large it is."""
+    s = cls()
+    s.size = ctypes.sizeof(cls)
+    return s
+
+
+def flat_stats(s):
+    """A gpupool_stats_t as torch.cuda.memory_stats() keys it: 'reserved_bytes.all.peak', ..."""
+    out = {}
+    for name in ARRAYS:
+        arr = getattr(s, name)
+        for pool in ("all", "small_pool", "large_pool"):
+            for field in _FIELDS:
+                out[f"{name}.{pool}.{field}"] = getattr(getattr(arr, pool), field)
+    for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes"):
+        for field in _FIELDS:
+            out[f"{name}.{field}"] = getattr(getattr(s, name), field)
+    for name in COUNTERS:
+        out[name] = getattr(s, name)
+    return out
+
+
+def flat_host_stats(s):
+    """A gpupool_host_stats_t as torch.cuda.host_memory_stats() keys it."""
+    out = {}
+    for name in ("active_requests", "active_bytes", "allocations", "allocated_bytes"):
+        for field in _FIELDS:
+            out[f"{name}.{field}"] = getattr(getattr(s, name), field)
+    for name in ("host_alloc_time", "host_free_time"):
+        for field in ("count", "total", "max", "min"):
+            out[f"{name}.{field}"] = getattr(getattr(s, name), field)
+    out["num_host_alloc"] = s.num_host_alloc
+    out["num_host_free"] = s.num_host_free
+    return out
+
+
+def flat_tag(s):
+    """A gpupool_tag_stats_t as {'bytes.current': ..., 'blocks.peak': ...}."""
+    return {f"{n}.{f}": getattr(getattr(s, n), f) for n in ("bytes", "blocks") for f in _FIELDS}

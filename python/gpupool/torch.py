@@ -1,0 +1,129 @@
+"""gpupool under PyTorch, through PyTorch's pluggable-allocator interface (docs/pytorch.md).
+
+    import torch, gpupool
+    gpupool.torch.install()          # before the first CUDA tensor
+    ...
+    print(gpupool.torch.summary())   # torch.cuda.memory_summary() is the native allocator's
+
+install() makes the library the package is bound to (gpupool.bind(): $GPUPOOL_LIB, else the
+one inside the package) PyTorch's CUDA allocator with
+torch.cuda.memory.CUDAPluggableAllocator and change_current_allocator, and wires the optional
+hooks: init, reset (torch.cuda.empty_cache), memory fraction
+(torch.cuda.set_per_process_memory_fraction) and record_stream (Tensor.record_stream).
+
+CUDA graphs: when libgpupool_torch_graphs.so (built from examples/python/
+gpupool_torch_graphs.cpp, installed beside libgpupool.so) is found, install() also wires
+PyTorch's private-pool hooks, so that torch.cuda.graph captures into a gpupool private pool
+and its memory goes back when the graphs are reset. torch.cuda.graph leaks the pool of a
+capture that fails; capture through gpupool.torch.graph(g) instead, which releases it (and
+re-raises).
+
+With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
+gpupool's figures; stats() and summary() here do (gpupool.stats, gpupool.memory_summary).
+Likewise record_history() and dump_snapshot() are gpupool's torch.cuda.memory.
+_record_memory_history() and _dump_snapshot(), and write the same file for the same viewer.
+"""
+
+import contextlib
+import ctypes
+import os
+
+from . import _lib, _structs
+from . import dump_snapshot, record_history, reset_peak_stats, stats  # noqa: F401 (re-exported)
+from . import memory_summary as summary  # noqa: F401
+from ._lib import find_library  # noqa: F401
+
+# gpupool_stats_t, for code written against examples/python/gpupool_torch.py.
+_Stats = _structs.Stats
+_graphs = None
+# How many pools graph() released when its last failed capture raised.
+released_by_failed_capture = 0
+
+
+def install(path=None):
+    """Makes gpupool PyTorch's CUDA allocator; call before anything allocates CUDA memory.
+    `path`: the libgpupool.so to use (else the package's binding, gpupool.bind()). Returns the
+    CUDAPluggableAllocator. Raises RuntimeError when the package is bound to another library,
+    or to a gpupool PyTorch cannot open by path (the LD_PRELOAD shim's)."""
+    global _graphs
+    lib = _lib.bind(path)
+    path = _lib.bound_path()
+    if path is None:
+        raise RuntimeError("gpupool is the process's own (LD_PRELOAD): PyTorch's pluggable allocator "
+                           "needs a library path; run without the shim, or use attach()")
+    import torch
+
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "gpupool_torch_malloc", "gpupool_torch_free")
+    native = allocator.allocator()
+    hooks = [
+        ("set_init_fn", "gpupool_torch_init"),
+        ("set_reset_fn", "gpupool_torch_empty_cache"),
+        ("set_memory_fraction_fn", "gpupool_torch_set_memory_fraction"),
+        ("set_record_stream_fn", "gpupool_torch_record_stream"),
+    ]
+    for setter, symbol in hooks:
+        getattr(native, setter)(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    graphs_path = os.path.join(os.path.dirname(path), "libgpupool_torch_graphs.so")
+    if os.path.exists(graphs_path):
+        _graphs = ctypes.CDLL(graphs_path)
+        _graphs.gpupool_torch_watch_captures.argtypes = [ctypes.c_int]
+        _graphs.gpupool_torch_end_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+        _graphs.gpupool_torch_pool_id.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
+        _graphs.gpupool_torch_pool_id.restype = ctypes.c_uint64
+        for setter, symbol in [
+            ("set_begin_allocate_to_pool", "gpupool_torch_begin_allocate_to_pool"),
+            ("set_end_allocate_to_pool_fn", "gpupool_torch_end_allocate_to_pool"),
+            ("set_release_pool", "gpupool_torch_release_pool"),
+        ]:
+            getattr(native, setter)(ctypes.cast(getattr(_graphs, symbol), ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(allocator)
+    return allocator
+
+
+@contextlib.contextmanager
+def graph(cuda_graph, **kwargs):
+    """torch.cuda.graph(cuda_graph, **kwargs), which also releases the graph's private pool when
+    the capture fails (torch.cuda.graph leaves it routed and allocated until the process ends),
+    then re-raises."""
+    import torch
+
+    global released_by_failed_capture
+    device = torch.cuda.current_device()
+    # The pools this capture begins are listed, since CUDAGraph.pool() refuses to name the pool
+    # of a failed capture; on failure their uses are taken back (see gpupool_torch_graphs.cpp).
+    if _graphs is not None:
+        _graphs.gpupool_torch_watch_captures(device)
+    failed = True
+    try:
+        with torch.cuda.graph(cuda_graph, **kwargs):
+            yield
+        failed = False
+    finally:
+        if _graphs is not None:
+            released = _graphs.gpupool_torch_end_watch(device, 1 if failed else 0)
+            if failed:
+                released_by_failed_capture = released
+
+
+def pool_stats(pool, device=0):
+    """gpupool's statistics of PyTorch's private pool `pool` (a graph's .pool(), or
+    torch.cuda.graph_pool_handle()) as stats() gives them; None when gpupool has no such pool
+    (or install() found no graphs library)."""
+    if _graphs is None:
+        return None
+    pid = _graphs.gpupool_torch_pool_id(device, pool[0], pool[1])
+    if pid == 0:
+        return None
+    from . import pool_stats as gpupool_pool_stats
+
+    return gpupool_pool_stats(pid, device)
+
+
+def attach(lib=None):
+    """Binds stats(), summary() and the rest to a gpupool without making it PyTorch's allocator:
+    `lib` a path (or a ctypes.CDLL, by its path), else the gpupool the process already has (the
+    LD_PRELOAD shim's), else find_library(). The calls above bind on first use anyway; attach()
+    chooses which library, and fails (OSError) when that library cannot be loaded."""
+    if isinstance(lib, ctypes.CDLL):
+        lib = lib._name
+    _lib.bind(lib)
