@@ -136,21 +136,37 @@ def child_numba(allocator):
 
     h = hashlib.sha256()
     rng = np.random.default_rng(7)
+    # numba-cuda may not compile kernels at all where its numpy is newer than it supports
+    # (the GPU machine of 2026-11-27: numba-cuda's arrayobj needs np.row_stack, gone in
+    # numpy 2.4): then the same arrays move by device-to-device copies instead, which still
+    # allocate every buffer through the memory manager under test.
+    kernels = True
     for step in range(20):
         n = 100_000 + 50_000 * (step % 5)
         x = cuda.to_device(rng.standard_normal(n).astype(np.float32))
         y = cuda.to_device(rng.standard_normal(n).astype(np.float32))
         out = cuda.device_array(n, dtype=np.float32)
-        saxpy[(n + 255) // 256, 256](np.float32(2.5), x, y, out)
         sums = cuda.to_device(np.zeros(64, dtype=np.int64))
-        block_sums[(n + 255) // 256, 256](cuda.to_device(np.arange(n, dtype=np.int64)), sums)
+        if kernels:
+            try:
+                saxpy[(n + 255) // 256, 256](np.float32(2.5), x, y, out)
+                block_sums[(n + 255) // 256, 256](cuda.to_device(np.arange(n, dtype=np.int64)), sums)
+            except AttributeError as e:
+                print(f"numba: kernels do not compile here ({e}); device copies only", file=sys.stderr)
+                kernels = False
+        if not kernels:
+            out.copy_to_device(x)
+            staged = cuda.device_array(n, dtype=np.float32)
+            staged.copy_to_device(y)
+            digest(h, staged.copy_to_host())
+            sums.copy_to_device(np.arange(64, dtype=np.int64))
         digest(h, out.copy_to_host())
         digest(h, sums.copy_to_host())
         del x, y, out, sums
     pinned = cuda.pinned_array(4096, dtype=np.float32)
     pinned[:] = 1.5
     digest(h, cuda.to_device(pinned).copy_to_host())
-    result = {"sha256": h.hexdigest()}
+    result = {"sha256": h.hexdigest(), "kernels": kernels}
     if allocator == "gpupool":
         import gpupool
         from numba.cuda.cudadrv import driver
@@ -274,7 +290,8 @@ def main():
         ok = own["sha256"] == ours["sha256"] and ours["allocations"] > 0 and ours["manager"] == "GpupoolNumbaManager"
         report(ok, f"numba (NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba, manager {ours['manager']}): "
                    f"{'identical' if own['sha256'] == ours['sha256'] else 'DIFFERENT'} results; gpupool served "
-                   f"{ours['allocations']} device allocations and {ours['host_allocations']} pinned segments")
+                   f"{ours['allocations']} device allocations and {ours['host_allocations']} pinned segments"
+                   f"{'' if ours['kernels'] else ' (kernels did not compile here: device copies only)'}")
 
     def together_check():
         r = run_child("together", "gpupool")
