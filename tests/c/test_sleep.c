@@ -6,6 +6,7 @@
  * the function's name and names the problem. */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpupool.h"
@@ -111,6 +112,11 @@ static void test_bad_input(void) {
 }
 
 int main(void) {
+  const char *driver = getenv("GPUPOOL_DRIVER");
+  if (driver == NULL || strcmp(driver, "sim") != 0) {
+    printf("test_sleep: skipped (needs GPUPOOL_DRIVER=sim; tests/gpu/test_sleep.cu runs on a GPU)\n");
+    return 77;
+  }
   test_bad_input();
   test_default_pools();
   test_private_pool();

@@ -2,6 +2,8 @@
 // pool's buffer keeps its address and contents across offload, a second sleep throws
 // gpupool::error with INVALID_VALUE, a pool not made sleepable refuses, the default pools sleep
 // and wake through the free functions.
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -9,6 +11,11 @@
 #include "check.h"
 
 int main() {
+  const char *driver = std::getenv("GPUPOOL_DRIVER");
+  if (driver == nullptr || std::strcmp(driver, "sim") != 0) {
+    std::printf("test_sleep_cpp: skipped (needs GPUPOOL_DRIVER=sim)\n");
+    return 77;
+  }
   const std::size_t n = std::size_t(5) << 20;
   gpupool::pool weights(0, gpupool::sleepable);
   gpupool_stream_t s = reinterpret_cast<gpupool_stream_t>(0x30);
