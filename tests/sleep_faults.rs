@@ -252,3 +252,33 @@ fn a_sleeping_pool_survives_the_out_of_memory_path_of_another() {
     assert!(intact(&live));
     check(&a);
 }
+
+#[test]
+fn sleeps_and_wakes_of_one_pool_from_two_threads_never_interleave() {
+    let (a, drv) = sim_with(1, 4 << 30, config());
+    let a = Arc::new(a);
+    let (pool, live) = pool_with(&a, &[70 * MIB, 3 * MIB]);
+    let racers: Vec<_> = (0..2)
+        .map(|_| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut done = 0;
+                for i in 0..100 {
+                    let r = if i % 2 == 0 { a.sleep(0, pool, SleepMode::Offload) } else { a.wake(0, pool) };
+                    match r {
+                        Ok(()) => done += 1,
+                        Err(Error::InvalidValue(_)) => {}
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                done
+            })
+        })
+        .collect();
+    let done: i32 = racers.into_iter().map(|r| r.join().unwrap()).sum();
+    assert!(done > 0);
+    let _ = a.wake(0, pool);
+    assert!(intact(&live));
+    assert_eq!(drv.live_host(), (0, 0));
+    check(&a);
+}

@@ -49,6 +49,8 @@ struct PoolSleep {
     /// Bytes of pages given back (the pool's reserved bytes when it went to sleep); 0 until
     /// its pages are unmapped.
     bytes: usize,
+    /// A sleep or a wake of the pool is under way: another is refused.
+    busy: bool,
 }
 
 #[derive(Default)]
@@ -71,14 +73,36 @@ impl Sleepers {
         self.state.lock().pools.contains_key(&pool)
     }
 
-    /// Marks `pool` asleep, with no bytes yet; false when it was already.
+    /// Marks `pool` asleep, with no bytes yet and its sleep under way; false when it was
+    /// asleep already.
     pub fn begin(&self, pool: u64) -> bool {
         let mut st = self.state.lock();
         if st.pools.contains_key(&pool) {
             return false;
         }
-        st.pools.insert(pool, PoolSleep { bytes: 0 });
+        st.pools.insert(pool, PoolSleep { bytes: 0, busy: true });
         true
+    }
+
+    /// Marks the wake of `pool` under way. `Err(true)`: it does not sleep; `Err(false)`: a
+    /// sleep or wake of it is under way already.
+    pub fn begin_wake(&self, pool: u64) -> Result<(), bool> {
+        let mut st = self.state.lock();
+        match st.pools.get_mut(&pool) {
+            None => Err(true),
+            Some(p) if p.busy => Err(false),
+            Some(p) => {
+                p.busy = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// The sleep or the failed wake of `pool` is over: it sleeps, and may be woken.
+    pub fn settle(&self, pool: u64) {
+        if let Some(p) = self.state.lock().pools.get_mut(&pool) {
+            p.busy = false;
+        }
     }
 
     /// Adds `bytes` given back by `pool`'s pages to its sleeping bytes and the device's.

@@ -168,6 +168,7 @@ impl DeviceAllocator {
             failure.get_or_insert(e);
         }
         self.sleepers.add_bytes(pool, slept);
+        self.sleepers.settle(pool);
         match failure {
             None => Ok(()),
             Some(e) => Err(Error::driver(
@@ -213,22 +214,27 @@ impl DeviceAllocator {
     /// [`Error::OutOfMemory`] when the device (or its memory fraction) cannot give the pages;
     /// [`Error::Cuda`] when mapping or copying fails.
     pub fn wake(&self, pool: u64) -> Result<(), Error> {
-        if !self.sleepers.is_asleep(pool) {
-            return Err(Error::InvalidValue(format!(
-                "{} do not sleep: nothing to wake (a second gpupool_wake changes nothing)",
-                self.pool_name(pool)
-            )));
-        }
         if self.capture.any_underway() {
             return Err(capture::refused_during_capture(self.device, "waking a pool"));
         }
-        match self.try_wake(pool) {
+        if let Err(asleep) = self.sleepers.begin_wake(pool) {
+            let name = self.pool_name(pool);
+            return Err(Error::InvalidValue(match asleep {
+                true => format!("{name} do not sleep: nothing to wake (a second gpupool_wake changes nothing)"),
+                false => format!("{name} are being put to sleep or woken by another thread: nothing done"),
+            }));
+        }
+        // Asleep still, and wakeable, if anything fails (unwinding included).
+        let busy = scopeguard::guard((), |()| self.sleepers.settle(pool));
+        let r = match self.try_wake(pool) {
             Err(Error::OutOfMemory(_)) => {
                 let _ = self.release_cached_blocks();
                 self.try_wake(pool)
             }
             r => r,
-        }
+        };
+        drop(busy);
+        r
     }
 
     /// One attempt of [`DeviceAllocator::wake`].
