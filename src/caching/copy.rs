@@ -88,13 +88,21 @@ impl<'a> Copier<'a> {
 }
 
 impl Drop for Copier<'_> {
+    /// Never panics (it may run while a panic unwinds): a driver call that fails or unwinds
+    /// here leaks the stream, which holds no memory of the pool.
     fn drop(&mut self) {
-        let _ = self.finish();
-        for s in self.streams.drain(..) {
-            // A stream that cannot be destroyed is leaked: it holds no memory of the pool.
-            let _ = self.driver.stream_destroy(self.device, s);
+        let (driver, device) = (self.driver, self.device);
+        for s in std::mem::take(&mut self.streams) {
+            let _ = quietly(|| driver.stream_synchronize(device, s));
+            let _ = quietly(|| driver.stream_destroy(device, s));
         }
     }
+}
+
+/// Runs a driver call whose failure the caller ignores, a panic included (a destructor's, or
+/// one that frees what holds nothing of the device).
+fn quietly<T>(call: impl FnOnce() -> Result<T, DriverError>) -> Option<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).ok()?.ok()
 }
 
 /// Pinned host memory for one shard's copy (`cuMemHostAlloc`), freed when dropped unless
@@ -129,10 +137,10 @@ impl Drop for HostCopy<'_> {
     }
 }
 
-/// Frees pinned host memory from [`HostCopy`] (`cuMemFreeHost`; 0: none). A failure leaks it:
-/// it holds nothing of the device.
+/// Frees pinned host memory from [`HostCopy`] (`cuMemFreeHost`; 0: none). A failure, or a
+/// driver call that unwinds, leaks it: it holds nothing of the device. Never panics.
 pub(crate) fn free_host(driver: &dyn Driver, device: i32, ptr: HostPtr) {
     if ptr != 0 {
-        let _ = driver.host_free(device, ptr);
+        let _ = quietly(|| driver.host_free(device, ptr));
     }
 }

@@ -249,14 +249,31 @@ impl Expandable {
     pub fn sleep(&mut self, driver: &dyn Driver, device: i32, out: &mut Vec<PhysHandle>) -> Result<(), DriverError> {
         let mapped: Vec<usize> = (0..self.pages.len()).filter(|&i| self.pages[i].is_some()).collect();
         for i in mapped {
-            self.unmap(driver, device, i * self.page, self.page, out)?;
-            if self.slept.len() <= i {
-                self.slept.resize(i + 1, false);
-            }
-            self.slept[i] = true;
-            self.slept_bytes += self.page;
+            self.unmap_slept(driver, device, i, out)?;
         }
         Ok(())
+    }
+
+    /// Unmaps page `i` for a sleep, its handle to `out`: slept if it is unmapped after the
+    /// call, whatever happens (a driver call that unwinds after the page went included).
+    fn unmap_slept(
+        &mut self,
+        driver: &dyn Driver,
+        device: i32,
+        i: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
+        let mut e = scopeguard::guard(self, |e| {
+            let slept = !e.is_mapped(i * e.page);
+            if e.slept.len() <= i {
+                e.slept.resize(i + 1, false);
+            }
+            if std::mem::replace(&mut e.slept[i], slept) != slept {
+                if slept { e.slept_bytes += e.page } else { e.slept_bytes -= e.page }
+            }
+        });
+        let page = e.page;
+        e.unmap(driver, device, i * page, page, out)
     }
 
     /// Maps the slept pages again for `gpupool_wake`: each run of them with one
@@ -279,10 +296,7 @@ impl Expandable {
             if let Err(e) = self.map(driver, device, first * self.page, count * self.page, spare) {
                 for &(f, c) in runs[..k].iter().rev() {
                     for i in f..f + c {
-                        if self.unmap(driver, device, i * self.page, self.page, spare).is_err() {
-                            self.slept[i] = false;
-                            self.slept_bytes -= self.page;
-                        }
+                        let _ = self.unmap_slept(driver, device, i, spare);
                     }
                 }
                 return Err(e);

@@ -105,14 +105,19 @@ impl Sleepers {
         }
     }
 
-    /// Adds `bytes` given back by `pool`'s pages to its sleeping bytes and the device's.
-    pub fn add_bytes(&self, pool: u64, bytes: usize) {
+    /// Sets the sleeping bytes of `pool` (the pages its streams gave back), and the device's
+    /// with them.
+    pub fn set_bytes(&self, pool: u64, bytes: usize) {
         let mut st = self.state.lock();
         if let Some(p) = st.pools.get_mut(&pool) {
-            p.bytes += bytes;
+            let change = bytes as i64 - std::mem::replace(&mut p.bytes, bytes) as i64;
             let s = &mut st.stat;
-            s.current += bytes as i64;
-            s.allocated += bytes as i64;
+            s.current += change;
+            if change >= 0 {
+                s.allocated += change;
+            } else {
+                s.freed -= change;
+            }
             s.peak = s.peak.max(s.current);
         }
     }

@@ -148,27 +148,32 @@ impl DeviceAllocator {
         }
         let prepared = std::mem::take(&mut *scopeguard::ScopeGuard::into_inner(copies));
         scopeguard::ScopeGuard::into_inner(awake);
-        // The point of no return: the pages go.
-        let (mut handles, mut failure, mut slept) = (Vec::new(), None, 0);
+        // The point of no return: the pages go. What was unmapped is accounted for whatever
+        // happens, a driver call that unwinds included.
+        // Every stream goes to sleep, even after one whose driver call unwound.
+        let (mut handles, mut failure, mut gone) = (Vec::new(), None, Ok(()));
         for (shard, prep) in prepared {
-            let ctx = self.ctx(&shard);
-            let mut st = self.shards.lock_for_change(&shard);
-            // Frees that came meanwhile with record_stream may have queued events.
-            let _ = st.synchronize_events(&ctx);
-            let before = st.slept_bytes();
-            if let Err(e) = st.sleep_pages(&ctx, prep, &mut handles) {
-                failure.get_or_insert(e);
-            }
-            slept += st.slept_bytes() - before;
-            self.finish(st, ());
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let ctx = self.ctx(&shard);
+                let mut st = self.shards.lock_for_change(&shard);
+                // Frees that came meanwhile with record_stream may have queued events.
+                let _ = st.synchronize_events(&ctx);
+                if let Err(e) = st.sleep_pages(&ctx, prep, &mut handles) {
+                    failure.get_or_insert(e);
+                }
+                self.finish(st, ());
+            }));
+            gone = gone.and(r);
         }
-        let (released, _, refused) = self.release_handles(&mut handles);
-        self.limit.uncharge(released);
-        if let Some(e) = refused {
+        let slept: usize = shards.iter().map(|s| s.lock().slept_bytes()).sum();
+        self.sleepers.set_bytes(pool, slept);
+        self.sleepers.settle(pool);
+        if let Some(e) = self.give_back(&mut handles) {
             failure.get_or_insert(e);
         }
-        self.sleepers.add_bytes(pool, slept);
-        self.sleepers.settle(pool);
+        if let Err(panic) = gone {
+            std::panic::resume_unwind(panic);
+        }
         match failure {
             None => Ok(()),
             Some(e) => Err(Error::driver(
@@ -187,23 +192,17 @@ impl DeviceAllocator {
         }
     }
 
-    /// Gives the handles of `handles` (page bytes, handle), mapped nowhere, back to the driver
-    /// (`cuMemRelease`); one the driver refuses goes to the device's page pool, for the next
-    /// release. Returns the bytes released, the bytes put in the pool, and the first failure.
-    /// The caller settles the memory limit.
-    fn release_handles(&self, handles: &mut Vec<(usize, PhysHandle)>) -> (usize, usize, Option<DriverError>) {
-        let (mut released, mut held, mut failure) = (0, 0, None);
+    /// Gives the handles of `handles` (page bytes, handle), mapped nowhere and counted by the
+    /// memory limit, back to the driver: through the device's page pool, which releases them
+    /// (`cuMemRelease`) and uncharges each once the driver has it; one the driver refuses (or
+    /// whose call unwinds) stays held there, counted, for the next release. Returns the first
+    /// failure.
+    fn give_back(&self, handles: &mut Vec<(usize, PhysHandle)>) -> Option<DriverError> {
+        let held_before = self.pages.held();
         for (page, h) in handles.drain(..) {
-            match self.driver.mem_release(self.device, h) {
-                Ok(()) => released += page,
-                Err(e) => {
-                    failure.get_or_insert(e);
-                    self.pages.put(page, &mut vec![h]);
-                    held += page;
-                }
-            }
+            self.pages.put(page, &mut vec![h]);
         }
-        (released, held, failure)
+        self.pages.release(&*self.driver, self.device, &self.limit, held_before).1
     }
 
     /// Wakes `pool` (0: the default pools; see the module). A device out of memory first
@@ -250,49 +249,60 @@ impl DeviceAllocator {
             ))
         };
         let charge = self.limit.try_charge(need).ok_or_else(oom)?;
-        let (mut spare, mut woken, mut grown) = (Vec::new(), Vec::new(), 0isize);
-        let mut result = Ok(());
-        for shard in &shards {
-            let ctx = self.ctx(shard);
-            let mut st = self.shards.lock_for_change(shard);
-            let before = st.mapped_bytes() as isize;
-            let r = st.map_slept(&ctx, &mut spare);
-            grown += st.mapped_bytes() as isize - before;
-            self.finish(st, ());
-            if let Err(e) = r {
-                result = Err(match e {
-                    DriverError::OutOfMemory => oom(),
-                    e => Error::driver(e, "mapping a sleeping pool's pages again"),
-                });
-                break;
-            }
-            woken.push(shard.clone());
-        }
-        if result.is_ok() && shards.iter().any(|s| s.lock().offloaded()) {
-            result = self.restore(&shards);
-        }
-        if let Err(e) = result {
-            // Asleep again, all of it: the pages mapped go back, the host copies stay.
-            for shard in woken.iter().rev() {
+        let mapped = |shards: &[Arc<Shard>]| shards.iter().map(|s| s.lock().mapped_bytes() as isize).sum::<isize>();
+        let before = mapped(&shards);
+        let mut spare = Vec::new();
+        // A driver call that unwinds is undone as a failure is, then the unwinding goes on.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for shard in &shards {
                 let ctx = self.ctx(shard);
                 let mut st = self.shards.lock_for_change(shard);
-                let before = st.mapped_bytes() as isize;
-                let _ = st.unmap_woken(&ctx, &mut spare);
-                grown += st.mapped_bytes() as isize - before;
+                let r = st.map_slept(&ctx, &mut spare);
                 self.finish(st, ());
+                r.map_err(|e| match e {
+                    DriverError::OutOfMemory => oom(),
+                    e => Error::driver(e, "mapping a sleeping pool's pages again"),
+                })?;
             }
-            let (_, held, _) = self.release_handles(&mut spare);
-            charge.settle(grown + held as isize);
-            return Err(e);
+            if shards.iter().any(|s| s.lock().offloaded()) {
+                self.restore(&shards)?;
+            }
+            Ok(())
+        }));
+        if !matches!(result, Ok(Ok(()))) {
+            // Asleep again, all of it: the pages mapped go back, the host copies stay.
+            // Every stream, even after one whose driver call unwound; the first panic goes on
+            // once the accounts are settled.
+            let mut unwound = None;
+            for shard in shards.iter().rev() {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let ctx = self.ctx(shard);
+                    let mut st = self.shards.lock_for_change(shard);
+                    let _ = st.unmap_woken(&ctx, &mut spare);
+                    self.finish(st, ());
+                }));
+                if let Err(p) = r {
+                    unwound.get_or_insert(p);
+                }
+            }
+            // The handles go back through the page pool, counted until the driver has them.
+            let held: usize = spare.iter().map(|s| s.0).sum();
+            charge.settle(mapped(&shards) - before + held as isize);
+            self.give_back(&mut spare);
+            // Pages a failed sleep had left mapped may be slept now.
+            self.sleepers.set_bytes(pool, shards.iter().map(|s| s.lock().slept_bytes()).sum());
+            return match (result, unwound) {
+                (Err(panic), _) | (Ok(_), Some(panic)) => std::panic::resume_unwind(panic),
+                (Ok(r), None) => r,
+            };
         }
-        charge.settle(grown);
-        for shard in &shards {
-            let ctx = self.ctx(shard);
-            let mut st = self.shards.lock_for_change(shard);
-            st.finish_wake(&ctx);
-            self.finish(st, ());
-        }
+        charge.settle(mapped(&shards) - before);
+        let copies: Vec<_> = shards.iter().map(|s| s.lock().finish_wake()).collect();
         self.end_sleep(pool);
+        // The host copies go last, once the pool is awake.
+        for host in copies {
+            crate::caching::copy::free_host(&*self.driver, self.device, host);
+        }
         Ok(())
     }
 

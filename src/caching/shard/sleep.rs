@@ -8,6 +8,7 @@
 use super::{ShardCtx, ShardState};
 use crate::caching::block::BlockState;
 use crate::caching::copy::{Copier, HostCopy, free_host};
+use crate::caching::expandable::Expandable;
 use crate::caching::sleep::SleepMode;
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;
@@ -16,6 +17,10 @@ use crate::history::Action;
 /// The stream handle that names each thread's own default stream (`CU_STREAM_PER_THREAD`):
 /// an event recorded on it covers only the calling thread's work.
 const PER_THREAD_STREAM: usize = 2;
+
+/// A sleep or a wake of an expandable segment's pages ([`Expandable::sleep`],
+/// [`Expandable::wake`]).
+type PageChange = fn(&mut Expandable, &dyn Driver, i32, &mut Vec<PhysHandle>) -> Result<(), DriverError>;
 
 /// What a sleeping shard keeps: its mode and the copies of its live blocks.
 #[derive(Debug)]
@@ -146,52 +151,64 @@ impl ShardState {
 
     /// The second half of a sleep: every page of the shard's expandable segments unmapped
     /// (the caller has waited for the work on them and for the copies), its handle appended to
-    /// `handles` with its page's bytes for the caller to give back, each run of pages recorded as a
+    /// `handles` with its page's bytes for the caller to give back, each page recorded as a
     /// `segment_unmap` while history is on. The shard is asleep from here on, whatever fails.
     ///
     /// Errors: the first failure of the driver; the pages it would not unmap stay mapped (and
-    /// counted as mapped), the others are slept.
+    /// counted as mapped), the others are slept. A call that unwinds leaves the shard asleep
+    /// likewise, and the handles it unmapped in `handles`.
     pub fn sleep_pages(
         &mut self,
         ctx: &ShardCtx,
         mut sleep: ShardSleep,
         handles: &mut Vec<(usize, PhysHandle)>,
     ) -> Result<(), DriverError> {
+        // Asleep from the first page on; `partial` until every page is unmapped.
+        sleep.partial = true;
+        self.asleep = Some(Box::new(sleep));
         let mut failure = Ok(());
         for base in self.expandables.clone() {
-            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let mut out = Vec::new();
-            if let Err(err) = e.sleep(ctx.driver, ctx.device, &mut out) {
-                sleep.partial = true;
-                failure = failure.and(Err(err));
-            }
-            handles.extend(out.into_iter().map(|h| (e.page, h)));
-            if ctx.history.on() {
-                self.record_slept(ctx, base, Action::SegmentUnmap);
-            }
+            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep));
         }
-        self.asleep = Some(Box::new(sleep));
+        if failure.is_ok()
+            && let Some(s) = self.asleep.as_deref_mut()
+        {
+            s.partial = false;
+        }
         failure
     }
 
-    /// Records each run of slept pages of the segment at `base` as `action`.
-    fn record_slept(&self, ctx: &ShardCtx, base: DevicePtr, action: Action) {
-        let seg = &self.segments[&base];
-        let e = seg.exp.as_deref().expect("expandable");
-        let mut run: Option<usize> = None;
-        let mut p = 0;
-        while p <= e.size {
-            let slept = p < e.size && e.is_held(p) && !e.is_mapped(p);
-            match (run, slept) {
-                (None, true) => run = Some(p),
-                (Some(start), false) => {
-                    ctx.history.record(action, base + start as u64, p - start, p - start, ctx.shard.stream, seg.ctx);
-                    run = None;
+    /// Runs `change` (a sleep or a wake of its pages) on the expandable segment at `base`,
+    /// with its handles unmapped or left over appended to `handles` with their page's bytes,
+    /// and, while history is on, each page whose mapping changed recorded as a `segment_map`
+    /// or `segment_unmap`: whatever happens, a driver call that unwinds included.
+    fn change_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        base: DevicePtr,
+        handles: &mut Vec<(usize, PhysHandle)>,
+        change: PageChange,
+    ) -> Result<(), DriverError> {
+        let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+        let (page, pages) = (e.page, e.size / e.page);
+        let before: Vec<bool> =
+            if ctx.history.on() { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+        let mut out = Vec::new();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, ctx.driver, ctx.device, &mut out)));
+        handles.extend(out.into_iter().map(|h| (page, h)));
+        if !before.is_empty() {
+            let seg = &self.segments[&base];
+            let e = seg.exp.as_deref().expect("expandable");
+            for (i, &was) in before.iter().enumerate() {
+                let now = e.is_mapped(i * page);
+                if now != was {
+                    let action = if now { Action::SegmentMap } else { Action::SegmentUnmap };
+                    let at = base + (i * page) as u64;
+                    ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
                 }
-                _ => {}
             }
-            p += e.page;
         }
+        r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 
     /// The first half of a wake: the slept pages mapped again from new handles. All or
@@ -202,35 +219,12 @@ impl ShardState {
     /// for a page).
     pub fn map_slept(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
         let bases = self.expandables.clone();
-        let mut history = Vec::new();
         for (k, &base) in bases.iter().enumerate() {
-            if ctx.history.on() {
-                history.push(base);
-            }
-            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let mut out = Vec::new();
-            let r = e.wake(ctx.driver, ctx.device, &mut out);
-            spare.extend(out.into_iter().map(|h| (e.page, h)));
-            if let Err(err) = r {
+            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake) {
                 for &b in bases[..k].iter().rev() {
-                    let e = self.segments.get_mut(&b).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-                    let mut out = Vec::new();
-                    let _ = e.sleep(ctx.driver, ctx.device, &mut out);
-                    spare.extend(out.into_iter().map(|h| (e.page, h)));
+                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep);
                 }
                 return Err(err);
-            }
-        }
-        for base in history {
-            // The pages are mapped now: recorded as they were at sleep.
-            let seg = &self.segments[&base];
-            let e = seg.exp.as_deref().expect("expandable");
-            let mut p = 0;
-            while p < e.size {
-                if e.is_mapped(p) {
-                    ctx.history.record(Action::SegmentMap, base + p as u64, e.page, e.page, ctx.shard.stream, seg.ctx);
-                }
-                p += e.page;
             }
         }
         Ok(())
@@ -241,14 +235,16 @@ impl ShardState {
     ///
     /// Errors: the first failure; the pages the driver would not unmap stay mapped.
     pub fn unmap_woken(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
-        let mut failure = Ok(());
-        for base in self.expandables.clone() {
-            let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
-            let mut out = Vec::new();
-            if let Err(err) = e.sleep(ctx.driver, ctx.device, &mut out) {
-                failure = failure.and(Err(err));
+        // Pages the driver would not unmap stay mapped, counted as such, whatever happens.
+        let mut st = scopeguard::guard(self, |st| {
+            let mapped = st.mapped_bytes() != 0;
+            if let Some(s) = st.asleep.as_deref_mut() {
+                s.partial |= mapped;
             }
-            spare.extend(out.into_iter().map(|h| (e.page, h)));
+        });
+        let mut failure = Ok(());
+        for base in st.expandables.clone() {
+            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep));
         }
         failure
     }
@@ -264,11 +260,10 @@ impl ShardState {
         Ok(())
     }
 
-    /// The end of a wake: the host copy freed (`cuMemFreeHost`), and the shard awake.
-    pub fn finish_wake(&mut self, ctx: &ShardCtx) {
-        if let Some(s) = self.asleep.take() {
-            free_host(ctx.driver, ctx.device, s.host.0);
-        }
+    /// The end of a wake: the shard awake. Returns its host copy (0: none), for the caller to
+    /// free once every stream of the pool is awake.
+    pub fn finish_wake(&mut self) -> HostPtr {
+        self.asleep.take().map_or(0, |s| s.host.0)
     }
 
     /// The sleep's part of the consistency check: a sleeping shard maps no page (unless the
