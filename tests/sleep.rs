@@ -290,3 +290,19 @@ fn a_graph_captured_into_a_sleepable_pool_finds_its_buffers_after_wake() {
     fill(scratch, 2 * MIB, 3);
     check(&a);
 }
+
+#[test]
+fn the_summary_shows_the_sleeping_bytes() {
+    let (a, _) = sim_with(1, 1 << 30, default_config());
+    let p = a.malloc(5 * MIB, 0, S).unwrap();
+    assert!(!a.memory_summary(0).unwrap().contains("Sleeping"), "no line before any sleep");
+    a.sleep(0, 0, SleepMode::Discard).unwrap();
+    let text = a.memory_summary(0).unwrap();
+    assert!(text.contains("Sleeping (in reserved, given back): 6.00 MiB now, 6.00 MiB at peak"), "{text}");
+    a.wake(0, 0).unwrap();
+    let text = a.memory_summary(0).unwrap();
+    assert!(text.contains("Sleeping (in reserved, given back): 0 bytes now, 6.00 MiB at peak"), "{text}");
+    // The pages went straight back to the driver, not through the pages held unmapped.
+    assert_eq!(a.stats(0).unwrap().unmapped_held_bytes.peak, 0);
+    a.free(p).unwrap();
+}

@@ -193,16 +193,31 @@ impl DeviceAllocator {
     }
 
     /// Gives the handles of `handles` (page bytes, handle), mapped nowhere and counted by the
-    /// memory limit, back to the driver: through the device's page pool, which releases them
-    /// (`cuMemRelease`) and uncharges each once the driver has it; one the driver refuses (or
-    /// whose call unwinds) stays held there, counted, for the next release. Returns the first
-    /// failure.
+    /// memory limit, back to the driver (`cuMemRelease`), each uncharged once the driver has
+    /// it; one the driver refuses, and those left when a call unwinds, go to the device's page
+    /// pool, still counted, for the next release. Returns the first failure.
     fn give_back(&self, handles: &mut Vec<(usize, PhysHandle)>) -> Option<DriverError> {
-        let held_before = self.pages.held();
-        for (page, h) in handles.drain(..) {
-            self.pages.put(page, &mut vec![h]);
+        let hold = |rest: Vec<(usize, PhysHandle)>| {
+            for (page, h) in rest {
+                self.pages.put(page, &mut vec![h]);
+            }
+        };
+        let mut rest = scopeguard::guard(std::mem::take(handles), hold);
+        let mut failure = None;
+        while let Some((page, h)) = rest.last().copied() {
+            match self.driver.mem_release(self.device, h) {
+                Ok(()) => {
+                    rest.pop();
+                    self.limit.uncharge(page);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    rest.pop();
+                    self.pages.put(page, &mut vec![h]);
+                }
+            }
         }
-        self.pages.release(&*self.driver, self.device, &self.limit, held_before).1
+        failure
     }
 
     /// Wakes `pool` (0: the default pools; see the module). A device out of memory first
