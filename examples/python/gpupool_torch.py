@@ -61,6 +61,8 @@ class _Stats(ctypes.Structure):
         + [(n, ctypes.c_int64) for n in _COUNTERS]
         # Version 2 of the struct: held physical pages of expandable segments (not in PyTorch).
         + [("unmapped_held_bytes", _Stat)]
+        # Version 3: bytes of pages sleeping pools gave back (gpupool_sleep; not in PyTorch).
+        + [("sleeping_bytes", _Stat)]
     )
 
 
@@ -226,7 +228,7 @@ def _flat(s):
         for pool in ("all", "small_pool", "large_pool"):
             for field in ("current", "peak", "allocated", "freed"):
                 out[f"{name}.{pool}.{field}"] = getattr(getattr(arr, pool), field)
-    for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes"):
+    for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes", "sleeping_bytes"):
         for field in ("current", "peak", "allocated", "freed"):
             out[f"{name}.{field}"] = getattr(getattr(s, name), field)
     for name in _COUNTERS:
