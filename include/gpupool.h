@@ -357,7 +357,7 @@ typedef struct gpupool_stats_t {
    * `garbage_collection_threshold`. Device-wide; `allocated` sums the bytes put in,
    * `freed` those mapped again or released. 0 without expandable segments, and between
    * calls with `GPUPOOL_EXPANDABLE_RECLAIM` off (unless the driver refused a release); 0 in
-   * `gpupool_pool_stats` (private pools have no expandable segments). A caller built
+   * `gpupool_pool_stats` (the held pages are the device's, not a pool's). A caller built
    * against version 1 passes a smaller `size` and gets every field before this one.
    */
   struct gpupool_stat_t unmapped_held_bytes;

@@ -23,7 +23,8 @@
 //!   routed to on this device again. PyTorch frees a pool only once its blocks are all free
 //!   and leaks the pool of a failed capture (PR #190348).
 //! - A private pool's segments are ordinary ones (never expandable): unmapping a free page would
-//!   take away an address a graph uses.
+//!   take away an address a graph uses. A sleepable pool's are expandable (`caching::sleep`),
+//!   and keep the free pages of a segment a graph uses mapped.
 
 use std::sync::Arc;
 use std::thread::ThreadId;
