@@ -73,10 +73,22 @@
 #define GPUPOOL_HOST_STATS_VERSION 1
 
 /**
- * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
- * adds `unmapped_held_bytes` at the end.
+ * `gpupool_sleep`'s mode: the live blocks' contents are copied to pinned host memory first,
+ * and back at `gpupool_wake`, bit for bit (weights).
  */
-#define GPUPOOL_STATS_VERSION 2
+#define GPUPOOL_SLEEP_OFFLOAD 1
+
+/**
+ * `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
+ * hold whatever the new memory holds (KV cache, activations).
+ */
+#define GPUPOOL_SLEEP_DISCARD 2
+
+/**
+ * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
+ * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
+ */
+#define GPUPOOL_STATS_VERSION 3
 
 /**
  * What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
@@ -345,10 +357,20 @@ typedef struct gpupool_stats_t {
    * `garbage_collection_threshold`. Device-wide; `allocated` sums the bytes put in,
    * `freed` those mapped again or released. 0 without expandable segments, and between
    * calls with `GPUPOOL_EXPANDABLE_RECLAIM` off (unless the driver refused a release); 0 in
-   * `gpupool_pool_stats` (private pools have no expandable segments). A caller built
+   * `gpupool_pool_stats` (the held pages are the device's, not a pool's). A caller built
    * against version 1 passes a smaller `size` and gets every field before this one.
    */
   struct gpupool_stat_t unmapped_held_bytes;
+  /**
+   * Version 3. Bytes of pages that sleeping pools gave back to the driver
+   * (`gpupool_sleep`; not in PyTorch) and will map again at `gpupool_wake`: still counted
+   * in `reserved_bytes` (their blocks keep their addresses), but not device memory now, so
+   * free device memory is `reserved_bytes` minus these more than it would be. `allocated`
+   * sums the bytes put to sleep, `freed` those woken. In `gpupool_pool_stats`, the pool's
+   * own (`current` only; `peak` and `allocated` equal it). A caller built against version
+   * 2 passes a smaller `size` and gets every field before this one.
+   */
+  struct gpupool_stat_t sleeping_bytes;
 } gpupool_stats_t;
 
 /**
@@ -1136,6 +1158,90 @@ gpupool_status gpupool_release_pool(int device, uint64_t pool);
  * `out` must be NULL or point to writable storage of at least `out->size` bytes.
  */
 gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stats_t *out);
+
+/**
+ * Creates a private pool that may sleep and writes its id to `*pool`: as
+ * `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
+ * same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
+ * `expandable_segments:True`, whatever `GPUPOOL_CONF` says for the default pools), during a
+ * graph capture too, so that `gpupool_sleep` can give its memory back. Wholly free pages of a
+ * segment a captured graph uses stay mapped (the graph writes there at every replay); other
+ * free pages go back at `gpupool_empty_cache`. Where the driver cannot map memory, its
+ * allocations fail as the driver's calls do. The id has bit 62 set.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `pool` must be NULL or point to writable storage for one `uint64_t`.
+ */
+gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
+
+/**
+ * Puts `pool` on `device` (-1: the calling thread's current device) to sleep: 0 names the
+ * device's default pools, any other id a pool from `gpupool_pool_create_sleepable`. `mode` is
+ * `GPUPOOL_SLEEP_OFFLOAD` or `GPUPOOL_SLEEP_DISCARD`.
+ *
+ * In order: allocations from the pool are refused from now on; the work queued so far on
+ * the pool's blocks is waited for, by events (an event recorded on each of the pool's
+ * streams and on each stream `gpupool_record_stream` named for a live block, and the events
+ * of blocks freed meanwhile; the device is synchronised only for blocks freed with
+ * `gpupool_free_after_device_sync` and for the per-thread default stream); with offload,
+ * each live block is copied to pinned host memory (`cuMemHostAlloc`, the pool's allocated
+ * bytes) on two copy streams of gpupool's own; then every page of the pool's memory, cached
+ * free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
+ * `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
+ * their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
+ * them; `gpupool_stats_t.sleeping_bytes` says how many of them sleep.
+ *
+ * While the pool sleeps: allocating from it fails with `GPUPOOL_ERROR_INVALID_VALUE` (for
+ * pool 0, every allocation on the device that no route sends to a private pool); its blocks
+ * may be freed (`gpupool_free`), and come back as cache at wake; `gpupool_empty_cache`, the
+ * out-of-memory path and `garbage_collection_threshold` leave it and its host copy alone;
+ * `gpupool_release_pool` refuses it; other pools allocate and free as usual, never waiting
+ * for it. The program must not touch the pool's memory (kernels, copies) until
+ * `gpupool_wake` returns, nor allocate from the pool while this call runs.
+ *
+ * Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a mode that
+ * is neither, a pool never created, a device out of range, a pool whose memory is not on the
+ * virtual memory API (a private pool from `gpupool_pool_create`; the default pools with
+ * `expandable_segments:False` or where the driver cannot map memory; any pool holding an
+ * ordinary segment), a pool asleep already (a second sleep changes nothing) or released;
+ * `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the device;
+ * `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the copy; `GPUPOOL_ERROR_CUDA` when
+ * waiting or copying fails. Once the copies are done the pool sleeps whatever happens: if
+ * the driver then refuses to unmap or release a page, the call returns `GPUPOOL_ERROR_CUDA`,
+ * the pool sleeps all the same (wake it as usual), and that page stays mapped or held.
+ *
+ * Thread-safe; blocks the calling thread for the wait and the copies (it holds only the
+ * pool's own locks meanwhile).
+ */
+gpupool_status gpupool_sleep(int device, uint64_t pool, uint32_t mode);
+
+/**
+ * Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is
+ * created and mapped at the address of every page the pool gave back (`cuMemCreate`,
+ * `cuMemMap`, `cuMemSetAccess`); with offload, each live block's copy is put back bit for
+ * bit, on two copy streams, and waited for; then the host copy is freed (`cuMemFreeHost`:
+ * host memory back where it was). Blocks freed during the sleep are cache again. When the
+ * call returns, kernels may use the pool's memory and CUDA graphs captured into it replay
+ * as before.
+ *
+ * All or nothing: when the device (or `gpupool_set_memory_fraction`'s limit) cannot give the
+ * memory, gpupool releases the cache of the device's other pools (as `gpupool_empty_cache`)
+ * and tries once more; if that fails, every page mapped by the call is given back, the pool
+ * still sleeps with its host copy intact, and the call returns `GPUPOOL_ERROR_OUT_OF_MEMORY`:
+ * free memory and call it again.
+ *
+ * Errors, each leaving the pool asleep with its host copy: `GPUPOOL_ERROR_INVALID_VALUE` for
+ * a pool never created, a device out of range, a pool that does not sleep (a second wake
+ * changes nothing); `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the
+ * device; `GPUPOOL_ERROR_OUT_OF_MEMORY`; `GPUPOOL_ERROR_CUDA` when mapping or copying fails.
+ *
+ * Thread-safe; blocks the calling thread for the copies.
+ */
+gpupool_status gpupool_wake(int device, uint64_t pool);
 
 /**
  * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as

@@ -27,6 +27,10 @@
 #               tests/gpu/test_rule_wait (the rule waits for the growing stream, not the device)
 #   graphs      tests/gpu/test_graphs (CUDA graph capture with private pools) and
 #               examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
+#   sleep       tests/gpu/test_sleep (gpupool_sleep and gpupool_wake: free memory to the byte,
+#               contents and a CUDA graph restored, a wake without memory) and its benchmark
+#               (offload and restore against the pinned copy bandwidth of the run; sizes from
+#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16"), into OUT/sleep.log
 #   examples    hello, the C++ consumer, engine and engine_graphs
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
@@ -120,7 +124,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs examples preload python traces snapshot frames bench ab replay host plugins"
+all_sections="rust c gpu expandable streams graphs sleep examples preload python traces snapshot frames bench ab replay host plugins"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -172,12 +176,13 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable || want graphs || want streams; then
+if want gpu || want expandable || want graphs || want streams || want sleep; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
+    if want sleep; then run_gpu_test test_sleep sleep.log; fi
     if want streams; then
       export GPUPOOL_RELEASE_UNUSED_STREAMS=1
       GPUPOOL_CONF=expandable_segments:False run_gpu_test test_streams streams-ordinary.log

@@ -34,4 +34,5 @@ pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use caching::device::PoolStats;
 pub use caching::observers::{OomEvent, OomObserverId};
+pub use caching::sleep::SleepMode;
 pub use error::Error;

@@ -26,12 +26,12 @@ use std::sync::Once;
 
 use common::history::{record_all, snapshot_agrees};
 use common::{MIB, check, sim, sim_with};
-use gpupool::Error;
 use gpupool::config::Config;
 use gpupool::driver::sim::{SIM_PANIC_MARK, SimFault, SimOp};
 use gpupool::driver::{CaptureMode, DriverError};
 use gpupool::history::HistoryContext;
 use gpupool::stats::{DeviceStats, Stat};
+use gpupool::{Error, SleepMode};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -363,6 +363,11 @@ enum FaultOp {
     },
     /// Sets the run's memory fraction again (reads the device's total: `cuMemGetInfo`).
     SetFraction,
+    /// Puts the default pools to sleep (offload, or discard) and wakes them, the faults armed;
+    /// then, if they still sleep, wakes them with the faults cleared.
+    SleepWake {
+        discard: bool,
+    },
     Inject {
         kind: usize,
         skip: u32,
@@ -381,6 +386,7 @@ fn fault_op() -> impl Strategy<Value = FaultOp> {
         12 => op().prop_map(FaultOp::Plain),
         1 => size().prop_map(|size| FaultOp::MallocCurrent { size }),
         1 => Just(FaultOp::SetFraction),
+        1 => any::<bool>().prop_map(|discard| FaultOp::SleepWake { discard }),
         3 => (0..SimOp::ALL.len(), 0u32..6, fault).prop_map(|(kind, skip, fault)| FaultOp::Inject { kind, skip, fault }),
     ]
 }
@@ -467,6 +473,28 @@ fn run_with_faults(
             }
             FaultOp::SetFraction => {
                 let _ = guarded(|| a.set_memory_fraction(fraction_or_all, 0));
+            }
+            FaultOp::SleepWake { discard } => {
+                let mode = if discard { SleepMode::Discard } else { SleepMode::Offload };
+                let _ = guarded(|| a.sleep(0, 0, mode));
+                check(&a);
+                let woke = guarded(|| a.wake(0, 0));
+                check(&a);
+                // Still asleep (unless a driver call unwound once the pool was awake): woken
+                // with the faults cleared, so that the blocks can be read.
+                if !matches!(woke, Some(Ok(()) | Err(Error::InvalidValue(_)))) {
+                    drv.clear_faults();
+                    match a.wake(0, 0) {
+                        Ok(()) => {}
+                        Err(Error::InvalidValue(m)) if woke.is_none() && m.contains("do not sleep") => {}
+                        Err(e) => panic!("a wake without faults failed: {e}"),
+                    }
+                }
+                if discard {
+                    for &(p, size, c) in &live {
+                        stamp(p, size, c);
+                    }
+                }
             }
             FaultOp::MallocCurrent { size } => {
                 if let Some(Ok(p)) = guarded(|| a.malloc(size, -1, 0)) {

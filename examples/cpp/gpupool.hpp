@@ -13,6 +13,10 @@
 //     ... capture ... }                              // until the scope ends
 //   // ~pool: gpupool_release_pool; a capture that threw on the way releases it too
 //
+//   gpupool::pool weights(device, gpupool::sleepable);  // a pool that may sleep
+//   weights.sleep(gpupool::sleep_mode::offload);      // its memory back to the driver
+//   weights.wake();                                   // at the same addresses, contents kept
+//
 // Errors become gpupool::error (a std::runtime_error with the status and gpupool's message).
 // A buffer owns its block alone (move-only, like std::unique_ptr) and frees it when destroyed.
 #pragma once
@@ -150,9 +154,29 @@ inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
 // that use its memory (or destroy them first), and a capture that fails on the way, by
 // exception or by an early return, gives the pool's memory back instead of leaking it.
 // Move-only.
+// What gpupool::pool::sleep does with the contents of the pool's live blocks.
+enum class sleep_mode : std::uint32_t {
+  offload = GPUPOOL_SLEEP_OFFLOAD,  // copied to pinned host memory, back at wake (weights)
+  discard = GPUPOOL_SLEEP_DISCARD,  // dropped (KV cache, activations)
+};
+
+// Tag for a pool that may sleep (gpupool_pool_create_sleepable).
+struct sleepable_t {
+  explicit sleepable_t() = default;
+};
+inline constexpr sleepable_t sleepable{};
+
+// Sleep and wake of `device`'s default pools (pool 0: gpupool_sleep, gpupool_wake).
+inline void sleep_default_pools(int device, sleep_mode mode) {
+  check(gpupool_sleep(device, 0, static_cast<std::uint32_t>(mode)));
+}
+inline void wake_default_pools(int device) { check(gpupool_wake(device, 0)); }
+
 class pool {
  public:
   explicit pool(int device) : device_(device) { check(gpupool_pool_create(&id_)); }
+  // A pool whose memory is on CUDA's virtual memory API, so that it may sleep.
+  pool(int device, sleepable_t) : device_(device) { check(gpupool_pool_create_sleepable(&id_)); }
   pool(const pool &) = delete;
   pool &operator=(const pool &) = delete;
   pool(pool &&other) noexcept : device_(other.device_), id_(std::exchange(other.id_, 0)) {}
@@ -175,6 +199,17 @@ class pool {
     check(gpupool_pool_stats(device_, id_, &s));
     return s;
   }
+
+  // Gives the pool's memory back to the driver, keeping its blocks' addresses
+  // (gpupool_sleep); nothing is allocated from it until wake(). Throws gpupool::error
+  // (INVALID_VALUE for a pool not made sleepable, or asleep already).
+  void sleep(sleep_mode mode = sleep_mode::offload) const {
+    check(gpupool_sleep(device_, id_, static_cast<std::uint32_t>(mode)));
+  }
+
+  // Maps memory back at the same addresses and restores offloaded contents (gpupool_wake).
+  // Throws gpupool::error (OUT_OF_MEMORY: the pool still sleeps, its host copy intact).
+  void wake() const { check(gpupool_wake(device_, id_)); }
 
   // Gives the pool's memory back now (its free segments at once, the rest as blocks are freed).
   // A failure here can only be a gpupool bug; it is not thrown from a destructor.

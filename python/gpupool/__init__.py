@@ -107,7 +107,7 @@ def largest_allocatable(device=-1, stream=None):
 def stats(device=0):
     """The statistics of `device` as a flat dict with torch.cuda.memory_stats()'s keys
     ('allocated_bytes.all.current', 'reserved_bytes.all.peak', 'num_ooms', ...), bytes and
-    counts, plus gpupool's 'unmapped_held_bytes.*'."""
+    counts, plus gpupool's 'unmapped_held_bytes.*' and 'sleeping_bytes.*'."""
     s = _structs.sized(_structs.Stats)
     check(lib().gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
     return _structs.flat_stats(s)

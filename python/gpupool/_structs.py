@@ -22,7 +22,7 @@ class StatArray(ctypes.Structure):
 
 
 class Stats(ctypes.Structure):
-    """gpupool_stats_t (include/gpupool.h), version 2."""
+    """gpupool_stats_t (include/gpupool.h), version 3."""
 
     _fields_ = (
         [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)]
@@ -31,6 +31,8 @@ class Stats(ctypes.Structure):
         + [(n, ctypes.c_int64) for n in COUNTERS]
         # Version 2: held physical pages of expandable segments (not in PyTorch).
         + [("unmapped_held_bytes", Stat)]
+        # Version 3: bytes of pages sleeping pools gave back (gpupool_sleep; not in PyTorch).
+        + [("sleeping_bytes", Stat)]
     )
 
 
@@ -74,7 +76,7 @@ def flat_stats(s):
         for pool in ("all", "small_pool", "large_pool"):
             for field in _FIELDS:
                 out[f"{name}.{pool}.{field}"] = getattr(getattr(arr, pool), field)
-    for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes"):
+    for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes", "sleeping_bytes"):
         for field in _FIELDS:
             out[f"{name}.{field}"] = getattr(getattr(s, name), field)
     for name in COUNTERS:

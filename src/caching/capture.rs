@@ -21,7 +21,9 @@
 //! (`cuMemAlloc`) or `empty_cache`: capture through a private pool.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
 
 use crate::driver::{CaptureStatus, Driver, StreamHandle};
 use crate::error::Error;
@@ -30,9 +32,15 @@ use crate::error::Error;
 pub(crate) struct CaptureProbe {
     driver: Arc<dyn Driver>,
     device: i32,
-    /// Routes to private pools active on the device (see `device::pools`); malloc reads it
-    /// with one relaxed load to know whether to look for a route.
+    /// Routes to private pools active on the device (see `device::pools`), plus one while the
+    /// default pools sleep (`caching::sleep`); malloc reads it with one relaxed load to know
+    /// whether to look for a route (and so finds, at no cost to the hit path, that the default
+    /// pools refuse it).
     routes: AtomicUsize,
+    /// The routes alone, and whether the default pools sleep; written under `writer`.
+    routed: AtomicUsize,
+    default_asleep: AtomicBool,
+    writer: Mutex<()>,
     /// Of those, the routes by stream or by filter: `torch.cuda.graph`'s, made for a capture.
     /// A route by thread (`use_mem_pool`) is not.
     capture_routes: AtomicUsize,
@@ -40,7 +48,15 @@ pub(crate) struct CaptureProbe {
 
 impl CaptureProbe {
     pub fn new(driver: Arc<dyn Driver>, device: i32) -> CaptureProbe {
-        CaptureProbe { driver, device, routes: AtomicUsize::new(0), capture_routes: AtomicUsize::new(0) }
+        CaptureProbe {
+            driver,
+            device,
+            routes: AtomicUsize::new(0),
+            capture_routes: AtomicUsize::new(0),
+            routed: AtomicUsize::new(0),
+            default_asleep: AtomicBool::new(false),
+            writer: Mutex::new(()),
+        }
     }
 
     /// How many routes are active: 0 on every path of a program that uses no private pool.
@@ -58,8 +74,29 @@ impl CaptureProbe {
     /// Sets the count of active routes, and of those made for a capture; called with the
     /// device's pool lock held.
     pub fn set_routes(&self, all: usize, for_capture: usize) {
-        self.routes.store(all, Ordering::Relaxed);
+        let _w = self.writer.lock();
+        self.routed.store(all, Ordering::Relaxed);
+        let asleep = self.default_asleep.load(Ordering::Relaxed) as usize;
+        self.routes.store(all + asleep, Ordering::Relaxed);
         self.capture_routes.store(for_capture, Ordering::Relaxed);
+    }
+
+    /// Routes to private pools active now (without the default pools' sleep).
+    pub fn routed(&self) -> usize {
+        self.routed.load(Ordering::Relaxed)
+    }
+
+    /// Sets whether the default pools sleep: while they do, every allocation looks for a
+    /// route, and one that no route takes is refused (see `device::pools::route_for`).
+    pub fn set_default_asleep(&self, asleep: bool) {
+        let _w = self.writer.lock();
+        self.default_asleep.store(asleep, Ordering::Relaxed);
+        self.routes.store(self.routed.load(Ordering::Relaxed) + asleep as usize, Ordering::Relaxed);
+    }
+
+    /// Whether the default pools sleep.
+    pub fn default_asleep(&self) -> bool {
+        self.default_asleep.load(Ordering::Relaxed)
     }
 
     /// The capture status of `stream` on this device (`cuStreamGetCaptureInfo`). `stream`

@@ -217,5 +217,6 @@ pub(crate) fn collect(t: &Totals, counters: &DeviceCounters, max_split_size: usi
         max_split_size: i64::try_from(max_split_size).unwrap_or(i64::MAX),
         // The device's page pool's, not the shards': the caller fills it in.
         unmapped_held_bytes: Stat::default(),
+        sleeping_bytes: Stat::default(),
     }
 }

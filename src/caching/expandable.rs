@@ -40,6 +40,12 @@ pub(crate) struct Expandable {
     /// memory behind a page without access is never counted as mapped, so never put in a
     /// block.
     orphans: Vec<(PhysHandle, Option<DevicePtr>)>,
+    /// The pages unmapped by [`Expandable::sleep`] and not yet mapped again by
+    /// [`Expandable::wake`], by index (`gpupool_sleep`, see `caching::sleep`): their blocks
+    /// keep their addresses with no memory behind them.
+    slept: Vec<bool>,
+    /// Bytes of those pages.
+    pub slept_bytes: usize,
 }
 
 impl Expandable {
@@ -51,7 +57,16 @@ impl Expandable {
     pub fn reserve(driver: &dyn Driver, device: i32, size: usize, page: usize) -> Result<Expandable, DriverError> {
         debug_assert!(size > 0 && size % page == 0);
         let base = driver.address_reserve(device, size)?;
-        Ok(Expandable { base, size, page, pages: Vec::new(), mapped: 0, orphans: Vec::new() })
+        Ok(Expandable {
+            base,
+            size,
+            page,
+            pages: Vec::new(),
+            mapped: 0,
+            orphans: Vec::new(),
+            slept: Vec::new(),
+            slept_bytes: 0,
+        })
     }
 
     /// Gives the address range back (`cuMemAddressFree`), after the handles still to be
@@ -217,6 +232,79 @@ impl Expandable {
             self.release_orphans(driver, device);
         }
         r
+    }
+
+    /// Whether the page at `offset` bytes into the range is mapped, or was when the segment
+    /// was put to sleep and is to be mapped again at wake: whether blocks may lie on it.
+    pub fn is_held(&self, offset: usize) -> bool {
+        self.is_mapped(offset) || self.slept.get(offset / self.page).is_some_and(|&s| s)
+    }
+
+    /// Unmaps every mapped page for `gpupool_sleep`, one page at a time (`cuMemUnmap`), each
+    /// marked slept, their handles appended to `out` (mapped nowhere, for the caller to
+    /// release). The caller has made sure that no work on the device still uses them.
+    ///
+    /// Errors: the first failure; the pages before it are unmapped and slept, that page and
+    /// the ones after it stay mapped.
+    pub fn sleep(&mut self, driver: &dyn Driver, device: i32, out: &mut Vec<PhysHandle>) -> Result<(), DriverError> {
+        let mapped: Vec<usize> = (0..self.pages.len()).filter(|&i| self.pages[i].is_some()).collect();
+        for i in mapped {
+            self.unmap_slept(driver, device, i, out)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps page `i` for a sleep, its handle to `out`: slept if it is unmapped after the
+    /// call, whatever happens (a driver call that unwinds after the page went included).
+    fn unmap_slept(
+        &mut self,
+        driver: &dyn Driver,
+        device: i32,
+        i: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
+        let mut e = scopeguard::guard(self, |e| {
+            let slept = !e.is_mapped(i * e.page);
+            if e.slept.len() <= i {
+                e.slept.resize(i + 1, false);
+            }
+            if std::mem::replace(&mut e.slept[i], slept) != slept {
+                if slept { e.slept_bytes += e.page } else { e.slept_bytes -= e.page }
+            }
+        });
+        let page = e.page;
+        e.unmap(driver, device, i * page, page, out)
+    }
+
+    /// Maps the slept pages again for `gpupool_wake`: each run of them with one
+    /// [`Expandable::map`], handles of `spare` first, then new ones (`cuMemCreate`). All or
+    /// nothing: when a run fails, the runs this call mapped are unmapped again, their handles
+    /// to `spare`, and every page stays slept (but one the driver would not unmap again, which
+    /// stays mapped and is no longer slept).
+    ///
+    /// Errors: the first failure ([`DriverError::OutOfMemory`] when the device has no memory
+    /// for a page).
+    pub fn wake(&mut self, driver: &dyn Driver, device: i32, spare: &mut Vec<PhysHandle>) -> Result<(), DriverError> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (i, _) in self.slept.iter().enumerate().filter(|(_, s)| **s) {
+            match runs.last_mut() {
+                Some((first, count)) if *first + *count == i => *count += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        for (k, &(first, count)) in runs.iter().enumerate() {
+            if let Err(e) = self.map(driver, device, first * self.page, count * self.page, spare) {
+                for &(f, c) in runs[..k].iter().rev() {
+                    for i in f..f + c {
+                        let _ = self.unmap_slept(driver, device, i, spare);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        self.slept = Vec::new();
+        self.slept_bytes = 0;
+        Ok(())
     }
 
     /// Drops unmapped pages at the end of the table.

@@ -193,6 +193,41 @@ pub trait Driver: Send + Sync {
     /// calls such as `cuMemAlloc` while a stream captures (PyTorch's
     /// `cudaMallocMaybeCapturing`); the caller sets the old mode back after.
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError>;
+
+    // Copies between device memory and pinned host memory, on streams of gpupool's own: what
+    // `gpupool_sleep` and `gpupool_wake` offload and restore with (`caching::copy`). Never on
+    // the allocator's other paths.
+
+    /// Creates a stream on `device` that does not synchronise with the legacy default stream
+    /// (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
+    fn stream_create(&self, device: i32) -> Result<StreamHandle, DriverError>;
+    /// Destroys a stream from [`Driver::stream_create`] (`cuStreamDestroy`); work queued on it
+    /// still completes.
+    fn stream_destroy(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Blocks until the work queued on `stream` so far has completed (`cuStreamSynchronize`).
+    fn stream_synchronize(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Queues a copy of `size` bytes from device memory at `src` to pinned host memory at
+    /// `dst` on `stream` (`cuMemcpyDtoHAsync`); both ranges are valid until the stream has
+    /// passed it.
+    fn memcpy_dtoh_async(
+        &self,
+        device: i32,
+        dst: HostPtr,
+        src: DevicePtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Queues a copy of `size` bytes from pinned host memory at `src` to device memory at
+    /// `dst` on `stream` (`cuMemcpyHtoDAsync`); both ranges are valid until the stream has
+    /// passed it.
+    fn memcpy_htod_async(
+        &self,
+        device: i32,
+        dst: DevicePtr,
+        src: HostPtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
 }
 
 /// A host address (a `void *` of page-locked host memory, as an integer).

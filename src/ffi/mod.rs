@@ -33,6 +33,7 @@ pub mod pools;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;
+pub mod sleep;
 pub mod stats;
 pub mod status;
 pub mod tags;

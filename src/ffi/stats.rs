@@ -8,8 +8,8 @@ use crate::error::Error;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
 /// The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
-/// adds `unmapped_held_bytes` at the end.
-pub const GPUPOOL_STATS_VERSION: u32 = 2;
+/// adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
+pub const GPUPOOL_STATS_VERSION: u32 = 3;
 
 /// One statistic, as PyTorch's `Stat`: `current` value, `peak` (highest since the last
 /// `gpupool_reset_peak_stats`), and the sums of every increase (`allocated`) and decrease
@@ -96,9 +96,17 @@ pub struct gpupool_stats_t {
     /// `garbage_collection_threshold`. Device-wide; `allocated` sums the bytes put in,
     /// `freed` those mapped again or released. 0 without expandable segments, and between
     /// calls with `GPUPOOL_EXPANDABLE_RECLAIM` off (unless the driver refused a release); 0 in
-    /// `gpupool_pool_stats` (private pools have no expandable segments). A caller built
+    /// `gpupool_pool_stats` (the held pages are the device's, not a pool's). A caller built
     /// against version 1 passes a smaller `size` and gets every field before this one.
     pub unmapped_held_bytes: gpupool_stat_t,
+    /// Version 3. Bytes of pages that sleeping pools gave back to the driver
+    /// (`gpupool_sleep`; not in PyTorch) and will map again at `gpupool_wake`: still counted
+    /// in `reserved_bytes` (their blocks keep their addresses), but not device memory now, so
+    /// free device memory is `reserved_bytes` minus these more than it would be. `allocated`
+    /// sums the bytes put to sleep, `freed` those woken. In `gpupool_pool_stats`, the pool's
+    /// own (`current` only; `peak` and `allocated` equal it). A caller built against version
+    /// 2 passes a smaller `size` and gets every field before this one.
+    pub sleeping_bytes: gpupool_stat_t,
 }
 
 // Each conversion names every field of both sides, with no `..`: a field added to the core's
@@ -135,6 +143,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             num_device_free,
             max_split_size,
             unmapped_held_bytes,
+            sleeping_bytes,
         } = *s;
         gpupool_stats_t {
             size: size_of::<gpupool_stats_t>() as u32,
@@ -157,6 +166,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             num_device_free,
             max_split_size,
             unmapped_held_bytes: stat(&unmapped_held_bytes),
+            sleeping_bytes: stat(&sleeping_bytes),
         }
     }
 }

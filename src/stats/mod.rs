@@ -76,4 +76,9 @@ pub struct DeviceStats {
     /// Always 0 without expandable segments and in a private pool's statistics, and between
     /// calls with the high-water rule off (unless the driver refused a release).
     pub unmapped_held_bytes: Stat,
+    /// Bytes of pages that sleeping pools gave back to the driver (`gpupool_sleep`; not in
+    /// PyTorch) and will map again at wake: counted in `reserved_bytes` still (the blocks keep
+    /// their addresses), not device memory now. `allocated` sums the bytes put to sleep,
+    /// `freed` those woken. In a pool's statistics, its own (current only).
+    pub sleeping_bytes: Stat,
 }

@@ -111,6 +111,16 @@ pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
         format_size(h.peak.max(0) as u64)
     );
     let _ = writeln!(out, "|{held:^WIDTH$}|");
+    // Not in PyTorch: reserved bytes of sleeping pools, given back to the driver until wake.
+    let z = &s.sleeping_bytes;
+    if z.peak > 0 {
+        let asleep = format!(
+            "Sleeping (in reserved, given back): {} now, {} at peak",
+            format_size(z.current.max(0) as u64),
+            format_size(z.peak.max(0) as u64)
+        );
+        let _ = writeln!(out, "|{asleep:^WIDTH$}|");
+    }
     rule(&mut out, '=');
     out
 }

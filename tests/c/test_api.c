@@ -155,7 +155,7 @@ static void test_stats_struct(void) {
   s = stats(0);
   CHECK(s.size == sizeof(gpupool_stats_t));
   CHECK(s.max_split_size > 0);
-  CHECK(s.version == 2 && s.unmapped_held_bytes.current == 0); /* no expandable segments */
+  CHECK(s.version == 3 && s.unmapped_held_bytes.current == 0 && s.sleeping_bytes.current == 0);
 }
 
 static void test_summary(void) {

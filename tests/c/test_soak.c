@@ -24,6 +24,14 @@
  * now and then releases the pool with blocks of it still live (some in other threads'
  * mailboxes), which then go back to the driver as they are freed, and takes a new pool.
  *
+ * With expandable segments (whose growths and shrinks need not pair up, so that the check of
+ * segments allocated against freed holds only without them), a sleeper thread keeps a few
+ * blocks of its own in a sleepable private pool on device 0, and
+ * puts the pool to sleep and wakes it in a loop while the workers run (gpupool_sleep with
+ * offload three times in four, discard the fourth): allocating from the sleeping pool must be
+ * refused, and after an offload every byte of its blocks must be back (a wake the device
+ * cannot serve yet is retried).
+ *
  * A concurrent thread reads gpupool_stats of every device in a loop and checks each snapshot
  * (current <= peak, allocated - freed == current, all == small + large, all.peak <=
  * small.peak + large.peak), and calls gpupool_reset_peak_stats, gpupool_memory_summary,
@@ -543,6 +551,64 @@ static void pause_us(long us) {
   nanosleep(&ts, NULL);
 }
 
+/* ---- the sleeper ------------------------------------------------------------------------- */
+
+static atomic_long n_sleeps, n_wake_retries;
+
+static void sleeper_fill(unsigned char *p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 131u + seed);
+}
+
+static int sleeper_holds(const unsigned char *p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++)
+    if (p[i] != (unsigned char)(i * 131u + seed)) return 0;
+  return 1;
+}
+
+static void *sleeper(void *arg) {
+  (void)arg;
+  enum { N = 4 };
+  const size_t size[N] = {3 * MIB, 512, MIB + 7, 64 * 1024};
+  unsigned char *p[N];
+  gpupool_stream_t s = (gpupool_stream_t)(uintptr_t)0x7100000u;
+  uint64_t pool = 0;
+  EXPECT_STATUS(gpupool_pool_create_sleepable(&pool), GPUPOOL_SUCCESS);
+  EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(0, pool), GPUPOOL_SUCCESS);
+  for (int i = 0; i < N; i++) {
+    void *q = NULL;
+    EXPECT_STATUS(gpupool_malloc(&q, size[i], 0, s), GPUPOOL_SUCCESS);
+    p[i] = q;
+    if (q) sleeper_fill(p[i], size[i], (unsigned)i);
+  }
+  EXPECT_STATUS(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
+  for (long round = 0; atomic_load(&workers_done) < nthreads; round++) {
+    int offload = round % 4 != 3;
+    EXPECT_STATUS(gpupool_sleep(0, pool, offload ? GPUPOOL_SLEEP_OFFLOAD : GPUPOOL_SLEEP_DISCARD), GPUPOOL_SUCCESS);
+    atomic_fetch_add(&n_sleeps, 1);
+    void *q = NULL;
+    EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(0, pool), GPUPOOL_SUCCESS);
+    EXPECT_STATUS(gpupool_malloc(&q, 256, 0, s), GPUPOOL_ERROR_INVALID_VALUE);
+    EXPECT_STATUS(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
+    gpupool_status st;
+    while ((st = gpupool_wake(0, pool)) == GPUPOOL_ERROR_OUT_OF_MEMORY) {
+      atomic_fetch_add(&n_wake_retries, 1);
+      struct timespec ts = {0, 1000000};
+      nanosleep(&ts, NULL);
+    }
+    EXPECT_STATUS(st, GPUPOOL_SUCCESS);
+    for (int i = 0; i < N && p[i]; i++) {
+      if (offload && !sleeper_holds(p[i], size[i], (unsigned)i))
+        fail("sleeper: block %d (%zu bytes) differs after an offloaded sleep", i, size[i]);
+      if (!offload) sleeper_fill(p[i], size[i], (unsigned)i);
+    }
+    struct timespec ts = {0, 500000};
+    nanosleep(&ts, NULL);
+  }
+  for (int i = 0; i < N; i++) EXPECT_STATUS(gpupool_free(p[i]), GPUPOOL_SUCCESS);
+  EXPECT_STATUS(gpupool_release_pool(0, pool), GPUPOOL_SUCCESS);
+  return NULL;
+}
+
 static void *stats_thread(void *arg) {
   (void)arg;
   uint64_t rng = seed ^ UINT64_C(0x5eed5eed5eed5eed);
@@ -620,16 +686,19 @@ int main(int argc, char **argv) {
   for (int t = 0; t < nthreads; t++) pthread_mutex_init(&mailboxes[t].lock, NULL);
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  pthread_t workers[MAX_THREADS], stats;
+  pthread_t workers[MAX_THREADS], stats, sleep_thread;
   char conf0[1024];
   size_t needed0 = 0;
   EXPECT_STATUS(gpupool_config_string(conf0, sizeof conf0, &needed0), GPUPOOL_SUCCESS);
   collects = strstr(conf0, "garbage_collection_threshold") != NULL;
+  const int sleeps = strstr(conf0, "expandable_segments:True") != NULL;
   if (pthread_create(&stats, NULL, stats_thread, NULL) != 0) return 2;
+  if (sleeps && pthread_create(&sleep_thread, NULL, sleeper, NULL) != 0) return 2;
   for (int t = 0; t < nthreads; t++)
     if (pthread_create(&workers[t], NULL, worker, (void *)(intptr_t)t) != 0) return 2;
   for (int t = 0; t < nthreads; t++) pthread_join(workers[t], NULL);
   pthread_join(stats, NULL);
+  if (sleeps) pthread_join(sleep_thread, NULL);
   for (int t = 0; t < nthreads; t++) drain_mailbox(t);
   for (int k = 0; k < SIDE_STREAMS; k++) release_side(k);
   clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -680,6 +749,9 @@ int main(int argc, char **argv) {
          atomic_load(&n_malloc), atomic_load(&n_pooled), atomic_load(&n_pool_releases), atomic_load(&n_free),
          atomic_load(&n_handed), atomic_load(&n_record), atomic_load(&n_hold), atomic_load(&n_bad),
          atomic_load(&snapshots), secs);
+  printf("soak: %ld sleeps and wakes of a pool (%ld wakes retried for memory)\n", atomic_load(&n_sleeps),
+         atomic_load(&n_wake_retries));
+  if (sleeps && atomic_load(&n_sleeps) == 0) fail("the sleeper never slept its pool");
   long e = atomic_load(&errors);
   printf("soak: %ld ops, %d threads: %ld errors\n", ops_per_thread * nthreads, nthreads, e);
   free(ranges);

@@ -5,6 +5,7 @@
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
 //! - `pools`: private pools and the routes to them;
 //! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
+//! - `sleep`: sleep and wake of a pool (`caching::sleep`);
 //! - `stats`: the statistics, the summary and gpupool's diagnostics;
 //! - `history`: the allocation history, snapshots, tags and the live report;
 //! - `check`: the consistency check, for tests.
@@ -32,6 +33,7 @@ mod history;
 mod hit;
 mod pools;
 mod release;
+mod sleep;
 mod stats;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

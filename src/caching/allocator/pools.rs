@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::Allocator;
 use crate::caching::device::{PoolStats, RouteFilter, RouteTo};
+use crate::caching::sleep::SLEEPABLE_BIT;
 use crate::driver::StreamHandle;
 use crate::error::Error;
 
@@ -21,15 +22,23 @@ impl Allocator {
         NEXT_POOL.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// `pool` names a pool made by [`Allocator::pool_create`].
-    fn check_pool(pool: u64) -> Result<(), Error> {
+    /// A new private pool that may sleep ([`Allocator::sleep`]): as [`Allocator::pool_create`],
+    /// but its segments are expandable (on the virtual memory API), during captures too, and
+    /// wholly free pages of a segment a CUDA graph uses stay mapped. Its id has bit 62 set.
+    pub fn pool_create_sleepable(&self) -> u64 {
+        NEXT_POOL.fetch_add(1, Ordering::Relaxed) | SLEEPABLE_BIT
+    }
+
+    /// `pool` names a pool made by [`Allocator::pool_create`] or
+    /// [`Allocator::pool_create_sleepable`].
+    pub(super) fn check_pool(pool: u64) -> Result<(), Error> {
         if pool == 0 {
             return Err(Error::InvalidValue(
                 "pool 0 names the default pools, which are not a private pool: create one with gpupool_pool_create"
                     .into(),
             ));
         }
-        if pool >= NEXT_POOL.load(Ordering::Relaxed) {
+        if pool & !SLEEPABLE_BIT >= NEXT_POOL.load(Ordering::Relaxed) || pool & SLEEPABLE_BIT << 1 != 0 {
             return Err(Error::InvalidValue(format!(
                 "pool {pool} was never created (gpupool_pool_create makes pools)"
             )));

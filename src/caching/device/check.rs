@@ -26,6 +26,9 @@ impl DeviceAllocator {
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
         let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current()).sum();
+        // Reserved bytes count the pages sleeping pools gave back; the limit does not.
+        let sleeping = self.check_sleepers(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
+        let reserved = reserved - sleeping;
         // The limit counts physical memory: reserved bytes and the pages held unmapped, each
         // of which the driver (where it can tell) has alive and mapped nowhere.
         self.pages.check(&*self.driver).map_err(|e| format!("device {}: {e}", self.device))?;

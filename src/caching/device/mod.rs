@@ -37,6 +37,7 @@ use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
 use super::shard_table::ShardTable;
+use super::sleep::{Sleepers, sleepable};
 use crate::config::Config;
 use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
@@ -51,6 +52,7 @@ mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
+mod sleep;
 mod stats;
 mod stranded;
 
@@ -102,6 +104,12 @@ pub(crate) struct DeviceAllocator {
     capture: CaptureProbe,
     /// The private pools and the routes to them (see `pools`).
     pools: pools::Pools,
+    /// The pools that sleep (see `sleep`).
+    sleepers: Sleepers,
+    /// The expandable layout of sleepable private pools when the default pools have none
+    /// (`expandable_segments:False`), found at their first use; `None` inside: the driver
+    /// cannot map memory.
+    sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -161,14 +169,22 @@ impl DeviceAllocator {
             history,
             capture: CaptureProbe::new(driver.clone(), device),
             pools: pools::Pools::default(),
+            sleepers: Sleepers::default(),
+            sleep_policy: std::sync::OnceLock::new(),
         }
     }
 
     /// What a call on `shard` needs. A private pool's segments are ordinary ones: a graph
     /// replays at fixed addresses, which an expandable segment unmapping its free pages would
-    /// take away.
+    /// take away; but a sleepable pool's are expandable (see `caching::sleep`), and keep the
+    /// free pages of a segment a graph uses mapped.
     fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
         let private = shard.pool != 0;
+        let expandable = match private {
+            false => self.expandable.as_ref(),
+            true if sleepable(shard.pool) => self.sleep_policy(),
+            true => None,
+        };
         ShardCtx {
             driver: &*self.driver,
             device: self.device,
@@ -178,7 +194,7 @@ impl DeviceAllocator {
             limit: &self.limit,
             pages: &self.pages,
             deferred: &self.deferred,
-            expandable: if private { None } else { self.expandable.as_ref() },
+            expandable,
             reclaim: if private { Reclaim::Off } else { self.reclaim },
             history: &self.history,
             capture: &self.capture,

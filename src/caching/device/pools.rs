@@ -23,7 +23,8 @@
 //!   routed to on this device again. PyTorch frees a pool only once its blocks are all free
 //!   and leaks the pool of a failed capture (PR #190348).
 //! - A private pool's segments are ordinary ones (never expandable): unmapping a free page would
-//!   take away an address a graph uses.
+//!   take away an address a graph uses. A sleepable pool's are expandable (`caching::sleep`),
+//!   and keep the free pages of a segment a graph uses mapped.
 
 use std::sync::Arc;
 use std::thread::ThreadId;
@@ -197,9 +198,10 @@ impl DeviceAllocator {
     /// free, `end_allocate_to_pool` or `empty_cache`), the others as their last block is freed,
     /// and nothing is allocated from it again.
     ///
-    /// Errors: [`Error::InvalidValue`] when it was released on this device already; nothing
-    /// changed.
+    /// Errors: [`Error::InvalidValue`] when it was released on this device already, or sleeps;
+    /// nothing changed.
     pub fn release_pool(&self, pool: u64) -> Result<(), Error> {
+        self.refuse_asleep(pool)?;
         let left = {
             let mut ps = self.pools.state.lock();
             if ps.released.contains(&pool) {
@@ -267,21 +269,25 @@ impl DeviceAllocator {
         let _ = st.release_cached(ctx);
     }
 
-    /// The pool an allocation on `stream` by the calling thread goes to, if a route takes it.
-    /// Filters are called with no lock held.
+    /// The pool an allocation on `stream` by the calling thread goes to, if a route takes it;
+    /// pool 0 while the default pools sleep, which `malloc_in_pool` refuses. Filters are called
+    /// with no lock held.
     #[cold]
     #[inline(never)]
     pub fn route_for(&self, stream: StreamHandle) -> Option<u64> {
         let me = std::thread::current().id();
         let routes = self.pools.state.lock().routes.clone();
-        routes.iter().find_map(|r| {
-            let takes = match &r.to {
-                RouteTo::Stream(s) => *s == stream,
-                RouteTo::Thread(t) => *t == me,
-                RouteTo::Filter(f) => f(stream),
-            };
-            takes.then_some(r.pool)
-        })
+        routes
+            .iter()
+            .find_map(|r| {
+                let takes = match &r.to {
+                    RouteTo::Stream(s) => *s == stream,
+                    RouteTo::Thread(t) => *t == me,
+                    RouteTo::Filter(f) => f(stream),
+                };
+                takes.then_some(r.pool)
+            })
+            .or_else(|| self.capture.default_asleep().then_some(0))
     }
 
     /// Allocates `size` bytes from `pool` for `stream`: PyTorch's malloc on the pool's shard
@@ -289,8 +295,9 @@ impl DeviceAllocator {
     /// (made with the thread's capture mode relaxed) is kept for the graph (see the module).
     ///
     /// Errors: as [`DeviceAllocator::malloc`]; [`Error::InvalidValue`] when the pool was
-    /// released meanwhile.
+    /// released meanwhile, or sleeps (pool 0: the default pools).
     pub fn malloc_in_pool(&self, pool: u64, stream: StreamHandle, size: usize) -> Result<DevicePtr, Error> {
+        self.refuse_asleep(pool)?;
         let req = Request::new(size, &self.rules)?;
         let capturing = self.capture.status(stream)?.is_capturing();
         let shard = self.shards.get_or_create(pool, stream);
@@ -342,6 +349,7 @@ impl DeviceAllocator {
         let t = Totals { peak, current, allocated, freed, ..Totals::default() };
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
         stats.max_split_size = i64::try_from(self.max_split_size).unwrap_or(i64::MAX);
+        stats.sleeping_bytes = self.sleepers.pool_stat(pool);
         PoolStats { pool, stats, released, routes }
     }
 
@@ -362,8 +370,8 @@ impl DeviceAllocator {
         states: &[&crate::caching::shard::ShardState],
     ) -> Result<(), String> {
         let ps = self.pools.state.lock();
-        if self.capture.routes() != ps.routes.len() {
-            return Err(format!("{} routes counted, {} active", self.capture.routes(), ps.routes.len()));
+        if self.capture.routed() != ps.routes.len() {
+            return Err(format!("{} routes counted, {} active", self.capture.routed(), ps.routes.len()));
         }
         for r in &ps.routes {
             if ps.pools.get(&r.pool).is_none_or(|p| p.released) || ps.released.contains(&r.pool) {

@@ -113,6 +113,7 @@ impl DeviceAllocator {
             peaks::settle(t, shards, &self.spare, holds);
             let mut s = counters::collect(t, &self.counters, self.max_split_size);
             s.unmapped_held_bytes = self.pages.stat();
+            s.sleeping_bytes = self.sleepers.stat();
             s
         })
     }
@@ -122,6 +123,7 @@ impl DeviceAllocator {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
         self.reset_pool_peaks();
         self.pages.reset_peak();
+        self.sleepers.reset_peak();
         self.limit.reset_mark();
     }
 }

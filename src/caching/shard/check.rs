@@ -75,14 +75,13 @@ impl ShardState {
             }
             let pool = head.pool;
             let exp = seg.exp.as_deref();
-            if seg.graph && (exp.is_some() || self.released) {
-                return Err(format!(
-                    "stream {owner:#x}: segment {base:#x} is kept for a graph, but is expandable or released"
-                ));
+            if seg.graph && self.released {
+                return Err(format!("stream {owner:#x}: segment {base:#x} is kept for a graph, but released"));
             }
             add(Metric::Segment, pool, 1);
             match exp {
-                Some(e) => add(Metric::ReservedBytes, pool, e.mapped as i64),
+                // Reserved bytes count the pages a sleeping pool will map again.
+                Some(e) => add(Metric::ReservedBytes, pool, (e.mapped + e.slept_bytes) as i64),
                 None => {
                     add(Metric::ReservedBytes, pool, seg.size as i64);
                     oversize[1] += (seg.size >= max_split_size) as i64;
@@ -161,13 +160,14 @@ impl ShardState {
             if at != base + seg.size as u64 {
                 return Err(format!("blocks of segment {base:#x} do not cover it exactly"));
             }
-            if exp.is_some_and(|e| e.mapped != mapped) {
+            if exp.is_some_and(|e| e.mapped + e.slept_bytes != mapped) {
                 return Err(format!("stream {owner:#x}: expandable segment {base:#x} maps bytes no block covers"));
             }
         }
         if unmapped_blocks != self.unmapped.iter().map(|u| u.len()).sum::<usize>() {
             return Err(format!("stream {owner:#x}: the sets of unmapped blocks do not match the segments"));
         }
+        self.check_sleep().map_err(|e| format!("stream {owner:#x}: {e}"))?;
         recount[OVERSIZE_ALLOCATIONS] = oversize[0];
         recount[OVERSIZE_SEGMENTS] = oversize[1];
         if free_blocks != self.small.len() + self.large.len() {
@@ -212,15 +212,16 @@ impl ShardState {
     }
 
     /// The rules of an expandable segment's block `id` (after `prev`) against its page
-    /// table `e`: an unmapped block is whole pages, none mapped, in its pool's set, with no
-    /// unmapped neighbour before it; any other block lies on mapped pages only.
+    /// table `e`: an unmapped block is whole pages, none mapped or slept, in its pool's set,
+    /// with no unmapped neighbour before it; any other block lies on mapped (or slept) pages
+    /// only.
     fn check_pages(&self, e: &Expandable, id: BlockId, prev: BlockId) -> Result<(), String> {
         let b = &self.blocks[id];
         let (start, end) = ((b.addr - e.base) as usize, (b.addr - e.base) as usize + b.size);
         let first_page = start / e.page * e.page;
         let pages = (first_page..end).step_by(e.page);
         if b.state == BlockState::Unmapped {
-            if start % e.page != 0 || end % e.page != 0 || pages.clone().any(|p| e.is_mapped(p)) {
+            if start % e.page != 0 || end % e.page != 0 || pages.clone().any(|p| e.is_held(p)) {
                 return Err(format!("unmapped block {:#x} is not whole unmapped pages", b.addr));
             }
             if !self.unmapped[b.pool as usize].contains(&(b.addr, id)) {
@@ -229,7 +230,7 @@ impl ShardState {
             if prev != NIL && self.blocks[prev].state == BlockState::Unmapped {
                 return Err(format!("unmapped block {:#x} and its predecessor were not merged", b.addr));
             }
-        } else if let Some(p) = pages.clone().find(|&p| !e.is_mapped(p)) {
+        } else if let Some(p) = pages.clone().find(|&p| !e.is_held(p)) {
             return Err(format!("block {:#x} spans the unmapped page at offset {p:#x}", b.addr));
         }
         Ok(())

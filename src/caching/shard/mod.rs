@@ -18,7 +18,8 @@
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
 //! - [`record`]: its events in the allocation history, and its segments for a snapshot;
-//! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`).
+//! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`);
+//! - [`sleep`]: its pages given back and mapped again (`gpupool_sleep`, `gpupool_wake`).
 
 mod blocks;
 mod check;
@@ -30,10 +31,12 @@ mod largest;
 mod malloc;
 mod record;
 mod segments;
+mod sleep;
 mod waiting;
 
 pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
 pub(crate) use malloc::Request;
+pub(crate) use sleep::ShardSleep;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -196,6 +199,9 @@ pub(crate) struct ShardState {
     /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
     /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
     pub released: bool,
+    /// The shard's pool sleeps (`gpupool_sleep`, see `sleep`): its pages are given back, its
+    /// blocks keep their addresses, and nothing may unmap, release or hand out its memory.
+    asleep: Option<Box<ShardSleep>>,
 }
 
 impl ShardState {

@@ -36,7 +36,16 @@ impl ShardState {
     /// bytes past the limit, as out of memory (PyTorch `alloc_block` with `set_fraction`).
     /// The bytes are counted against the limit before the driver is asked, and given back if
     /// it fails or its call unwinds.
+    ///
+    /// A sleepable private pool's segments are expandable, during a capture too (see
+    /// `caching::sleep`): its memory is always on the virtual memory API.
     pub fn new_segment(&mut self, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
+        if ctx.shard.pool != 0 && ctx.expandable.is_some() {
+            return match self.grow_expandable(ctx, req.rounded, req.pool)? {
+                Growth::Block(id) => Ok(id),
+                Growth::PastMark(_) => Err(DriverError::OutOfMemory),
+            };
+        }
         let size = req.segment;
         let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
         let addr = ctx.driver.mem_alloc(ctx.device, size)?;
@@ -92,8 +101,13 @@ impl ShardState {
     /// back to the driver, and the wholly free pages of expandable segments are unmapped
     /// ([`ShardState::release_pages`]). Split segments stay. The idle events are destroyed too (see
     /// `events`).
+    /// A sleeping shard's memory is given back already, and its pages stay reserved for its
+    /// wake: nothing is released there.
     pub fn release_cached(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
         self.events.destroy_idle(ctx.driver, ctx.device);
+        if self.is_asleep() {
+            return Ok(());
+        }
         if !self.expandables.is_empty() {
             self.release_pages(ctx)?;
         }

@@ -66,7 +66,7 @@ pub(super) fn first_missing(names: &[&'static str], present: impl Fn(&str) -> bo
 }
 
 /// Whether the loaded driver library exports `name`. Only looks it up: never calls it.
-fn exported(name: &str) -> bool {
+pub(super) fn exported(name: &str) -> bool {
     let symbol = format!("{name}\0");
     // SAFETY: looks a symbol up without calling it; the library is present (checked first).
     unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok()

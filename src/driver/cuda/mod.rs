@@ -20,10 +20,11 @@
 //! file of its mechanism, as an inherent method named `cuda_<call>` (an inherent method of the
 //! trait's name would shadow the trait's): loading the library and the devices in `loading`,
 //! the primary contexts in `context`, device and pinned host memory in `memory`, virtual memory
-//! in `vmm`, events, synchronisation and stream capture in `streams`, and CUDA's error codes in
+//! in `vmm`, copies and copy streams in `copy`, events, synchronisation and stream capture in `streams`, and CUDA's error codes in
 //! `error`.
 
 mod context;
+mod copy;
 mod error;
 mod loading;
 mod memory;
@@ -171,5 +172,39 @@ impl Driver for CudaDriver {
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
         self.cuda_exchange_capture_mode(mode)
+    }
+
+    fn stream_create(&self, device: i32) -> Result<StreamHandle, DriverError> {
+        self.cuda_stream_create(device)
+    }
+
+    fn stream_destroy(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.cuda_stream_destroy(device, stream)
+    }
+
+    fn stream_synchronize(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.cuda_stream_synchronize(device, stream)
+    }
+
+    fn memcpy_dtoh_async(
+        &self,
+        device: i32,
+        dst: HostPtr,
+        src: DevicePtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.cuda_memcpy_dtoh(device, dst, src, size, stream)
+    }
+
+    fn memcpy_htod_async(
+        &self,
+        device: i32,
+        dst: DevicePtr,
+        src: HostPtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.cuda_memcpy_htod(device, dst, src, size, stream)
     }
 }

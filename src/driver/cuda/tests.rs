@@ -1,6 +1,7 @@
 //! The CUDA driver's unit tests, which need no GPU: the function lists checked at start, the
 //! pure helpers of the virtual memory calls, and cudarc's bindings against cuda.h.
 
+use super::copy::COPY_FUNCTIONS;
 use super::loading::{CAPTURE_FUNCTIONS, HOST_FUNCTIONS, REQUIRED, VMM_FUNCTIONS, first_missing};
 use super::streams::capture_status;
 use super::vmm::{access_descs, allocation_prop, peers_of};
@@ -19,8 +20,9 @@ fn an_old_driver_starts_without_the_virtual_memory_functions() {
 fn every_simulated_call_names_a_checked_function() {
     for op in crate::driver::sim::SimOp::ALL {
         let name = op.symbol();
-        let checked =
-            [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS, &CAPTURE_FUNCTIONS].iter().any(|l| l.contains(&name));
+        let checked = [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS, &CAPTURE_FUNCTIONS, &COPY_FUNCTIONS]
+            .iter()
+            .any(|l| l.contains(&name));
         assert!(checked, "{op:?}: {name} is never checked");
     }
 }

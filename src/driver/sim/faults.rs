@@ -38,6 +38,11 @@ pub enum SimOp {
     StreamDevice,
     StreamGetCaptureInfo,
     ThreadExchangeCaptureMode,
+    StreamCreate,
+    StreamDestroy,
+    StreamSynchronize,
+    MemcpyDtoH,
+    MemcpyHtoD,
 }
 
 impl SimOp {
@@ -46,7 +51,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 26] = [
+    pub const ALL: [SimOp; 31] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -73,6 +78,11 @@ impl SimOp {
         SimOp::StreamDevice,
         SimOp::StreamGetCaptureInfo,
         SimOp::ThreadExchangeCaptureMode,
+        SimOp::StreamCreate,
+        SimOp::StreamDestroy,
+        SimOp::StreamSynchronize,
+        SimOp::MemcpyDtoH,
+        SimOp::MemcpyHtoD,
     ];
 
     /// The CUDA driver function that [`crate::driver::cuda::CudaDriver`] calls for this kind (the
@@ -105,6 +115,11 @@ impl SimOp {
             SimOp::StreamDevice => "cuStreamGetCtx",
             SimOp::StreamGetCaptureInfo => "cuStreamGetCaptureInfo_v2",
             SimOp::ThreadExchangeCaptureMode => "cuThreadExchangeStreamCaptureMode",
+            SimOp::StreamCreate => "cuStreamCreate",
+            SimOp::StreamDestroy => "cuStreamDestroy_v2",
+            SimOp::StreamSynchronize => "cuStreamSynchronize",
+            SimOp::MemcpyDtoH => "cuMemcpyDtoHAsync_v2",
+            SimOp::MemcpyHtoD => "cuMemcpyHtoDAsync_v2",
         }
     }
 }

@@ -32,9 +32,11 @@
 //! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
 //! (an inherent method of the trait's name would shadow the trait's):
 //! device memory in `memory`, virtual memory in `vmm`, pinned host memory in `host`, streams
-//! and events in `streams`, stream capture in `capture`, injected faults in `faults`.
+//! and events in `streams`, stream capture in `capture`, copies and copy streams in `copy`,
+//! injected faults in `faults`.
 
 mod capture;
+mod copy;
 mod faults;
 mod host;
 mod memory;
@@ -85,6 +87,11 @@ pub struct SimCounts {
     /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
     /// a GPU they would be synchronous staging copies, not asynchronous DMA.
     pub unpinned_copies: u64,
+    /// Streams made by `stream_create` (gpupool's copy streams).
+    pub stream_create: u64,
+    /// Copies queued by `memcpy_dtoh_async` and `memcpy_htod_async`, and their bytes.
+    pub copies: u64,
+    pub copied_bytes: u64,
     /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
     pub capture_info: u64,
     /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
@@ -111,6 +118,9 @@ struct State {
     counts: SimCounts,
     /// Pinned host ranges: start -> (size, how).
     host: std::collections::BTreeMap<HostPtr, (usize, HostKind)>,
+    /// Streams made by `stream_create` and not destroyed, and the next one's handle.
+    copy_streams: rustc_hash::FxHashSet<StreamHandle>,
+    next_stream: StreamHandle,
     /// Streams a test placed on a device ([`SimDriver::set_stream_device`]).
     stream_devices: FxHashMap<StreamHandle, i32>,
 }
@@ -273,6 +283,40 @@ impl Driver for SimDriver {
 
     fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
         self.sim_stream_device(stream)
+    }
+
+    fn stream_create(&self, _device: i32) -> Result<StreamHandle, DriverError> {
+        self.sim_stream_create()
+    }
+
+    fn stream_destroy(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.sim_stream_destroy(stream)
+    }
+
+    fn stream_synchronize(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.sim_stream_synchronize(stream)
+    }
+
+    fn memcpy_dtoh_async(
+        &self,
+        _device: i32,
+        dst: HostPtr,
+        src: DevicePtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.sim_memcpy(copy::Direction::ToHost, dst, src as usize, size, stream)
+    }
+
+    fn memcpy_htod_async(
+        &self,
+        _device: i32,
+        dst: DevicePtr,
+        src: HostPtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.sim_memcpy(copy::Direction::ToDevice, dst as usize, src, size, stream)
     }
 }
 

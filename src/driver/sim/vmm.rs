@@ -34,6 +34,27 @@ impl Range {
     }
 }
 
+impl Range {
+    /// Whether every byte of `[ptr, ptr + size)` is mapped with access set (what a copy or a
+    /// kernel may touch).
+    pub(super) fn accessible_over(&self, ptr: DevicePtr, size: usize) -> bool {
+        let end = ptr + size as u64;
+        // The piece holding `ptr`, then each piece after it, until `end` is covered.
+        let Some((&first, _)) = self.mapped.range(..=ptr).next_back() else { return false };
+        let mut at = first;
+        for (&a, &(s, _)) in self.mapped.range(first..) {
+            if a != at || !self.accessible.contains_key(&a) {
+                return false;
+            }
+            at = a + s as u64;
+            if at >= end {
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// A physical allocation: its device, size and where it is mapped, if anywhere.
 pub(super) struct Handle {
     device: i32,

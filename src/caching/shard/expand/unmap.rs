@@ -142,6 +142,12 @@ impl ShardState {
             }
         }
         candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
+        // A sleeping shard maps nothing, and a segment a CUDA graph uses (a sleepable private
+        // pool's) keeps its free pages: the graph writes there at every replay.
+        if self.is_asleep() {
+            return Ok(0);
+        }
+        candidates.retain(|c| self.releasable(c.0));
         let mut released = 0;
         // The device synchronisation below would break a capture, which may be under way while
         // a route to a private pool is active: the pages stay mapped until then.

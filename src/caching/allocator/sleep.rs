@@ -1,0 +1,44 @@
+//! Sleep and wake of a pool on one device (see `caching::sleep` for what they do and
+//! docs/sleep.md for the rules).
+
+use super::Allocator;
+use crate::caching::sleep::SleepMode;
+use crate::error::Error;
+
+impl Allocator {
+    /// Puts `pool` on `device` (-1: current) to sleep: 0 names the device's default pools,
+    /// any other id a private pool made by [`Allocator::pool_create_sleepable`]. Waits (by
+    /// events) for the work queued on the pool's blocks, copies its live blocks to pinned host
+    /// memory ([`SleepMode::Offload`]) or not ([`SleepMode::Discard`]), then gives every page
+    /// of its memory back to the driver: free device memory rises by the pool's reserved
+    /// bytes. Its blocks keep their addresses; nothing can be allocated from it until
+    /// [`Allocator::wake`]; its blocks may be freed meanwhile.
+    ///
+    /// Errors, each leaving every pool as it was: [`Error::InvalidValue`] (a pool never made,
+    /// a device out of range, a pool whose memory is not on the virtual memory API, naming
+    /// why, a pool asleep already or released); [`Error::Capture`] while a capture may be under
+    /// way on the device; [`Error::OutOfMemory`] when the host cannot pin the copy;
+    /// [`Error::Cuda`] when waiting or copying fails. A driver failure while the pages are
+    /// given back leaves the pool asleep, and says so ([`Error::Cuda`]).
+    pub fn sleep(&self, device: i32, pool: u64, mode: SleepMode) -> Result<(), Error> {
+        if pool != 0 {
+            Self::check_pool(pool)?;
+        }
+        self.device_or_init(device)?.sleep(pool, mode)
+    }
+
+    /// Wakes `pool` on `device` (-1: current): maps new memory at the addresses of every page
+    /// it gave back, puts the copies of its live blocks back (offload) and frees them. All or
+    /// nothing: when the device cannot give the memory (after the cache of its other pools was
+    /// released), the pool stays asleep with its host copy and the call fails.
+    ///
+    /// Errors, each leaving the pool asleep: [`Error::InvalidValue`] (a pool never made, a
+    /// device out of range, a pool that does not sleep); [`Error::Capture`];
+    /// [`Error::OutOfMemory`]; [`Error::Cuda`].
+    pub fn wake(&self, device: i32, pool: u64) -> Result<(), Error> {
+        if pool != 0 {
+            Self::check_pool(pool)?;
+        }
+        self.device_or_init(device)?.wake(pool)
+    }
+}

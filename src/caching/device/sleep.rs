@@ -1,0 +1,370 @@
+//! A pool's sleep and wake on one device (`gpupool_sleep`, `gpupool_wake`; see
+//! `caching::sleep`): the pool's streams (shards) one at a time, in two passes each way, so
+//! that a failure before the point of no return changes nothing; the memory limit kept to the
+//! physical bytes; and the rules a sleeping pool follows (no allocation, no release).
+//!
+//! Sleep: the pool is marked asleep first (allocations from it are refused from then on);
+//! then each stream's work is waited for and, with offload, its live blocks copied to pinned
+//! host memory, on copy streams of gpupool's own; only once every copy has completed are the
+//! pages unmapped and their handles given back. Wake: every page mapped again, all or nothing
+//! (the memory limit charged first; a device out of memory releases the cache of the other
+//! pools and tries once more); then the copies put back; then the host memory freed.
+//!
+//! Each shard's lock is held only while that shard is worked on, and no other pool's lock is
+//! taken: other pools allocate and free throughout.
+
+use std::sync::Arc;
+
+use super::{DeviceAllocator, ExpandablePolicy, expandable_policy};
+use crate::caching::capture;
+use crate::caching::copy::Copier;
+use crate::caching::shard::Shard;
+use crate::caching::sleep::{SleepMode, sleepable};
+use crate::driver::{DriverError, PhysHandle};
+use crate::error::Error;
+
+impl DeviceAllocator {
+    /// The expandable layout of sleepable private pools: the default pools', or one found for
+    /// them when the default pools use ordinary segments; `None` when the driver cannot map
+    /// memory on the device.
+    pub(super) fn sleep_policy(&self) -> Option<&ExpandablePolicy> {
+        if self.expandable.is_some() {
+            return self.expandable.as_ref();
+        }
+        self.sleep_policy.get_or_init(|| expandable_policy(&*self.driver, self.device, false)).as_ref()
+    }
+
+    /// What the messages call `pool`.
+    fn pool_name(&self, pool: u64) -> String {
+        match pool {
+            0 => format!("the default pools of device {}", self.device),
+            p => format!("pool {p} on device {}", self.device),
+        }
+    }
+
+    /// [`Error::InvalidValue`] when `pool` sleeps: nothing may be allocated from it, and it
+    /// may not be released, until it wakes.
+    pub(super) fn refuse_asleep(&self, pool: u64) -> Result<(), Error> {
+        if !self.sleepers.is_asleep(pool) {
+            return Ok(());
+        }
+        Err(Error::InvalidValue(format!(
+            "{} sleep (gpupool_sleep): nothing can be allocated from them, nor released, until gpupool_wake",
+            self.pool_name(pool)
+        )))
+    }
+
+    /// Why `pool` cannot sleep at all on this device, if it cannot: its memory is not on the
+    /// virtual memory API.
+    fn cannot_sleep(&self, pool: u64) -> Option<String> {
+        let name = self.pool_name(pool);
+        if pool != 0 && !sleepable(pool) {
+            return Some(format!(
+                "{name} cannot sleep: its segments are ordinary device memory (cuMemAlloc), whose physical memory \
+                 cannot be given back while its addresses are kept; create the pool with \
+                 gpupool_pool_create_sleepable, whose segments are on the virtual memory API"
+            ));
+        }
+        let vmm = if pool == 0 { self.expandable.is_some() } else { self.sleep_policy().is_some() };
+        if !vmm {
+            let why = if pool == 0 && self.driver.vmm_granularity(self.device).ok().flatten().is_some() {
+                "expandable_segments is off (GPUPOOL_CONF), so its segments are ordinary device memory (cuMemAlloc)"
+            } else {
+                "the driver cannot map memory there (no virtual memory management), so its segments are ordinary"
+            };
+            return Some(format!("{name} cannot sleep: {why}"));
+        }
+        None
+    }
+
+    /// Puts `pool` (0: the default pools) to sleep (see the module and `caching::sleep`).
+    ///
+    /// Errors, each leaving everything as it was: [`Error::InvalidValue`] when the pool cannot
+    /// sleep (its memory is not on the virtual memory API, naming why, or it holds an ordinary
+    /// segment), sleeps already, or was released; [`Error::Capture`] while a capture may be
+    /// under way; [`Error::OutOfMemory`] when the host cannot pin the copy; [`Error::Cuda`]
+    /// when waiting or copying fails. Once every copy has completed the pool sleeps whatever
+    /// happens: a page the driver would not unmap stays mapped, a handle it would not release
+    /// stays held by the device, and the error ([`Error::Cuda`]) says the pool sleeps.
+    pub fn sleep(&self, pool: u64, mode: SleepMode) -> Result<(), Error> {
+        let name = self.pool_name(pool);
+        if let Some(why) = self.cannot_sleep(pool) {
+            return Err(Error::InvalidValue(why));
+        }
+        if pool != 0 && self.pool_stats(pool).released {
+            return Err(Error::InvalidValue(format!("{name} was released: it holds nothing to put to sleep")));
+        }
+        if self.capture.any_underway() {
+            return Err(capture::refused_during_capture(self.device, "putting a pool to sleep"));
+        }
+        let shards = self.shards.of_pool(pool);
+        for shard in &shards {
+            if let Some((base, size)) = shard.lock().ordinary_segment() {
+                return Err(Error::InvalidValue(format!(
+                    "{name} cannot sleep: it holds an ordinary segment at {base:#x} ({size} bytes, made with cuMemAlloc \
+                     when the virtual memory calls failed), whose memory cannot be given back while its address is \
+                     kept; free its blocks and call gpupool_empty_cache first"
+                )));
+            }
+        }
+        if !self.sleepers.begin(pool) {
+            return Err(Error::InvalidValue(format!(
+                "{name} sleep already: a second gpupool_sleep changes nothing; call gpupool_wake first"
+            )));
+        }
+        self.capture.set_default_asleep(self.capture.default_asleep() || pool == 0);
+        // Awake again if anything fails before the pages go.
+        let awake = scopeguard::guard((), |()| self.end_sleep(pool));
+        if shards.iter().any(|s| s.lock().has_deferred_sync()) {
+            // Blocks freed with free_after_device_sync: the streams that used them are unknown.
+            self.release_deferred()?;
+        }
+        let mut copier = match mode {
+            SleepMode::Offload => {
+                Some(Copier::new(&*self.driver, self.device).map_err(|e| Error::driver(e, "creating copy streams"))?)
+            }
+            SleepMode::Discard => None,
+        };
+        let mut prepared = Vec::with_capacity(shards.len());
+        // The host copies made so far are freed if a later step fails.
+        let mut copies = scopeguard::guard(&mut prepared, |p| {
+            for (_, s) in p.drain(..) {
+                crate::caching::shard::ShardSleep::discard(s, &*self.driver, self.device);
+            }
+        });
+        for shard in &shards {
+            let ctx = self.ctx(shard);
+            let mut st = self.shards.lock_for_change(shard);
+            st.wait_for_work(&ctx)?;
+            let prep = match copier.as_mut() {
+                Some(c) => st.prepare_sleep(&ctx, mode, c)?,
+                None => st.prepare_discard(),
+            };
+            self.finish(st, ());
+            copies.push((shard.clone(), prep));
+        }
+        if let Some(mut c) = copier.take() {
+            c.finish().map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
+        }
+        let prepared = std::mem::take(&mut *scopeguard::ScopeGuard::into_inner(copies));
+        scopeguard::ScopeGuard::into_inner(awake);
+        // The point of no return: the pages go. What was unmapped is accounted for whatever
+        // happens, a driver call that unwinds included.
+        // Every stream goes to sleep, even after one whose driver call unwound.
+        let (mut handles, mut failure, mut gone) = (Vec::new(), None, Ok(()));
+        for (shard, prep) in prepared {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let ctx = self.ctx(&shard);
+                let mut st = self.shards.lock_for_change(&shard);
+                // Frees that came meanwhile with record_stream may have queued events.
+                let _ = st.synchronize_events(&ctx);
+                if let Err(e) = st.sleep_pages(&ctx, prep, &mut handles) {
+                    failure.get_or_insert(e);
+                }
+                self.finish(st, ());
+            }));
+            gone = gone.and(r);
+        }
+        let slept: usize = shards.iter().map(|s| s.lock().slept_bytes()).sum();
+        self.sleepers.set_bytes(pool, slept);
+        self.sleepers.settle(pool);
+        if let Some(e) = self.give_back(&mut handles) {
+            failure.get_or_insert(e);
+        }
+        if let Err(panic) = gone {
+            std::panic::resume_unwind(panic);
+        }
+        match failure {
+            None => Ok(()),
+            Some(e) => Err(Error::driver(
+                e,
+                "giving a sleeping pool's pages back to the driver (the pool sleeps all the same: wake it with \
+                 gpupool_wake; what the driver kept stays mapped or held)",
+            )),
+        }
+    }
+
+    /// Marks `pool` awake in the device's records.
+    fn end_sleep(&self, pool: u64) {
+        self.sleepers.end(pool);
+        if pool == 0 {
+            self.capture.set_default_asleep(false);
+        }
+    }
+
+    /// Gives the handles of `handles` (page bytes, handle), mapped nowhere and counted by the
+    /// memory limit, back to the driver (`cuMemRelease`), each uncharged once the driver has
+    /// it; one the driver refuses, and those left when a call unwinds, go to the device's page
+    /// pool, still counted, for the next release. Returns the first failure.
+    fn give_back(&self, handles: &mut Vec<(usize, PhysHandle)>) -> Option<DriverError> {
+        let hold = |rest: Vec<(usize, PhysHandle)>| {
+            for (page, h) in rest {
+                self.pages.put(page, &mut vec![h]);
+            }
+        };
+        let mut rest = scopeguard::guard(std::mem::take(handles), hold);
+        let mut failure = None;
+        while let Some((page, h)) = rest.last().copied() {
+            match self.driver.mem_release(self.device, h) {
+                Ok(()) => {
+                    rest.pop();
+                    self.limit.uncharge(page);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    rest.pop();
+                    self.pages.put(page, &mut vec![h]);
+                }
+            }
+        }
+        failure
+    }
+
+    /// Wakes `pool` (0: the default pools; see the module). A device out of memory first
+    /// releases the cache of the device's other pools (as `empty_cache`) and tries again.
+    ///
+    /// Errors, each leaving the pool asleep with its host copy: [`Error::InvalidValue`] when
+    /// it does not sleep; [`Error::Capture`] while a capture may be under way;
+    /// [`Error::OutOfMemory`] when the device (or its memory fraction) cannot give the pages;
+    /// [`Error::Cuda`] when mapping or copying fails.
+    pub fn wake(&self, pool: u64) -> Result<(), Error> {
+        if self.capture.any_underway() {
+            return Err(capture::refused_during_capture(self.device, "waking a pool"));
+        }
+        if let Err(asleep) = self.sleepers.begin_wake(pool) {
+            let name = self.pool_name(pool);
+            return Err(Error::InvalidValue(match asleep {
+                true => format!("{name} do not sleep: nothing to wake (a second gpupool_wake changes nothing)"),
+                false => format!("{name} are being put to sleep or woken by another thread: nothing done"),
+            }));
+        }
+        // Asleep still, and wakeable, if anything fails (unwinding included).
+        let busy = scopeguard::guard((), |()| self.sleepers.settle(pool));
+        let r = match self.try_wake(pool) {
+            Err(Error::OutOfMemory(_)) => {
+                let _ = self.release_cached_blocks();
+                self.try_wake(pool)
+            }
+            r => r,
+        };
+        drop(busy);
+        r
+    }
+
+    /// One attempt of [`DeviceAllocator::wake`].
+    fn try_wake(&self, pool: u64) -> Result<(), Error> {
+        let shards: Vec<Arc<Shard>> = self.shards.of_pool(pool).into_iter().filter(|s| s.lock().is_asleep()).collect();
+        let need: usize = shards.iter().map(|s| s.lock().slept_bytes()).sum();
+        let oom = || {
+            Error::OutOfMemory(format!(
+                "waking {} needs {need} bytes of device memory, which the device (or its memory fraction) cannot \
+                 give even after its cache was released: the pool still sleeps, its host copy intact; free memory \
+                 and call gpupool_wake again",
+                self.pool_name(pool)
+            ))
+        };
+        let charge = self.limit.try_charge(need).ok_or_else(oom)?;
+        let mapped = |shards: &[Arc<Shard>]| shards.iter().map(|s| s.lock().mapped_bytes() as isize).sum::<isize>();
+        let before = mapped(&shards);
+        let mut spare = Vec::new();
+        // A driver call that unwinds is undone as a failure is, then the unwinding goes on.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for shard in &shards {
+                let ctx = self.ctx(shard);
+                let mut st = self.shards.lock_for_change(shard);
+                let r = st.map_slept(&ctx, &mut spare);
+                self.finish(st, ());
+                r.map_err(|e| match e {
+                    DriverError::OutOfMemory => oom(),
+                    e => Error::driver(e, "mapping a sleeping pool's pages again"),
+                })?;
+            }
+            if shards.iter().any(|s| s.lock().offloaded()) {
+                self.restore(&shards)?;
+            }
+            Ok(())
+        }));
+        if !matches!(result, Ok(Ok(()))) {
+            // Asleep again, all of it: the pages mapped go back, the host copies stay.
+            // Every stream, even after one whose driver call unwound; the first panic goes on
+            // once the accounts are settled.
+            let mut unwound = None;
+            for shard in shards.iter().rev() {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let ctx = self.ctx(shard);
+                    let mut st = self.shards.lock_for_change(shard);
+                    let _ = st.unmap_woken(&ctx, &mut spare);
+                    self.finish(st, ());
+                }));
+                if let Err(p) = r {
+                    unwound.get_or_insert(p);
+                }
+            }
+            // The handles go back through the page pool, counted until the driver has them.
+            let held: usize = spare.iter().map(|s| s.0).sum();
+            charge.settle(mapped(&shards) - before + held as isize);
+            self.give_back(&mut spare);
+            // Pages a failed sleep had left mapped may be slept now.
+            self.sleepers.set_bytes(pool, shards.iter().map(|s| s.lock().slept_bytes()).sum());
+            return match (result, unwound) {
+                (Err(panic), _) | (Ok(_), Some(panic)) => std::panic::resume_unwind(panic),
+                (Ok(r), None) => r,
+            };
+        }
+        charge.settle(mapped(&shards) - before);
+        let copies: Vec<_> = shards.iter().map(|s| s.lock().finish_wake()).collect();
+        self.end_sleep(pool);
+        // The host copies go last, once the pool is awake.
+        for host in copies {
+            crate::caching::copy::free_host(&*self.driver, self.device, host);
+        }
+        Ok(())
+    }
+
+    /// Puts the host copies of `shards` back (see `ShardState::restore`) and waits for them.
+    ///
+    /// Errors: [`Error::Cuda`] when a copy fails.
+    fn restore(&self, shards: &[Arc<Shard>]) -> Result<(), Error> {
+        let fail = |e| Error::driver(e, "copying a sleeping pool's blocks back from host memory");
+        let mut copier = Copier::new(&*self.driver, self.device).map_err(fail)?;
+        for shard in shards {
+            shard.lock().restore(&mut copier).map_err(fail)?;
+        }
+        copier.finish().map_err(fail)
+    }
+}
+
+impl DeviceAllocator {
+    /// The sleep's part of the device's consistency check: a private pool that may not sleep
+    /// holds no expandable segment; the shards of a sleeping pool sleep (but those that hold
+    /// nothing) and those of a pool awake do not; the device's sleeping bytes are the pages its
+    /// shards slept. Returns those bytes.
+    pub(super) fn check_sleepers(
+        &self,
+        list: &[Arc<Shard>],
+        states: &[&crate::caching::shard::ShardState],
+    ) -> Result<i64, String> {
+        let mut slept = 0;
+        for (shard, st) in list.iter().zip(states) {
+            let p = shard.pool;
+            if p != 0 && !sleepable(p) && st.mapped_bytes() + st.slept_bytes() != 0 {
+                return Err(format!("pool {p} may not sleep, but holds expandable segments"));
+            }
+            let asleep = self.sleepers.is_asleep(p);
+            if st.is_asleep() != asleep && (st.is_asleep() || st.segment_count() != 0) {
+                return Err(format!(
+                    "{}: stream {:#x} says it sleeps: {}, its pool: {asleep}",
+                    self.pool_name(p),
+                    shard.stream,
+                    st.is_asleep()
+                ));
+            }
+            slept += st.slept_bytes();
+        }
+        let stat = self.sleepers.stat().current;
+        if stat != slept as i64 {
+            return Err(format!("{slept} bytes of pages sleep, but the statistic says {stat}"));
+        }
+        Ok(stat)
+    }
+}

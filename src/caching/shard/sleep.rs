@@ -1,0 +1,312 @@
+//! One stream's share of a pool going to sleep and waking (see `caching::sleep`): the work on
+//! its blocks waited for by events, its live blocks copied to pinned host memory, every page
+//! of its expandable segments unmapped and its handles given back to the driver; and at wake
+//! the same pages mapped again from new handles and the copies put back. The blocks never
+//! move: a sleeping shard keeps its segments, blocks, live map and counters (reserved bytes
+//! included: they count the pages it will map again), only the page tables are empty.
+
+use super::{ShardCtx, ShardState};
+use crate::caching::block::BlockState;
+use crate::caching::copy::{Copier, HostCopy, free_host};
+use crate::caching::expandable::Expandable;
+use crate::caching::sleep::SleepMode;
+use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
+use crate::error::Error;
+use crate::history::Action;
+
+/// The stream handle that names each thread's own default stream (`CU_STREAM_PER_THREAD`):
+/// an event recorded on it covers only the calling thread's work.
+const PER_THREAD_STREAM: usize = 2;
+
+/// A sleep or a wake of an expandable segment's pages ([`Expandable::sleep`],
+/// [`Expandable::wake`]).
+type PageChange = fn(&mut Expandable, &dyn Driver, i32, &mut Vec<PhysHandle>) -> Result<(), DriverError>;
+
+/// What a sleeping shard keeps: its mode and the copies of its live blocks.
+#[derive(Debug)]
+pub(crate) struct ShardSleep {
+    pub mode: SleepMode,
+    /// Offload: each live block at sleep, as (address, bytes, offset in the host copy).
+    copies: Vec<(DevicePtr, usize, usize)>,
+    /// The pinned host copy (pointer, bytes); (0, 0) for none.
+    host: (HostPtr, usize),
+    /// The driver would not unmap some page at sleep: it stays mapped, and counted as such.
+    partial: bool,
+}
+
+impl ShardSleep {
+    /// Drops a sleep prepared but not begun (a later step failed): its host copy is freed.
+    pub fn discard(self, driver: &dyn Driver, device: i32) {
+        free_host(driver, device, self.host.0);
+    }
+}
+
+impl ShardState {
+    /// Whether the shard's pool sleeps (its pages are given back).
+    pub fn is_asleep(&self) -> bool {
+        self.asleep.is_some()
+    }
+
+    /// Bytes of the pages of its expandable segments that are slept: unmapped by a sleep, to
+    /// be mapped again at wake.
+    pub fn slept_bytes(&self) -> usize {
+        self.segments.values().filter_map(|s| s.exp.as_deref()).map(|e| e.slept_bytes).sum()
+    }
+
+    /// Whether blocks await a device synchronisation (`free_after_device_sync`).
+    pub fn has_deferred_sync(&self) -> bool {
+        self.deferred.len() != 0
+    }
+
+    /// Whether the shard sleeps with its live blocks copied to host memory.
+    pub fn offloaded(&self) -> bool {
+        self.asleep.as_ref().is_some_and(|s| s.mode == SleepMode::Offload)
+    }
+
+    /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
+    pub fn prepare_discard(&self) -> ShardSleep {
+        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), host: (0, 0), partial: false }
+    }
+
+    /// Bytes mapped in its expandable segments.
+    pub fn mapped_bytes(&self) -> usize {
+        self.segments.values().filter_map(|s| s.exp.as_deref()).map(|e| e.mapped).sum()
+    }
+
+    /// The base of an ordinary segment of the shard, which could not sleep; `None` when every
+    /// segment is expandable.
+    pub fn ordinary_segment(&self) -> Option<(DevicePtr, usize)> {
+        self.segments.iter().find(|(_, s)| s.exp.is_none()).map(|(&b, s)| (b, s.size))
+    }
+
+    /// Waits for the work that may still use the shard's memory, by events, not by
+    /// synchronising the device: the events of freed blocks (`record_stream`, PyTorch
+    /// `synchronize_and_free_events`), then an event recorded now on the shard's stream and on
+    /// every stream a live block was recorded on (`cuEventRecord`, `cuEventSynchronize`). The
+    /// per-thread default stream is waited for by a device synchronisation (its handle names
+    /// every thread's stream).
+    ///
+    /// Errors: [`Error::Cuda`] when an event call or the synchronisation fails; the events
+    /// recorded go back to the idle ones.
+    pub fn wait_for_work(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
+        if self.has_capture_deferred() {
+            self.insert_deferred_events(ctx);
+        }
+        self.synchronize_events(ctx)?;
+        let mut streams = vec![ctx.shard.stream];
+        for &id in self.live.values() {
+            for &s in self.blocks[id].stream_uses.iter() {
+                if !streams.contains(&s) {
+                    streams.push(s);
+                }
+            }
+        }
+        let fail = |e| Error::driver(e, "waiting for the work queued on a pool's blocks before it sleeps");
+        if streams.contains(&PER_THREAD_STREAM) {
+            return ctx.driver.device_synchronize(ctx.device).map_err(fail);
+        }
+        for s in streams {
+            let ev = self.events.record(ctx.driver, ctx.device, s).map_err(fail)?;
+            let r = ctx.driver.event_synchronize(ev);
+            self.events.unused([ev]);
+            r.map_err(fail)?;
+        }
+        Ok(())
+    }
+
+    /// The first half of a sleep, which changes nothing of the shard: for
+    /// [`SleepMode::Offload`], pinned host memory for every live block, and the copies into it
+    /// queued on `copier` (the caller waits for them). Returns what the shard will keep asleep.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the host cannot pin the copy, [`Error::Cuda`] when a
+    /// copy cannot be queued; the host memory is freed.
+    pub fn prepare_sleep(&self, ctx: &ShardCtx, mode: SleepMode, copier: &mut Copier) -> Result<ShardSleep, Error> {
+        let mut sleep = ShardSleep { mode, copies: Vec::new(), host: (0, 0), partial: false };
+        if mode == SleepMode::Discard {
+            return Ok(sleep);
+        }
+        let mut live: Vec<(DevicePtr, usize)> =
+            self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size)).collect();
+        live.sort_unstable();
+        let total: usize = live.iter().map(|l| l.1).sum();
+        let host = HostCopy::new(ctx.driver, ctx.device, total).map_err(|e| match e {
+            DriverError::OutOfMemory => Error::OutOfMemory(format!(
+                "the host cannot pin {total} bytes for the copy of the live blocks of stream {:#x} (gpupool_sleep \
+                 with GPUPOOL_SLEEP_OFFLOAD); nothing changed",
+                ctx.shard.stream
+            )),
+            e => Error::driver(e, "allocating pinned host memory for a pool's copy"),
+        })?;
+        let mut at = 0;
+        for (addr, size) in live {
+            copier
+                .offload(host.ptr + at, addr, size)
+                .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
+            sleep.copies.push((addr, size, at));
+            at += size;
+        }
+        sleep.host = host.keep();
+        Ok(sleep)
+    }
+
+    /// The second half of a sleep: every page of the shard's expandable segments unmapped
+    /// (the caller has waited for the work on them and for the copies), its handle appended to
+    /// `handles` with its page's bytes for the caller to give back, each page recorded as a
+    /// `segment_unmap` while history is on. The shard is asleep from here on, whatever fails.
+    ///
+    /// Errors: the first failure of the driver; the pages it would not unmap stay mapped (and
+    /// counted as mapped), the others are slept. A call that unwinds leaves the shard asleep
+    /// likewise, and the handles it unmapped in `handles`.
+    pub fn sleep_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        mut sleep: ShardSleep,
+        handles: &mut Vec<(usize, PhysHandle)>,
+    ) -> Result<(), DriverError> {
+        // Asleep from the first page on; `partial` until every page is unmapped.
+        sleep.partial = true;
+        self.asleep = Some(Box::new(sleep));
+        let mut failure = Ok(());
+        for base in self.expandables.clone() {
+            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep));
+        }
+        if failure.is_ok()
+            && let Some(s) = self.asleep.as_deref_mut()
+        {
+            s.partial = false;
+        }
+        failure
+    }
+
+    /// Runs `change` (a sleep or a wake of its pages) on the expandable segment at `base`,
+    /// with its handles unmapped or left over appended to `handles` with their page's bytes,
+    /// and, while history is on, each page whose mapping changed recorded as a `segment_map`
+    /// or `segment_unmap`: whatever happens, a driver call that unwinds included.
+    fn change_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        base: DevicePtr,
+        handles: &mut Vec<(usize, PhysHandle)>,
+        change: PageChange,
+    ) -> Result<(), DriverError> {
+        let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
+        let (page, pages) = (e.page, e.size / e.page);
+        let before: Vec<bool> =
+            if ctx.history.on() { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+        let mut out = Vec::new();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, ctx.driver, ctx.device, &mut out)));
+        handles.extend(out.into_iter().map(|h| (page, h)));
+        if !before.is_empty() {
+            let seg = &self.segments[&base];
+            let e = seg.exp.as_deref().expect("expandable");
+            for (i, &was) in before.iter().enumerate() {
+                let now = e.is_mapped(i * page);
+                if now != was {
+                    let action = if now { Action::SegmentMap } else { Action::SegmentUnmap };
+                    let at = base + (i * page) as u64;
+                    ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
+                }
+            }
+        }
+        r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+
+    /// The first half of a wake: the slept pages mapped again from new handles. All or
+    /// nothing: on a failure the pages this call mapped are unmapped again, their handles
+    /// appended to `spare` with their page's bytes, for the caller to give back.
+    ///
+    /// Errors: the first failure ([`DriverError::OutOfMemory`] when the device has no memory
+    /// for a page).
+    pub fn map_slept(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
+        let bases = self.expandables.clone();
+        for (k, &base) in bases.iter().enumerate() {
+            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake) {
+                for &b in bases[..k].iter().rev() {
+                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep);
+                }
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Undoes [`ShardState::map_slept`] (another shard of the pool failed): every page
+    /// unmapped again and marked slept, its handle appended to `spare` with its page's bytes.
+    ///
+    /// Errors: the first failure; the pages the driver would not unmap stay mapped.
+    pub fn unmap_woken(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
+        // Pages the driver would not unmap stay mapped, counted as such, whatever happens.
+        let mut st = scopeguard::guard(self, |st| {
+            let mapped = st.mapped_bytes() != 0;
+            if let Some(s) = st.asleep.as_deref_mut() {
+                s.partial |= mapped;
+            }
+        });
+        let mut failure = Ok(());
+        for base in st.expandables.clone() {
+            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep));
+        }
+        failure
+    }
+
+    /// Queues on `copier` the copies of the shard's host copy back to its blocks (offload).
+    ///
+    /// Errors: the driver's.
+    pub fn restore(&self, copier: &mut Copier) -> Result<(), DriverError> {
+        let Some(s) = self.asleep.as_deref() else { return Ok(()) };
+        for &(addr, size, at) in &s.copies {
+            copier.restore(addr, s.host.0 + at, size)?;
+        }
+        Ok(())
+    }
+
+    /// The end of a wake: the shard awake. Returns its host copy (0: none), for the caller to
+    /// free once every stream of the pool is awake.
+    pub fn finish_wake(&mut self) -> HostPtr {
+        self.asleep.take().map_or(0, |s| s.host.0)
+    }
+
+    /// The sleep's part of the consistency check: a sleeping shard maps no page (unless the
+    /// driver refused to unmap one) and holds only expandable segments, and with offload every
+    /// live block has its copy, the copies tiling the host memory; an awake one has no page
+    /// slept.
+    pub(super) fn check_sleep(&self) -> Result<(), String> {
+        let exps = || self.segments.values().filter_map(|s| s.exp.as_deref());
+        let Some(s) = self.asleep.as_deref() else {
+            return match exps().find(|e| e.slept_bytes != 0) {
+                Some(e) => Err(format!("segment {:#x} has slept pages, but its pool is awake", e.base)),
+                None => Ok(()),
+            };
+        };
+        if let Some((base, _)) = self.ordinary_segment() {
+            return Err(format!("a sleeping pool holds the ordinary segment {base:#x}"));
+        }
+        if let Some(e) = exps().find(|e| e.mapped != 0 && !s.partial) {
+            return Err(format!("segment {:#x} of a sleeping pool still maps {} bytes", e.base, e.mapped));
+        }
+        if s.mode == SleepMode::Offload {
+            let mut at = 0;
+            for &(_, size, off) in &s.copies {
+                if off != at {
+                    return Err("the copies of a sleeping pool do not tile its host memory".into());
+                }
+                at += size;
+            }
+            if at != s.host.1 {
+                return Err(format!("a sleeping pool's copies hold {at} bytes, its host memory {}", s.host.1));
+            }
+            for &id in self.live.values() {
+                let b = &self.blocks[id];
+                // A block freed while the pool sleeps waits in the front cache (listed live, see
+                // `front`) and needs no copy.
+                if b.state == BlockState::Cached {
+                    continue;
+                }
+                if b.state != BlockState::Allocated || !s.copies.iter().any(|c| c.0 == b.addr && c.1 == b.size) {
+                    return Err(format!("live block {:#x} of a sleeping pool has no copy", b.addr));
+                }
+            }
+        }
+        Ok(())
+    }
+}

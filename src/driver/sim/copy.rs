@@ -1,0 +1,99 @@
+//! Copies between device and pinned host memory, and the streams they run on
+//! (`cuStreamCreate`, `cuStreamDestroy`, `cuStreamSynchronize`, `cuMemcpyDtoHAsync`,
+//! `cuMemcpyHtoDAsync`): a copy runs at once, after the driver checked, as CUDA does, that the
+//! device range is memory it can reach (an allocation, or pages mapped with access) and the
+//! host range is pinned.
+
+use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, State, StreamHandle, invalid};
+
+/// The first handle of a stream the simulated driver makes: far from the small values tests
+/// use for their own streams.
+const FIRST_STREAM: StreamHandle = 0x5_0000_0000;
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Direction {
+    ToHost,
+    ToDevice,
+}
+
+impl State {
+    /// Whether `[ptr, ptr + size)` is device memory a copy may touch: inside one allocation,
+    /// or mapped with access set over its whole length.
+    fn device_reachable(&mut self, ptr: DevicePtr, size: usize) -> bool {
+        let end = ptr + size as u64;
+        if self.allocations.iter().any(|(&a, &(_, s))| ptr >= a && end <= a + s as u64) {
+            return true;
+        }
+        let Some((_, r)) = self.range_of(ptr, size) else { return false };
+        r.accessible_over(ptr, size)
+    }
+
+    /// Whether `[ptr, ptr + size)` lies inside one pinned host range.
+    fn host_pinned(&self, ptr: HostPtr, size: usize) -> bool {
+        self.host.range(..=ptr).next_back().is_some_and(|(&start, &(len, _))| ptr + size <= start + len)
+    }
+}
+
+impl SimDriver {
+    pub(super) fn sim_stream_create(&self) -> Result<StreamHandle, DriverError> {
+        let mut st = self.state.lock();
+        st.counts.stream_create += 1;
+        st.fault(SimOp::StreamCreate)?;
+        let stream = FIRST_STREAM + st.next_stream;
+        st.next_stream += 1;
+        st.copy_streams.insert(stream);
+        Ok(stream)
+    }
+
+    pub(super) fn sim_stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamDestroy)?;
+        if !st.copy_streams.remove(&stream) {
+            return Err(invalid("cuStreamDestroy"));
+        }
+        st.streams.remove(&stream);
+        Ok(())
+    }
+
+    pub(super) fn sim_stream_synchronize(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamSynchronize)?;
+        // Copies run at once: nothing is left to wait for.
+        st.wait_on(Some(stream), "cuStreamSynchronize")
+    }
+
+    /// A copy of `size` bytes to `to` from `from`, which way `dir` says (`to` is the host
+    /// pointer for [`Direction::ToHost`]), on `stream`: run at once.
+    pub(super) fn sim_memcpy(
+        &self,
+        dir: Direction,
+        to: usize,
+        from: usize,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let mut st = self.state.lock();
+        st.counts.copies += 1;
+        let (op, call) = match dir {
+            Direction::ToHost => (SimOp::MemcpyDtoH, "cuMemcpyDtoHAsync"),
+            Direction::ToDevice => (SimOp::MemcpyHtoD, "cuMemcpyHtoDAsync"),
+        };
+        st.fault(op)?;
+        let (device, host) = match dir {
+            Direction::ToHost => (from as DevicePtr, to),
+            Direction::ToDevice => (to as DevicePtr, from),
+        };
+        if size == 0 || !st.device_reachable(device, size) || !st.host_pinned(host, size) {
+            return Err(invalid(call));
+        }
+        st.streams.entry(stream).or_default();
+        st.counts.copied_bytes += size as u64;
+        // SAFETY: both ranges were checked above: the device range is memory the simulated
+        // driver mapped readable and writable, the host range is pinned memory of the caller's
+        // (live until it is freed, which the caller does not do while a copy is queued); the
+        // state's lock keeps either from being unmapped meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, size) };
+        Ok(())
+    }
+}

@@ -1,0 +1,131 @@
+//! Sleep and wake: a pool gives its device memory back to the driver and gets it back at the
+//! same addresses, its live blocks' contents kept in pinned host memory meanwhile or dropped.
+//! For engines that share a GPU between phases or models (reinforcement learning that
+//! alternates training and generation, models served in turns): weights, KV cache and the
+//! CUDA graphs that point into them survive without being rebuilt. Not in PyTorch; vLLM's
+//! sleep mode, SGLang's torch_memory_saver and TensorRT-LLM's `releaseWithTag` do it beside
+//! their allocator. docs/sleep.md has the rules, each with its test.
+//!
+//! Which memory can sleep: memory on CUDA's virtual memory API. The default pools' segments
+//! are (expandable segments, the default configuration, where the driver can map memory); a
+//! private pool's are when it was made with `gpupool_pool_create_sleepable`. Any other pool,
+//! or one that holds an ordinary segment (`cuMemAlloc`), is refused with
+//! `GPUPOOL_ERROR_INVALID_VALUE` and a message that says why.
+
+use std::ffi::c_int;
+
+use super::runtime;
+use super::status::{boundary, gpupool_status, out_ptr};
+use crate::SleepMode;
+use crate::error::Error;
+
+/// `gpupool_sleep`'s mode: the live blocks' contents are copied to pinned host memory first,
+/// and back at `gpupool_wake`, bit for bit (weights).
+pub const GPUPOOL_SLEEP_OFFLOAD: u32 = 1;
+/// `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
+/// hold whatever the new memory holds (KV cache, activations).
+pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
+
+/// Creates a private pool that may sleep and writes its id to `*pool`: as
+/// `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
+/// same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
+/// `expandable_segments:True`, whatever `GPUPOOL_CONF` says for the default pools), during a
+/// graph capture too, so that `gpupool_sleep` can give its memory back. Wholly free pages of a
+/// segment a captured graph uses stay mapped (the graph writes there at every replay); other
+/// free pages go back at `gpupool_empty_cache`. Where the driver cannot map memory, its
+/// allocations fail as the driver's calls do. The id has bit 62 set.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `pool` must be NULL or point to writable storage for one `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupool_status {
+    boundary("gpupool_pool_create_sleepable", || {
+        let pool = out_ptr(pool, "pool")?;
+        let id = runtime()?.allocator.pool_create_sleepable();
+        // SAFETY: the caller passes storage for one uint64_t.
+        unsafe { pool.write(id) };
+        Ok(())
+    })
+}
+
+/// Puts `pool` on `device` (-1: the calling thread's current device) to sleep: 0 names the
+/// device's default pools, any other id a pool from `gpupool_pool_create_sleepable`. `mode` is
+/// `GPUPOOL_SLEEP_OFFLOAD` or `GPUPOOL_SLEEP_DISCARD`.
+///
+/// In order: allocations from the pool are refused from now on; the work queued so far on
+/// the pool's blocks is waited for, by events (an event recorded on each of the pool's
+/// streams and on each stream `gpupool_record_stream` named for a live block, and the events
+/// of blocks freed meanwhile; the device is synchronised only for blocks freed with
+/// `gpupool_free_after_device_sync` and for the per-thread default stream); with offload,
+/// each live block is copied to pinned host memory (`cuMemHostAlloc`, the pool's allocated
+/// bytes) on two copy streams of gpupool's own; then every page of the pool's memory, cached
+/// free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
+/// `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
+/// their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
+/// them; `gpupool_stats_t.sleeping_bytes` says how many of them sleep.
+///
+/// While the pool sleeps: allocating from it fails with `GPUPOOL_ERROR_INVALID_VALUE` (for
+/// pool 0, every allocation on the device that no route sends to a private pool); its blocks
+/// may be freed (`gpupool_free`), and come back as cache at wake; `gpupool_empty_cache`, the
+/// out-of-memory path and `garbage_collection_threshold` leave it and its host copy alone;
+/// `gpupool_release_pool` refuses it; other pools allocate and free as usual, never waiting
+/// for it. The program must not touch the pool's memory (kernels, copies) until
+/// `gpupool_wake` returns, nor allocate from the pool while this call runs.
+///
+/// Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a mode that
+/// is neither, a pool never created, a device out of range, a pool whose memory is not on the
+/// virtual memory API (a private pool from `gpupool_pool_create`; the default pools with
+/// `expandable_segments:False` or where the driver cannot map memory; any pool holding an
+/// ordinary segment), a pool asleep already (a second sleep changes nothing) or released;
+/// `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the device;
+/// `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the copy; `GPUPOOL_ERROR_CUDA` when
+/// waiting or copying fails. Once the copies are done the pool sleeps whatever happens: if
+/// the driver then refuses to unmap or release a page, the call returns `GPUPOOL_ERROR_CUDA`,
+/// the pool sleeps all the same (wake it as usual), and that page stays mapped or held.
+///
+/// Thread-safe; blocks the calling thread for the wait and the copies (it holds only the
+/// pool's own locks meanwhile).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_status {
+    boundary("gpupool_sleep", || {
+        let mode = match mode {
+            GPUPOOL_SLEEP_OFFLOAD => SleepMode::Offload,
+            GPUPOOL_SLEEP_DISCARD => SleepMode::Discard,
+            m => {
+                return Err(Error::InvalidValue(format!(
+                    "mode {m} is not a sleep mode: pass GPUPOOL_SLEEP_OFFLOAD (1) or GPUPOOL_SLEEP_DISCARD (2)"
+                )));
+            }
+        };
+        runtime()?.allocator.sleep(device, pool, mode)
+    })
+}
+
+/// Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is
+/// created and mapped at the address of every page the pool gave back (`cuMemCreate`,
+/// `cuMemMap`, `cuMemSetAccess`); with offload, each live block's copy is put back bit for
+/// bit, on two copy streams, and waited for; then the host copy is freed (`cuMemFreeHost`:
+/// host memory back where it was). Blocks freed during the sleep are cache again. When the
+/// call returns, kernels may use the pool's memory and CUDA graphs captured into it replay
+/// as before.
+///
+/// All or nothing: when the device (or `gpupool_set_memory_fraction`'s limit) cannot give the
+/// memory, gpupool releases the cache of the device's other pools (as `gpupool_empty_cache`)
+/// and tries once more; if that fails, every page mapped by the call is given back, the pool
+/// still sleeps with its host copy intact, and the call returns `GPUPOOL_ERROR_OUT_OF_MEMORY`:
+/// free memory and call it again.
+///
+/// Errors, each leaving the pool asleep with its host copy: `GPUPOOL_ERROR_INVALID_VALUE` for
+/// a pool never created, a device out of range, a pool that does not sleep (a second wake
+/// changes nothing); `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the
+/// device; `GPUPOOL_ERROR_OUT_OF_MEMORY`; `GPUPOOL_ERROR_CUDA` when mapping or copying fails.
+///
+/// Thread-safe; blocks the calling thread for the copies.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpupool_wake(device: c_int, pool: u64) -> gpupool_status {
+    boundary("gpupool_wake", || runtime()?.allocator.wake(device, pool))
+}
