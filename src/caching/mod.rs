@@ -39,5 +39,6 @@ mod peaks;
 mod pool;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
+pub(crate) mod segment_observers;
 mod shard;
 mod shard_table;

@@ -30,6 +30,7 @@ pub mod oom;
 /// cbindgen:ignore
 pub mod plugins;
 pub mod pools;
+pub mod segments;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;

@@ -64,6 +64,8 @@ int main(void) {
       (any_fn)gpupool_attach_oom_observer,
       (any_fn)gpupool_detach_oom_observer,
       (any_fn)gpupool_oom_retry,
+      (any_fn)gpupool_attach_segment_observer,
+      (any_fn)gpupool_detach_segment_observer,
       (any_fn)gpupool_record_history,
       (any_fn)gpupool_dump_snapshot,
       (any_fn)gpupool_push_tag,

@@ -52,6 +52,7 @@ use super::page_pool::PagePool;
 use super::pool::FreePool;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
+use super::segment_observers::{SegmentEvent, SegmentObservers};
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::history::HistoryHook;
 use front::FrontCache;
@@ -132,6 +133,8 @@ pub(crate) struct ShardCtx<'a> {
     pub history: &'a HistoryHook,
     /// Whether a capture is under way, asked only before a call CUDA forbids during one.
     pub capture: &'a crate::caching::capture::CaptureProbe,
+    /// The allocator's segment observers, told of segments made and given back.
+    pub segments: &'a SegmentObservers,
 }
 
 /// What [`ShardState::grow`] obtained.
@@ -188,6 +191,9 @@ pub(crate) struct ShardState {
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
     pending_ctx: u32,
+    /// Segment events of allocations and mappings made under the lock, for the call to deliver
+    /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
+    pub segment_events: Vec<SegmentEvent>,
     /// Blocks freed while a capture was under way whose other streams (`record_stream`) need
     /// events, which may not be recorded and queried then: they wait, active, until no capture
     /// is (PyTorch `needs_events_deferred_until_no_capture`). Each is in
