@@ -1208,9 +1208,9 @@ gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stat
  *   thread of the `gpupool_malloc` that grew, with no lock of gpupool's held, before that
  *   malloc returns; `GPUPOOL_SEGMENT_FREE` and `GPUPOOL_SEGMENT_UNMAP` before the driver call
  *   (the memory is still valid), on the thread of the call that gives it back
- *   (`gpupool_empty_cache`, a malloc that releases the cache on out of memory or keeps to the
- *   high-water mark), with that stream's pools locked, as PyTorch calls its trace tracker
- *   under its allocator's mutex. Every observer sees a range added before it is taken away.
+ *   (`gpupool_empty_cache`, a malloc that releases cache, `gpupool_release_pool`, the free of a
+ *   released pool's last block: docs/observers.md lists them), with that stream's pools
+ *   locked, as PyTorch calls its trace tracker under its allocator's mutex. Every observer sees a range added before it is taken away.
  * - What: for each observer, bytes added minus bytes taken away equals the reserved bytes
  *   (`gpupool_stats`' `reserved_bytes`) of the segments made since its attach, whenever no
  *   call is under way. Segments that existed before the attach are not told.
@@ -1233,7 +1233,8 @@ gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stat
  * `observer` must be NULL or a function of the signature of `gpupool_segment_observer_fn`,
  * safe to call with `user` from any thread until it is detached.
  */
-gpupool_status gpupool_attach_segment_observer(gpupool_segment_observer_fn observer, void *user);
+gpupool_status gpupool_attach_segment_observer(gpupool_segment_observer_fn observer,
+                                               void *user);
 
 /**
  * Detaches the segment observer attached with this `observer` and `user`. Called from outside

@@ -99,9 +99,9 @@ static ATTACHED: Mutex<Vec<(usize, usize, SegmentObserverId)>> = Mutex::new(Vec:
 ///   thread of the `gpupool_malloc` that grew, with no lock of gpupool's held, before that
 ///   malloc returns; `GPUPOOL_SEGMENT_FREE` and `GPUPOOL_SEGMENT_UNMAP` before the driver call
 ///   (the memory is still valid), on the thread of the call that gives it back
-///   (`gpupool_empty_cache`, a malloc that releases the cache on out of memory or keeps to the
-///   high-water mark), with that stream's pools locked, as PyTorch calls its trace tracker
-///   under its allocator's mutex. Every observer sees a range added before it is taken away.
+///   (`gpupool_empty_cache`, a malloc that releases cache, `gpupool_release_pool`, the free of a
+///   released pool's last block: docs/observers.md lists them), with that stream's pools
+///   locked, as PyTorch calls its trace tracker under its allocator's mutex. Every observer sees a range added before it is taken away.
 /// - What: for each observer, bytes added minus bytes taken away equals the reserved bytes
 ///   (`gpupool_stats`' `reserved_bytes`) of the segments made since its attach, whenever no
 ///   call is under way. Segments that existed before the attach are not told.
