@@ -400,6 +400,27 @@ typedef void (*gpupool_oom_observer_fn)(int device,
                                         void *user);
 
 /**
+ * Allocates a segment of `bytes` bytes on `device` for `stream` and writes its address to
+ * `*ptr`; returns 0 on success, anything else for out of memory. `user` is the pointer given
+ * to `gpupool_pool_create_with_allocator`.
+ */
+typedef int (*gpupool_segment_alloc_fn)(void *user,
+                                        size_t bytes,
+                                        int device,
+                                        gpupool_stream_t stream,
+                                        void **ptr);
+
+/**
+ * Frees a segment that the matching `gpupool_segment_alloc_fn` gave: its address, its bytes,
+ * and the device and stream it was allocated for.
+ */
+typedef void (*gpupool_segment_free_fn)(void *user,
+                                        void *ptr,
+                                        size_t bytes,
+                                        int device,
+                                        gpupool_stream_t stream);
+
+/**
  * A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
  * allocations on `stream` go to the pool. `user` is the pointer given with it.
  */
@@ -1063,6 +1084,40 @@ gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, voi
  * Thread-safe: it reads and writes the calling thread's state only.
  */
 gpupool_status gpupool_oom_retry(void);
+
+/**
+ * Creates a private pool whose segments come from `alloc` and go back through `free` instead
+ * of `cuMemAlloc` and `cuMemFree`, and writes its id to `*pool` (the C equivalent of
+ * `torch.cuda.MemPool(allocator)`; with `ncclMemAlloc`/`ncclMemFree`, the pool's buffers can
+ * be registered for NVLink SHARP). Everything else is a private pool's
+ * (`gpupool_pool_create`): allocations reach it through the routes
+ * (`gpupool_begin_allocate_to_pool` and its variants), are cached, split and reused as any,
+ * count in the statistics (reserved bytes and the memory fraction included), and
+ * `gpupool_release_pool` gives its segments back through `free`.
+ *
+ * - `alloc(user, bytes, device, stream, &ptr)` is called for each new segment (2 MiB, 20 MiB
+ *   or a large request rounded to 2 MiB, as PyTorch sizes segments); nonzero means out of
+ *   memory: the cache of that stream's pool is released and the allocation retried, then the
+ *   out-of-memory observers run and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns.
+ * - `free(user, ptr, bytes, device, stream)` is called once for each segment `alloc` gave, when
+ *   gpupool gives it back (`gpupool_empty_cache`, `gpupool_release_pool`).
+ * - Both run on the calling thread with the stream's pool locked: they must not call gpupool
+ *   (they may call CUDA and NCCL), and must return. Segment observers see these segments too.
+ * - `user`: passed back as it is; it must stay usable for as long as the pool holds memory.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
+ * be NULL or functions of those signatures, safe to call with `user` from any thread.
+ */
+gpupool_status gpupool_pool_create_with_allocator(uint64_t *pool,
+                                                  gpupool_segment_alloc_fn alloc,
+                                                  gpupool_segment_free_fn free,
+                                                  void *user);
 
 /**
  * Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a

@@ -1,11 +1,17 @@
-//! The C API of segment observers on the simulated device: bad input refused with a status and
-//! a message naming it, events told with their kind, device, address, bytes and stream, and
-//! nothing told after the detach.
+//! The C API of segment observers and of pools over the program's allocator on the simulated
+//! device: bad input refused with a status and a message naming it, events told with their
+//! kind, device, address, bytes and stream, nothing told after the detach, and a pool's
+//! segments from its C functions. One test: the process-wide allocator is set up once.
 
 use std::ffi::{CStr, c_void};
 use std::sync::Mutex;
 
+use std::alloc::Layout;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use gpupool::ffi::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc};
+use gpupool::ffi::pool_allocator::gpupool_pool_create_with_allocator;
+use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool};
 use gpupool::ffi::segments::{
     GPUPOOL_SEGMENT_MAP, GPUPOOL_SEGMENT_UNMAP, gpupool_attach_segment_observer, gpupool_detach_segment_observer,
     gpupool_segment_event_t,
@@ -34,7 +40,7 @@ fn stream(s: usize) -> gpupool_stream_t {
 }
 
 #[test]
-fn the_c_api_attaches_tells_and_detaches() {
+fn the_c_api_of_segment_observers_and_allocator_pools() {
     // SAFETY: this binary's only test sets the environment before the process allocator
     // starts, and before any other thread reads it.
     unsafe {
@@ -78,5 +84,76 @@ fn the_c_api_attaches_tells_and_detaches() {
         assert_eq!(gpupool_free(p), GPUPOOL_SUCCESS);
         assert_eq!(gpupool_empty_cache(0), GPUPOOL_SUCCESS);
         assert_eq!(TOLD.lock().unwrap().len(), 2, "told after the detach");
+    }
+    pool_from_c_functions();
+}
+
+const SEGMENT_ALIGN: usize = 2 << 20;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// The program's allocator: host memory aligned as device segments are (gpupool never touches
+/// a segment's bytes), counted in LIVE and in `*user`.
+unsafe extern "C" fn seg_alloc(
+    user: *mut c_void,
+    bytes: usize,
+    _: i32,
+    _: gpupool_stream_t,
+    ptr: *mut *mut c_void,
+) -> i32 {
+    // SAFETY: `user` is the AtomicUsize given below; `ptr` is gpupool's storage for one pointer.
+    unsafe {
+        (*(user as *const AtomicUsize)).fetch_add(1, Ordering::SeqCst);
+        *ptr = std::alloc::alloc(Layout::from_size_align(bytes, SEGMENT_ALIGN).unwrap()).cast();
+    }
+    LIVE.fetch_add(1, Ordering::SeqCst);
+    0
+}
+
+unsafe extern "C" fn seg_free(_: *mut c_void, ptr: *mut c_void, bytes: usize, _: i32, _: gpupool_stream_t) {
+    // SAFETY: `ptr` came from seg_alloc with these bytes.
+    unsafe { std::alloc::dealloc(ptr.cast(), Layout::from_size_align(bytes, SEGMENT_ALIGN).unwrap()) };
+    LIVE.fetch_sub(1, Ordering::SeqCst);
+}
+
+fn pool_from_c_functions() {
+    let calls = AtomicUsize::new(0);
+    let user = &calls as *const AtomicUsize as *mut c_void;
+    let mut pool = 0u64;
+    // SAFETY (every call below): valid function pointers and storage, as the header asks.
+    unsafe {
+        assert_eq!(
+            gpupool_pool_create_with_allocator(std::ptr::null_mut(), Some(seg_alloc), Some(seg_free), user),
+            GPUPOOL_ERROR_INVALID_VALUE
+        );
+        assert!(message().contains("pool"), "{}", message());
+        assert_eq!(
+            gpupool_pool_create_with_allocator(&mut pool, None, Some(seg_free), user),
+            GPUPOOL_ERROR_INVALID_VALUE
+        );
+        assert!(message().contains("alloc is NULL"), "{}", message());
+        assert_eq!(
+            gpupool_pool_create_with_allocator(&mut pool, Some(seg_alloc), None, user),
+            GPUPOOL_ERROR_INVALID_VALUE
+        );
+        assert!(message().contains("free is NULL"), "{}", message());
+        assert_eq!(pool, 0, "nothing written on error");
+
+        assert_eq!(
+            gpupool_pool_create_with_allocator(&mut pool, Some(seg_alloc), Some(seg_free), user),
+            GPUPOOL_SUCCESS
+        );
+        assert_ne!(pool, 0);
+        assert_eq!(gpupool_begin_allocate_to_pool(0, pool, stream(9)), GPUPOOL_SUCCESS);
+        let mut p: *mut c_void = std::ptr::null_mut();
+        assert_eq!(gpupool_malloc(&mut p, 4096, 0, stream(9)), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
+        assert_eq!(
+            (calls.load(Ordering::SeqCst), LIVE.load(Ordering::SeqCst)),
+            (1, 1),
+            "the segment came from seg_alloc"
+        );
+        assert_eq!(gpupool_free(p), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_empty_cache(0), GPUPOOL_SUCCESS);
+        assert_eq!(LIVE.load(Ordering::SeqCst), 0, "given back through seg_free");
     }
 }

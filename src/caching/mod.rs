@@ -37,6 +37,7 @@ mod oom;
 mod page_pool;
 mod peaks;
 mod pool;
+pub(crate) mod pool_source;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 pub(crate) mod segment_observers;

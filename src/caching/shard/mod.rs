@@ -67,12 +67,15 @@ pub(crate) struct Shard {
     /// `shard_table`); a thread that kept it in its cache of recent shards then fetches the
     /// stream's new shard.
     retired: AtomicBool,
+    /// The program's allocator of the pool's segments (`pool_source`); `None`: the driver.
+    pub source: Option<Arc<super::pool_source::PoolSource>>,
     state: Mutex<ShardState>,
 }
 
 impl Shard {
     pub fn new(pool: u64, stream: StreamHandle) -> Shard {
-        Shard { stream, pool, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
+        let source = super::pool_source::get(pool);
+        Shard { stream, pool, retired: AtomicBool::new(false), source, state: Mutex::new(ShardState::default()) }
     }
 
     /// The lock, with the front cache merged into the pools (see `front`): what every call

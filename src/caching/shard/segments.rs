@@ -40,7 +40,10 @@ impl ShardState {
     pub fn new_segment(&mut self, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {
         let size = req.segment;
         let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
-        let addr = ctx.driver.mem_alloc(ctx.device, size)?;
+        let addr = match &ctx.shard.source {
+            Some(s) => (s.alloc)(size, ctx.device, ctx.shard.stream).ok_or(DriverError::OutOfMemory)?,
+            None => ctx.driver.mem_alloc(ctx.device, size)?,
+        };
         charge.commit();
         let id = self.blocks.insert(Block::new(addr, size, BlockState::Free, req.pool, false));
         let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
@@ -94,7 +97,13 @@ impl ShardState {
         // Recorded with the trace held across the call: the stream that gets the address next
         // records its `segment_alloc` after this `segment_free`.
         let freed = ctx.history.record_around(Action::SegmentFree, addr, size, ctx.shard.stream, c, || {
-            ctx.driver.mem_free(ctx.device, addr)
+            match &ctx.shard.source {
+                Some(s) => {
+                    (s.free)(addr, size, ctx.device, ctx.shard.stream);
+                    Ok(())
+                }
+                None => ctx.driver.mem_free(ctx.device, addr),
+            }
         });
         if let Err(e) = freed {
             if ctx.segments.on() {
