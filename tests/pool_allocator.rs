@@ -68,6 +68,8 @@ fn a_pools_segments_come_from_its_allocator_and_go_back_through_it() {
         assert!(within(p) && within(q) && !within(other), "the pool's blocks lie in its allocator's segments");
     }
     assert_eq!(a.pool_stats(0, pool).unwrap().stats.reserved_bytes.all.current, 22 * MIB as i64);
+    // The device's statistics count every pool: the private pool's 22 MiB and the default's 2.
+    assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, 24 * MIB as i64);
     // Cached, split and reused as any pool's: freed and allocated again, no new segment.
     a.free(p).unwrap();
     a.begin_allocate_to_pool(0, pool, 5).unwrap();

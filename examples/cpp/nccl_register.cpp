@@ -1,7 +1,10 @@
 // Registers every segment of gpupool with an NCCL communicator through a segment observer, as
 // PyTorch's ProcessGroupNCCL does through its allocator trace tracker (ncclCommRegister on
 // SEGMENT_ALLOC and SEGMENT_MAP, ncclCommDeregister on SEGMENT_FREE and SEGMENT_UNMAP), then
-// runs an all-reduce on blocks from gpupool and checks it. One GPU, a communicator of one rank.
+// runs an all-reduce on blocks from gpupool and checks it. Then a private pool whose segments
+// come from ncclMemAlloc (gpupool_pool_create_with_allocator, PyTorch's
+// torch.cuda.MemPool(allocator) for NVLink SHARP): the all-reduce again on its blocks, and its
+// segments back through ncclMemFree. One GPU, a communicator of one rank.
 //
 // Build (scripts/gpu.sh, section nccl): c++ -std=c++17 nccl_register.cpp -I<prefix>/include
 //   -I<dir of nccl.h> -I<cuda>/include -L<prefix>/lib -lgpupool <libnccl.so.2> -lcudart
@@ -97,6 +100,41 @@ void on_segment(void *user, const gpupool_segment_event_t *e) {
   }
 }
 
+// The pool's allocator: NCCL's (called with gpupool's pool locked; calls NCCL only).
+int nccl_alloc(void *user, size_t bytes, int device, gpupool_stream_t, void **ptr) {
+  auto *calls = static_cast<int *>(user);
+  int old = 0;
+  if (cudaGetDevice(&old) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return 1;
+  ncclResult_t r = ncclMemAlloc(ptr, bytes);
+  cudaSetDevice(old);
+  if (r != ncclSuccess) return 1;
+  calls[0]++;
+  return 0;
+}
+
+void nccl_free(void *user, void *ptr, size_t, int, gpupool_stream_t) {
+  auto *calls = static_cast<int *>(user);
+  if (ncclMemFree(ptr) == ncclSuccess) calls[1]++;
+}
+
+// An all-reduce of `count` floats on two blocks allocated now on `stream`, checked, then freed.
+void all_reduce_checked(Registry &reg, cudaStream_t stream, size_t count) {
+  float *send = nullptr, *recv = nullptr;
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), 0, stream));
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), 0, stream));
+  std::vector<float> host(count);
+  for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f;
+  CUDA(cudaMemcpyAsync(send, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemsetAsync(recv, 0, count * sizeof(float), stream));
+  NCCL(ncclAllReduce(send, recv, count, ncclFloat, ncclSum, reg.comm, stream));
+  std::vector<float> back(count);
+  CUDA(cudaMemcpyAsync(back.data(), recv, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  for (size_t i = 0; i < count; i++) CHECK("the all-reduce of one rank gives its input", back[i] == host[i]);
+  POOL(gpupool_free(send));
+  POOL(gpupool_free(recv));
+}
+
 int64_t reserved() {
   gpupool_stats_t st = GPUPOOL_STATS_INIT;
   POOL(gpupool_stats(0, &st));
@@ -120,24 +158,23 @@ int main() {
   CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t sizes[] = {1u << 10, 3u << 20, 64u << 20};
   for (size_t count : sizes) {
-    float *send = nullptr, *recv = nullptr;
-    POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), 0, stream));
-    POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), 0, stream));
+    all_reduce_checked(reg, stream, count);
     CHECK("the registered bytes equal reserved_bytes", static_cast<int64_t>(reg.bytes) == reserved());
-    std::vector<float> host(count);
-    for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f;
-    CUDA(cudaMemcpyAsync(send, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
-    CUDA(cudaMemsetAsync(recv, 0, count * sizeof(float), stream));
-    NCCL(ncclAllReduce(send, recv, count, ncclFloat, ncclSum, reg.comm, stream));
-    std::vector<float> back(count);
-    CUDA(cudaMemcpyAsync(back.data(), recv, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
-    CUDA(cudaStreamSynchronize(stream));
-    for (size_t i = 0; i < count; i++) CHECK("the all-reduce of one rank gives its input", back[i] == host[i]);
-    POOL(gpupool_free(send));
-    POOL(gpupool_free(recv));
     std::printf("all-reduce of %zu floats on gpupool blocks: checked; %zu bytes registered in %zu ranges\n", count,
                 reg.bytes, reg.ranges.size());
   }
+  // A pool over ncclMemAlloc: this thread's allocations go there until the route ends.
+  int nccl_calls[2] = {0, 0};
+  uint64_t pool = 0;
+  POOL(gpupool_pool_create_with_allocator(&pool, nccl_alloc, nccl_free, nccl_calls));
+  POOL(gpupool_begin_allocate_to_pool_thread(0, pool));
+  for (size_t count : sizes) all_reduce_checked(reg, stream, count);
+  POOL(gpupool_end_allocate_to_pool(0, pool));
+  CHECK("the pool's segments came from ncclMemAlloc", nccl_calls[0] > 0);
+  CHECK("its segments are registered too", static_cast<int64_t>(reg.bytes) == reserved());
+  std::printf("the same on a pool over ncclMemAlloc: checked; %d segments from ncclMemAlloc\n", nccl_calls[0]);
+  POOL(gpupool_release_pool(0, pool));
+  CHECK("release_pool gave every segment back through ncclMemFree", nccl_calls[1] == nccl_calls[0]);
   CUDA(cudaStreamSynchronize(stream));
   POOL(gpupool_empty_cache(0));
   CHECK("every range deregistered by empty_cache", reg.ranges.empty() && reg.bytes == 0 && reserved() == 0);
