@@ -73,6 +73,29 @@
 #define GPUPOOL_HOST_STATS_VERSION 1
 
 /**
+ * A segment came from the driver (`cuMemAlloc`), told after the call (PyTorch
+ * `SEGMENT_ALLOC`).
+ */
+#define GPUPOOL_SEGMENT_ALLOC 0
+
+/**
+ * A segment is about to go back to the driver (`cuMemFree`), told before the call, while its
+ * memory is still valid (`SEGMENT_FREE`).
+ */
+#define GPUPOOL_SEGMENT_FREE 1
+
+/**
+ * Pages of an expandable segment were mapped (`cuMemMap`), told after (`SEGMENT_MAP`).
+ */
+#define GPUPOOL_SEGMENT_MAP 2
+
+/**
+ * Pages of an expandable segment are about to be unmapped (`cuMemUnmap`), told before
+ * (`SEGMENT_UNMAP`).
+ */
+#define GPUPOOL_SEGMENT_UNMAP 3
+
+/**
  * `gpupool_sleep`'s mode: the live blocks' contents are copied to pinned host memory first,
  * and back at `gpupool_wake`, bit for bit (weights).
  */
@@ -399,10 +422,68 @@ typedef void (*gpupool_oom_observer_fn)(int device,
                                         void *user);
 
 /**
+ * Allocates a segment of `bytes` bytes on `device` for `stream` and writes its address to
+ * `*ptr`; returns 0 on success, anything else for out of memory. `user` is the pointer given
+ * to `gpupool_pool_create_with_allocator`.
+ */
+typedef int (*gpupool_segment_alloc_fn)(void *user,
+                                        size_t bytes,
+                                        int device,
+                                        gpupool_stream_t stream,
+                                        void **ptr);
+
+/**
+ * Frees a segment that the matching `gpupool_segment_alloc_fn` gave: its address, its bytes,
+ * and the device and stream it was allocated for.
+ */
+typedef void (*gpupool_segment_free_fn)(void *user,
+                                        void *ptr,
+                                        size_t bytes,
+                                        int device,
+                                        gpupool_stream_t stream);
+
+/**
  * A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
  * allocations on `stream` go to the pool. `user` is the pointer given with it.
  */
 typedef int (*gpupool_stream_filter_t)(void *user, gpupool_stream_t stream);
+
+/**
+ * One segment event, owned by gpupool and valid during the observer's call only.
+ */
+typedef struct gpupool_segment_event_t {
+  /**
+   * What happened: `GPUPOOL_SEGMENT_ALLOC`, `_FREE`, `_MAP` or `_UNMAP`.
+   */
+  uint32_t kind;
+  /**
+   * The device ordinal (never -1).
+   */
+  int device;
+  /**
+   * The first byte of the segment, or of the page range mapped or unmapped.
+   */
+  void *address;
+  /**
+   * Its length in bytes: the whole segment, or whole pages (2 MiB, or 20 MiB with
+   * `GPUPOOL_EXPANDABLE_LARGE_PAGES` for large requests).
+   */
+  size_t bytes;
+  /**
+   * The stream whose pools own the segment.
+   */
+  gpupool_stream_t stream;
+  /**
+   * The private pool of the segment (`gpupool_pool_create`); 0 for the default pools.
+   */
+  uint64_t pool;
+} gpupool_segment_event_t;
+
+/**
+ * A segment observer, attached with `gpupool_attach_segment_observer`: `user` is the pointer
+ * given there, `event` is valid during the call only.
+ */
+typedef void (*gpupool_segment_observer_fn)(void *user, const struct gpupool_segment_event_t *event);
 
 /**
  * What the blocks allocated under one tag hold, over every device, as PyTorch's `Stat`s:
@@ -1027,6 +1108,40 @@ gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, voi
 gpupool_status gpupool_oom_retry(void);
 
 /**
+ * Creates a private pool whose segments come from `alloc` and go back through `free` instead
+ * of `cuMemAlloc` and `cuMemFree`, and writes its id to `*pool` (the C equivalent of
+ * `torch.cuda.MemPool(allocator)`; with `ncclMemAlloc`/`ncclMemFree`, the pool's buffers can
+ * be registered for NVLink SHARP). Everything else is a private pool's
+ * (`gpupool_pool_create`): allocations reach it through the routes
+ * (`gpupool_begin_allocate_to_pool` and its variants), are cached, split and reused as any,
+ * count in the statistics (reserved bytes and the memory fraction included), and
+ * `gpupool_release_pool` gives its segments back through `free`.
+ *
+ * - `alloc(user, bytes, device, stream, &ptr)` is called for each new segment (2 MiB, 20 MiB
+ *   or a large request rounded to 2 MiB, as PyTorch sizes segments); nonzero means out of
+ *   memory: the cache of that stream's pool is released and the allocation retried, then the
+ *   out-of-memory observers run and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns.
+ * - `free(user, ptr, bytes, device, stream)` is called once for each segment `alloc` gave, when
+ *   gpupool gives it back (`gpupool_empty_cache`, `gpupool_release_pool`).
+ * - Both run on the calling thread with the stream's pool locked: they must not call gpupool
+ *   (they may call CUDA and NCCL), and must return. Segment observers see these segments too.
+ * - `user`: passed back as it is; it must stay usable for as long as the pool holds memory.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
+ * be NULL or functions of those signatures, safe to call with `user` from any thread.
+ */
+gpupool_status gpupool_pool_create_with_allocator(uint64_t *pool,
+                                                  gpupool_segment_alloc_fn alloc,
+                                                  gpupool_segment_free_fn free,
+                                                  void *user);
+
+/**
  * Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
  * `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
  * process-wide, and a pool's memory is per device: made on the devices whose allocations are
@@ -1158,6 +1273,61 @@ gpupool_status gpupool_release_pool(int device, uint64_t pool);
  * `out` must be NULL or point to writable storage of at least `out->size` bytes.
  */
 gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stats_t *out);
+
+/**
+ * Attaches a segment observer: `observer(user, event)` is told of every segment of any device
+ * that gpupool takes from the driver or gives back, and of every page range of an expandable
+ * segment it maps or unmaps (PyTorch `attachAllocatorTraceTracker`; `ProcessGroupNCCL`
+ * registers each segment with `ncclCommRegister` on `GPUPOOL_SEGMENT_ALLOC`/`MAP` and
+ * deregisters it with `ncclCommDeregister` on `GPUPOOL_SEGMENT_FREE`/`UNMAP`).
+ *
+ * - When: `GPUPOOL_SEGMENT_ALLOC` and `GPUPOOL_SEGMENT_MAP` after the driver call, on the
+ *   thread of the `gpupool_malloc` that grew, with no lock of gpupool's held, before that
+ *   malloc returns; `GPUPOOL_SEGMENT_FREE` and `GPUPOOL_SEGMENT_UNMAP` before the driver call
+ *   (the memory is still valid), on the thread of the call that gives it back
+ *   (`gpupool_empty_cache`, a malloc that releases cache, `gpupool_release_pool`, the free of a
+ *   released pool's last block: docs/observers.md lists them), with that stream's pools
+ *   locked, as PyTorch calls its trace tracker under its allocator's mutex. Every observer sees a range added before it is taken away.
+ * - What: for each observer, bytes added minus bytes taken away equals the reserved bytes
+ *   (`gpupool_stats`' `reserved_bytes`) of the segments made since its attach, whenever no
+ *   call is under way. Segments that existed before the attach are not told.
+ * - The observer may call CUDA and NCCL. It must not call gpupool: a `gpupool_malloc` from it
+ *   that needs a new segment fails with `GPUPOOL_ERROR_INVALID_VALUE`, and a call on the
+ *   stream of a FREE or UNMAP event would wait forever for the lock held. It must return (no
+ *   `longjmp`), and a C++ observer must catch its exceptions.
+ * - `user`: any pointer, passed back; gpupool never reads it. It must stay usable, from any
+ *   thread, until `gpupool_detach_segment_observer` returns.
+ *
+ * With no observer attached, the calls that make or give back segments pay one relaxed load;
+ * a cached malloc and free make none, and pay nothing.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this pair attached already);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe: attach and detach from any thread while others allocate.
+ *
+ * # Safety
+ * `observer` must be NULL or a function of the signature of `gpupool_segment_observer_fn`,
+ * safe to call with `user` from any thread until it is detached.
+ */
+gpupool_status gpupool_attach_segment_observer(gpupool_segment_observer_fn observer,
+                                               void *user);
+
+/**
+ * Detaches the segment observer attached with this `observer` and `user`. Called from outside
+ * any segment observer, it returns once no call of it is under way on any thread, and none
+ * starts after: `user` may then be freed. Called from inside one, it returns at once. The
+ * caller must not hold a lock that the observer takes.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no segment observer is attached with this pair
+ * (NULL `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * Any values are safe: they are only compared with those attached.
+ */
+gpupool_status gpupool_detach_segment_observer(gpupool_segment_observer_fn observer, void *user);
 
 /**
  * Creates a private pool that may sleep and writes its id to `*pool`: as

@@ -32,6 +32,10 @@
 #               (offload and restore against the pinned copy bandwidth of the run; sizes from
 #               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16"), into OUT/sleep.log
 #   examples    hello, the C++ consumer, engine and engine_graphs
+#   nccl        examples/cpp/nccl_register.cpp: every segment registered with a one-rank NCCL
+#               communicator through a segment observer, an all-reduce on gpupool blocks checked;
+#               with expandable segments and with ordinary ones (nccl.h from the CUDA toolkit,
+#               PyTorch's include dir or the nvidia-nccl package; /usr/lib/x86_64-linux-gnu/libnccl.so.2)
 #   preload     the LD_PRELOAD shim's programs
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
 #   traces      examples/python/record_trace.py into build-gpu/traces
@@ -124,7 +128,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs sleep examples preload python traces snapshot frames bench ab replay host plugins"
+all_sections="rust c gpu expandable streams graphs sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -466,6 +470,33 @@ if want plugins; then
     fi
   else
     echo "RMM skipped: no librmm wheel in $dir/wheels (scripts/gpu.sh prepare downloads it)"
+  fi
+fi
+
+if want nccl; then
+  echo "== nccl: segments registered with NCCL through a segment observer"
+  if command -v nvcc >/dev/null 2>&1; then cuda_home=$(dirname "$(dirname "$(command -v nvcc)")"); else cuda_home=${CUDA_HOME:-/usr/local/cuda}; fi
+  nccl_inc=""
+  for d in "$cuda_home/include" /usr/include \
+    "$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"include"))' 2>/dev/null)" \
+    "$(python3 -c 'import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],"include"))' 2>/dev/null)"; do
+    if [ -n "$d" ] && [ -f "$d/nccl.h" ]; then nccl_inc=$d; break; fi
+  done
+  nccl_lib=/usr/lib/x86_64-linux-gnu/libnccl.so.2
+  n=build-gpu/nccl
+  mkdir -p $n
+  if [ -z "$nccl_inc" ] || [ ! -f "$nccl_lib" ]; then
+    echo "nccl: nccl.h (${nccl_inc:-not found}) or $nccl_lib missing"
+    status=1
+  elif c++ -std=c++17 -Wall -Wextra -I"$prefix/include" -I"$nccl_inc" -I"$cuda_home/include" \
+    examples/cpp/nccl_register.cpp -o $n/nccl_register -L"$prefix/lib" -lgpupool "$nccl_lib" \
+    -L"$cuda_home/lib64" -lcudart -Wl,-rpath,"$prefix/lib:$cuda_home/lib64" >"$out/nccl-build.log" 2>&1; then
+    echo "nccl.h from $nccl_inc"
+    ./$n/nccl_register 2>&1 | tee "$out/nccl-expandable.log" || status=1
+    GPUPOOL_CONF=expandable_segments:False ./$n/nccl_register 2>&1 | tee "$out/nccl-ordinary.log" || status=1
+  else
+    echo "examples/cpp/nccl_register.cpp did not build (see nccl-build.log)"
+    status=1
   fi
 fi
 exit $status

@@ -35,4 +35,5 @@ pub use caching::deferred::DeferredStats;
 pub use caching::device::PoolStats;
 pub use caching::observers::{OomEvent, OomObserverId};
 pub use caching::sleep::SleepMode;
+pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use error::Error;

@@ -29,7 +29,9 @@ pub mod oom;
 /// The allocator plug-ins of CuPy and ONNX Runtime: `include/gpupool_plugins.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod plugins;
+pub mod pool_allocator;
 pub mod pools;
+pub mod segments;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;

@@ -64,6 +64,8 @@ int main(void) {
       (any_fn)gpupool_attach_oom_observer,
       (any_fn)gpupool_detach_oom_observer,
       (any_fn)gpupool_oom_retry,
+      (any_fn)gpupool_attach_segment_observer,
+      (any_fn)gpupool_detach_segment_observer,
       (any_fn)gpupool_record_history,
       (any_fn)gpupool_dump_snapshot,
       (any_fn)gpupool_push_tag,
@@ -86,6 +88,7 @@ int main(void) {
       (any_fn)gpupool_status_string,
       (any_fn)gpupool_version,
       (any_fn)gpupool_pool_create,
+      (any_fn)gpupool_pool_create_with_allocator,
       (any_fn)gpupool_begin_allocate_to_pool,
       (any_fn)gpupool_begin_allocate_to_pool_thread,
       (any_fn)gpupool_begin_allocate_to_pool_filter,
@@ -115,5 +118,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 58 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 61 ? 0 : 1)) != 0;
 }

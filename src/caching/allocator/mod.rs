@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use super::device::DeviceAllocator;
 use super::observers::{OomEvent, OomObserverId, OomObservers};
 use super::segment_index::SegmentIndex;
+use super::segment_observers::{SegmentEvent, SegmentObserverId, SegmentObservers};
 use super::shard::Shard;
 use crate::config::{Config, DriverKind};
 use crate::driver::cuda::CudaDriver;
@@ -66,6 +67,8 @@ pub struct Allocator {
     devices: Box<[OnceLock<DeviceAllocator>]>,
     /// Shared with every device, which calls them when a request fails.
     observers: Arc<OomObservers>,
+    /// Shared with every device, told of segments made and given back.
+    segment_observers: Arc<SegmentObservers>,
     /// The allocation history of every device.
     recorder: Arc<Recorder>,
 }
@@ -100,6 +103,7 @@ impl Allocator {
             index: Arc::new(SegmentIndex::default()),
             devices: (0..count).map(|_| OnceLock::new()).collect(),
             observers: Arc::default(),
+            segment_observers: Arc::default(),
             recorder,
         }
     }
@@ -206,6 +210,7 @@ impl Allocator {
             self.index.clone(),
             &config,
             self.observers.clone(),
+            self.segment_observers.clone(),
             HistoryHook::new(self.recorder.clone(), d as usize),
         );
         if config.per_process_memory_fraction < 1.0 {
@@ -249,6 +254,45 @@ impl Allocator {
     /// returns at once: a call on another thread may still be running.
     pub fn detach_oom_observer(&self, id: OomObserverId) -> bool {
         self.observers.detach(id)
+    }
+
+    /// Attaches `observer`, told of every segment of any device taken from the driver or given
+    /// back, and of every page range of an expandable segment mapped or unmapped (PyTorch
+    /// `attachAllocatorTraceTracker`, with which `ProcessGroupNCCL` registers each segment
+    /// with its communicators). Segments that exist already are not told: attach before the
+    /// first allocation, or read them from a snapshot. Returns the id
+    /// [`Allocator::detach_segment_observer`] takes.
+    ///
+    /// When it runs, on the thread whose call made or gives back the segment (docs/observers.md):
+    /// - [`SegmentEventKind::Alloc`](crate::SegmentEventKind::Alloc) and `Map`: after the driver
+    ///   call, with no lock of gpupool's held, before the malloc that grew returns (a call that
+    ///   fails after growing delivers them at the stream's next call at the latest);
+    /// - `Free` and `Unmap`: before the driver call, while the memory is still the segment's,
+    ///   with the stream's shard locked (as PyTorch calls its trace tracker under its mutex).
+    ///
+    /// For each observer, bytes added minus bytes taken away equals the reserved bytes the
+    /// segments made since its attach hold, whenever no call is under way.
+    ///
+    /// The observer may call CUDA and NCCL (`ncclCommRegister`, `ncclCommDeregister`), but not
+    /// gpupool: a malloc of it that needs a new segment fails with [`Error::InvalidValue`], and
+    /// any call on the stream of a `Free` or `Unmap` event would wait for the lock held. A
+    /// panic in it is caught (the panic hook reports it) and the next observers still run.
+    ///
+    /// Thread-safe: attach and detach from any thread while others allocate. With none
+    /// attached, the slow paths that make or give back segments pay one relaxed load; the hit
+    /// path makes no segment and pays nothing.
+    pub fn attach_segment_observer(
+        &self,
+        observer: impl Fn(&SegmentEvent) + Send + Sync + 'static,
+    ) -> SegmentObserverId {
+        self.segment_observers.attach(Box::new(observer))
+    }
+
+    /// Detaches the segment observer `id`; false when it is not attached. Called from outside
+    /// any segment observer, it returns once no call of it is under way on any thread, and
+    /// none starts after; from inside one, at once.
+    pub fn detach_segment_observer(&self, id: SegmentObserverId) -> bool {
+        self.segment_observers.detach(id)
     }
 
     /// The device of a segment: started already, since it has segments.

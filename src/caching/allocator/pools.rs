@@ -22,6 +22,29 @@ impl Allocator {
         NEXT_POOL.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// A new private pool whose segments come from `alloc` and go back through `free` instead
+    /// of the driver (PyTorch `torch.cuda.MemPool(allocator)`, whose `CUDAPluggableAllocator`
+    /// gives a pool `ncclMemAlloc` and `ncclMemFree`). Everything else is a private pool's, as
+    /// [`Allocator::pool_create`] makes: routes, caching, splitting, `record_stream`,
+    /// statistics, `release_pool`. `alloc(bytes, device, stream)` returns the segment's
+    /// address, or `None` for out of memory (release-and-retry and the out-of-memory
+    /// observers follow); `free(address, bytes, device, stream)` is called once for each
+    /// segment `alloc` gave, when gpupool gives it back (`empty_cache`, `release_pool`). Both
+    /// run on the calling thread with the stream's shard locked: they must not call gpupool.
+    /// The memory counts as reserved, and against the memory fraction, as a driver segment.
+    pub fn pool_create_with_allocator(
+        &self,
+        alloc: impl Fn(usize, i32, StreamHandle) -> Option<crate::driver::DevicePtr> + Send + Sync + 'static,
+        free: impl Fn(crate::driver::DevicePtr, usize, i32, StreamHandle) + Send + Sync + 'static,
+    ) -> u64 {
+        let pool = self.pool_create();
+        crate::caching::pool_source::set(
+            pool,
+            crate::caching::pool_source::PoolSource { alloc: Box::new(alloc), free: Box::new(free) },
+        );
+        pool
+    }
+
     /// A new private pool that may sleep ([`Allocator::sleep`]): as [`Allocator::pool_create`],
     /// but its segments are expandable (on the virtual memory API), during captures too, and
     /// wholly free pages of a segment a CUDA graph uses stay mapped. Its id has bit 62 set.

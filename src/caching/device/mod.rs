@@ -35,6 +35,7 @@ use super::page_pool::PagePool;
 use super::peaks::{SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
+use super::segment_observers::SegmentObservers;
 use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
 use super::shard_table::ShardTable;
 use super::sleep::{Sleepers, sleepable};
@@ -98,6 +99,8 @@ pub(crate) struct DeviceAllocator {
     grown_past_mark: AtomicUsize,
     /// The allocator's out-of-memory observers, read only once a request has failed.
     observers: Arc<OomObservers>,
+    /// The allocator's segment observers (see `segment_observers`).
+    segment_observers: Arc<SegmentObservers>,
     /// The allocation history: malloc and free read its flag.
     history: HistoryHook,
     /// Whether a CUDA graph capture may be under way (see `capture`).
@@ -140,6 +143,7 @@ impl DeviceAllocator {
         index: Arc<SegmentIndex<Arc<Shard>>>,
         config: &Config,
         observers: Arc<OomObservers>,
+        segment_observers: Arc<SegmentObservers>,
         history: HistoryHook,
     ) -> Self {
         let rules = SizeRules::from_config(config);
@@ -166,6 +170,7 @@ impl DeviceAllocator {
             pages: PagePool::default(),
             deferred: DeferredFrees::default(),
             observers,
+            segment_observers,
             history,
             capture: CaptureProbe::new(driver.clone(), device),
             pools: pools::Pools::default(),
@@ -198,6 +203,7 @@ impl DeviceAllocator {
             reclaim: if private { Reclaim::Off } else { self.reclaim },
             history: &self.history,
             capture: &self.capture,
+            segments: &self.segment_observers,
         }
     }
 

@@ -282,6 +282,13 @@ impl DeviceAllocator {
         req: &Request,
         collect: bool,
     ) -> Result<Result<BlockId, Served>, Error> {
+        if ctx.segments.on() && crate::caching::segment_observers::observing() {
+            return Err(Error::InvalidValue(format!(
+                "a request of {} bytes on device {} needs a new segment, and was made from inside a segment observer, \
+                 which may not allocate from gpupool (docs/observers.md)",
+                req.size, ctx.device
+            )));
+        }
         let status = self.capture.status(ctx.shard.stream)?;
         if status.is_capturing() {
             if ctx.shard.pool == 0 || st.released {

@@ -41,7 +41,10 @@ impl DeviceAllocator {
         if c.has_surplus && hot {
             peaks::give_back(c, &self.spare, false);
         }
-        let settle = c.needs_settle && !peaks::borrow(c, &self.spare);
+        // Segment events queued under the lock flag a settle (`ShardState::observe_later`),
+        // and are delivered with the lock dropped for it: the hit path, which makes no
+        // segment, pays no look at the queue.
+        let settle = c.needs_settle && (!st.segment_events.is_empty() || !peaks::borrow(&mut st.counters, &self.spare));
         // Before the settle, which this shard may not be visited by (another settle may have
         // taken the dirty list it is on, and visited it, while it waited): a change after
         // that would go unseen by the next settle.
@@ -50,7 +53,9 @@ impl DeviceAllocator {
         }
         if settle {
             // Unlocked meanwhile: the settle locks every shard it visits, this one included.
+            let observed = std::mem::take(&mut st.segment_events);
             MutexGuard::unlocked(&mut st, || {
+                self.segment_observers.deliver(&observed);
                 bump(&self.counters.num_peak_settles);
                 self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
             });

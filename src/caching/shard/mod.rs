@@ -55,6 +55,7 @@ use super::page_pool::PagePool;
 use super::pool::FreePool;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
+use super::segment_observers::{SegmentEvent, SegmentObservers};
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::history::HistoryHook;
 use front::FrontCache;
@@ -69,12 +70,15 @@ pub(crate) struct Shard {
     /// `shard_table`); a thread that kept it in its cache of recent shards then fetches the
     /// stream's new shard.
     retired: AtomicBool,
+    /// The program's allocator of the pool's segments (`pool_source`); `None`: the driver.
+    pub source: Option<Arc<super::pool_source::PoolSource>>,
     state: Mutex<ShardState>,
 }
 
 impl Shard {
     pub fn new(pool: u64, stream: StreamHandle) -> Shard {
-        Shard { stream, pool, retired: AtomicBool::new(false), state: Mutex::new(ShardState::default()) }
+        let source = super::pool_source::get(pool);
+        Shard { stream, pool, retired: AtomicBool::new(false), source, state: Mutex::new(ShardState::default()) }
     }
 
     /// The lock, with the front cache merged into the pools (see `front`): what every call
@@ -135,6 +139,8 @@ pub(crate) struct ShardCtx<'a> {
     pub history: &'a HistoryHook,
     /// Whether a capture is under way, asked only before a call CUDA forbids during one.
     pub capture: &'a crate::caching::capture::CaptureProbe,
+    /// The allocator's segment observers, told of segments made and given back.
+    pub segments: &'a SegmentObservers,
 }
 
 /// What [`ShardState::grow`] obtained.
@@ -191,6 +197,9 @@ pub(crate) struct ShardState {
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
     pending_ctx: u32,
+    /// Segment events of allocations and mappings made under the lock, for the call to deliver
+    /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
+    pub segment_events: Vec<SegmentEvent>,
     /// Blocks freed while a capture was under way whose other streams (`record_stream`) need
     /// events, which may not be recorded and queried then: they wait, active, until no capture
     /// is (PyTorch `needs_events_deferred_until_no_capture`). Each is in

@@ -5,6 +5,7 @@ use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
 use crate::caching::block::{Block, BlockId, BlockState};
 use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS};
 use crate::caching::segment_index::SegmentEntry;
+use crate::caching::segment_observers::{SegmentEvent, SegmentEventKind};
 use crate::driver::DriverError;
 use crate::error::Error;
 use crate::history::Action;
@@ -48,7 +49,10 @@ impl ShardState {
         }
         let size = req.segment;
         let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
-        let addr = ctx.driver.mem_alloc(ctx.device, size)?;
+        let addr = match &ctx.shard.source {
+            Some(s) => (s.alloc)(size, ctx.device, ctx.shard.stream).ok_or(DriverError::OutOfMemory)?,
+            None => ctx.driver.mem_alloc(ctx.device, size)?,
+        };
         charge.commit();
         let id = self.blocks.insert(Block::new(addr, size, BlockState::Free, req.pool, false));
         let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
@@ -60,7 +64,28 @@ impl ShardState {
             self.counters.increase_single(OVERSIZE_SEGMENTS);
         }
         self.counters.device_allocs += 1;
+        if ctx.segments.on() {
+            self.observe_later(ctx, SegmentEventKind::Alloc, addr, size);
+        }
         Ok(id)
+    }
+
+    /// Queues a segment event of an allocation or mapping, for the call to deliver once the
+    /// lock is dropped. Flags the counters for a settle, so that the end of the call
+    /// (`DeviceAllocator::finish_call`) looks at the queue on its slow branch only.
+    pub(super) fn observe_later(&mut self, ctx: &ShardCtx, kind: SegmentEventKind, address: u64, bytes: usize) {
+        let (device, stream, pool) = (ctx.device, ctx.shard.stream, ctx.shard.pool);
+        self.segment_events.push(SegmentEvent { kind, device, address, bytes, stream, pool });
+        self.counters.needs_settle = true;
+    }
+
+    /// Delivers a segment event of a free or an unmapping now, with the lock held, before the
+    /// driver call: the queued events first, so that each range is told mapped before unmapped.
+    pub(super) fn observe_now(&mut self, ctx: &ShardCtx, kind: SegmentEventKind, address: u64, bytes: usize) {
+        let queued = std::mem::take(&mut self.segment_events);
+        ctx.segments.deliver(&queued);
+        let (device, stream, pool) = (ctx.device, ctx.shard.stream, ctx.shard.pool);
+        ctx.segments.deliver(&[SegmentEvent { kind, device, address, bytes, stream, pool }]);
     }
 
     /// PyTorch `release_block`: a whole free segment goes back to the driver.
@@ -75,12 +100,24 @@ impl ShardState {
         let reindex = scopeguard::guard((), |()| {
             ctx.index.insert(SegmentEntry { base: addr, size, device: ctx.device, owner: ctx.shard.clone() })
         });
+        if ctx.segments.on() {
+            self.observe_now(ctx, SegmentEventKind::Free, addr, size);
+        }
         // Recorded with the trace held across the call: the stream that gets the address next
         // records its `segment_alloc` after this `segment_free`.
         let freed = ctx.history.record_around(Action::SegmentFree, addr, size, ctx.shard.stream, c, || {
-            ctx.driver.mem_free(ctx.device, addr)
+            match &ctx.shard.source {
+                Some(s) => {
+                    (s.free)(addr, size, ctx.device, ctx.shard.stream);
+                    Ok(())
+                }
+                None => ctx.driver.mem_free(ctx.device, addr),
+            }
         });
         if let Err(e) = freed {
+            if ctx.segments.on() {
+                self.observe_later(ctx, SegmentEventKind::Alloc, addr, size);
+            }
             return Err(Error::driver(e, "returning a cached segment to the driver"));
         }
         scopeguard::ScopeGuard::into_inner(reindex);

@@ -105,6 +105,11 @@ impl ShardState {
             let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
             map_plan(ctx, e, &plan, attempted, spare)
         };
+        if ctx.segments.on() {
+            for &(_, offset, len) in &plan[..attempted] {
+                self.observe_mapped(ctx, base, offset, len);
+            }
+        }
         if let Err(e) = result {
             // A failed growth leaves the pool no fuller than it found it: the handles it
             // created go back to the driver (a device out of memory needs them; a refusal

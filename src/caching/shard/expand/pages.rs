@@ -4,7 +4,8 @@
 
 use crate::caching::block::{BlockId, BlockState, NIL};
 use crate::caching::counters::Metric;
-use crate::caching::shard::ShardState;
+use crate::caching::segment_observers::SegmentEventKind;
+use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 
 impl ShardState {
@@ -79,6 +80,26 @@ impl ShardState {
             } else {
                 self.insert_unmapped(piece);
             }
+        }
+    }
+
+    /// Queues a `Map` segment event for each stretch of mapped pages in `len` bytes at `offset`
+    /// of the expandable segment at `base` (see `segment_observers`).
+    pub(super) fn observe_mapped(&mut self, ctx: &ShardCtx, base: DevicePtr, offset: usize, len: usize) {
+        let e = self.segments[&base].exp.as_deref().expect("expandable");
+        let page = e.page;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for at in (offset..offset + len).step_by(page) {
+            if !e.is_mapped(at) {
+                continue;
+            }
+            match runs.last_mut() {
+                Some((start, n)) if *start + *n == at => *n += page,
+                _ => runs.push((at, page)),
+            }
+        }
+        for (at, n) in runs {
+            self.observe_later(ctx, SegmentEventKind::Map, base + at as u64, n);
         }
     }
 

@@ -5,6 +5,7 @@ use super::round_up;
 use crate::caching::block::{BlockId, NIL};
 use crate::caching::counters::Metric;
 use crate::caching::segment_index::SegmentEntry;
+use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 use crate::error::Error;
@@ -168,6 +169,9 @@ impl ShardState {
             // The block follows the page table whatever happens, unwinding included, the
             // handles unmapped go to the device's pool (still device memory: the limit keeps
             // counting them), and the pages unmapped are recorded.
+            if ctx.segments.on() {
+                self.observe_now(ctx, SegmentEventKind::Unmap, base + lo, len as usize);
+            }
             let mut spare = Vec::new();
             let mut g = scopeguard::guard((&mut *self, &mut spare), |(st, spare)| {
                 st.adopt(base, std::iter::once(id), before);
@@ -182,6 +186,10 @@ impl ShardState {
             let r = e.unmap(ctx.driver, ctx.device, lo as usize, len as usize, spare);
             drop(g);
             released += before - self.segments[&base].exp.as_deref().expect("expandable").mapped;
+            if r.is_err() && ctx.segments.on() {
+                // What the driver kept mapped is told mapped again.
+                self.observe_mapped(ctx, base, lo as usize, len as usize);
+            }
             r.map_err(|e| Error::driver(e, "unmapping the free pages of an expandable segment"))?;
         }
         Ok(released)

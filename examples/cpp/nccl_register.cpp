@@ -1,0 +1,188 @@
+// Registers every segment of gpupool with an NCCL communicator through a segment observer, as
+// PyTorch's ProcessGroupNCCL does through its allocator trace tracker (ncclCommRegister on
+// SEGMENT_ALLOC and SEGMENT_MAP, ncclCommDeregister on SEGMENT_FREE and SEGMENT_UNMAP), then
+// runs an all-reduce on blocks from gpupool and checks it. Then a private pool whose segments
+// come from ncclMemAlloc (gpupool_pool_create_with_allocator, PyTorch's
+// torch.cuda.MemPool(allocator) for NVLink SHARP): the all-reduce again on its blocks, and its
+// segments back through ncclMemFree. One GPU, a communicator of one rank.
+//
+// Build (scripts/gpu.sh, section nccl): c++ -std=c++17 nccl_register.cpp -I<prefix>/include
+//   -I<dir of nccl.h> -I<cuda>/include -L<prefix>/lib -lgpupool <libnccl.so.2> -lcudart
+// Run twice: as is (expandable segments, MAP/UNMAP events) and with
+// GPUPOOL_CONF=expandable_segments:False (ALLOC/FREE). Exit status 0 when every check holds.
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <map>
+#include <vector>
+
+#include <gpupool.h>
+
+#define CHECK(what, ok)                                                                         \
+  do {                                                                                          \
+    if (!(ok)) {                                                                                \
+      std::fprintf(stderr, "nccl_register: %s failed (%s:%d)\n", what, __FILE__, __LINE__);     \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+#define CUDA(call) CHECK(#call, (call) == cudaSuccess)
+#define NCCL(call) CHECK(#call, (call) == ncclSuccess)
+#define POOL(call)                                                                              \
+  do {                                                                                          \
+    if ((call) != GPUPOOL_SUCCESS) {                                                            \
+      std::fprintf(stderr, "nccl_register: %s: %s\n", #call, gpupool_last_error_message());     \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+namespace {
+
+// The ranges registered with the communicator, by start address: (bytes, NCCL's handle).
+struct Registry {
+  ncclComm_t comm;
+  std::map<char *, std::pair<size_t, void *>> ranges;
+  size_t bytes = 0;
+  int registered = 0, deregistered = 0, failures = 0;
+
+  void add(char *at, size_t n) {
+    void *handle = nullptr;
+    if (ncclCommRegister(comm, at, n, &handle) != ncclSuccess) {
+      failures++;
+      return;
+    }
+    ranges[at] = {n, handle};
+    bytes += n;
+    registered++;
+  }
+
+  // Deregisters every range overlapping [at, at + n), and registers again the parts of them
+  // outside it (an unmapping may take pages from the middle of a range mapped in one go).
+  void remove(char *at, size_t n) {
+    std::vector<std::pair<char *, size_t>> keep;
+    auto it = ranges.upper_bound(at);
+    if (it != ranges.begin()) it = std::prev(it);
+    while (it != ranges.end() && it->first < at + n) {
+      char *start = it->first;
+      size_t len = it->second.first;
+      if (start + len <= at) {
+        ++it;
+        continue;
+      }
+      if (ncclCommDeregister(comm, it->second.second) != ncclSuccess) failures++;
+      deregistered++;
+      bytes -= len;
+      if (start < at) keep.emplace_back(start, static_cast<size_t>(at - start));
+      if (start + len > at + n) keep.emplace_back(at + n, static_cast<size_t>(start + len - (at + n)));
+      it = ranges.erase(it);
+    }
+    for (auto &k : keep) add(k.first, k.second);
+  }
+};
+
+// Runs on the thread of the gpupool call that made or gives back the memory; calls NCCL only
+// (never gpupool). FREE and UNMAP come before the memory goes back to the driver.
+void on_segment(void *user, const gpupool_segment_event_t *e) {
+  auto *r = static_cast<Registry *>(user);
+  char *at = static_cast<char *>(e->address);
+  switch (e->kind) {
+    case GPUPOOL_SEGMENT_ALLOC:
+    case GPUPOOL_SEGMENT_MAP:
+      r->add(at, e->bytes);
+      break;
+    case GPUPOOL_SEGMENT_FREE:
+    case GPUPOOL_SEGMENT_UNMAP:
+      r->remove(at, e->bytes);
+      break;
+  }
+}
+
+// The pool's allocator: NCCL's (called with gpupool's pool locked; calls NCCL only).
+int nccl_alloc(void *user, size_t bytes, int device, gpupool_stream_t, void **ptr) {
+  auto *calls = static_cast<int *>(user);
+  int old = 0;
+  if (cudaGetDevice(&old) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return 1;
+  ncclResult_t r = ncclMemAlloc(ptr, bytes);
+  cudaSetDevice(old);
+  if (r != ncclSuccess) return 1;
+  calls[0]++;
+  return 0;
+}
+
+void nccl_free(void *user, void *ptr, size_t, int, gpupool_stream_t) {
+  auto *calls = static_cast<int *>(user);
+  if (ncclMemFree(ptr) == ncclSuccess) calls[1]++;
+}
+
+// An all-reduce of `count` floats on two blocks allocated now on `stream`, checked, then freed.
+void all_reduce_checked(Registry &reg, cudaStream_t stream, size_t count) {
+  float *send = nullptr, *recv = nullptr;
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), 0, stream));
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), 0, stream));
+  std::vector<float> host(count);
+  for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f;
+  CUDA(cudaMemcpyAsync(send, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemsetAsync(recv, 0, count * sizeof(float), stream));
+  NCCL(ncclAllReduce(send, recv, count, ncclFloat, ncclSum, reg.comm, stream));
+  std::vector<float> back(count);
+  CUDA(cudaMemcpyAsync(back.data(), recv, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  for (size_t i = 0; i < count; i++) CHECK("the all-reduce of one rank gives its input", back[i] == host[i]);
+  POOL(gpupool_free(send));
+  POOL(gpupool_free(recv));
+}
+
+int64_t reserved() {
+  gpupool_stats_t st = GPUPOOL_STATS_INIT;
+  POOL(gpupool_stats(0, &st));
+  return st.reserved_bytes.all.current;
+}
+
+}  // namespace
+
+int main() {
+  CUDA(cudaSetDevice(0));
+  int nccl_version = 0;
+  NCCL(ncclGetVersion(&nccl_version));
+  Registry reg;
+  ncclUniqueId id;
+  NCCL(ncclGetUniqueId(&id));
+  NCCL(ncclCommInitRank(&reg.comm, 1, id, 0));
+  // Before the first allocation, so that every segment is told.
+  POOL(gpupool_attach_segment_observer(on_segment, &reg));
+
+  cudaStream_t stream;
+  CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t sizes[] = {1u << 10, 3u << 20, 64u << 20};
+  for (size_t count : sizes) {
+    all_reduce_checked(reg, stream, count);
+    CHECK("the registered bytes equal reserved_bytes", static_cast<int64_t>(reg.bytes) == reserved());
+    std::printf("all-reduce of %zu floats on gpupool blocks: checked; %zu bytes registered in %zu ranges\n", count,
+                reg.bytes, reg.ranges.size());
+  }
+  // A pool over ncclMemAlloc: this thread's allocations go there until the route ends.
+  int nccl_calls[2] = {0, 0};
+  uint64_t pool = 0;
+  POOL(gpupool_pool_create_with_allocator(&pool, nccl_alloc, nccl_free, nccl_calls));
+  POOL(gpupool_begin_allocate_to_pool_thread(0, pool));
+  for (size_t count : sizes) all_reduce_checked(reg, stream, count);
+  POOL(gpupool_end_allocate_to_pool(0, pool));
+  CHECK("the pool's segments came from ncclMemAlloc", nccl_calls[0] > 0);
+  CHECK("its segments are registered too", static_cast<int64_t>(reg.bytes) == reserved());
+  std::printf("the same on a pool over ncclMemAlloc: checked; %d segments from ncclMemAlloc\n", nccl_calls[0]);
+  POOL(gpupool_release_pool(0, pool));
+  CHECK("release_pool gave every segment back through ncclMemFree", nccl_calls[1] == nccl_calls[0]);
+  CUDA(cudaStreamSynchronize(stream));
+  POOL(gpupool_empty_cache(0));
+  CHECK("every range deregistered by empty_cache", reg.ranges.empty() && reg.bytes == 0 && reserved() == 0);
+  CHECK("NCCL accepted every registration", reg.failures == 0);
+  POOL(gpupool_detach_segment_observer(on_segment, &reg));
+  NCCL(ncclCommDestroy(reg.comm));
+  CUDA(cudaStreamDestroy(stream));
+  std::printf("nccl_register: ok (NCCL %d, %d registrations, %d deregistrations)\n", nccl_version, reg.registered,
+              reg.deregistered);
+  return 0;
+}

@@ -1,0 +1,193 @@
+//! Segment observers: functions told of every segment gpupool takes from the driver and gives
+//! back, and of every page range an expandable segment maps and unmaps (PyTorch's allocator
+//! trace tracker, `attachAllocatorTraceTracker`, through which `ProcessGroupNCCL` calls
+//! `ncclCommRegister` and `ncclCommDeregister` on every segment).
+//!
+//! When they run (docs/observers.md):
+//! - an allocation or a mapping is told after the driver call, with no lock of gpupool's held:
+//!   the shard queues it under its lock and the call delivers its queue once the lock is
+//!   dropped (`DeviceAllocator::finish_call`), before the malloc that grew returns;
+//! - a free or an unmapping is told before the driver call, with the shard's lock held, as
+//!   PyTorch calls its trace tracker under its allocator's mutex: the memory is still the
+//!   segment's while the observer deregisters it. The shard's queue is delivered first, so
+//!   that each observer sees a range mapped before it is unmapped.
+//!
+//! The list is copy-on-write behind an `ArcSwap`, read only when `on` says some observer is
+//! attached (one relaxed load, on the slow paths that create and free segments). A detach waits
+//! for the calls of its observer under way, as the out-of-memory observers' does
+//! (`observers`): each entry counts its calls and has a `detached` flag; a panic in an
+//! observer is caught, as there.
+
+use std::cell::Cell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use crate::driver::{DevicePtr, StreamHandle};
+
+/// What happened to a segment or a page range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentEventKind {
+    /// An ordinary segment came from the driver (`cuMemAlloc`; PyTorch `SEGMENT_ALLOC`).
+    Alloc,
+    /// An ordinary segment is about to go back to the driver (`cuMemFree`; `SEGMENT_FREE`).
+    Free,
+    /// Pages of an expandable segment were mapped (`cuMemMap`; `SEGMENT_MAP`).
+    Map,
+    /// Pages of an expandable segment are about to be unmapped (`cuMemUnmap`;
+    /// `SEGMENT_UNMAP`).
+    Unmap,
+}
+
+impl SegmentEventKind {
+    /// Whether the event adds device memory (`Alloc`, `Map`) rather than takes it away.
+    pub fn adds(self) -> bool {
+        matches!(self, SegmentEventKind::Alloc | SegmentEventKind::Map)
+    }
+}
+
+/// One segment event: `bytes` bytes at `address` on `device`, of the segment of `stream`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentEvent {
+    pub kind: SegmentEventKind,
+    /// The device ordinal (never -1).
+    pub device: i32,
+    /// The first byte of the segment, or of the page range mapped or unmapped.
+    pub address: DevicePtr,
+    /// Its length in bytes: the segment's size, or whole pages.
+    pub bytes: usize,
+    /// The stream whose shard owns the segment.
+    pub stream: StreamHandle,
+    /// The private pool of the segment; 0 for the device's default pools.
+    pub pool: u64,
+}
+
+/// Names an observer attached with [`crate::Allocator::attach_segment_observer`]. Never reused
+/// within one allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentObserverId(u64);
+
+pub(crate) type SegmentObserverFn = dyn Fn(&SegmentEvent) + Send + Sync;
+
+struct Entry {
+    id: u64,
+    observer: Box<SegmentObserverFn>,
+    running: AtomicUsize,
+    detached: AtomicBool,
+}
+
+/// The segment observers of one allocator, in the order attached.
+#[derive(Default)]
+pub(crate) struct SegmentObservers {
+    list: ArcSwap<Vec<Arc<Entry>>>,
+    /// Observers attached: the one load the slow paths pay with none attached.
+    attached: AtomicUsize,
+    next_id: AtomicU64,
+}
+
+thread_local! {
+    /// The calling thread is running segment observers: a request of theirs that needs a new
+    /// segment fails (see [`observing`]), and a detach from inside does not wait.
+    static OBSERVING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is inside a segment observer.
+pub(crate) fn observing() -> bool {
+    OBSERVING.try_with(Cell::get).unwrap_or(false)
+}
+
+const DETACH_POLL: Duration = Duration::from_micros(50);
+
+impl SegmentObservers {
+    /// Whether any observer is attached (relaxed: a thread sees an attach that happened before
+    /// its call, as program order or a synchronisation makes it).
+    #[inline]
+    pub fn on(&self) -> bool {
+        self.attached.load(Ordering::Relaxed) != 0
+    }
+
+    pub fn attach(&self, observer: Box<SegmentObserverFn>) -> SegmentObserverId {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Arc::new(Entry { id, observer, running: AtomicUsize::new(0), detached: AtomicBool::new(false) });
+        self.list.rcu(|list| {
+            let mut next = Vec::with_capacity(list.len() + 1);
+            next.extend(list.iter().cloned());
+            next.push(entry.clone());
+            next
+        });
+        self.attached.fetch_add(1, Ordering::SeqCst);
+        SegmentObserverId(id)
+    }
+
+    /// Takes `id` out of the list; false when it is not attached. Unless called from inside a
+    /// segment observer, returns once no call of it is under way; none starts after.
+    pub fn detach(&self, id: SegmentObserverId) -> bool {
+        let mut found = None;
+        self.list.rcu(|list| {
+            found = list.iter().find(|e| e.id == id.0).cloned();
+            list.iter().filter(|e| e.id != id.0).cloned().collect::<Vec<_>>()
+        });
+        let Some(entry) = found else { return false };
+        self.attached.fetch_sub(1, Ordering::SeqCst);
+        entry.detached.store(true, Ordering::SeqCst);
+        if !observing() {
+            while entry.running.load(Ordering::SeqCst) > 0 {
+                std::thread::sleep(DETACH_POLL);
+            }
+        }
+        true
+    }
+
+    /// Calls every observer with each of `events`, in order, on the calling thread. A panic in
+    /// an observer is caught (the panic hook has reported it); the others still run.
+    pub fn deliver(&self, events: &[SegmentEvent]) {
+        if events.is_empty() {
+            return;
+        }
+        let list = self.list.load_full();
+        let outer = OBSERVING.replace(true);
+        let _done = scopeguard::guard((), |()| OBSERVING.set(outer));
+        for event in events {
+            for entry in list.iter() {
+                entry.running.fetch_add(1, Ordering::SeqCst);
+                if !entry.detached.load(Ordering::SeqCst) {
+                    let _ = catch_unwind(AssertUnwindSafe(|| (entry.observer)(event)));
+                }
+                entry.running.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    fn event(address: DevicePtr) -> SegmentEvent {
+        SegmentEvent { kind: SegmentEventKind::Alloc, device: 0, address, bytes: 1, stream: 0, pool: 0 }
+    }
+
+    #[test]
+    fn on_follows_the_list_and_a_panic_is_caught() {
+        let obs = SegmentObservers::default();
+        assert!(!obs.on());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let a = obs.attach(Box::new(|_| panic!("observer failed")));
+        let s = seen.clone();
+        let b = obs.attach(Box::new(move |e| s.lock().unwrap().push((e.address, observing()))));
+        assert!(obs.on());
+        obs.deliver(&[event(1), event(2)]);
+        assert_eq!(*seen.lock().unwrap(), [(1, true), (2, true)]);
+        assert!(!observing(), "the thread's flag is reset");
+        assert!(obs.detach(a));
+        assert!(obs.on());
+        assert!(obs.detach(b));
+        assert!(!obs.detach(b), "detached twice");
+        assert!(!obs.on());
+    }
+}

@@ -1,0 +1,107 @@
+//! Private pools whose segments come from the program's allocator (the C equivalent of
+//! `torch.cuda.MemPool(allocator)`: PyTorch takes a pool's segments from `ncclMemAlloc` so that
+//! NVLink SHARP can use them).
+
+use std::ffi::{c_int, c_void};
+
+use super::status::{boundary, gpupool_status, out_ptr};
+use super::{gpupool_stream_t, runtime};
+use crate::error::Error;
+
+/// Allocates a segment of `bytes` bytes on `device` for `stream` and writes its address to
+/// `*ptr`; returns 0 on success, anything else for out of memory. `user` is the pointer given
+/// to `gpupool_pool_create_with_allocator`.
+#[allow(non_camel_case_types)]
+pub type gpupool_segment_alloc_fn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        bytes: usize,
+        device: c_int,
+        stream: gpupool_stream_t,
+        ptr: *mut *mut c_void,
+    ) -> c_int,
+>;
+
+/// Frees a segment that the matching `gpupool_segment_alloc_fn` gave: its address, its bytes,
+/// and the device and stream it was allocated for.
+#[allow(non_camel_case_types)]
+pub type gpupool_segment_free_fn = Option<
+    unsafe extern "C" fn(user: *mut c_void, ptr: *mut c_void, bytes: usize, device: c_int, stream: gpupool_stream_t),
+>;
+
+type AllocPtr = unsafe extern "C" fn(*mut c_void, usize, c_int, gpupool_stream_t, *mut *mut c_void) -> c_int;
+type FreePtr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, gpupool_stream_t);
+
+/// The program's functions and `user`.
+struct CSource {
+    alloc: AllocPtr,
+    free: FreePtr,
+    user: *mut c_void,
+}
+
+// SAFETY: gpupool never dereferences `user`; it passes it back to the functions, from whichever
+// thread makes or gives back a segment of the pool, as the caller of
+// gpupool_pool_create_with_allocator promises is safe.
+unsafe impl Send for CSource {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for CSource {}
+
+/// Creates a private pool whose segments come from `alloc` and go back through `free` instead
+/// of `cuMemAlloc` and `cuMemFree`, and writes its id to `*pool` (the C equivalent of
+/// `torch.cuda.MemPool(allocator)`; with `ncclMemAlloc`/`ncclMemFree`, the pool's buffers can
+/// be registered for NVLink SHARP). Everything else is a private pool's
+/// (`gpupool_pool_create`): allocations reach it through the routes
+/// (`gpupool_begin_allocate_to_pool` and its variants), are cached, split and reused as any,
+/// count in the statistics (reserved bytes and the memory fraction included), and
+/// `gpupool_release_pool` gives its segments back through `free`.
+///
+/// - `alloc(user, bytes, device, stream, &ptr)` is called for each new segment (2 MiB, 20 MiB
+///   or a large request rounded to 2 MiB, as PyTorch sizes segments); nonzero means out of
+///   memory: the cache of that stream's pool is released and the allocation retried, then the
+///   out-of-memory observers run and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns.
+/// - `free(user, ptr, bytes, device, stream)` is called once for each segment `alloc` gave, when
+///   gpupool gives it back (`gpupool_empty_cache`, `gpupool_release_pool`).
+/// - Both run on the calling thread with the stream's pool locked: they must not call gpupool
+///   (they may call CUDA and NCCL), and must return. Segment observers see these segments too.
+/// - `user`: passed back as it is; it must stay usable for as long as the pool holds memory.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`);
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
+/// be NULL or functions of those signatures, safe to call with `user` from any thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_pool_create_with_allocator(
+    pool: *mut u64,
+    alloc: gpupool_segment_alloc_fn,
+    free: gpupool_segment_free_fn,
+    user: *mut c_void,
+) -> gpupool_status {
+    boundary("gpupool_pool_create_with_allocator", || {
+        let out = out_ptr(pool, "pool")?;
+        let alloc = alloc.ok_or_else(|| Error::InvalidValue("alloc is NULL".into()))?;
+        let free = free.ok_or_else(|| Error::InvalidValue("free is NULL".into()))?;
+        let allocator = &runtime()?.allocator;
+        let source = std::sync::Arc::new(CSource { alloc, free, user });
+        let s = source.clone();
+        let id = allocator.pool_create_with_allocator(
+            move |bytes, device, stream| {
+                let mut ptr: *mut c_void = std::ptr::null_mut();
+                // SAFETY: the caller gave a function of this signature, callable with `user`
+                // from any thread; `ptr` is storage for one pointer.
+                let status = unsafe { (s.alloc)(s.user, bytes, device, stream as gpupool_stream_t, &mut ptr) };
+                (status == 0 && !ptr.is_null()).then_some(ptr as u64)
+            },
+            move |addr, bytes, device, stream| {
+                // SAFETY: as for `alloc`; `addr` is a segment `alloc` gave.
+                unsafe { (source.free)(source.user, addr as *mut c_void, bytes, device, stream as gpupool_stream_t) }
+            },
+        );
+        // SAFETY: the caller passes storage for one uint64_t.
+        unsafe { out.write(id) };
+        Ok(())
+    })
+}
