@@ -34,6 +34,6 @@ pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use caching::device::PoolStats;
 pub use caching::observers::{OomEvent, OomObserverId};
-pub use caching::sleep::SleepMode;
 pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
+pub use caching::sleep::SleepMode;
 pub use error::Error;

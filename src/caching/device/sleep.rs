@@ -247,7 +247,12 @@ impl DeviceAllocator {
             }
             r => r,
         };
-        drop(busy);
+        if r.is_ok() {
+            // Awake: its record is gone, and one there now is a sleep another thread began
+            // since, busy until that sleep settles it (settling it here let a wake run beside
+            // that sleep's copies: tests/sleep_faults.rs, two threads).
+            scopeguard::ScopeGuard::into_inner(busy);
+        }
         r
     }
 
