@@ -33,6 +33,7 @@ mod expandable;
 pub(crate) mod fork;
 mod largest;
 mod limit;
+mod observer_list;
 pub(crate) mod observers;
 mod oom;
 mod page_pool;

@@ -15,13 +15,9 @@
 //! and skips the observer.
 
 use std::cell::Cell;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
-
+use super::observer_list::ObserverList;
 use crate::stats::DeviceStats;
 
 /// What an out-of-memory observer is told of the request that failed.
@@ -45,20 +41,15 @@ pub struct OomObserverId(u64);
 /// An observer: returns true to ask for one more attempt.
 pub(crate) type ObserverFn = dyn Fn(&OomEvent<'_>) -> bool + Send + Sync;
 
-struct Entry {
-    id: u64,
-    observer: Box<ObserverFn>,
-    /// Calls of `observer` under way, on any thread.
-    running: AtomicUsize,
-    /// Set by the detach, before it waits for `running` to reach 0.
-    detached: AtomicBool,
+/// The observers of one allocator, in the order attached.
+pub(crate) struct OomObservers {
+    list: ObserverList<ObserverFn>,
 }
 
-/// The observers of one allocator, in the order attached.
-#[derive(Default)]
-pub(crate) struct OomObservers {
-    list: ArcSwap<Vec<Arc<Entry>>>,
-    next_id: AtomicU64,
+impl Default for OomObservers {
+    fn default() -> Self {
+        OomObservers { list: ObserverList::new(DETACH_POLL) }
+    }
 }
 
 thread_local! {
@@ -76,34 +67,14 @@ const DETACH_POLL: Duration = Duration::from_micros(200);
 impl OomObservers {
     /// Appends `observer` to the list; it is called from the next failing request on.
     pub fn attach(&self, observer: Box<ObserverFn>) -> OomObserverId {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let entry = Arc::new(Entry { id, observer, running: AtomicUsize::new(0), detached: AtomicBool::new(false) });
-        self.list.rcu(|list| {
-            let mut next = Vec::with_capacity(list.len() + 1);
-            next.extend(list.iter().cloned());
-            next.push(entry.clone());
-            next
-        });
-        OomObserverId(id)
+        OomObserverId(self.list.attach(observer))
     }
 
     /// Takes the observer `id` out of the list. Returns false when it is not attached (never
     /// was, or detached already). Unless called from inside an observer, returns only once no
     /// call of it is under way on any thread; no call starts after.
     pub fn detach(&self, id: OomObserverId) -> bool {
-        let mut found = None;
-        self.list.rcu(|list| {
-            found = list.iter().find(|e| e.id == id.0).cloned();
-            list.iter().filter(|e| e.id != id.0).cloned().collect::<Vec<_>>()
-        });
-        let Some(entry) = found else { return false };
-        entry.detached.store(true, Ordering::SeqCst);
-        if !NOTIFYING.get() {
-            while entry.running.load(Ordering::SeqCst) > 0 {
-                std::thread::sleep(DETACH_POLL);
-            }
-        }
-        true
+        self.list.detach(id.0, NOTIFYING.get())
     }
 
     /// Calls every observer, in the order attached, on the calling thread, with the statistics
@@ -112,33 +83,21 @@ impl OomObservers {
     /// observers already. A panic in an observer is caught here (the panic hook has reported
     /// it): that observer asks for nothing, and the others are still called.
     pub fn notify(&self, device: i32, requested: usize, stats: impl FnOnce() -> DeviceStats) -> bool {
-        if NOTIFYING.get() {
-            return false;
-        }
-        let list = self.list.load_full();
-        if list.is_empty() {
+        if NOTIFYING.get() || self.list.is_empty() {
             return false;
         }
         let stats = stats();
         let event = OomEvent { device, requested, stats: &stats };
         NOTIFYING.set(true);
         let _done = scopeguard::guard((), |()| NOTIFYING.set(false));
-        let mut retry = false;
-        for entry in list.iter() {
-            entry.running.fetch_add(1, Ordering::SeqCst);
-            if !entry.detached.load(Ordering::SeqCst) {
-                retry |= catch_unwind(AssertUnwindSafe(|| (entry.observer)(&event))).unwrap_or(false);
-            }
-            entry.running.fetch_sub(1, Ordering::SeqCst);
-        }
-        retry
+        self.list.call_each(|observer| observer(&event)).into_iter().any(|asked| asked == Some(true))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
 
     use super::*;
 

@@ -19,12 +19,10 @@
 //! observer is caught, as there.
 
 use std::cell::Cell;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use super::observer_list::ObserverList;
 
 use crate::driver::{DevicePtr, StreamHandle};
 
@@ -72,20 +70,17 @@ pub struct SegmentObserverId(u64);
 
 pub(crate) type SegmentObserverFn = dyn Fn(&SegmentEvent) + Send + Sync;
 
-struct Entry {
-    id: u64,
-    observer: Box<SegmentObserverFn>,
-    running: AtomicUsize,
-    detached: AtomicBool,
-}
-
 /// The segment observers of one allocator, in the order attached.
-#[derive(Default)]
 pub(crate) struct SegmentObservers {
-    list: ArcSwap<Vec<Arc<Entry>>>,
+    list: ObserverList<SegmentObserverFn>,
     /// Observers attached: the one load the slow paths pay with none attached.
     attached: AtomicUsize,
-    next_id: AtomicU64,
+}
+
+impl Default for SegmentObservers {
+    fn default() -> Self {
+        SegmentObservers { list: ObserverList::new(DETACH_POLL), attached: AtomicUsize::new(0) }
+    }
 }
 
 thread_local! {
@@ -110,14 +105,7 @@ impl SegmentObservers {
     }
 
     pub fn attach(&self, observer: Box<SegmentObserverFn>) -> SegmentObserverId {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let entry = Arc::new(Entry { id, observer, running: AtomicUsize::new(0), detached: AtomicBool::new(false) });
-        self.list.rcu(|list| {
-            let mut next = Vec::with_capacity(list.len() + 1);
-            next.extend(list.iter().cloned());
-            next.push(entry.clone());
-            next
-        });
+        let id = self.list.attach(observer);
         self.attached.fetch_add(1, Ordering::SeqCst);
         SegmentObserverId(id)
     }
@@ -125,20 +113,11 @@ impl SegmentObservers {
     /// Takes `id` out of the list; false when it is not attached. Unless called from inside a
     /// segment observer, returns once no call of it is under way; none starts after.
     pub fn detach(&self, id: SegmentObserverId) -> bool {
-        let mut found = None;
-        self.list.rcu(|list| {
-            found = list.iter().find(|e| e.id == id.0).cloned();
-            list.iter().filter(|e| e.id != id.0).cloned().collect::<Vec<_>>()
-        });
-        let Some(entry) = found else { return false };
-        self.attached.fetch_sub(1, Ordering::SeqCst);
-        entry.detached.store(true, Ordering::SeqCst);
-        if !observing() {
-            while entry.running.load(Ordering::SeqCst) > 0 {
-                std::thread::sleep(DETACH_POLL);
-            }
+        let found = self.list.detach(id.0, observing());
+        if found {
+            self.attached.fetch_sub(1, Ordering::SeqCst);
         }
-        true
+        found
     }
 
     /// Calls every observer with each of `events`, in order, on the calling thread. A panic in
@@ -147,24 +126,17 @@ impl SegmentObservers {
         if events.is_empty() {
             return;
         }
-        let list = self.list.load_full();
         let outer = OBSERVING.replace(true);
         let _done = scopeguard::guard((), |()| OBSERVING.set(outer));
         for event in events {
-            for entry in list.iter() {
-                entry.running.fetch_add(1, Ordering::SeqCst);
-                if !entry.detached.load(Ordering::SeqCst) {
-                    let _ = catch_unwind(AssertUnwindSafe(|| (entry.observer)(event)));
-                }
-                entry.running.fetch_sub(1, Ordering::SeqCst);
-            }
+            self.list.call_each(|observer| observer(event));
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     use super::*;
 
