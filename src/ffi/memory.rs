@@ -263,10 +263,14 @@ pub unsafe extern "C" fn gpupool_largest_allocatable(
 // The bodies of the exports above, shared with the PyTorch hooks (`torch.rs`), which report
 // their errors under their own names.
 
+// Inlined into the exports: a call between them cost 14 instructions each way (callgrind,
+// `tests/c/hit_loop.c`).
+#[inline(always)]
 pub(super) fn malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> Result<*mut c_void, Error> {
     Ok(runtime()?.allocator.malloc(size, device, stream as usize)? as *mut c_void)
 }
 
+#[inline(always)]
 pub(super) fn free(ptr: *mut c_void) -> Result<(), Error> {
     if ptr.is_null() {
         return Ok(());

@@ -44,11 +44,15 @@ impl DeviceAllocator {
             return None;
         }
         let st = shard.lock_hot();
-        st.is_allocated(ptr).then_some(())?;
-        let st = self.shards.dirty_on_change(shard, st);
+        let id = st.allocated(ptr)?;
+        let mut st = self.shards.dirty_on_change(shard, st);
         // The block is allocated: the segment's base, which only a bad pointer's message
         // needs, is not looked up.
-        Some(self.free_locked(shard, st, ptr, 0, true))
+        if tags::in_use() {
+            return Some(self.free_locked(shard, st, ptr, 0, true));
+        }
+        let ctx = || self.ctx(shard);
+        Some(st.free_block_at(ctx, self.max_split_size, ptr, id).map(|()| self.free_end(st, &ctx)))
     }
 
     /// The body of [`DeviceAllocator::free`]; `off`: history was off at the call's start.
@@ -75,11 +79,22 @@ impl DeviceAllocator {
         } else {
             st.free(ctx, self.max_split_size, ptr, segment)?;
         }
+        self.free_end(st, &ctx);
+        Ok(())
+    }
+
+    /// The end of a free that succeeded: segments it emptied given back (see
+    /// `release_emptied`), then the call's end.
+    #[inline(always)]
+    fn free_end<'c>(
+        &'c self,
+        mut st: MutexGuard<'c, ShardState>,
+        ctx: &impl Fn() -> crate::caching::shard::ShardCtx<'c>,
+    ) {
         if st.released {
             self.release_emptied(&mut st, &ctx());
         }
         self.finish(st, ());
-        Ok(())
     }
 
     /// [`ShardState::free`] counted to the block's tag and with its events recorded while

@@ -170,6 +170,9 @@ impl ShardState {
         self.check_sleep().map_err(|e| format!("stream {owner:#x}: {e}"))?;
         recount[OVERSIZE_ALLOCATIONS] = oversize[0];
         recount[OVERSIZE_SEGMENTS] = oversize[1];
+        if !self.small.filter_consistent() || !self.large.filter_consistent() {
+            return Err(format!("stream {owner:#x}: a pool's filter of sizes present is stale"));
+        }
         if free_blocks != self.small.len() + self.large.len() {
             return Err(format!(
                 "stream {owner:#x}: {} blocks in the pools but {free_blocks} free blocks in segments",

@@ -39,6 +39,22 @@ impl ShardState {
         let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        self.free_block_at(ctx, max_split_size, ptr, id)
+    }
+
+    /// [`ShardState::free`] of the allocated block `id` at `ptr`, found already (the hit
+    /// path's free looks it up once, to learn whether the shard it guessed holds it: a
+    /// second probe of the live map cost 22 instructions a pair, callgrind,
+    /// `tests/c/hit_loop.c`).
+    #[inline(always)]
+    pub fn free_block_at<'c>(
+        &mut self,
+        ctx: impl FnOnce() -> ShardCtx<'c>,
+        max_split_size: usize,
+        ptr: DevicePtr,
+        id: BlockId,
+    ) -> Result<(), Error> {
+        debug_assert_eq!(self.allocated(ptr), Some(id));
         if !self.blocks[id].stream_uses.is_empty() {
             return self.free_used(&ctx(), ptr, id);
         }
@@ -97,6 +113,7 @@ impl ShardState {
 
     /// The statistics of a block that stops being allocated (it stays active until
     /// `free_block`).
+    #[inline(always)]
     fn count_free(&mut self, id: BlockId, max_split_size: usize) {
         let b = &self.blocks[id];
         let (size, pool) = (b.size, b.pool);

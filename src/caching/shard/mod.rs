@@ -300,15 +300,9 @@ impl ShardState {
         self.allocated(ptr).map(|id| self.blocks[id].size)
     }
 
-    /// Whether `ptr` is an allocated block of this shard.
-    #[inline(always)]
-    pub fn is_allocated(&self, ptr: DevicePtr) -> bool {
-        self.allocated(ptr).is_some()
-    }
-
     /// The allocated block at `ptr`, if there is one (not one of the front cache's).
     #[inline(always)]
-    fn allocated(&self, ptr: DevicePtr) -> Option<BlockId> {
+    pub fn allocated(&self, ptr: DevicePtr) -> Option<BlockId> {
         let &id = self.live.get(&ptr)?;
         (self.blocks[id].state == super::block::BlockState::Allocated).then_some(id)
     }
