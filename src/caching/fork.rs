@@ -29,15 +29,29 @@ pub(crate) fn watch() {
 }
 
 /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
-#[inline]
+#[inline(always)]
 pub(crate) fn check() -> Result<(), Error> {
-    if IN_FORKED_CHILD.load(Ordering::Relaxed) {
-        return Err(Error::DriverUnavailable(
-            "gpupool cannot be used in a forked child process: CUDA does not survive fork(), and the parent's cached \
-             memory is not the child's. Start child processes with exec (posix_spawn, or Python's 'spawn' start \
-             method) and use gpupool there"
-                .into(),
-        ));
+    if forked() {
+        return Err(forked_error());
     }
     Ok(())
+}
+
+/// Whether this process was forked from one that used gpupool.
+#[inline(always)]
+pub(crate) fn forked() -> bool {
+    IN_FORKED_CHILD.load(Ordering::Relaxed)
+}
+
+/// The error of every call in a forked child. Out of line: its message stays off the callers'
+/// hit paths.
+#[cold]
+#[inline(never)]
+fn forked_error() -> Error {
+    Error::DriverUnavailable(
+        "gpupool cannot be used in a forked child process: CUDA does not survive fork(), and the parent's cached \
+         memory is not the child's. Start child processes with exec (posix_spawn, or Python's 'spawn' start \
+         method) and use gpupool there"
+            .into(),
+    )
 }

@@ -171,7 +171,21 @@ impl Allocator {
     }
 
     /// The device `device` names (-1: the calling thread's current one), started on first use.
+    /// The hit path's case, a device named and started, inline; the rest out of line.
+    #[inline(always)]
     fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        if !super::fork::forked()
+            && let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get)
+        {
+            return Ok(dev);
+        }
+        self.device_or_start(device)
+    }
+
+    /// [`Allocator::device_or_init`] for the current device, a device not started yet, or an
+    /// error.
+    #[inline(never)]
+    fn device_or_start(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         super::fork::check()?;
         let d = if device == -1 {
             self.driver.current_device().map_err(|e| Error::driver(e, "reading the current device"))?
