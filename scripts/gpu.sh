@@ -30,10 +30,13 @@
 #   sleep       tests/gpu/test_sleep (gpupool_sleep and gpupool_wake: free memory to the byte,
 #               contents and a CUDA graph restored, a wake without memory) and its benchmark
 #               (offload and restore against the pinned copy bandwidth of the run; sizes from
-#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16"), into OUT/sleep.log
+#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16"), into OUT/sleep.log; with two GPUs,
+#               tests/gpu/test_two_gpus (a pool on each slept and woken at once from two
+#               threads), into OUT/two-gpus.log
 #   examples    hello, the C++ consumer, engine and engine_graphs
-#   nccl        examples/cpp/nccl_register.cpp: every segment registered with a one-rank NCCL
-#               communicator through a segment observer, an all-reduce on gpupool blocks checked;
+#   nccl        examples/cpp/nccl_register.cpp: every segment registered with an NCCL
+#               communicator through a segment observer (one rank per GPU, each on its own
+#               thread), an all-reduce on gpupool blocks checked;
 #               with expandable segments and with ordinary ones (nccl.h from the CUDA toolkit,
 #               PyTorch's include dir or the nvidia-nccl package; /usr/lib/x86_64-linux-gnu/libnccl.so.2)
 #   preload     the LD_PRELOAD shim's programs
@@ -186,7 +189,10 @@ if want gpu || want expandable || want graphs || want streams || want sleep; the
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
-    if want sleep; then run_gpu_test test_sleep sleep.log; fi
+    if want sleep; then
+      run_gpu_test test_sleep sleep.log
+      run_gpu_test test_two_gpus two-gpus.log
+    fi
     if want streams; then
       export GPUPOOL_RELEASE_UNUSED_STREAMS=1
       GPUPOOL_CONF=expandable_segments:False run_gpu_test test_streams streams-ordinary.log
@@ -489,7 +495,7 @@ if want nccl; then
     echo "nccl: nccl.h (${nccl_inc:-not found}) or $nccl_lib missing"
     status=1
   elif c++ -std=c++17 -Wall -Wextra -I"$prefix/include" -I"$nccl_inc" -I"$cuda_home/include" \
-    examples/cpp/nccl_register.cpp -o $n/nccl_register -L"$prefix/lib" -lgpupool "$nccl_lib" \
+    examples/cpp/nccl_register.cpp -o $n/nccl_register -pthread -L"$prefix/lib" -lgpupool "$nccl_lib" \
     -L"$cuda_home/lib64" -lcudart -Wl,-rpath,"$prefix/lib:$cuda_home/lib64" >"$out/nccl-build.log" 2>&1; then
     echo "nccl.h from $nccl_inc"
     ./$n/nccl_register 2>&1 | tee "$out/nccl-expandable.log" || status=1

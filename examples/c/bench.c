@@ -77,9 +77,13 @@ static double now_ns(void) {
   return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
 }
 
+/* The device gpupool allocates on: 0, or the thread's device in the threads workload split over
+ * two GPUs (an explicit ordinal: -1 would ask the driver for the current device on every call). */
+static _Thread_local int gp_device = 0;
+
 static void *gp_alloc(size_t n, cudaStream_t s) {
   void *p = NULL;
-  if (gpupool_malloc(&p, n, 0, (gpupool_stream_t)s) != GPUPOOL_SUCCESS) {
+  if (gpupool_malloc(&p, n, gp_device, (gpupool_stream_t)s) != GPUPOOL_SUCCESS) {
     fprintf(stderr, "%s (%zu bytes)\n", gpupool_last_error_message(), n);
     exit(1);
   }
@@ -249,12 +253,15 @@ static void bench_random(int ai, cudaStream_t s) {
 typedef struct {
   allocator_t *A;
   cudaStream_t s;
+  int device;
   int ops;
   pthread_barrier_t *start;
 } thread_arg;
 
 static void *thread_body(void *v) {
   thread_arg *t = v;
+  CUDA(cudaSetDevice(t->device));
+  gp_device = t->device;
   void *live[16];
   uint64_t rng = (uint64_t)(uintptr_t)t->s | 1;
   for (int k = 0; k < 16; k++) live[k] = t->A->alloc((size_t)4096 << (k % 9), t->s);
@@ -269,28 +276,40 @@ static void *thread_body(void *v) {
   return NULL;
 }
 
+/* 1, 4 and 16 threads on device 0; with two GPUs or more, 16 threads again, half on each of
+ * devices 0 and 1 (each device's memory and locks its own). */
 static void bench_threads(int ai) {
   allocator_t *A = &allocators[ai];
-  int counts[] = {1, 4, 16};
-  const char *names[] = {"1 thread", "4 threads", "16 threads"};
-  for (int c = 0; c < 3; c++) {
+  int counts[] = {1, 4, 16, 16};
+  const char *names[] = {"1 thread", "4 threads", "16 threads", "16 threads, 2 GPUs"};
+  int devices = 0;
+  CUDA(cudaGetDeviceCount(&devices));
+  int configs = devices >= 2 ? 4 : 3;
+  for (int c = 0; c < configs; c++) {
     int n = counts[c], ops = A->slow ? 400 : 200000;
+    int split = c == 3;
     pthread_t th[16];
     thread_arg args[16];
     cudaStream_t streams[16];
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)n + 1);
     for (int t = 0; t < n; t++) {
+      int device = split ? t % 2 : 0;
+      CUDA(cudaSetDevice(device));
       CUDA(cudaStreamCreateWithFlags(&streams[t], cudaStreamNonBlocking));
-      args[t] = (thread_arg){A, streams[t], ops, &start};
+      args[t] = (thread_arg){A, streams[t], device, ops, &start};
       pthread_create(&th[t], NULL, thread_body, &args[t]);
     }
+    CUDA(cudaSetDevice(0));
     pthread_barrier_wait(&start);
     double t0 = now_ns();
     pthread_barrier_wait(&start);
     double secs = (now_ns() - t0) / 1e9;
     for (int t = 0; t < n; t++) pthread_join(th[t], NULL);
-    CUDA(cudaDeviceSynchronize());
+    for (int d = split ? 1 : 0; d >= 0; d--) {
+      CUDA(cudaSetDevice(d));
+      CUDA(cudaDeviceSynchronize());
+    }
     for (int t = 0; t < n; t++) CUDA(cudaStreamDestroy(streams[t]));
     pthread_barrier_destroy(&start);
     row_val[row(names[c], "Mops/s", 0)][ai] = (double)n * ops / secs / 1e6;

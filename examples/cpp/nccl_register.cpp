@@ -4,10 +4,14 @@
 // runs an all-reduce on blocks from gpupool and checks it. Then a private pool whose segments
 // come from ncclMemAlloc (gpupool_pool_create_with_allocator, PyTorch's
 // torch.cuda.MemPool(allocator) for NVLink SHARP): the all-reduce again on its blocks, and its
-// segments back through ncclMemFree. One GPU, a communicator of one rank.
+// segments back through ncclMemFree.
+//
+// One process, one rank per GPU (argv[1] ranks, default every visible GPU), each rank on its
+// own thread with its own communicator, stream and pool; the observer registers each segment
+// with the communicator of the segment's device. One GPU gives a communicator of one rank.
 //
 // Build (scripts/gpu.sh, section nccl): c++ -std=c++17 nccl_register.cpp -I<prefix>/include
-//   -I<dir of nccl.h> -I<cuda>/include -L<prefix>/lib -lgpupool <libnccl.so.2> -lcudart
+//   -I<dir of nccl.h> -I<cuda>/include -L<prefix>/lib -lgpupool <libnccl.so.2> -lcudart -pthread
 // Run twice: as is (expandable segments, MAP/UNMAP events) and with
 // GPUPOOL_CONF=expandable_segments:False (ALLOC/FREE). Exit status 0 when every check holds.
 
@@ -18,6 +22,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <map>
+#include <thread>
 #include <vector>
 
 #include <gpupool.h>
@@ -117,72 +122,108 @@ void nccl_free(void *user, void *ptr, size_t, int, gpupool_stream_t) {
   if (ncclMemFree(ptr) == ncclSuccess) calls[1]++;
 }
 
-// An all-reduce of `count` floats on two blocks allocated now on `stream`, checked, then freed.
-void all_reduce_checked(Registry &reg, cudaStream_t stream, size_t count) {
+// An all-reduce (sum over `ranks` ranks) of `count` floats on two blocks allocated now on
+// `stream` of this rank's device, checked, then freed. Rank r sends its input times r + 1.
+void all_reduce_checked(Registry &reg, int rank, int ranks, cudaStream_t stream, size_t count) {
   float *send = nullptr, *recv = nullptr;
-  POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), 0, stream));
-  POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), 0, stream));
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), rank, stream));
+  POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), rank, stream));
   std::vector<float> host(count);
-  for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f;
+  for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f * static_cast<float>(rank + 1);
   CUDA(cudaMemcpyAsync(send, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
   CUDA(cudaMemsetAsync(recv, 0, count * sizeof(float), stream));
   NCCL(ncclAllReduce(send, recv, count, ncclFloat, ncclSum, reg.comm, stream));
   std::vector<float> back(count);
   CUDA(cudaMemcpyAsync(back.data(), recv, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
   CUDA(cudaStreamSynchronize(stream));
-  for (size_t i = 0; i < count; i++) CHECK("the all-reduce of one rank gives its input", back[i] == host[i]);
+  // Exact in float: at most 499.5 times ranks (ranks + 1) / 2.
+  const float factor = static_cast<float>(ranks * (ranks + 1) / 2);
+  for (size_t i = 0; i < count; i++)
+    CHECK("the all-reduce gives the sum of every rank's input", back[i] == static_cast<float>(i % 1000) * 0.5f * factor);
   POOL(gpupool_free(send));
   POOL(gpupool_free(recv));
 }
 
-int64_t reserved() {
+int64_t reserved(int device) {
   gpupool_stats_t st = GPUPOOL_STATS_INIT;
-  POOL(gpupool_stats(0, &st));
+  POOL(gpupool_stats(device, &st));
   return st.reserved_bytes.all.current;
 }
 
-}  // namespace
+// The observer's user data: one registry per device, each touched only by its rank's thread
+// (a segment event comes on the thread whose gpupool call made or gives back the segment).
+struct Registries {
+  std::vector<Registry> by_device;
+};
 
-int main() {
-  CUDA(cudaSetDevice(0));
-  int nccl_version = 0;
-  NCCL(ncclGetVersion(&nccl_version));
-  Registry reg;
-  ncclUniqueId id;
-  NCCL(ncclGetUniqueId(&id));
-  NCCL(ncclCommInitRank(&reg.comm, 1, id, 0));
-  // Before the first allocation, so that every segment is told.
-  POOL(gpupool_attach_segment_observer(on_segment, &reg));
+void on_any_segment(void *user, const gpupool_segment_event_t *e) {
+  auto *all = static_cast<Registries *>(user);
+  if (e->device < 0 || static_cast<size_t>(e->device) >= all->by_device.size()) return;
+  on_segment(&all->by_device[static_cast<size_t>(e->device)], e);
+}
 
+const size_t kSizes[] = {1u << 10, 3u << 20, 64u << 20};
+
+// One rank: its communicator, all-reduces on gpupool's blocks, then on a pool over
+// ncclMemAlloc. Returns through CHECK (exit) on any failure.
+void run_rank(Registry &reg, int rank, int ranks, const ncclUniqueId &id) {
+  CUDA(cudaSetDevice(rank));
+  NCCL(ncclCommInitRank(&reg.comm, ranks, id, rank));
   cudaStream_t stream;
   CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const size_t sizes[] = {1u << 10, 3u << 20, 64u << 20};
-  for (size_t count : sizes) {
-    all_reduce_checked(reg, stream, count);
-    CHECK("the registered bytes equal reserved_bytes", static_cast<int64_t>(reg.bytes) == reserved());
-    std::printf("all-reduce of %zu floats on gpupool blocks: checked; %zu bytes registered in %zu ranges\n", count,
-                reg.bytes, reg.ranges.size());
+  for (size_t count : kSizes) {
+    all_reduce_checked(reg, rank, ranks, stream, count);
+    CHECK("the registered bytes equal reserved_bytes", static_cast<int64_t>(reg.bytes) == reserved(rank));
+    std::printf("rank %d of %d: all-reduce of %zu floats on gpupool blocks: checked; %zu bytes registered in %zu ranges\n",
+                rank, ranks, count, reg.bytes, reg.ranges.size());
   }
   // A pool over ncclMemAlloc: this thread's allocations go there until the route ends.
   int nccl_calls[2] = {0, 0};
   uint64_t pool = 0;
   POOL(gpupool_pool_create_with_allocator(&pool, nccl_alloc, nccl_free, nccl_calls));
-  POOL(gpupool_begin_allocate_to_pool_thread(0, pool));
-  for (size_t count : sizes) all_reduce_checked(reg, stream, count);
-  POOL(gpupool_end_allocate_to_pool(0, pool));
+  POOL(gpupool_begin_allocate_to_pool_thread(rank, pool));
+  for (size_t count : kSizes) all_reduce_checked(reg, rank, ranks, stream, count);
+  POOL(gpupool_end_allocate_to_pool(rank, pool));
   CHECK("the pool's segments came from ncclMemAlloc", nccl_calls[0] > 0);
-  CHECK("its segments are registered too", static_cast<int64_t>(reg.bytes) == reserved());
-  std::printf("the same on a pool over ncclMemAlloc: checked; %d segments from ncclMemAlloc\n", nccl_calls[0]);
-  POOL(gpupool_release_pool(0, pool));
+  CHECK("its segments are registered too", static_cast<int64_t>(reg.bytes) == reserved(rank));
+  std::printf("rank %d of %d: the same on a pool over ncclMemAlloc: checked; %d segments from ncclMemAlloc\n", rank,
+              ranks, nccl_calls[0]);
+  POOL(gpupool_release_pool(rank, pool));
   CHECK("release_pool gave every segment back through ncclMemFree", nccl_calls[1] == nccl_calls[0]);
   CUDA(cudaStreamSynchronize(stream));
-  POOL(gpupool_empty_cache(0));
-  CHECK("every range deregistered by empty_cache", reg.ranges.empty() && reg.bytes == 0 && reserved() == 0);
+  POOL(gpupool_empty_cache(rank));
+  CHECK("every range deregistered by empty_cache", reg.ranges.empty() && reg.bytes == 0 && reserved(rank) == 0);
   CHECK("NCCL accepted every registration", reg.failures == 0);
-  POOL(gpupool_detach_segment_observer(on_segment, &reg));
   NCCL(ncclCommDestroy(reg.comm));
   CUDA(cudaStreamDestroy(stream));
-  std::printf("nccl_register: ok (NCCL %d, %d registrations, %d deregistrations)\n", nccl_version, reg.registered,
-              reg.deregistered);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  int devices = 0;
+  CUDA(cudaGetDeviceCount(&devices));
+  int ranks = argc > 1 ? std::atoi(argv[1]) : devices;
+  CHECK("1 to the number of GPUs ranks", ranks >= 1 && ranks <= devices);
+  int nccl_version = 0;
+  NCCL(ncclGetVersion(&nccl_version));
+  Registries regs;
+  regs.by_device.resize(static_cast<size_t>(devices));
+  ncclUniqueId id;
+  NCCL(ncclGetUniqueId(&id));
+  // Before the first allocation, so that every segment is told.
+  POOL(gpupool_attach_segment_observer(on_any_segment, &regs));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; r++)
+    threads.emplace_back([&regs, r, ranks, &id] { run_rank(regs.by_device[static_cast<size_t>(r)], r, ranks, id); });
+  for (auto &t : threads) t.join();
+  POOL(gpupool_detach_segment_observer(on_any_segment, &regs));
+  int registered = 0, deregistered = 0;
+  for (auto &r : regs.by_device) {
+    registered += r.registered;
+    deregistered += r.deregistered;
+  }
+  std::printf("nccl_register: ok (NCCL %d, %d rank(s), %d registrations, %d deregistrations)\n", nccl_version, ranks,
+              registered, deregistered);
   return 0;
 }
