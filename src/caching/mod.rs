@@ -45,4 +45,5 @@ pub(crate) mod segment_index;
 pub(crate) mod segment_observers;
 mod shard;
 mod shard_table;
+mod size_set;
 pub(crate) mod sleep;

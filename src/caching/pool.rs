@@ -6,37 +6,36 @@
 //! so the stream needs no comparison and streams share no lock.
 //!
 //! The set is split for speed: blocks sit in bins of one exact size, each sorted by address,
-//! found through a hash map; a B-tree of the sizes is consulted only when no block of the
-//! exact size is free. A bin that empties stays until a search passes it, so a request
-//! that is served and freed again (the cache-hit path) touches only its bin. Empty bins are
-//! dropped in a sweep once there are more of them than blocks in the pool (and at least
-//! [`EMPTY_BINS_KEPT`]), and at `empty_cache`: the host memory a pool takes follows the blocks
-//! it holds, not every size it has ever seen, at an amortised cost of O(1) per emptied bin.
-
-use std::collections::BTreeSet;
+//! found through a hash map; the sizes of the bins that hold a block are a [`SizeSet`], whose
+//! first size at or above a request is the best fit's. A bin that empties stays in the map (its
+//! vector keeps its capacity), so a size that is freed and served again makes no heap
+//! allocation; empty bins are dropped in a sweep once there are more of them than blocks in the
+//! pool (and at least [`EMPTY_BINS_KEPT`]), and at `empty_cache`: the host memory a pool takes
+//! follows the blocks it holds, not every size it has ever seen.
 
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 
 use super::block::BlockId;
+use super::size_set::SizeSet;
 use crate::driver::DevicePtr;
 
-/// Empty bins a search may pass before it drops them.
-const DROP_AFTER: usize = 8;
 /// Empty bins a pool keeps however few blocks it holds: a stream cycling through a few sizes
 /// never sweeps.
 const EMPTY_BINS_KEPT: usize = 64;
 
-/// The free blocks of one size: (address, block), ascending by address.
+/// The free blocks of one size: (address, block), ascending by address. One block inline,
+/// as most bins hold one: a bin made again after a sweep dropped it allocates nothing.
 #[derive(Default, Debug)]
 struct Bin {
-    blocks: Vec<(DevicePtr, BlockId)>,
+    blocks: SmallVec<[(DevicePtr, BlockId); 1]>,
 }
 
 #[derive(Debug)]
 pub(crate) struct FreePool {
     bins: FxHashMap<usize, Bin>,
-    /// The size of every bin (some of them empty).
-    sizes: BTreeSet<usize>,
+    /// The sizes of the bins that hold a block.
+    sizes: SizeSet,
     len: usize,
     /// Bins with no block.
     empty_bins: usize,
@@ -61,7 +60,7 @@ impl Default for FreePool {
     fn default() -> Self {
         FreePool {
             bins: FxHashMap::default(),
-            sizes: BTreeSet::new(),
+            sizes: SizeSet::default(),
             len: 0,
             empty_bins: 0,
             filled: [0; FILTER_SLOTS],
@@ -71,15 +70,14 @@ impl Default for FreePool {
 
 impl FreePool {
     pub fn insert(&mut self, size: usize, addr: DevicePtr, id: BlockId) {
-        let sizes = &mut self.sizes;
         let mut new = false;
         let bin = self.bins.entry(size).or_insert_with(|| {
-            sizes.insert(size);
             new = true;
             Bin::default()
         });
         if bin.blocks.is_empty() {
             self.filled[filter_slot(size)] += 1;
+            self.sizes.insert(size);
             if !new {
                 self.empty_bins -= 1;
             }
@@ -94,6 +92,7 @@ impl FreePool {
     #[inline]
     fn emptied(&mut self, size: usize) {
         self.filled[filter_slot(size)] -= 1;
+        self.sizes.remove(size);
         self.empty_bins += 1;
         if self.empty_bins > EMPTY_BINS_KEPT && self.empty_bins > self.len {
             self.sweep();
@@ -102,14 +101,7 @@ impl FreePool {
 
     /// Drops every empty bin.
     pub fn sweep(&mut self) {
-        let sizes = &mut self.sizes;
-        self.bins.retain(|size, bin| {
-            if bin.blocks.is_empty() {
-                sizes.remove(size);
-                return false;
-            }
-            true
-        });
+        self.bins.retain(|_, bin| !bin.blocks.is_empty());
         self.empty_bins = 0;
     }
 
@@ -137,24 +129,16 @@ impl FreePool {
         size: usize,
         accept: impl FnOnce(usize) -> bool,
     ) -> Option<(usize, DevicePtr, BlockId)> {
-        if let Some(bin) = self.bins.get_mut(&size)
-            && let Some(&(addr, id)) = bin.blocks.first()
-        {
-            if !accept(size) {
-                return None;
-            }
-            bin.blocks.remove(0);
-            self.len -= 1;
-            if bin.blocks.is_empty() {
-                self.emptied(size);
-            }
-            return Some((size, addr, id));
-        }
-        let (found, addr, id) = self.scan_above(size)?;
+        let found = self.sizes.first_at_or_above(size)?;
         if !accept(found) {
             return None;
         }
-        self.remove(found, addr, id);
+        let bin = self.bins.get_mut(&found).expect("a size listed has its bin");
+        let (addr, id) = bin.blocks.remove(0);
+        self.len -= 1;
+        if bin.blocks.is_empty() {
+            self.emptied(found);
+        }
         Some((found, addr, id))
     }
 
@@ -169,74 +153,55 @@ impl FreePool {
 
     /// The best-fitting block of at least `size` bytes, without removing it.
     #[inline]
-    pub fn best_fit(&mut self, size: usize) -> Option<(usize, DevicePtr, BlockId)> {
-        if let Some(&(addr, id)) = self.bins.get(&size).and_then(|b| b.blocks.first()) {
-            return Some((size, addr, id));
-        }
-        self.scan_above(size)
-    }
-
-    /// The best fit among sizes of at least `size`, by the B-tree of sizes (the exact size
-    /// having been tried).
-    fn scan_above(&mut self, size: usize) -> Option<(usize, DevicePtr, BlockId)> {
-        // Empty bins met on the way stay (a size that was free once tends to be again: dropping
-        // and re-creating its bin would cost two tree writes per hit); only when a search had
-        // to pass many are they dropped.
-        let mut skipped = [0usize; DROP_AFTER];
-        let mut n = 0;
-        let mut found = None;
-        for &s in self.sizes.range(size..) {
-            match self.bins[&s].blocks.first() {
-                Some(&(addr, id)) => {
-                    found = Some((s, addr, id));
-                    break;
-                }
-                None if n < DROP_AFTER => {
-                    skipped[n] = s;
-                    n += 1;
-                }
-                None => {}
-            }
-        }
-        if n == DROP_AFTER {
-            for s in skipped {
-                self.sizes.remove(&s);
-                self.bins.remove(&s);
-                self.empty_bins -= 1;
-            }
-        }
-        found
+    pub fn best_fit(&self, size: usize) -> Option<(usize, DevicePtr, BlockId)> {
+        let found = self.sizes.first_at_or_above(size)?;
+        let &(addr, id) = self.bins[&found].blocks.first().expect("a size listed has a block");
+        Some((found, addr, id))
     }
 
     /// The size of the largest block in the pool, if any (for the out-of-memory message; a
     /// walk down the sizes past empty bins).
     pub fn largest(&self) -> Option<usize> {
-        self.sizes.iter().rev().copied().find(|s| !self.bins[s].blocks.is_empty())
+        self.sizes.last()
     }
 
     /// The blocks from largest to smallest, lowest address first among equals (for PyTorch's
     /// `release_available_cached_blocks`).
     pub fn iter_largest_first(&self) -> impl Iterator<Item = (usize, DevicePtr, BlockId)> + '_ {
-        self.sizes.iter().rev().flat_map(move |&s| self.bins[&s].blocks.iter().map(move |&(a, id)| (s, a, id)))
+        self.sizes.ascending().into_iter().rev().flat_map(move |s| self.bin_blocks(s))
     }
 
     /// The blocks in (size, address) order.
     pub fn iter(&self) -> impl Iterator<Item = (usize, DevicePtr, BlockId)> + '_ {
-        self.sizes.iter().flat_map(move |&s| self.bins[&s].blocks.iter().map(move |&(a, id)| (s, a, id)))
+        self.sizes.ascending().into_iter().flat_map(move |s| self.bin_blocks(s))
+    }
+
+    /// The blocks of the bin of `size`, lowest address first.
+    fn bin_blocks(&self, size: usize) -> impl Iterator<Item = (usize, DevicePtr, BlockId)> + '_ {
+        self.bins[&size].blocks.iter().map(move |&(a, id)| (size, a, id))
     }
 
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether [`FreePool::filled`] counts exactly the bins that hold a block (the consistency
-    /// check's).
+    /// Whether [`FreePool::filled`] counts exactly the bins that hold a block, and the set of
+    /// sizes lists exactly those (the consistency check's).
     pub fn filter_consistent(&self) -> bool {
         let mut filled = [0u32; FILTER_SLOTS];
+        let mut sizes: Vec<usize> = Vec::new();
         for (&size, bin) in &self.bins {
             filled[filter_slot(size)] += u32::from(!bin.blocks.is_empty());
+            if !bin.blocks.is_empty() {
+                sizes.push(size);
+            }
         }
+        sizes.sort_unstable();
+        let empty = self.bins.values().filter(|b| b.blocks.is_empty()).count();
         filled == self.filled
+            && sizes == self.sizes.ascending()
+            && self.sizes.summary_consistent()
+            && empty == self.empty_bins
     }
 }
 
