@@ -1,6 +1,6 @@
 //! Sleep and wake (`gpupool_sleep`, `gpupool_wake`): a pool gives its device memory back to the
 //! driver and gets it back later at the same addresses, its live blocks' contents kept in
-//! pinned host memory meanwhile ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]).
+//! host memory meanwhile ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]).
 //! Not in PyTorch; what vLLM's sleep mode (`CuMemAllocator`), SGLang's torch_memory_saver and
 //! TensorRT-LLM's `releaseWithTag` do beside an allocator, done inside one.
 //!
@@ -15,7 +15,8 @@
 //! Here: the modes, which pools may sleep, and each device's record of its sleeping pools
 //! ([`Sleepers`]). The mechanism: `shard::sleep` (one stream's share: waiting, copying,
 //! unmapping, mapping again), `device::sleep` (a pool: its streams, all or nothing, the
-//! memory limit), `copy` (the copy streams). The rules are in docs/sleep.md.
+//! memory limit), `copy` (the copies, pipelined), `staging` (the pinned ring), `crew` (the
+//! CPU threads). The rules are in docs/sleep.md.
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -35,7 +36,7 @@ pub(crate) fn sleepable(pool: u64) -> bool {
 /// What a sleep does with the contents of the pool's live blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SleepMode {
-    /// Copied to pinned host memory before the memory goes, and back at wake, bit for bit
+    /// Copied to host memory before the memory goes, and back at wake, bit for bit
     /// (weights).
     Offload,
     /// Dropped: after wake the blocks hold whatever the new memory holds (KV cache,
