@@ -36,7 +36,11 @@
 #               default "4 16" here) once per staging setting of SLEEP_TUNE, a list of
 #               CHUNK:BUFFERS:THREADS:HUGE_PAGES (GPUPOOL_SLEEP_CHUNK, _BUFFERS, _THREADS,
 #               _HUGE_PAGES; default a grid of 8 around 32M:4:8:1), into OUT/sleep-tune.log
-#   examples    hello, the C++ consumer, engine and engine_graphs
+#   torch_sleep tests/gpu/torch_sleep.py: a transformers Llama decoder's weights in one gpupool
+#               pool (gpupool.torch.use_pool, offload) and its generation state in another
+#               (discard): generate, sleep both (device free memory up by what they held), wake,
+#               the weights bit for bit and the same token ids again; OUT/torch_sleep.log
+#   examples    hello, the C++ consumer, engine and engine_graphs (both sleep: see docs/gpu.md)
 #   nccl        examples/cpp/nccl_register.cpp: every segment registered with a one-rank NCCL
 #               communicator through a segment observer, an all-reduce on gpupool blocks checked;
 #               with expandable segments and with ordinary ones (nccl.h from the CUDA toolkit,
@@ -133,7 +137,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs sleep sleep_tune examples preload python traces snapshot frames bench ab replay host plugins nccl"
+all_sections="rust c gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -299,6 +303,16 @@ if want python; then
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
   else
     echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
+fi
+
+if want torch_sleep; then
+  echo "== PyTorch: a model's pools asleep and awake (gpupool.torch.use_pool, sleep, wake)"
+  if python3 -c "import torch, transformers" 2>/dev/null; then
+    PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/torch_sleep.py \
+      --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_sleep.log" || status=1
+  else
+    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 
