@@ -93,11 +93,12 @@ def main():
     check(free_asleep - free_awake >= held and sleeping == held,
           f"asleep: device free memory up {(free_asleep - free_awake) / mib:.2f} MiB, the pools held "
           f"{held / mib:.2f} MiB, {sleeping / mib:.2f} MiB sleeping")
+    # Through gpupool's own call: PyTorch does not check a NULL from a pluggable allocator.
     try:
         with gpupool.torch.use_pool(state):
-            torch.empty(1024, device="cuda")
+            gpupool.free(gpupool.malloc(1024, torch.cuda.current_device()))
         refused = False
-    except Exception:  # noqa: BLE001 (PyTorch's error for a NULL from the pluggable allocator)
+    except gpupool.Error:
         refused = True
     check(refused, "a sleeping pool refuses an allocation routed to it")
     gpupool.torch.wake(state)
