@@ -85,8 +85,11 @@ fn contents_come_back_bit_for_bit_whatever_the_chunk_the_ring_and_the_crew() {
         }
         assert_eq!(drv.counts().host_alloc, 3, "the ring pinned once for every sleep and wake");
         assert_eq!(drv.counts().unpinned_copies, 0);
+        let summary = a.memory_summary(0).unwrap();
+        assert!(summary.contains("pinned staging buffers (host memory, until empty_cache): 292.98 KiB"), "{summary}");
         a.empty_cache(0).unwrap();
         assert_eq!((drv.live_host(), a.sleep_staging_bytes(0).unwrap()), ((0, 0), 0), "empty_cache gives it back");
+        assert!(!a.memory_summary(0).unwrap().contains("staging"));
         a.sleep(0, pool, SleepMode::Offload).unwrap();
         a.wake(0, pool).unwrap();
         assert!(intact(&live));

@@ -59,6 +59,21 @@ struct SleepersState {
     pools: FxHashMap<u64, PoolSleep>,
     /// Sleeping bytes of the device: pages given back by sleeping pools.
     stat: Stat,
+    /// Each pool's sleeping bytes, kept after it wakes (its peak and totals), from its first
+    /// sleep on.
+    per_pool: FxHashMap<u64, Stat>,
+}
+
+/// Adds `change` bytes to `s` (a sleep gave pages back, or a failed wake's pages went again,
+/// when positive; a wake took them when negative).
+fn account(s: &mut Stat, change: i64) {
+    s.current += change;
+    if change >= 0 {
+        s.allocated += change;
+    } else {
+        s.freed -= change;
+    }
+    s.peak = s.peak.max(s.current);
 }
 
 /// A device's sleeping pools (0: the default pools) and their statistic. A leaf of the lock
@@ -112,14 +127,8 @@ impl Sleepers {
         let mut st = self.state.lock();
         if let Some(p) = st.pools.get_mut(&pool) {
             let change = bytes as i64 - std::mem::replace(&mut p.bytes, bytes) as i64;
-            let s = &mut st.stat;
-            s.current += change;
-            if change >= 0 {
-                s.allocated += change;
-            } else {
-                s.freed -= change;
-            }
-            s.peak = s.peak.max(s.current);
+            account(&mut st.stat, change);
+            account(st.per_pool.entry(pool).or_default(), change);
         }
     }
 
@@ -127,8 +136,8 @@ impl Sleepers {
     pub fn end(&self, pool: u64) {
         let mut st = self.state.lock();
         if let Some(p) = st.pools.remove(&pool) {
-            st.stat.current -= p.bytes as i64;
-            st.stat.freed += p.bytes as i64;
+            account(&mut st.stat, -(p.bytes as i64));
+            account(st.per_pool.entry(pool).or_default(), -(p.bytes as i64));
         }
     }
 
@@ -137,10 +146,16 @@ impl Sleepers {
         self.state.lock().pools.get(&pool).map_or(0, |p| p.bytes)
     }
 
-    /// The sleeping bytes of `pool` as a statistic (current only: a pool's peaks are not kept).
+    /// The sleeping bytes of `pool` as a statistic: now, its peak (since its first sleep, or
+    /// the last [`Sleepers::reset_peak`]) and the bytes its sleeps gave back and its wakes took
+    /// again; zeros for a pool that never slept.
     pub fn pool_stat(&self, pool: u64) -> Stat {
-        let b = self.pool_bytes(pool) as i64;
-        Stat { current: b, peak: b, allocated: b, freed: 0 }
+        self.state.lock().per_pool.get(&pool).copied().unwrap_or_default()
+    }
+
+    /// Forgets the statistic of `pool` (released: its id names nothing any more).
+    pub fn forget(&self, pool: u64) {
+        self.state.lock().per_pool.remove(&pool);
     }
 
     /// The device's statistic of sleeping bytes.
@@ -148,9 +163,13 @@ impl Sleepers {
         self.state.lock().stat
     }
 
-    /// The peak starts again from the current value (PyTorch `resetPeakStats`).
+    /// The peaks, the device's and each pool's, start again from the current value (PyTorch
+    /// `resetPeakStats`).
     pub fn reset_peak(&self) {
         let mut st = self.state.lock();
         st.stat.peak = st.stat.current;
+        for s in st.per_pool.values_mut() {
+            s.peak = s.current;
+        }
     }
 }
