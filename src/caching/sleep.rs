@@ -141,11 +141,6 @@ impl Sleepers {
         }
     }
 
-    /// The sleeping bytes of `pool` (0 when it is awake).
-    pub fn pool_bytes(&self, pool: u64) -> usize {
-        self.state.lock().pools.get(&pool).map_or(0, |p| p.bytes)
-    }
-
     /// The sleeping bytes of `pool` as a statistic: now, its peak (since its first sleep, or
     /// the last [`Sleepers::reset_peak`]) and the bytes its sleeps gave back and its wakes took
     /// again; zeros for a pool that never slept.
