@@ -213,3 +213,42 @@ fn two_pools_of_one_device_share_the_ring_from_two_threads() {
     check(&a);
     assert_eq!((drv.live_pageable(), drv.counts().unpinned_copies), ((0, 0), 0));
 }
+
+#[test]
+fn extreme_settings_still_copy_every_byte() {
+    // One byte a buffer, two buffers, one thread; and 64 buffers of a page, 64 threads.
+    for (chunk, buffers, threads) in [(1, 2, 1), (4096, 64, 64), (7 << 20, 2, 2)] {
+        let config = Config { sleep_chunk: chunk, sleep_buffers: buffers, sleep_threads: threads, ..Config::default() };
+        let (a, drv) = sim_with(1, 1 << 30, config);
+        let sizes: Vec<usize> = if chunk == 1 { vec![512, 1536, 3000, 700] } else { sizes() };
+        let (pool, live) = pool_with(&a, &sizes);
+        a.sleep(0, pool, SleepMode::Offload).unwrap();
+        a.wake(0, pool).unwrap();
+        assert!(intact(&live), "chunk {chunk}, {buffers} buffers, {threads} threads");
+        assert_eq!((drv.live_pageable(), drv.counts().unpinned_copies), ((0, 0), 0));
+        check(&a);
+    }
+}
+
+#[test]
+fn a_wake_that_cannot_pin_the_ring_again_leaves_the_pool_asleep_with_its_copy() {
+    let (a, drv) = sim_with(1, 1 << 30, config(2));
+    let (pool, live) = pool_with(&a, &sizes());
+    a.sleep(0, pool, SleepMode::Offload).unwrap();
+    a.empty_cache(0).unwrap(); // the ring goes back; the host copy stays
+    let copy = drv.live_pageable();
+    assert_eq!((drv.live_host(), copy.0), ((0, 0), 2));
+    // Out of memory is tried twice (the cache released in between).
+    for _ in 0..2 {
+        drv.inject(SimOp::HostAlloc, 1, SimFault::Fail(DriverError::OutOfMemory));
+    }
+    match a.wake(0, pool) {
+        Err(Error::OutOfMemory(m)) => assert!(m.contains("cannot pin the staging buffers"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!((drv.used(0), drv.live_pageable(), drv.live_host()), (0, copy, (0, 0)), "asleep, copy intact");
+    check(&a);
+    a.wake(0, pool).unwrap();
+    assert!(intact(&live));
+    check(&a);
+}
