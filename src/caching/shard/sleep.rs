@@ -6,7 +6,7 @@
 //! included: they count the pages it will map again), only the page tables are empty.
 
 use super::{ShardCtx, ShardState};
-use crate::caching::block::BlockState;
+use crate::caching::block::{BlockId, BlockState};
 use crate::caching::copy::{Copier, HostCopy, free_host};
 use crate::caching::expandable::Expandable;
 use crate::caching::sleep::SleepMode;
@@ -28,6 +28,11 @@ pub(crate) struct ShardSleep {
     pub mode: SleepMode,
     /// Offload: each live block at sleep, as (address, bytes, offset in the host copy).
     copies: Vec<(DevicePtr, usize, usize)>,
+    /// The same bytes as runs of neighbouring live blocks of one segment, each one range of
+    /// device addresses and of the host copy (address, bytes, offset): what is copied, so that
+    /// a thousand blocks of 1 MiB side by side are a few copies of a buffer each, not a
+    /// thousand.
+    runs: Vec<(DevicePtr, usize, usize)>,
     /// The pageable host copy (pointer, bytes; `driver::pageable`); (0, 0) for none.
     host: (HostPtr, usize),
     /// The driver would not unmap some page at sleep: it stays mapped, and counted as such.
@@ -65,7 +70,7 @@ impl ShardState {
 
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
     pub fn prepare_discard(&self) -> ShardSleep {
-        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), host: (0, 0), partial: false }
+        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false }
     }
 
     /// Bytes mapped in its expandable segments.
@@ -122,10 +127,11 @@ impl ShardState {
     /// Errors: [`Error::OutOfMemory`] when the host cannot give the copy's memory,
     /// [`Error::Cuda`] when a copy cannot be queued; the host memory is unmapped.
     pub fn prepare_sleep(&self, ctx: &ShardCtx, copier: &mut Copier, huge_pages: bool) -> Result<ShardSleep, Error> {
-        let mut sleep = ShardSleep { mode: SleepMode::Offload, copies: Vec::new(), host: (0, 0), partial: false };
-        let mut live: Vec<(DevicePtr, usize)> =
-            self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size)).collect();
-        live.sort_unstable();
+        let mut sleep =
+            ShardSleep { mode: SleepMode::Offload, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false };
+        let mut live: Vec<(DevicePtr, usize, BlockId)> =
+            self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size, id)).collect();
+        live.sort_unstable_by_key(|l| l.0);
         let total: usize = live.iter().map(|l| l.1).sum();
         let host = HostCopy::new(ctx.driver, total, huge_pages).map_err(|e| match e {
             DriverError::OutOfMemory => Error::OutOfMemory(format!(
@@ -135,13 +141,21 @@ impl ShardState {
             )),
             e => Error::driver(e, "mapping host memory for a pool's copy"),
         })?;
-        let mut at = 0;
-        for (addr, size) in live {
+        let (mut at, mut prev) = (0, None);
+        for (addr, size, id) in live {
+            sleep.copies.push((addr, size, at));
+            // The block right after the previous one in its segment: the same run.
+            match sleep.runs.last_mut() {
+                Some(run) if prev.is_some_and(|p: BlockId| self.blocks[p].next == id) => run.1 += size,
+                _ => sleep.runs.push((addr, size, at)),
+            }
+            prev = Some(id);
+            at += size;
+        }
+        for &(addr, size, at) in &sleep.runs {
             copier
                 .add(host.ptr + at, addr, size)
                 .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
-            sleep.copies.push((addr, size, at));
-            at += size;
         }
         sleep.host = host.keep();
         Ok(sleep)
@@ -252,7 +266,7 @@ impl ShardState {
     /// Errors: the driver's.
     pub fn restore(&self, copier: &mut Copier) -> Result<(), DriverError> {
         let Some(s) = self.asleep.as_deref() else { return Ok(()) };
-        for &(addr, size, at) in &s.copies {
+        for &(addr, size, at) in &s.runs {
             copier.add(s.host.0 + at, addr, size)?;
         }
         Ok(())
@@ -292,6 +306,17 @@ impl ShardState {
             }
             if at != s.host.1 {
                 return Err(format!("a sleeping pool's copies hold {at} bytes, its host memory {}", s.host.1));
+            }
+            let mut end = 0;
+            for &(addr, size, off) in &s.runs {
+                let first = s.copies.iter().find(|c| c.2 == off);
+                if off != end || first.is_none_or(|c| c.0 != addr) {
+                    return Err("the runs of a sleeping pool's copies do not tile its copies".into());
+                }
+                end += size;
+            }
+            if end != at {
+                return Err(format!("a sleeping pool's runs hold {end} bytes, its copies {at}"));
             }
             for &id in self.live.values() {
                 let b = &self.blocks[id];
