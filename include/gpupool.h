@@ -96,7 +96,7 @@
 #define GPUPOOL_SEGMENT_UNMAP 3
 
 /**
- * `gpupool_sleep`'s mode: the live blocks' contents are copied to pinned host memory first,
+ * `gpupool_sleep`'s mode: the live blocks' contents are copied to host memory first,
  * and back at `gpupool_wake`, bit for bit (weights).
  */
 #define GPUPOOL_SLEEP_OFFLOAD 1
@@ -663,7 +663,9 @@ gpupool_status gpupool_record_history(int enabled,
  * `blocks`, which tile it in address order: `address`, `size`, `requested_size`, `state`
  * (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
  * synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
- * run of mapped pages, as PyTorch shows it. `device_traces`, per device ordinal, the events
+ * run of mapped pages, as PyTorch shows it; a segment of a sleeping pool (`gpupool_sleep`) shows
+ * as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
+ * (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
  * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
  * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
  * `allocator_settings`, the configuration (PyTorch's
@@ -1358,8 +1360,11 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * streams and on each stream `gpupool_record_stream` named for a live block, and the events
  * of blocks freed meanwhile; the device is synchronised only for blocks freed with
  * `gpupool_free_after_device_sync` and for the per-thread default stream); with offload,
- * each live block is copied to pinned host memory (`cuMemHostAlloc`, the pool's allocated
- * bytes) on two copy streams of gpupool's own; then every page of the pool's memory, cached
+ * each live block is copied to ordinary host memory (an anonymous `mmap` of the pool's
+ * allocated bytes, unmapped at wake) through the device's pinned staging ring
+ * (`GPUPOOL_SLEEP_BUFFERS` buffers of `GPUPOOL_SLEEP_CHUNK` bytes, pinned at the first offload
+ * and kept until `gpupool_empty_cache`) on two copy streams of gpupool's own, CPU threads
+ * (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next; then every page of the pool's memory, cached
  * free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
  * `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
  * their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
@@ -1379,7 +1384,8 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * `expandable_segments:False` or where the driver cannot map memory; any pool holding an
  * ordinary segment), a pool asleep already (a second sleep changes nothing) or released;
  * `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the device;
- * `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the copy; `GPUPOOL_ERROR_CUDA` when
+ * `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the staging ring or give the host
+ * copy's memory; `GPUPOOL_ERROR_CUDA` when
  * waiting or copying fails. Once the copies are done the pool sleeps whatever happens: if
  * the driver then refuses to unmap or release a page, the call returns `GPUPOOL_ERROR_CUDA`,
  * the pool sleeps all the same (wake it as usual), and that page stays mapped or held.
@@ -1387,7 +1393,9 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * Thread-safe; blocks the calling thread for the wait and the copies (it holds only the
  * pool's own locks meanwhile).
  */
-gpupool_status gpupool_sleep(int device, uint64_t pool, uint32_t mode);
+gpupool_status gpupool_sleep(int device,
+                             uint64_t pool,
+                             uint32_t mode);
 
 /**
  * Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is

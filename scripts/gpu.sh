@@ -29,11 +29,20 @@
 #               examples/python/graphs.py (torch.cuda.graph on gpupool's private pools)
 #   sleep       tests/gpu/test_sleep (gpupool_sleep and gpupool_wake: free memory to the byte,
 #               contents and a CUDA graph restored, a wake without memory) and its benchmark
-#               (offload and restore against the pinned copy bandwidth of the run; sizes from
-#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16"), into OUT/sleep.log; with two GPUs,
+#               (offload and restore against the pinned copy bandwidth of the run, 80% the
+#               target, and the host's resident memory before, during and after; sizes from
+#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16 40"), into OUT/sleep.log; with two GPUs,
 #               tests/gpu/test_two_gpus (a pool on each slept and woken at once from two
 #               threads), into OUT/two-gpus.log
-#   examples    hello, the C++ consumer, engine and engine_graphs
+#   sleep_tune  the sleep benchmark alone (`test_sleep bench`, sizes from GPUPOOL_SLEEP_BENCH_GIB,
+#               default "4 16" here) once per staging setting of SLEEP_TUNE, a list of
+#               CHUNK:BUFFERS:THREADS:HUGE_PAGES (GPUPOOL_SLEEP_CHUNK, _BUFFERS, _THREADS,
+#               _HUGE_PAGES; default a grid of 8 around 32M:4:8:1), into OUT/sleep-tune.log
+#   torch_sleep tests/gpu/torch_sleep.py: a transformers Llama decoder's weights in one gpupool
+#               pool (gpupool.torch.use_pool, offload) and its generation state in another
+#               (discard): generate, sleep both (device free memory up by what they held), wake,
+#               the weights bit for bit and the same token ids again; OUT/torch_sleep.log
+#   examples    hello, the C++ consumer, engine and engine_graphs (both sleep: see docs/gpu.md)
 #   nccl        examples/cpp/nccl_register.cpp: every segment registered with an NCCL
 #               communicator through a segment observer (one rank per GPU, each on its own
 #               thread), an all-reduce on gpupool blocks checked;
@@ -131,7 +140,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
+all_sections="rust c gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -183,7 +192,7 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable || want graphs || want streams || want sleep; then
+if want gpu || want expandable || want graphs || want streams || want sleep || want sleep_tune; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
@@ -192,6 +201,20 @@ if want gpu || want expandable || want graphs || want streams || want sleep; the
     if want sleep; then
       run_gpu_test test_sleep sleep.log
       run_gpu_test test_two_gpus two-gpus.log
+    fi
+    if want sleep_tune && cmake --build build-gpu/gpu -j --target test_sleep >>"$out/gpu-tests-build.log" 2>&1; then
+      echo "== sleep_tune"
+      : >"$out/sleep-tune.log"
+      for t in ${SLEEP_TUNE:-32M:4:8:1 16M:4:8:1 64M:4:8:1 32M:8:8:1 32M:4:4:1 32M:4:16:1 32M:4:8:0 64M:8:16:1}; do
+        IFS=: read -r chunk buffers threads huge <<<"$t"
+        echo "-- $t" | tee -a "$out/sleep-tune.log"
+        GPUPOOL_SLEEP_BENCH_GIB=${GPUPOOL_SLEEP_BENCH_GIB:-4 16} GPUPOOL_SLEEP_CHUNK=$chunk GPUPOOL_SLEEP_BUFFERS=$buffers \
+          GPUPOOL_SLEEP_THREADS=$threads GPUPOOL_SLEEP_HUGE_PAGES=$huge ./build-gpu/gpu/test_sleep bench 2>&1 |
+          tee -a "$out/sleep-tune.log" || status=1
+      done
+    elif want sleep_tune; then
+      echo "test_sleep did not build (see gpu-tests-build.log)"
+      status=1
     fi
     if want streams; then
       export GPUPOOL_RELEASE_UNUSED_STREAMS=1
@@ -286,6 +309,16 @@ if want python; then
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
   else
     echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
+fi
+
+if want torch_sleep; then
+  echo "== PyTorch: a model's pools asleep and awake (gpupool.torch.use_pool, sleep, wake)"
+  if python3 -c "import torch, transformers" 2>/dev/null; then
+    PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/torch_sleep.py \
+      --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_sleep.log" || status=1
+  else
+    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 

@@ -65,14 +65,18 @@ fn offload_gives_the_memory_back_to_the_byte_and_restores_it_bit_for_bit() {
     assert_eq!(asleep.sleeping_bytes.current as usize, reserved);
     assert_eq!(asleep.reserved_bytes.all.current as usize, reserved, "reserved still counts the pages");
     assert_eq!(asleep.allocated_bytes.all.current, before.allocated_bytes.all.current);
-    assert_eq!(drv.live_host(), (1, 0), "one pinned host copy");
+    let bytes = before.allocated_bytes.all.current as usize;
+    assert_eq!(drv.live_pageable(), (1, bytes), "one pageable host copy of the live blocks");
+    assert_eq!(drv.live_host(), (4, 0), "the staging ring: pinned once");
+    assert_eq!(a.sleep_staging_bytes(0).unwrap(), 4 * 32 * MIB);
     a.wake(0, 0).unwrap();
     check(&a);
     assert_eq!(drv.used(0), used, "the same pages mapped again");
     for (i, &(p, n)) in live.iter().enumerate() {
         assert!(holds(p, n, i as u8), "block {i} restored bit for bit at its address");
     }
-    assert_eq!(drv.live_host(), (0, 0), "host memory back where it was");
+    assert_eq!(drv.live_pageable(), (0, 0), "host memory back where it was");
+    assert_eq!(drv.live_host(), (4, 0), "the staging ring is kept for the next sleep");
     let after = a.stats(0).unwrap();
     assert_eq!((after.sleeping_bytes.current, after.sleeping_bytes.allocated), (0, reserved as i64));
     assert_eq!(after.reserved_bytes.all.current, before.reserved_bytes.all.current);
@@ -145,7 +149,7 @@ fn frees_during_sleep_are_allowed_and_the_block_is_cache_after_wake() {
     assert_eq!(a.stats(0).unwrap().allocated_bytes.all.current as usize, 6 * MIB);
     // empty_cache and the out-of-memory path leave a sleeping pool and its copy alone.
     a.empty_cache(0).unwrap();
-    assert_eq!((drv.used(0), drv.live_host()), (0, (1, 0)));
+    assert_eq!((drv.used(0), drv.live_pageable().0), (0, 1));
     a.wake(0, 0).unwrap();
     assert!(holds(live[1].0, live[1].1, 1));
     check(&a);

@@ -74,8 +74,8 @@ fn a_fault_before_the_memory_goes_leaves_the_pool_awake_and_as_it_was() {
         SimOp::EventSynchronize,
         SimOp::StreamCreate,
         SimOp::HostAlloc,
+        SimOp::HostMap,
         SimOp::MemcpyDtoH,
-        SimOp::StreamSynchronize,
     ];
     for op in ops {
         for fault in [fail(), SimFault::Fail(DriverError::OutOfMemory), SimFault::Panic] {
@@ -89,7 +89,7 @@ fn a_fault_before_the_memory_goes_leaves_the_pool_awake_and_as_it_was() {
                 assert!(m.contains("cannot pin"), "{m}");
             }
             drv.clear_faults();
-            assert_eq!((drv.used(0), drv.live_host()), (used, (0, 0)), "{op:?} {fault:?}: nothing changed");
+            assert_eq!((drv.used(0), drv.live_pageable()), (used, (0, 0)), "{op:?} {fault:?}: nothing changed");
             assert!(!asleep(&a, pool), "{op:?} {fault:?}: still awake");
             assert!(intact(&live), "{op:?}");
             check(&a);
@@ -134,7 +134,8 @@ fn a_fault_at_any_call_of_a_wake_leaves_the_pool_asleep_with_its_host_copy() {
         (SimOp::MemSetAccess, 0),
         (SimOp::StreamCreate, 1),
         (SimOp::MemcpyHtoD, 1),
-        (SimOp::StreamSynchronize, 0),
+        (SimOp::EventRecord, 0),
+        (SimOp::EventSynchronize, 0),
     ];
     for (op, skip) in ops {
         for fault in [fail(), SimFault::Fail(DriverError::OutOfMemory)] {
@@ -149,7 +150,7 @@ fn a_fault_at_any_call_of_a_wake_leaves_the_pool_asleep_with_its_host_copy() {
             assert!(a.wake(0, pool).is_err(), "{op:?} {fault:?}");
             drv.clear_faults();
             assert!(asleep(&a, pool), "{op:?} {fault:?}");
-            assert_eq!((drv.used(0), drv.live_host()), (0, (1, 0)), "{op:?} {fault:?}: pages back, copy intact");
+            assert_eq!((drv.used(0), drv.live_pageable().0), (0, 1), "{op:?} {fault:?}: pages back, copy intact");
             check(&a);
             a.wake(0, pool).unwrap();
             assert!(intact(&live), "{op:?} {fault:?}");
@@ -179,7 +180,7 @@ fn a_wake_without_memory_releases_the_other_pools_cache_then_fails_all_or_nothin
         r => panic!("{r:?}"),
     }
     assert!(asleep(&a, pool));
-    assert_eq!(drv.live_host(), (1, 0));
+    assert_eq!(drv.live_pageable().0, 1);
     check(&a);
     a.free(held).unwrap();
     a.wake(0, pool).unwrap();
@@ -247,7 +248,7 @@ fn a_sleeping_pool_survives_the_out_of_memory_path_of_another() {
     let (pool, live) = pool_with(&a, &[20 * MIB]);
     a.sleep(0, pool, SleepMode::Offload).unwrap();
     assert!(matches!(a.malloc(80 * MIB, 0, S), Err(Error::OutOfMemory(_))));
-    assert_eq!(drv.live_host(), (1, 0), "the out-of-memory path left the host copy alone");
+    assert_eq!(drv.live_pageable().0, 1, "the out-of-memory path left the host copy alone");
     a.wake(0, pool).unwrap();
     assert!(intact(&live));
     check(&a);
@@ -279,6 +280,6 @@ fn sleeps_and_wakes_of_one_pool_from_two_threads_never_interleave() {
     assert!(done > 0);
     let _ = a.wake(0, pool);
     assert!(intact(&live));
-    assert_eq!(drv.live_host(), (0, 0));
+    assert_eq!(drv.live_pageable(), (0, 0));
     check(&a);
 }

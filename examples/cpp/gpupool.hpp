@@ -156,7 +156,7 @@ inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
 // Move-only.
 // What gpupool::pool::sleep does with the contents of the pool's live blocks.
 enum class sleep_mode : std::uint32_t {
-  offload = GPUPOOL_SLEEP_OFFLOAD,  // copied to pinned host memory, back at wake (weights)
+  offload = GPUPOOL_SLEEP_OFFLOAD,  // copied to host memory, back at wake (weights)
   discard = GPUPOOL_SLEEP_DISCARD,  // dropped (KV cache, activations)
 };
 

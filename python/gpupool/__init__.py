@@ -12,6 +12,10 @@ Submodules, imported on first use (none imports its framework before it is calle
 plugin: NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba), `gpupool.onnxruntime` (the CUDA execution
 provider's external allocator options).
 
+Private pools and sleep (framework-free): gpupool.Pool(sleepable=True), use_pool(pool) (routes
+the calling thread's allocations to a pool, as torch.cuda.use_mem_pool), sleep(pool, offload)
+and wake(pool) (docs/sleep.md).
+
 Everything here calls the C API of libgpupool.so (include/gpupool.h) through ctypes: sizes are
 bytes, devices CUDA ordinals (-1 the current device), streams cudaStream_t values (an int, or
 a framework's stream object). A failed call raises gpupool.Error (gpupool.OutOfMemoryError,
@@ -31,6 +35,7 @@ import tempfile
 
 from . import _structs
 from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle, text, unsigned
+from ._pools import Pool, pool_create, release_pool, sleep, use_pool, wake
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
@@ -38,7 +43,8 @@ __all__ = [
     "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
     "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
     "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
-    "host_stats", "host_reset_peak_stats",
+    "host_stats", "host_reset_peak_stats", "Pool", "pool_create", "release_pool", "use_pool", "sleep",
+    "wake",
 ]
 _SUBMODULES = ("torch", "cupy", "numba", "onnxruntime")
 

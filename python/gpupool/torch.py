@@ -18,6 +18,22 @@ and its memory goes back when the graphs are reset. torch.cuda.graph leaks the p
 capture that fails; capture through gpupool.torch.graph(g) instead, which releases it (and
 re-raises).
 
+Pools and sleep: use_pool(pool) routes the calling thread's allocations to a gpupool private
+pool (a gpupool.Pool, or its id) in a `with` block, as torch.cuda.use_mem_pool(pool) does for
+the native allocator (whose MemPool and beginAllocateToPool a pluggable allocator does not
+get: the route is gpupool's, per thread); sleep(pool, offload=True) and wake(pool) put a pool
+made with gpupool.Pool(sleepable=True), or the default pools (0), to sleep and back:
+
+    weights, cache = gpupool.Pool(), gpupool.Pool()
+    with gpupool.torch.use_pool(weights):
+        model = build_model().cuda()
+    with gpupool.torch.use_pool(cache):
+        out = model.generate(...)
+    gpupool.torch.sleep(weights, offload=True)    # contents to host memory
+    gpupool.torch.sleep(cache, offload=False)     # dropped
+    ...
+    gpupool.torch.wake(cache); gpupool.torch.wake(weights)
+
 With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
 gpupool's figures; stats() and summary() here do (gpupool.stats, gpupool.memory_summary).
 Likewise record_history() and dump_snapshot() are gpupool's torch.cuda.memory.
@@ -127,3 +143,46 @@ def attach(lib=None):
     if isinstance(lib, ctypes.CDLL):
         lib = lib._name
     _lib.bind(lib)
+
+
+def _pool_id(pool):
+    return pool.id if hasattr(pool, "id") else pool
+
+
+def _torch_device(device):
+    if device is not None:
+        return device
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def use_pool(pool, device=None):
+    """Routes the calling thread's allocations on `device` (None: torch.cuda.current_device()),
+    every tensor it creates there on any stream, to gpupool private pool `pool` (a gpupool.Pool
+    or an id) while the `with` block runs: torch.cuda.use_mem_pool's idiom, on gpupool's
+    per-thread route (gpupool_begin_allocate_to_pool_thread). Tensors keep their pool when freed
+    elsewhere. Raises gpupool.Error for pool 0, a pool never made, or nested routes on one
+    device."""
+    from . import use_pool as core_use_pool
+
+    return core_use_pool(_pool_id(pool), _torch_device(device))
+
+
+def sleep(pool=0, offload=True, device=None):
+    """Puts `pool` (a gpupool.Pool made sleepable, its id, or 0 for the default pools) on
+    `device` (None: current) to sleep (gpupool.sleep): its tensors keep their addresses, their
+    memory goes back to the driver (torch.cuda.mem_get_info's free rises by the pool's reserved
+    bytes), their contents kept in host memory (`offload`) or dropped. No tensor of the pool may
+    be used, nor allocated from it, until wake()."""
+    from . import sleep as core_sleep
+
+    core_sleep(_pool_id(pool), offload, _torch_device(device))
+
+
+def wake(pool=0, device=None):
+    """Wakes `pool` on `device` (None: current) (gpupool.wake): its tensors usable again, an
+    offloaded pool's contents back bit for bit."""
+    from . import wake as core_wake
+
+    core_wake(_pool_id(pool), _torch_device(device))

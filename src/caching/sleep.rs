@@ -1,6 +1,6 @@
 //! Sleep and wake (`gpupool_sleep`, `gpupool_wake`): a pool gives its device memory back to the
 //! driver and gets it back later at the same addresses, its live blocks' contents kept in
-//! pinned host memory meanwhile ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]).
+//! host memory meanwhile ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]).
 //! Not in PyTorch; what vLLM's sleep mode (`CuMemAllocator`), SGLang's torch_memory_saver and
 //! TensorRT-LLM's `releaseWithTag` do beside an allocator, done inside one.
 //!
@@ -15,7 +15,8 @@
 //! Here: the modes, which pools may sleep, and each device's record of its sleeping pools
 //! ([`Sleepers`]). The mechanism: `shard::sleep` (one stream's share: waiting, copying,
 //! unmapping, mapping again), `device::sleep` (a pool: its streams, all or nothing, the
-//! memory limit), `copy` (the copy streams). The rules are in docs/sleep.md.
+//! memory limit), `copy` (the copies, pipelined), `staging` (the pinned ring), `crew` (the
+//! CPU threads). The rules are in docs/sleep.md.
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -35,7 +36,7 @@ pub(crate) fn sleepable(pool: u64) -> bool {
 /// What a sleep does with the contents of the pool's live blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SleepMode {
-    /// Copied to pinned host memory before the memory goes, and back at wake, bit for bit
+    /// Copied to host memory before the memory goes, and back at wake, bit for bit
     /// (weights).
     Offload,
     /// Dropped: after wake the blocks hold whatever the new memory holds (KV cache,
@@ -58,6 +59,21 @@ struct SleepersState {
     pools: FxHashMap<u64, PoolSleep>,
     /// Sleeping bytes of the device: pages given back by sleeping pools.
     stat: Stat,
+    /// Each pool's sleeping bytes, kept after it wakes (its peak and totals), from its first
+    /// sleep on.
+    per_pool: FxHashMap<u64, Stat>,
+}
+
+/// Adds `change` bytes to `s` (a sleep gave pages back, or a failed wake's pages went again,
+/// when positive; a wake took them when negative).
+fn account(s: &mut Stat, change: i64) {
+    s.current += change;
+    if change >= 0 {
+        s.allocated += change;
+    } else {
+        s.freed -= change;
+    }
+    s.peak = s.peak.max(s.current);
 }
 
 /// A device's sleeping pools (0: the default pools) and their statistic. A leaf of the lock
@@ -111,14 +127,8 @@ impl Sleepers {
         let mut st = self.state.lock();
         if let Some(p) = st.pools.get_mut(&pool) {
             let change = bytes as i64 - std::mem::replace(&mut p.bytes, bytes) as i64;
-            let s = &mut st.stat;
-            s.current += change;
-            if change >= 0 {
-                s.allocated += change;
-            } else {
-                s.freed -= change;
-            }
-            s.peak = s.peak.max(s.current);
+            account(&mut st.stat, change);
+            account(st.per_pool.entry(pool).or_default(), change);
         }
     }
 
@@ -126,20 +136,21 @@ impl Sleepers {
     pub fn end(&self, pool: u64) {
         let mut st = self.state.lock();
         if let Some(p) = st.pools.remove(&pool) {
-            st.stat.current -= p.bytes as i64;
-            st.stat.freed += p.bytes as i64;
+            account(&mut st.stat, -(p.bytes as i64));
+            account(st.per_pool.entry(pool).or_default(), -(p.bytes as i64));
         }
     }
 
-    /// The sleeping bytes of `pool` (0 when it is awake).
-    pub fn pool_bytes(&self, pool: u64) -> usize {
-        self.state.lock().pools.get(&pool).map_or(0, |p| p.bytes)
+    /// The sleeping bytes of `pool` as a statistic: now, its peak (since its first sleep, or
+    /// the last [`Sleepers::reset_peak`]) and the bytes its sleeps gave back and its wakes took
+    /// again; zeros for a pool that never slept.
+    pub fn pool_stat(&self, pool: u64) -> Stat {
+        self.state.lock().per_pool.get(&pool).copied().unwrap_or_default()
     }
 
-    /// The sleeping bytes of `pool` as a statistic (current only: a pool's peaks are not kept).
-    pub fn pool_stat(&self, pool: u64) -> Stat {
-        let b = self.pool_bytes(pool) as i64;
-        Stat { current: b, peak: b, allocated: b, freed: 0 }
+    /// Forgets the statistic of `pool` (released: its id names nothing any more).
+    pub fn forget(&self, pool: u64) {
+        self.state.lock().per_pool.remove(&pool);
     }
 
     /// The device's statistic of sleeping bytes.
@@ -147,9 +158,13 @@ impl Sleepers {
         self.state.lock().stat
     }
 
-    /// The peak starts again from the current value (PyTorch `resetPeakStats`).
+    /// The peaks, the device's and each pool's, start again from the current value (PyTorch
+    /// `resetPeakStats`).
     pub fn reset_peak(&self) {
         let mut st = self.state.lock();
         st.stat.peak = st.stat.current;
+        for s in st.per_pool.values_mut() {
+            s.peak = s.current;
+        }
     }
 }

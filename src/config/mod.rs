@@ -47,6 +47,10 @@
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md) |
 //! | `GPUPOOL_EXPANDABLE_LARGE_PAGES` | boolean | `on` | With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md) |
 //! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
+//! | `GPUPOOL_SLEEP_CHUNK` | size, at least 1 | `32MiB` | `gpupool_sleep` and `gpupool_wake` with offload: bytes of each pinned staging buffer, the most one copy between the device and the host copy carries (blocks are cut into, and small blocks packed into, pieces of this size; see docs/sleep.md) |
+//! | `GPUPOOL_SLEEP_BUFFERS` | count, 2 to 64 | `4` | `gpupool_sleep` and `gpupool_wake` with offload: pinned staging buffers per device (the ring), allocated at the first offload and kept until `gpupool_empty_cache`; buffers times `GPUPOOL_SLEEP_CHUNK` bytes of pinned host memory |
+//! | `GPUPOOL_SLEEP_THREADS` | count, 0 to 256 | `0` | `gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy between the staging buffers and the host copy while the device copies the next buffer; 0: the cores the process may use, at most 8 |
+//! | `GPUPOOL_SLEEP_HUGE_PAGES` | boolean | `on` | `gpupool_sleep` with offload: the host copy (ordinary memory, an anonymous mapping unmapped at `gpupool_wake`) asks for transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults when it is first written |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
@@ -212,6 +216,17 @@ pub struct Config {
     /// The process-wide allocator prints the live report of each device it used to stderr at
     /// exit (`GPUPOOL_LIVE_REPORT_AT_EXIT`; see [`Allocator::live_report`](crate::Allocator::live_report)).
     pub live_report_at_exit: bool,
+    /// Bytes of each pinned staging buffer of sleep and wake with offload
+    /// (`GPUPOOL_SLEEP_CHUNK`, 32 MiB; see `caching::staging`).
+    pub sleep_chunk: usize,
+    /// Pinned staging buffers per device (`GPUPOOL_SLEEP_BUFFERS`, 4, at least 2).
+    pub sleep_buffers: usize,
+    /// CPU threads of a sleep's or wake's host copies, the calling one included
+    /// (`GPUPOOL_SLEEP_THREADS`; 0, the default: the cores the process may use, at most 8).
+    pub sleep_threads: usize,
+    /// Whether the host copy of a sleeping pool asks for transparent huge pages
+    /// (`GPUPOOL_SLEEP_HUGE_PAGES`, on).
+    pub sleep_huge_pages: bool,
 }
 
 impl Default for Config {
@@ -241,6 +256,10 @@ impl Default for Config {
             release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,
+            sleep_chunk: 32 * MIB,
+            sleep_buffers: 4,
+            sleep_threads: 0,
+            sleep_huge_pages: true,
         }
     }
 }

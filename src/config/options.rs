@@ -55,7 +55,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 12] = [
+pub static OPTIONS: [Opt; 16] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -146,6 +146,48 @@ pub static OPTIONS: [Opt; 12] = [
         doc: "Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md)",
         set: |c, v| c.release_unused_streams = v == Value::Bool(true),
         get: |c| Value::Bool(c.release_unused_streams),
+    },
+    Opt {
+        name: "GPUPOOL_SLEEP_CHUNK",
+        kind: Kind::Size { unit: 1, min: 1 },
+        default: Value::Size(32 * MIB),
+        doc: "`gpupool_sleep` and `gpupool_wake` with offload: bytes of each pinned staging buffer, the most one \
+              copy between the device and the host copy carries (blocks are cut into, and small blocks packed \
+              into, pieces of this size; see docs/sleep.md)",
+        set: |c, v| c.sleep_chunk = v.size(),
+        get: |c| Value::Size(c.sleep_chunk),
+    },
+    Opt {
+        name: "GPUPOOL_SLEEP_BUFFERS",
+        kind: Kind::Count { min: 2, max: 64 },
+        default: Value::Count(4),
+        doc: "`gpupool_sleep` and `gpupool_wake` with offload: pinned staging buffers per device (the ring), \
+              allocated at the first offload and kept until `gpupool_empty_cache`; buffers times \
+              `GPUPOOL_SLEEP_CHUNK` bytes of pinned host memory",
+        // The range check makes the count fit a usize.
+        set: |c, v| c.sleep_buffers = v.count() as usize,
+        get: |c| Value::Count(c.sleep_buffers as i64),
+    },
+    Opt {
+        name: "GPUPOOL_SLEEP_THREADS",
+        kind: Kind::Count { min: 0, max: 256 },
+        default: Value::Count(0),
+        doc: "`gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy \
+              between the staging buffers and the host copy while the device copies the next buffer; 0: the \
+              cores the process may use, at most 8",
+        // The range check makes the count fit a usize.
+        set: |c, v| c.sleep_threads = v.count() as usize,
+        get: |c| Value::Count(c.sleep_threads as i64),
+    },
+    Opt {
+        name: "GPUPOOL_SLEEP_HUGE_PAGES",
+        kind: Kind::Bool,
+        default: Value::Bool(true),
+        doc: "`gpupool_sleep` with offload: the host copy (ordinary memory, an anonymous mapping unmapped at \
+              `gpupool_wake`) asks for transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults \
+              when it is first written",
+        set: |c, v| c.sleep_huge_pages = v == Value::Bool(true),
+        get: |c| Value::Bool(c.sleep_huge_pages),
     },
     Opt {
         name: "GPUPOOL_RECORD_HISTORY",

@@ -7,6 +7,7 @@
 //! the cache-hit path.
 
 pub mod cuda;
+pub mod pageable;
 pub mod sim;
 
 use std::fmt;
@@ -176,6 +177,18 @@ pub trait Driver: Send + Sync {
     fn host_register(&self, device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError>;
     /// Unlocks a range from [`Driver::host_register`], given by its start (`cuMemHostUnregister`).
     fn host_unregister(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError>;
+    /// Maps `size` bytes of ordinary pageable host memory of gpupool's own, zeroed
+    /// (`pageable::map`: an anonymous `mmap`, transparent huge pages asked for with
+    /// `huge_pages`): a sleeping pool's host copy. Not pinned, so never the host side of a
+    /// copy queued on a stream. [`DriverError::OutOfMemory`] when the system refuses it.
+    fn host_map(&self, size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
+        pageable::map(size, huge_pages)
+    }
+    /// Unmaps memory from [`Driver::host_map`] (`pageable::unmap`, `munmap`): its pages go back
+    /// to the system. The caller has made sure nothing uses it any more.
+    fn host_unmap(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        pageable::unmap(ptr, size)
+    }
     /// The device whose context `stream` belongs to (`cuStreamGetCtx`, then that context's
     /// device), so that an event recorded on it is created in the right context. The legacy
     /// default stream (0), `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD` (2) belong to the

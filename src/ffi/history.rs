@@ -121,7 +121,9 @@ pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, con
 /// `blocks`, which tile it in address order: `address`, `size`, `requested_size`, `state`
 /// (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
 /// synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
-/// run of mapped pages, as PyTorch shows it. `device_traces`, per device ordinal, the events
+/// run of mapped pages, as PyTorch shows it; a segment of a sleeping pool (`gpupool_sleep`) shows
+/// as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
+/// (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
 /// `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
 /// (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
 /// `allocator_settings`, the configuration (PyTorch's

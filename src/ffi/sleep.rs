@@ -1,5 +1,5 @@
 //! Sleep and wake: a pool gives its device memory back to the driver and gets it back at the
-//! same addresses, its live blocks' contents kept in pinned host memory meanwhile or dropped.
+//! same addresses, its live blocks' contents kept in host memory meanwhile or dropped.
 //! For engines that share a GPU between phases or models (reinforcement learning that
 //! alternates training and generation, models served in turns): weights, KV cache and the
 //! CUDA graphs that point into them survive without being rebuilt. Not in PyTorch; vLLM's
@@ -19,7 +19,7 @@ use super::status::{boundary, gpupool_status, out_ptr};
 use crate::SleepMode;
 use crate::error::Error;
 
-/// `gpupool_sleep`'s mode: the live blocks' contents are copied to pinned host memory first,
+/// `gpupool_sleep`'s mode: the live blocks' contents are copied to host memory first,
 /// and back at `gpupool_wake`, bit for bit (weights).
 pub const GPUPOOL_SLEEP_OFFLOAD: u32 = 1;
 /// `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
@@ -61,8 +61,11 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 /// streams and on each stream `gpupool_record_stream` named for a live block, and the events
 /// of blocks freed meanwhile; the device is synchronised only for blocks freed with
 /// `gpupool_free_after_device_sync` and for the per-thread default stream); with offload,
-/// each live block is copied to pinned host memory (`cuMemHostAlloc`, the pool's allocated
-/// bytes) on two copy streams of gpupool's own; then every page of the pool's memory, cached
+/// each live block is copied to ordinary host memory (an anonymous `mmap` of the pool's
+/// allocated bytes, unmapped at wake) through the device's pinned staging ring
+/// (`GPUPOOL_SLEEP_BUFFERS` buffers of `GPUPOOL_SLEEP_CHUNK` bytes, pinned at the first offload
+/// and kept until `gpupool_empty_cache`) on two copy streams of gpupool's own, CPU threads
+/// (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next; then every page of the pool's memory, cached
 /// free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
 /// `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
 /// their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
@@ -82,7 +85,8 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 /// `expandable_segments:False` or where the driver cannot map memory; any pool holding an
 /// ordinary segment), a pool asleep already (a second sleep changes nothing) or released;
 /// `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the device;
-/// `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the copy; `GPUPOOL_ERROR_CUDA` when
+/// `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the staging ring or give the host
+/// copy's memory; `GPUPOOL_ERROR_CUDA` when
 /// waiting or copying fails. Once the copies are done the pool sleeps whatever happens: if
 /// the driver then refuses to unmap or release a page, the call returns `GPUPOOL_ERROR_CUDA`,
 /// the pool sleeps all the same (wake it as usual), and that page stays mapped or held.

@@ -78,6 +78,10 @@ pub struct SnapshotSegment {
     pub requested_size: usize,
     /// Part of an expandable segment.
     pub is_expandable: bool,
+    /// Its pool sleeps (`gpupool_sleep`): its pages are given back, its blocks keep their
+    /// addresses and states. Not in PyTorch: the pickle writes `is_sleeping: True` on such a
+    /// segment only, a key PyTorch's viewer and `_snapshot()` readers pass over.
+    pub is_sleeping: bool,
     /// Who made the segment, when recorded with [`super::HistoryContext::State`] or more.
     pub frames: Arc<[Frame]>,
     /// Its blocks, in address order.

@@ -8,12 +8,21 @@
 // stream and read by compute, the output block is allocated on compute and read by the copy.
 // Up to `depth` requests are in flight at once.
 //
+// Between bursts of `burst` requests the engine sleeps, as one sharing its GPU with another
+// model or phase would: the weights, in a pool of their own made sleepable, are offloaded
+// (gpupool_sleep, their contents to host memory) and the default pools (inputs and activations,
+// all free by then: cache) are discarded; the device's free memory rises by both pools' reserved
+// bytes (cudaMemGetInfo); then both wake at the same addresses and the next burst runs on the
+// restored weights.
+//
 // Every result is compared bit for bit with the CPU reference, after the timed run (the CPU
 // reference is far slower than the GPU). A block that gpupool handed out again before the other
 // stream had finished with it would be overwritten while still in use, and the comparison
 // would catch it.
 //
-//   ./engine [requests] [depth]        (defaults: 400 requests, 4 in flight)
+//   ./engine [requests] [depth] [snapshot.pickle|-] [burst]
+//                                      (defaults: 400 requests, 4 in flight, no snapshot, a sleep
+//                                      after every 100 requests; burst 0: never sleep)
 // Exit status: 0 when every result matched, 1 on a mismatch or an error, 77 when it cannot run
 // here (no GPU, or GPUPOOL_DRIVER=sim).
 #include <cuda_runtime.h>
@@ -50,9 +59,10 @@ int main(int argc, char **argv) {
   int depth = argc > 2 ? std::atoi(argv[2]) : 4;
   // Where to write gpupool's snapshot after the run (PyTorch's pickle: the history must be on,
   // e.g. GPUPOOL_RECORD_HISTORY=100000:alloc, for its trace and stacks).
-  const char *snapshot = argc > 3 ? argv[3] : nullptr;
-  if (requests < 1 || depth < 1) {
-    std::fprintf(stderr, "usage: engine [requests >= 1] [depth >= 1] [snapshot.pickle]\n");
+  const char *snapshot = argc > 3 && std::strcmp(argv[3], "-") != 0 ? argv[3] : nullptr;
+  long long burst = argc > 4 ? std::atoll(argv[4]) : 100;
+  if (requests < 1 || depth < 1 || burst < 0) {
+    std::fprintf(stderr, "usage: engine [requests >= 1] [depth >= 1] [snapshot.pickle|-] [burst >= 0]\n");
     return 1;
   }
   const char *driver = std::getenv("GPUPOOL_DRIVER");
@@ -76,9 +86,12 @@ int main(int argc, char **argv) {
     const auto net = engine::make_network(42);
     // Each stage's blocks carry a tag (gpupool::tag_scope): per-tag statistics, the snapshot and
     // the live report say which stage holds what.
+    // The weights' pool may sleep (declared before the weights: it outlives them).
+    gpupool::pool weights_pool(0, gpupool::sleepable);
     std::vector<device_layer> layers;
     {
       gpupool::tag_scope tag("weights");
+      gpupool::pool_scope route(weights_pool, compute);
       layers = upload(net, compute);
     }
     const int in_width = engine::widths().front(), out_width = engine::widths().back();
@@ -109,9 +122,41 @@ int main(int argc, char **argv) {
     std::vector<std::string> layer_tags;
     for (std::size_t li = 0; li < layers.size(); li++) layer_tags.push_back("layer " + std::to_string(li));
 
+    // Sleeps between two bursts: every request retired, the weights offloaded and the default
+    // pools discarded; the device's free memory checked; both woken.
+    long long sleeps = 0, slept_ok = 0;
+    double sleep_ms = 0, wake_ms = 0, freed_mib = 0;
+    auto sleep_between_bursts = [&]() {
+      for (auto &s : slots) retire(s);
+      size_t free_awake = 0, free_asleep = 0, total = 0;
+      CUDA(cudaMemGetInfo(&free_awake, &total));
+      const long long reserved = gpupool::stats().reserved_bytes.all.current;
+      auto t = std::chrono::steady_clock::now();
+      weights_pool.sleep(gpupool::sleep_mode::offload);
+      gpupool::sleep_default_pools(0, gpupool::sleep_mode::discard);
+      sleep_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      CUDA(cudaMemGetInfo(&free_asleep, &total));
+      const long long sleeping = gpupool::stats().sleeping_bytes.current;
+      const long long rose = static_cast<long long>(free_asleep) - static_cast<long long>(free_awake);
+      t = std::chrono::steady_clock::now();
+      gpupool::wake_default_pools(0);
+      weights_pool.wake();
+      wake_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      freed_mib += rose / 1048576.0;
+      sleeps++;
+      // Every page of both pools went back: the device's free memory rose by their reserved bytes.
+      if (sleeping == reserved && rose >= reserved) {
+        slept_ok++;
+      } else {
+        std::fprintf(stderr, "engine: sleep %lld: %lld bytes reserved, %lld sleeping, device free memory up %lld\n",
+                     sleeps, reserved, sleeping, rose);
+      }
+    };
+
     long long device_allocs_warm = -1;
     auto start = std::chrono::steady_clock::now();
     for (long long r = 0; r < requests; r++) {
+      if (burst > 0 && r > 0 && r % burst == 0) sleep_between_bursts();
       slot &s = slots[r % depth];
       retire(s);
       s.request = r;
@@ -181,6 +226,12 @@ int main(int argc, char **argv) {
                 static_cast<long long>(st.num_device_alloc - device_allocs_warm),
                 static_cast<long long>(st.num_alloc_retries));
     long long expected_live = 2 * static_cast<long long>(layers.size());
+    if (sleeps > 0) {
+      std::printf("engine: slept %lld times between bursts of %lld requests (weights offloaded, default pools "
+                  "discarded): device free memory up %.1f MiB each on average, sleep %.1f ms, wake %.1f ms on "
+                  "average; %lld of %lld sleeps gave back every reserved byte\n",
+                  sleeps, burst, freed_mib / sleeps, sleep_ms / sleeps, wake_ms / sleeps, slept_ok, sleeps);
+    }
     std::printf("engine: peak MiB allocated per tag:");
     std::vector<std::string> tags = {"weights", "input"};
     tags.insert(tags.end(), layer_tags.begin(), layer_tags.end());
@@ -189,7 +240,7 @@ int main(int argc, char **argv) {
     // Every live block is a weight, and every weight is tagged.
     gpupool_tag_stats_t weights = gpupool::tag_stats("weights");
     bool ok = mismatched == 0 && st.allocation.all.current == expected_live && weights.blocks.current == expected_live &&
-              weights.bytes.current == st.allocated_bytes.all.current;
+              weights.bytes.current == st.allocated_bytes.all.current && slept_ok == sleeps;
     if (snapshot != nullptr) {
       if (gpupool_dump_snapshot(snapshot) == GPUPOOL_SUCCESS) {
         std::printf("engine: snapshot in %s\n", snapshot);
@@ -204,6 +255,7 @@ int main(int argc, char **argv) {
     }
 
     layers.clear();
+    weights_pool.release();
     for (auto &s : slots) {
       // The copy stream may still read or write them: gpupool reuses them only after it passed.
       gpupool::check(gpupool_host_record_event(s.host_in, copy));

@@ -14,6 +14,11 @@
 // Eager mode: the same requests on the same stream, every activation a gpupool::buffer from the
 // default pools, as engine.cu does (without its second stream).
 //
+// Then sleep: the graphs' private pool and the weights' pool (both made sleepable) are offloaded
+// (gpupool_sleep), their device memory back to the driver (cudaMemGetInfo says by how much),
+// woken at the same addresses, and the same graphs, not captured again, serve the requests
+// again: every result equal, bit for bit, to the graphs' results before the sleep.
+//
 // Then a capture that fails on purpose (a cudaMalloc inside a global-mode capture): its
 // private pool is released as the gpupool::pool object goes, and gpupool's reserved bytes and
 // the device's free memory come back to the byte.
@@ -169,7 +174,13 @@ int main(int argc, char **argv) {
     cudaStream_t compute;
     CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
     const auto net = deep ? engine::make_network(42, engine::deep_widths(deep)) : engine::make_network(42);
-    std::vector<device_layer> layers = upload(net, compute);
+    // The weights in a pool of their own that may sleep (declared first: it outlives them).
+    gpupool::pool weights_pool(device, gpupool::sleepable);
+    std::vector<device_layer> layers;
+    {
+      gpupool::pool_scope route(weights_pool, compute);
+      layers = upload(net, compute);
+    }
     const long long weights = gpupool::stats(device).allocated_bytes.all.current;
 
     std::vector<slot> slots(depth);
@@ -195,8 +206,9 @@ int main(int argc, char **argv) {
     const long long eager_reserved = gpupool::stats(device).reserved_bytes.all.peak;
     gpupool::empty_cache(device);  // the default pools keep the weights' segments only
 
-    // Graphs: the pool first, so that it outlives the graphs' blocks (destroyed in reverse).
-    gpupool::pool pool(device);
+    // Graphs: the pool first, so that it outlives the graphs' blocks (destroyed in reverse);
+    // sleepable, so that it can be offloaded with the graphs' buffers below.
+    gpupool::pool pool(device, gpupool::sleepable);
     std::vector<graph> graphs;
     auto capture_start = std::chrono::steady_clock::now();
     {
@@ -225,7 +237,7 @@ int main(int argc, char **argv) {
       }
       throw std::runtime_error("no graph for " + std::to_string(rows) + " rows");
     };
-    double graph_rps = serve(requests, slots, graph_results, [&](slot &s) {
+    auto replay = [&](slot &s) {
       graph &g = graph_of(s.batch);
       CUDA(cudaMemcpyAsync(g.in.get(), s.host_in, static_cast<std::size_t>(s.batch) * in_width * sizeof(float),
                            cudaMemcpyHostToDevice, compute));
@@ -233,7 +245,8 @@ int main(int argc, char **argv) {
       CUDA(cudaMemcpyAsync(s.host_out, g.out.get(), static_cast<std::size_t>(s.batch) * out_width * sizeof(float),
                            cudaMemcpyDeviceToHost, compute));
       CUDA(cudaEventRecord(s.done, compute));
-    });
+    };
+    double graph_rps = serve(requests, slots, graph_results, replay);
     CUDA(cudaDeviceSynchronize());
     gpupool_stats_t ps = pool.stats();
     const long long graph_reserved = gpupool::stats(device).reserved_bytes.all.current;
@@ -247,6 +260,41 @@ int main(int argc, char **argv) {
                 eager_rps, mib(eager_reserved), graph_rps, graph_rps / eager_rps, mib(graph_reserved), graphs.size(),
                 capture_ms, mib(ps.reserved_bytes.all.current), mib(ps.allocated_bytes.all.current), mib(weights));
     bool ok = eager_bad == 0 && graph_bad == 0;
+
+    // Sleep: both pools offloaded, their memory back to the driver; woken, the same graphs
+    // replay (no capture) and every result is the same, bit for bit.
+    CUDA(cudaDeviceSynchronize());
+    size_t free_awake = 0, free_asleep = 0, free_woken = 0, total_memory = 0;
+    CUDA(cudaMemGetInfo(&free_awake, &total_memory));
+    const long long pools_reserved =
+        pool.stats().reserved_bytes.all.current + weights_pool.stats().reserved_bytes.all.current;
+    auto sleep_start = std::chrono::steady_clock::now();
+    pool.sleep(gpupool::sleep_mode::offload);
+    weights_pool.sleep(gpupool::sleep_mode::offload);
+    double sleep_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sleep_start).count();
+    CUDA(cudaMemGetInfo(&free_asleep, &total_memory));
+    const long long sleeping = gpupool::stats(device).sleeping_bytes.current;
+    auto wake_start = std::chrono::steady_clock::now();
+    weights_pool.wake();
+    pool.wake();
+    double wake_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wake_start).count();
+    CUDA(cudaMemGetInfo(&free_woken, &total_memory));
+    std::vector<std::vector<float>> woken_results(requests);
+    serve(requests, slots, woken_results, replay);
+    long long woken_bad = 0;
+    for (long long r = 0; r < requests; r++) {
+      const auto &was = graph_results[r], &now = woken_results[r];
+      woken_bad += was.size() != now.size() || std::memcmp(was.data(), now.data(), was.size() * sizeof(float)) != 0;
+    }
+    const long long rose = static_cast<long long>(free_asleep) - static_cast<long long>(free_awake);
+    bool slept_ok = woken_bad == 0 && sleeping == pools_reserved && rose >= pools_reserved;
+    const long long fell = static_cast<long long>(free_asleep) - static_cast<long long>(free_woken);
+    std::printf("engine_graphs: slept the graphs' pool and the weights (offload, %.1f ms): %.2f MiB sleeping, device "
+                "free memory up %.2f MiB; woken (%.1f ms, device free memory down %.2f MiB again), the %zu graphs "
+                "replayed without capturing again: %lld of %lld results equal to before the sleep bit for bit: %s\n",
+                sleep_ms, mib(sleeping), mib(rose), wake_ms, mib(fell), graphs.size(), requests - woken_bad, requests,
+                slept_ok ? "ok" : "FAILED");
+    ok = ok && slept_ok;
 
     for (auto &g : graphs) CUDA(cudaGraphExecDestroy(g.exec));
     graphs.clear();
@@ -288,6 +336,7 @@ int main(int argc, char **argv) {
     ok = ok && failed_ok;
 
     layers.clear();
+    weights_pool.release();
     for (auto &s : slots) {
       gpupool::check(gpupool_host_free(s.host_in));
       gpupool::check(gpupool_host_free(s.host_out));

@@ -8,8 +8,8 @@ use crate::error::Error;
 impl Allocator {
     /// Puts `pool` on `device` (-1: current) to sleep: 0 names the device's default pools,
     /// any other id a private pool made by [`Allocator::pool_create_sleepable`]. Waits (by
-    /// events) for the work queued on the pool's blocks, copies its live blocks to pinned host
-    /// memory ([`SleepMode::Offload`]) or not ([`SleepMode::Discard`]), then gives every page
+    /// events) for the work queued on the pool's blocks, copies its live blocks to host memory
+    /// through the device's pinned staging ring ([`SleepMode::Offload`]) or not ([`SleepMode::Discard`]), then gives every page
     /// of its memory back to the driver: free device memory rises by the pool's reserved
     /// bytes. Its blocks keep their addresses; nothing can be allocated from it until
     /// [`Allocator::wake`]; its blocks may be freed meanwhile.
@@ -17,7 +17,8 @@ impl Allocator {
     /// Errors, each leaving every pool as it was: [`Error::InvalidValue`] (a pool never made,
     /// a device out of range, a pool whose memory is not on the virtual memory API, naming
     /// why, a pool asleep already or released); [`Error::Capture`] while a capture may be under
-    /// way on the device; [`Error::OutOfMemory`] when the host cannot pin the copy;
+    /// way on the device; [`Error::OutOfMemory`] when the host cannot pin the staging ring or
+    /// give the copy's memory;
     /// [`Error::Cuda`] when waiting or copying fails. A driver failure while the pages are
     /// given back leaves the pool asleep, and says so ([`Error::Cuda`]).
     pub fn sleep(&self, device: i32, pool: u64, mode: SleepMode) -> Result<(), Error> {
@@ -40,5 +41,16 @@ impl Allocator {
             Self::check_pool(pool)?;
         }
         self.device_or_init(device)?.wake(pool)
+    }
+
+    /// Bytes of pinned host memory held by `device`'s (-1: current) staging ring of sleep and
+    /// wake with offload: `GPUPOOL_SLEEP_BUFFERS` times `GPUPOOL_SLEEP_CHUNK` from the first
+    /// offload or restore of the device until [`Allocator::empty_cache`], 0 otherwise. Counted
+    /// in no statistic of the device (it is host memory) nor of the pinned host allocator (it
+    /// is not its memory). Thread-safe; no driver call.
+    ///
+    /// Errors: [`Error::InvalidValue`] for a device out of range.
+    pub fn sleep_staging_bytes(&self, device: i32) -> Result<usize, Error> {
+        Ok(self.device_or_init(device)?.staging_bytes())
     }
 }

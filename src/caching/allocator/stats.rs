@@ -73,13 +73,21 @@ impl Allocator {
     }
 
     /// The table of `torch.cuda.memory_summary` for `device` (-1: current), one line a row,
-    /// sizes in PyTorch's units (B, KiB, MiB, GiB).
+    /// sizes in PyTorch's units (B, KiB, MiB, GiB); then gpupool's lines: the private pools,
+    /// and the pinned staging buffers of sleep and wake while the device holds them.
     ///
     /// Errors: as [`Allocator::stats`].
     pub fn memory_summary(&self, device: i32) -> Result<String, Error> {
         let dev = self.device_or_init(device)?;
         let mut text = memory_summary(dev.device, self.driver.name(), &dev.stats());
         text.push_str(&crate::stats::summary::pools_summary(&dev.all_pool_stats()));
+        let staging = dev.staging_bytes();
+        if staging > 0 {
+            text.push_str(&format!(
+                "Sleep and wake's pinned staging buffers (host memory, until empty_cache): {}\n",
+                crate::stats::summary::format_size(staging as u64)
+            ));
+        }
         Ok(text)
     }
 }

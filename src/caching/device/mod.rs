@@ -39,6 +39,7 @@ use super::segment_observers::SegmentObservers;
 use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
 use super::shard_table::ShardTable;
 use super::sleep::{Sleepers, sleepable};
+use super::staging::{Staging, StagingSettings};
 use crate::config::Config;
 use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
@@ -113,6 +114,8 @@ pub(crate) struct DeviceAllocator {
     /// (`expandable_segments:False`), found at their first use; `None` inside: the driver
     /// cannot map memory.
     sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
+    /// The pinned staging ring of sleep and wake with offload (see `staging`).
+    staging: Staging,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -176,6 +179,7 @@ impl DeviceAllocator {
             pools: pools::Pools::default(),
             sleepers: Sleepers::default(),
             sleep_policy: std::sync::OnceLock::new(),
+            staging: Staging::new(StagingSettings::from_config(config)),
         }
     }
 

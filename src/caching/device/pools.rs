@@ -245,6 +245,7 @@ impl DeviceAllocator {
                 let mut ps = self.pools.state.lock();
                 ps.pools.remove(&pool);
                 ps.released.insert(pool);
+                self.sleepers.forget(pool);
             }
         }
     }

@@ -87,6 +87,8 @@ impl DeviceAllocator {
         self.retire_idle_shards();
         self.prune_released();
         self.limit.reset_mark();
+        // The staging ring of sleep and wake, unless one uses it now.
+        self.staging.release(&*self.driver, self.device);
         match failure {
             Some(e) => Err(Error::driver(e, "releasing the physical pages held for expandable segments")),
             None => Ok(()),

@@ -4,11 +4,11 @@
 //! physical bytes; and the rules a sleeping pool follows (no allocation, no release).
 //!
 //! Sleep: the pool is marked asleep first (allocations from it are refused from then on);
-//! then each stream's work is waited for and, with offload, its live blocks copied to pinned
-//! host memory, on copy streams of gpupool's own; only once every copy has completed are the
+//! then each stream's work is waited for and, with offload, its live blocks copied to host
+//! memory through the staging ring, on copy streams of gpupool's own (`copy`); only once every copy has completed are the
 //! pages unmapped and their handles given back. Wake: every page mapped again, all or nothing
 //! (the memory limit charged first; a device out of memory releases the cache of the other
-//! pools and tries once more); then the copies put back; then the host memory freed.
+//! pools and tries once more); then the copies put back; then the host memory unmapped.
 //!
 //! Each shard's lock is held only while that shard is worked on, and no other pool's lock is
 //! taken: other pools allocate and free throughout.
@@ -17,8 +17,10 @@ use std::sync::Arc;
 
 use super::{DeviceAllocator, ExpandablePolicy, expandable_policy};
 use crate::caching::capture;
-use crate::caching::copy::Copier;
+use crate::caching::copy::{Copier, Way};
+use crate::caching::crew::{Crew, crew_size};
 use crate::caching::shard::Shard;
+use crate::caching::shard::ShardSleep;
 use crate::caching::sleep::{SleepMode, sleepable};
 use crate::driver::{DriverError, PhysHandle};
 use crate::error::Error;
@@ -82,7 +84,7 @@ impl DeviceAllocator {
     /// Errors, each leaving everything as it was: [`Error::InvalidValue`] when the pool cannot
     /// sleep (its memory is not on the virtual memory API, naming why, or it holds an ordinary
     /// segment), sleeps already, or was released; [`Error::Capture`] while a capture may be
-    /// under way; [`Error::OutOfMemory`] when the host cannot pin the copy; [`Error::Cuda`]
+    /// under way; [`Error::OutOfMemory`] when the host cannot pin the ring or give the copy; [`Error::Cuda`]
     /// when waiting or copying fails. Once every copy has completed the pool sleeps whatever
     /// happens: a page the driver would not unmap stays mapped, a handle it would not release
     /// stays held by the device, and the error ([`Error::Cuda`]) says the pool sleeps.
@@ -119,32 +121,25 @@ impl DeviceAllocator {
             // Blocks freed with free_after_device_sync: the streams that used them are unknown.
             self.release_deferred()?;
         }
-        let mut copier = match mode {
-            SleepMode::Offload => {
-                Some(Copier::new(&*self.driver, self.device).map_err(|e| Error::driver(e, "creating copy streams"))?)
-            }
-            SleepMode::Discard => None,
-        };
-        let mut prepared = Vec::with_capacity(shards.len());
-        // The host copies made so far are freed if a later step fails.
+        let mut prepared: Vec<(Arc<Shard>, ShardSleep)> = Vec::with_capacity(shards.len());
+        // The host copies made so far are unmapped if a later step fails.
         let mut copies = scopeguard::guard(&mut prepared, |p| {
             for (_, s) in p.drain(..) {
-                crate::caching::shard::ShardSleep::discard(s, &*self.driver, self.device);
+                s.discard(&*self.driver);
             }
         });
-        for shard in &shards {
-            let ctx = self.ctx(shard);
-            let mut st = self.shards.lock_for_change(shard);
-            st.wait_for_work(&ctx)?;
-            let prep = match copier.as_mut() {
-                Some(c) => st.prepare_sleep(&ctx, mode, c)?,
-                None => st.prepare_discard(),
-            };
-            self.finish(st, ());
-            copies.push((shard.clone(), prep));
-        }
-        if let Some(mut c) = copier.take() {
-            c.finish().map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
+        match mode {
+            SleepMode::Offload => self.offload(&shards, &mut copies)?,
+            SleepMode::Discard => {
+                for shard in &shards {
+                    let ctx = self.ctx(shard);
+                    let mut st = self.shards.lock_for_change(shard);
+                    st.wait_for_work(&ctx)?;
+                    let prep = st.prepare_discard();
+                    self.finish(st, ());
+                    copies.push((shard.clone(), prep));
+                }
+            }
         }
         let prepared = std::mem::take(&mut *scopeguard::ScopeGuard::into_inner(copies));
         scopeguard::ScopeGuard::into_inner(awake);
@@ -182,6 +177,50 @@ impl DeviceAllocator {
                  gpupool_wake; what the driver kept stays mapped or held)",
             )),
         }
+    }
+
+    /// The copying half of a sleep with offload: each stream's work waited for and its live
+    /// blocks copied to a host copy of its own, through the device's staging ring; what each
+    /// stream will keep asleep appended to `into` as soon as it is made (the caller unmaps the
+    /// host copies if anything fails). Returns once every copy has completed.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the host cannot pin the ring or give a host copy;
+    /// [`Error::Cuda`] when waiting or copying fails.
+    fn offload(&self, shards: &[Arc<Shard>], into: &mut Vec<(Arc<Shard>, ShardSleep)>) -> Result<(), Error> {
+        let ring = self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?;
+        let fail = |e| Error::driver(e, "copying a pool's live blocks to host memory");
+        let huge = self.staging.settings.huge_pages;
+        std::thread::scope(|scope| {
+            let crew = Crew::new(scope, crew_size(self.staging.settings.threads));
+            let mut copier = Copier::new(&*self.driver, self.device, Way::Offload, &ring, &crew).map_err(fail)?;
+            for shard in shards {
+                let ctx = self.ctx(shard);
+                let mut st = self.shards.lock_for_change(shard);
+                st.wait_for_work(&ctx)?;
+                let prep = st.prepare_sleep(&ctx, &mut copier, huge);
+                self.finish(st, ());
+                into.push((shard.clone(), prep?));
+            }
+            copier.finish().map_err(fail)
+        })
+    }
+
+    /// The error of a staging ring the driver would not give.
+    fn staging_error(&self, e: DriverError) -> Error {
+        let s = self.staging.settings;
+        match e {
+            DriverError::OutOfMemory => Error::OutOfMemory(format!(
+                "the host cannot pin the staging buffers of device {} for gpupool_sleep and gpupool_wake ({} of {} \
+                 bytes, GPUPOOL_SLEEP_BUFFERS and GPUPOOL_SLEEP_CHUNK); nothing changed",
+                self.device, s.buffers, s.chunk
+            )),
+            e => Error::driver(e, "pinning the staging buffers of sleep and wake"),
+        }
+    }
+
+    /// Bytes of pinned host memory the device's staging ring holds (see `staging`).
+    pub fn staging_bytes(&self) -> usize {
+        self.staging.bytes()
     }
 
     /// Marks `pool` awake in the device's records.
@@ -321,7 +360,7 @@ impl DeviceAllocator {
         self.end_sleep(pool);
         // The host copies go last, once the pool is awake.
         for host in copies {
-            crate::caching::copy::free_host(&*self.driver, self.device, host);
+            crate::caching::copy::free_host(&*self.driver, host);
         }
         Ok(())
     }
@@ -331,11 +370,15 @@ impl DeviceAllocator {
     /// Errors: [`Error::Cuda`] when a copy fails.
     fn restore(&self, shards: &[Arc<Shard>]) -> Result<(), Error> {
         let fail = |e| Error::driver(e, "copying a sleeping pool's blocks back from host memory");
-        let mut copier = Copier::new(&*self.driver, self.device).map_err(fail)?;
-        for shard in shards {
-            shard.lock().restore(&mut copier).map_err(fail)?;
-        }
-        copier.finish().map_err(fail)
+        let ring = self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?;
+        std::thread::scope(|scope| {
+            let crew = Crew::new(scope, crew_size(self.staging.settings.threads));
+            let mut copier = Copier::new(&*self.driver, self.device, Way::Restore, &ring, &crew).map_err(fail)?;
+            for shard in shards {
+                shard.lock().restore(&mut copier).map_err(fail)?;
+            }
+            copier.finish().map_err(fail)
+        })
     }
 }
 

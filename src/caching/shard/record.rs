@@ -131,6 +131,7 @@ impl ShardState {
                                 active_size: 0,
                                 requested_size: 0,
                                 is_expandable: seg.exp.is_some(),
+                                is_sleeping: self.is_asleep(),
                                 frames: Default::default(),
                                 blocks: Vec::new(),
                             },

@@ -1,12 +1,12 @@
 //! One stream's share of a pool going to sleep and waking (see `caching::sleep`): the work on
-//! its blocks waited for by events, its live blocks copied to pinned host memory, every page
+//! its blocks waited for by events, its live blocks copied to host memory, every page
 //! of its expandable segments unmapped and its handles given back to the driver; and at wake
 //! the same pages mapped again from new handles and the copies put back. The blocks never
 //! move: a sleeping shard keeps its segments, blocks, live map and counters (reserved bytes
 //! included: they count the pages it will map again), only the page tables are empty.
 
 use super::{ShardCtx, ShardState};
-use crate::caching::block::BlockState;
+use crate::caching::block::{BlockId, BlockState};
 use crate::caching::copy::{Copier, HostCopy, free_host};
 use crate::caching::expandable::Expandable;
 use crate::caching::sleep::SleepMode;
@@ -28,16 +28,21 @@ pub(crate) struct ShardSleep {
     pub mode: SleepMode,
     /// Offload: each live block at sleep, as (address, bytes, offset in the host copy).
     copies: Vec<(DevicePtr, usize, usize)>,
-    /// The pinned host copy (pointer, bytes); (0, 0) for none.
+    /// The same bytes as runs of neighbouring live blocks of one segment, each one range of
+    /// device addresses and of the host copy (address, bytes, offset): what is copied, so that
+    /// a thousand blocks of 1 MiB side by side are a few copies of a buffer each, not a
+    /// thousand.
+    runs: Vec<(DevicePtr, usize, usize)>,
+    /// The pageable host copy (pointer, bytes; `driver::pageable`); (0, 0) for none.
     host: (HostPtr, usize),
     /// The driver would not unmap some page at sleep: it stays mapped, and counted as such.
     partial: bool,
 }
 
 impl ShardSleep {
-    /// Drops a sleep prepared but not begun (a later step failed): its host copy is freed.
-    pub fn discard(self, driver: &dyn Driver, device: i32) {
-        free_host(driver, device, self.host.0);
+    /// Drops a sleep prepared but not begun (a later step failed): its host copy is unmapped.
+    pub fn discard(self, driver: &dyn Driver) {
+        free_host(driver, self.host);
     }
 }
 
@@ -65,7 +70,7 @@ impl ShardState {
 
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
     pub fn prepare_discard(&self) -> ShardSleep {
-        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), host: (0, 0), partial: false }
+        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false }
     }
 
     /// Bytes mapped in its expandable segments.
@@ -114,36 +119,43 @@ impl ShardState {
         Ok(())
     }
 
-    /// The first half of a sleep, which changes nothing of the shard: for
-    /// [`SleepMode::Offload`], pinned host memory for every live block, and the copies into it
-    /// queued on `copier` (the caller waits for them). Returns what the shard will keep asleep.
+    /// The first half of a sleep with [`SleepMode::Offload`], which changes nothing of the
+    /// shard: pageable host memory for every live block (transparent huge pages asked for
+    /// with `huge_pages`), and the copies into it added to `copier` (the caller finishes
+    /// them). Returns what the shard will keep asleep.
     ///
-    /// Errors: [`Error::OutOfMemory`] when the host cannot pin the copy, [`Error::Cuda`] when a
-    /// copy cannot be queued; the host memory is freed.
-    pub fn prepare_sleep(&self, ctx: &ShardCtx, mode: SleepMode, copier: &mut Copier) -> Result<ShardSleep, Error> {
-        let mut sleep = ShardSleep { mode, copies: Vec::new(), host: (0, 0), partial: false };
-        if mode == SleepMode::Discard {
-            return Ok(sleep);
-        }
-        let mut live: Vec<(DevicePtr, usize)> =
-            self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size)).collect();
-        live.sort_unstable();
+    /// Errors: [`Error::OutOfMemory`] when the host cannot give the copy's memory,
+    /// [`Error::Cuda`] when a copy cannot be queued; the host memory is unmapped.
+    pub fn prepare_sleep(&self, ctx: &ShardCtx, copier: &mut Copier, huge_pages: bool) -> Result<ShardSleep, Error> {
+        let mut sleep =
+            ShardSleep { mode: SleepMode::Offload, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false };
+        let mut live: Vec<(DevicePtr, usize, BlockId)> =
+            self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size, id)).collect();
+        live.sort_unstable_by_key(|l| l.0);
         let total: usize = live.iter().map(|l| l.1).sum();
-        let host = HostCopy::new(ctx.driver, ctx.device, total).map_err(|e| match e {
+        let host = HostCopy::new(ctx.driver, total, huge_pages).map_err(|e| match e {
             DriverError::OutOfMemory => Error::OutOfMemory(format!(
-                "the host cannot pin {total} bytes for the copy of the live blocks of stream {:#x} (gpupool_sleep \
-                 with GPUPOOL_SLEEP_OFFLOAD); nothing changed",
+                "the host cannot give {total} bytes of memory for the copy of the live blocks of stream {:#x} \
+                 (gpupool_sleep with GPUPOOL_SLEEP_OFFLOAD); nothing changed",
                 ctx.shard.stream
             )),
-            e => Error::driver(e, "allocating pinned host memory for a pool's copy"),
+            e => Error::driver(e, "mapping host memory for a pool's copy"),
         })?;
-        let mut at = 0;
-        for (addr, size) in live {
-            copier
-                .offload(host.ptr + at, addr, size)
-                .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
+        let (mut at, mut prev) = (0, None);
+        for (addr, size, id) in live {
             sleep.copies.push((addr, size, at));
+            // The block right after the previous one in its segment: the same run.
+            match sleep.runs.last_mut() {
+                Some(run) if prev.is_some_and(|p: BlockId| self.blocks[p].next == id) => run.1 += size,
+                _ => sleep.runs.push((addr, size, at)),
+            }
+            prev = Some(id);
             at += size;
+        }
+        for &(addr, size, at) in &sleep.runs {
+            copier
+                .add(host.ptr + at, addr, size)
+                .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
         }
         sleep.host = host.keep();
         Ok(sleep)
@@ -249,21 +261,21 @@ impl ShardState {
         failure
     }
 
-    /// Queues on `copier` the copies of the shard's host copy back to its blocks (offload).
+    /// Adds to `copier` the copies of the shard's host copy back to its blocks (offload).
     ///
     /// Errors: the driver's.
     pub fn restore(&self, copier: &mut Copier) -> Result<(), DriverError> {
         let Some(s) = self.asleep.as_deref() else { return Ok(()) };
-        for &(addr, size, at) in &s.copies {
-            copier.restore(addr, s.host.0 + at, size)?;
+        for &(addr, size, at) in &s.runs {
+            copier.add(s.host.0 + at, addr, size)?;
         }
         Ok(())
     }
 
-    /// The end of a wake: the shard awake. Returns its host copy (0: none), for the caller to
-    /// free once every stream of the pool is awake.
-    pub fn finish_wake(&mut self) -> HostPtr {
-        self.asleep.take().map_or(0, |s| s.host.0)
+    /// The end of a wake: the shard awake. Returns its host copy ((0, 0): none), for the
+    /// caller to unmap once every stream of the pool is awake.
+    pub fn finish_wake(&mut self) -> (HostPtr, usize) {
+        self.asleep.take().map_or((0, 0), |s| s.host)
     }
 
     /// The sleep's part of the consistency check: a sleeping shard maps no page (unless the
@@ -294,6 +306,17 @@ impl ShardState {
             }
             if at != s.host.1 {
                 return Err(format!("a sleeping pool's copies hold {at} bytes, its host memory {}", s.host.1));
+            }
+            let mut end = 0;
+            for &(addr, size, off) in &s.runs {
+                let first = s.copies.iter().find(|c| c.2 == off);
+                if off != end || first.is_none_or(|c| c.0 != addr) {
+                    return Err("the runs of a sleeping pool's copies do not tile its copies".into());
+                }
+                end += size;
+            }
+            if end != at {
+                return Err(format!("a sleeping pool's runs hold {end} bytes, its copies {at}"));
             }
             for &id in self.live.values() {
                 let b = &self.blocks[id];

@@ -43,6 +43,10 @@ pub enum SimOp {
     StreamSynchronize,
     MemcpyDtoH,
     MemcpyHtoD,
+    /// `host_map`: the system's `mmap` of a sleeping pool's host copy, not a CUDA call.
+    HostMap,
+    /// `host_unmap`: the system's `munmap`, not a CUDA call.
+    HostUnmap,
 }
 
 impl SimOp {
@@ -51,7 +55,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 31] = [
+    pub const ALL: [SimOp; 33] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -83,10 +87,13 @@ impl SimOp {
         SimOp::StreamSynchronize,
         SimOp::MemcpyDtoH,
         SimOp::MemcpyHtoD,
+        SimOp::HostMap,
+        SimOp::HostUnmap,
     ];
 
     /// The CUDA driver function that [`crate::driver::cuda::CudaDriver`] calls for this kind (the
-    /// symbol cudarc looks up in `libcuda.so.1`).
+    /// symbol cudarc looks up in `libcuda.so.1`); for [`SimOp::HostMap`] and
+    /// [`SimOp::HostUnmap`], the system call.
     pub fn symbol(self) -> &'static str {
         match self {
             SimOp::MemAlloc => "cuMemAlloc_v2",
@@ -120,6 +127,10 @@ impl SimOp {
             SimOp::StreamSynchronize => "cuStreamSynchronize",
             SimOp::MemcpyDtoH => "cuMemcpyDtoHAsync_v2",
             SimOp::MemcpyHtoD => "cuMemcpyHtoDAsync_v2",
+            // The system's calls, which every host has: a missing-symbol fault there stands
+            // for a refusal.
+            SimOp::HostMap => "mmap",
+            SimOp::HostUnmap => "munmap",
         }
     }
 }

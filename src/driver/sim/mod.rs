@@ -31,8 +31,8 @@
 //! This file holds the driver and its state; each mechanism is in a file of its own, and the
 //! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
 //! (an inherent method of the trait's name would shadow the trait's):
-//! device memory in `memory`, virtual memory in `vmm`, pinned host memory in `host`, streams
-//! and events in `streams`, stream capture in `capture`, copies and copy streams in `copy`,
+//! device memory in `memory`, virtual memory in `vmm`, pinned host memory in `host`, pageable
+//! host memory (a sleeping pool's host copy) in `pageable`, streams and events in `streams`, stream capture in `capture`, copies and copy streams in `copy`,
 //! injected faults in `faults`.
 
 mod capture;
@@ -40,6 +40,7 @@ mod copy;
 mod faults;
 mod host;
 mod memory;
+mod pageable;
 mod streams;
 #[cfg(test)]
 mod tests;
@@ -84,6 +85,9 @@ pub struct SimCounts {
     pub host_free: u64,
     pub host_register: u64,
     pub host_unregister: u64,
+    /// `host_map` and `host_unmap` calls (a sleeping pool's pageable host copy).
+    pub host_map: u64,
+    pub host_unmap: u64,
     /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
     /// a GPU they would be synchronous staging copies, not asynchronous DMA.
     pub unpinned_copies: u64,
@@ -118,6 +122,8 @@ struct State {
     counts: SimCounts,
     /// Pinned host ranges: start -> (size, how).
     host: std::collections::BTreeMap<HostPtr, (usize, HostKind)>,
+    /// Pageable host memory mapped by `host_map`: start -> size.
+    pageable: std::collections::BTreeMap<HostPtr, usize>,
     /// Streams made by `stream_create` and not destroyed, and the next one's handle.
     copy_streams: rustc_hash::FxHashSet<StreamHandle>,
     next_stream: StreamHandle,
@@ -281,6 +287,14 @@ impl Driver for SimDriver {
         self.sim_host_unregister(ptr)
     }
 
+    fn host_map(&self, size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
+        self.sim_host_map(size, huge_pages)
+    }
+
+    fn host_unmap(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.sim_host_unmap(ptr, size)
+    }
+
     fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
         self.sim_stream_device(stream)
     }
@@ -327,6 +341,10 @@ impl Drop for SimDriver {
                 // SAFETY: every such entry is a live mapping made by `host_alloc`.
                 unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
             }
+        }
+        for (&ptr, &size) in self.state.get_mut().pageable.iter() {
+            // SAFETY: every entry is a live mapping made by `host_map`.
+            unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         }
         for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.

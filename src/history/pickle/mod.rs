@@ -206,7 +206,7 @@ impl<'a, W: Write> Pickler<'a, W> {
     }
 
     fn segment(&mut self, g: &'a SnapshotSegment) -> io::Result<()> {
-        self.dict(12, |p| {
+        self.dict(12 + usize::from(g.is_sleeping), |p| {
             p.key_int("device", int(g.device))?;
             p.key_int("address", int(g.address))?;
             p.key_int("total_size", int(g.total_size))?;
@@ -222,6 +222,11 @@ impl<'a, W: Write> Pickler<'a, W> {
             p.w.int(int(g.pool))?;
             p.w.tuple2();
             p.key_bool("is_expandable", g.is_expandable)?;
+            // gpupool's: only on a sleeping pool's segments, so that PyTorch's keys are all
+            // an awake snapshot holds; its viewer passes over a key it does not know.
+            if g.is_sleeping {
+                p.key_bool("is_sleeping", true)?;
+            }
             p.str("frames")?;
             p.frames(&g.frames)?;
             p.str("blocks")?;

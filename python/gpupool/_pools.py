@@ -1,0 +1,129 @@
+"""Private pools, routes to them, and sleep and wake (include/gpupool.h: gpupool_pool_create,
+gpupool_pool_create_sleepable, gpupool_begin_allocate_to_pool_thread, gpupool_end_allocate_to_pool,
+gpupool_release_pool, gpupool_sleep, gpupool_wake; docs/sleep.md). Framework-free: gpupool.torch
+builds PyTorch's idioms on these.
+
+    weights = gpupool.Pool(sleepable=True)
+    with gpupool.use_pool(weights):        # this thread's allocations on the device go there
+        ...                                # load the model
+    weights.sleep(offload=True)            # device memory back to the driver, contents to host
+    weights.wake()                         # same addresses, same bytes
+"""
+
+import contextlib
+import ctypes
+
+from ._lib import check, lib, unsigned
+
+# gpupool_sleep's modes (GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_DISCARD).
+SLEEP_OFFLOAD = 1
+SLEEP_DISCARD = 2
+
+
+def _device(device):
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device: expected an int, got {type(device).__name__}")
+    return device
+
+
+def pool_create(sleepable=False):
+    """A new private pool's id (gpupool_pool_create, or gpupool_pool_create_sleepable when
+    `sleepable`: its memory on CUDA's virtual memory API, so that it may sleep). A pool is per
+    device: its id names its memory on every device. Release it with release_pool()."""
+    pid = ctypes.c_uint64(0)
+    if sleepable:
+        check(lib().gpupool_pool_create_sleepable(ctypes.byref(pid)), "gpupool_pool_create_sleepable")
+    else:
+        check(lib().gpupool_pool_create(ctypes.byref(pid)), "gpupool_pool_create")
+    return pid.value
+
+
+def release_pool(pool, device=-1):
+    """Gives private pool `pool`'s memory on `device` (-1: current) back (gpupool_release_pool):
+    its free segments at once, the rest as its blocks are freed. Raises Error for a sleeping pool."""
+    check(lib().gpupool_release_pool(_device(device), unsigned(pool, "pool")), "gpupool_release_pool")
+
+
+@contextlib.contextmanager
+def use_pool(pool, device=-1):
+    """Routes the calling thread's allocations on `device` (-1: current), on any stream, to
+    private pool `pool` while the block runs (gpupool_begin_allocate_to_pool_thread; PyTorch's
+    torch.cuda.use_mem_pool). Other threads are not routed. Raises Error for pool 0, a pool never
+    made, or a thread routed already on the device."""
+    pool = unsigned(pool, "pool")
+    device = _device(device)
+    check(lib().gpupool_begin_allocate_to_pool_thread(device, pool), "gpupool_begin_allocate_to_pool_thread")
+    try:
+        yield pool
+    finally:
+        check(lib().gpupool_end_allocate_to_pool(device, pool), "gpupool_end_allocate_to_pool")
+
+
+def sleep(pool=0, offload=True, device=-1):
+    """Puts `pool` (0: the device's default pools; else a pool made with sleepable=True) on
+    `device` (-1: current) to sleep (gpupool_sleep): the work queued on its blocks is waited
+    for, their contents copied to host memory (`offload`) or dropped, and every page of its
+    memory given back to the driver; its blocks keep their addresses, and nothing may be
+    allocated from it (nor its memory touched) until wake(). Raises Error (nothing changed) for
+    a pool that cannot sleep or sleeps already, OutOfMemoryError when the host has no room for
+    the copy."""
+    mode = SLEEP_OFFLOAD if offload else SLEEP_DISCARD
+    check(lib().gpupool_sleep(_device(device), unsigned(pool, "pool"), mode), "gpupool_sleep")
+
+
+def wake(pool=0, device=-1):
+    """Wakes `pool` on `device` (-1: current) (gpupool_wake): new memory at the same addresses,
+    an offloaded pool's contents back bit for bit, its host copy freed. OutOfMemoryError when
+    the device has no room (the pool still sleeps, its copy intact: free memory and call again)."""
+    check(lib().gpupool_wake(_device(device), unsigned(pool, "pool")), "gpupool_wake")
+
+
+class Pool:
+    """A private pool of `device` (-1: current) that owns its id: use() routes the calling
+    thread's allocations to it, sleep()/wake() put it to sleep and back (sleepable=True), stats()
+    gives its statistics, release() (or the end of a `with Pool(...)` block) gives its memory
+    back. The id is the `pool` argument of the functions above."""
+
+    def __init__(self, sleepable=True, device=-1):
+        self.device = _device(device)
+        self.sleepable = bool(sleepable)
+        self.id = pool_create(self.sleepable)
+
+    def use(self):
+        """A context manager routing the calling thread's allocations here (use_pool)."""
+        return use_pool(self._live(), self.device)
+
+    def sleep(self, offload=True):
+        """sleep(self.id, offload, device)."""
+        sleep(self._live(), offload, self.device)
+
+    def wake(self):
+        """wake(self.id, device)."""
+        wake(self._live(), self.device)
+
+    def stats(self):
+        """The pool's statistics (gpupool.pool_stats) on its device (0 for -1)."""
+        from . import pool_stats
+
+        return pool_stats(self._live(), max(self.device, 0))
+
+    def release(self):
+        """Gives the pool's memory back (release_pool); later calls do nothing."""
+        if self.id:
+            pid, self.id = self.id, 0
+            release_pool(pid, self.device)
+
+    def _live(self):
+        if not self.id:
+            raise ValueError("the pool was released")
+        return self.id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+    def __repr__(self):
+        return f"gpupool.Pool(id={self.id:#x}, sleepable={self.sleepable}, device={self.device})"

@@ -1,0 +1,55 @@
+//! Ordinary (pageable) host memory of gpupool's own: anonymous private mappings (`mmap`),
+//! given back to the operating system when unmapped (`munmap`), not kept in a heap. What a
+//! sleeping pool's host copy is made of (`caching::copy`): it leaves no pinned memory behind
+//! and, unmapped at wake, truly returns to the system (vLLM#16663 is the complaint about a
+//! host copy that stayed). The [`Driver`](super::Driver) trait's `host_map` and `host_unmap`
+//! call these; the simulated driver counts the calls and injects faults there first.
+
+use super::{DriverError, HostPtr};
+
+/// Maps `size` bytes (more than 0) of zeroed, readable and writable anonymous memory, which the
+/// kernel backs on first touch (no `MAP_POPULATE`: the threads that first write it fault
+/// its pages in parallel). `huge_pages`: asks for transparent huge pages (`MADV_HUGEPAGE`),
+/// one fault per 2 MiB instead of per 4 KiB; ignored where the kernel has none. Thread-safe.
+///
+/// Errors: [`DriverError::OutOfMemory`] when the kernel refuses the mapping (no address space,
+/// or overcommit refused it); never panics.
+pub fn map(size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
+    if size == 0 {
+        return Err(DriverError::OutOfMemory);
+    }
+    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(DriverError::OutOfMemory);
+    }
+    if huge_pages {
+        // SAFETY: advice on the mapping just made; a kernel without THP returns EINVAL, which
+        // changes nothing.
+        unsafe { libc::madvise(p, size, libc::MADV_HUGEPAGE) };
+    }
+    Ok(p as HostPtr)
+}
+
+/// Unmaps `size` bytes at `ptr`, a mapping from [`map`] of that size, giving its pages back to
+/// the system. The caller has made sure nothing reads or writes it any more. Thread-safe.
+///
+/// Errors: [`DriverError::Cuda`] naming `munmap` with its `errno` when the kernel refuses (a
+/// range that was never mapped); never panics.
+pub fn unmap(ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+    // SAFETY: per this function's contract, a mapping of ours that nothing uses any more.
+    if unsafe { libc::munmap(ptr as *mut libc::c_void, size) } != 0 {
+        let code = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        return Err(DriverError::Cuda { call: "munmap", code, name: "errno".into() });
+    }
+    Ok(())
+}

@@ -1,0 +1,126 @@
+"""Private pools, per-thread routes and sleep and wake from Python (gpupool.Pool, use_pool,
+sleep, wake; and gpupool.torch's use_pool/sleep/wake, which add only the device and the Pool
+object, tested without PyTorch) on the simulated device, whose device memory is host memory:
+contents written and read with ctypes."""
+
+import ctypes
+import threading
+
+import pytest
+
+import gpupool
+
+MIB = 1 << 20
+
+
+def fill(ptr, n, seed):
+    ctypes.memmove(ptr, bytes((i * 31 + seed) & 0xFF for i in range(n)), n)
+
+
+def holds(ptr, n, seed):
+    return ctypes.string_at(ptr, n) == bytes((i * 31 + seed) & 0xFF for i in range(n))
+
+
+def test_a_pool_routes_this_threads_allocations_and_sleeps_and_wakes():
+    with gpupool.Pool(sleepable=True, device=0) as weights:
+        with weights.use():
+            a = gpupool.malloc(3 * MIB, 0, 0x10)
+            b = gpupool.malloc(4096 + 17, 0, 0x20)
+        fill(a, 3 * MIB, 1)
+        fill(b, 4096 + 17, 2)
+        s = weights.stats()
+        assert s["allocated_bytes.all.current"] >= 3 * MIB + 4096
+        reserved = s["reserved_bytes.all.current"]
+        weights.sleep(offload=True)
+        assert gpupool.stats(0)["sleeping_bytes.current"] == reserved
+        with pytest.raises(gpupool.Error) as twice:
+            weights.sleep()
+        assert "sleep already" in twice.value.message
+        weights.wake()
+        assert holds(a, 3 * MIB, 1) and holds(b, 4096 + 17, 2)
+        assert gpupool.stats(0)["sleeping_bytes.current"] == 0
+        weights.sleep(offload=False)
+        weights.wake()
+        fill(a, 16, 3)  # discarded, but the address works
+        gpupool.free(a)
+        gpupool.free(b)
+    assert weights.id == 0
+    with pytest.raises(ValueError):
+        weights.sleep()
+
+
+def test_the_route_is_the_calling_threads_only():
+    pool = gpupool.pool_create(sleepable=True)
+    try:
+        seen = {}
+        with gpupool.use_pool(pool, 0):
+            mine = gpupool.malloc(MIB, 0, 0x30)
+
+            def other():
+                seen["p"] = gpupool.malloc(MIB, 0, 0x30)
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+        assert gpupool.pool_stats(pool, 0)["allocated_bytes.all.current"] == MIB
+        gpupool.free(seen["p"])
+        gpupool.free(mine)
+    finally:
+        gpupool.release_pool(pool, 0)
+
+
+def test_the_default_pools_sleep_too():
+    p = gpupool.malloc(2 * MIB, 0, 0x40)
+    fill(p, 2 * MIB, 5)
+    gpupool.sleep(0, offload=True, device=0)
+    with pytest.raises(gpupool.Error):
+        gpupool.malloc(MIB, 0, 0x40)  # a sleeping pool refuses allocations
+    gpupool.wake(0, device=0)
+    assert holds(p, 2 * MIB, 5)
+    gpupool.free(p)
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    ordinary = gpupool.pool_create()
+    try:
+        with pytest.raises(gpupool.Error) as e:
+            gpupool.sleep(ordinary, device=0)
+        assert "gpupool_pool_create_sleepable" in e.value.message
+        with pytest.raises(gpupool.Error):
+            gpupool.wake(ordinary, device=0)  # it does not sleep
+        with pytest.raises(gpupool.Error):
+            gpupool.sleep(0x1234, device=0)  # never made
+        with pytest.raises(gpupool.Error):
+            gpupool.sleep(0, device=7)  # no such device
+        with pytest.raises(TypeError):
+            gpupool.sleep("pool")
+        with pytest.raises(TypeError):
+            gpupool.sleep(0, device=0.0)
+        with pytest.raises(ValueError):
+            gpupool.wake(-1)
+        with pytest.raises(gpupool.Error):
+            with gpupool.use_pool(0):  # the default pools need no route
+                pass
+        with gpupool.use_pool(ordinary, 0):
+            with pytest.raises(gpupool.Error):
+                with gpupool.use_pool(ordinary, 0):  # nested on one device
+                    pass
+    finally:
+        gpupool.release_pool(ordinary, 0)
+
+
+def test_torch_helpers_take_a_pool_or_its_id():
+    # gpupool.torch imports torch only to find the current device: given a device, it does not.
+    import gpupool.torch as gt
+
+    pool = gpupool.Pool(sleepable=True, device=1)
+    try:
+        with gt.use_pool(pool, device=1):
+            p = gpupool.malloc(MIB, 1, 0x50)
+        fill(p, MIB, 9)
+        gt.sleep(pool, offload=True, device=1)
+        gt.wake(pool.id, device=1)
+        assert holds(p, MIB, 9)
+        gpupool.free(p)
+    finally:
+        pool.release()
