@@ -35,10 +35,10 @@ pub(crate) struct Crew {
 }
 
 /// The threads a crew of `configured` threads has (`GPUPOOL_SLEEP_THREADS`; 0: the cores the
-/// process may use, at most 8), the calling one included: at least 1.
+/// process may use, at most 16), the calling one included: at least 1.
 pub(crate) fn crew_size(configured: usize) -> usize {
     match configured {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
         n => n,
     }
 }

@@ -22,7 +22,7 @@ pub(crate) struct StagingSettings {
     pub chunk: usize,
     /// Buffers in the ring, at least 2 (one filled while the others are copied).
     pub buffers: usize,
-    /// CPU threads of the host copies (0: the cores the process may use, at most 8).
+    /// CPU threads of the host copies (0: the cores the process may use, at most 16).
     pub threads: usize,
     /// Whether the host copy asks for transparent huge pages.
     pub huge_pages: bool,

@@ -49,7 +49,7 @@
 //! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
 //! | `GPUPOOL_SLEEP_CHUNK` | size, at least 1 | `32MiB` | `gpupool_sleep` and `gpupool_wake` with offload: bytes of each pinned staging buffer, the most one copy between the device and the host copy carries (blocks are cut into, and small blocks packed into, pieces of this size; see docs/sleep.md) |
 //! | `GPUPOOL_SLEEP_BUFFERS` | count, 2 to 64 | `4` | `gpupool_sleep` and `gpupool_wake` with offload: pinned staging buffers per device (the ring), allocated at the first offload and kept until `gpupool_empty_cache`; buffers times `GPUPOOL_SLEEP_CHUNK` bytes of pinned host memory |
-//! | `GPUPOOL_SLEEP_THREADS` | count, 0 to 256 | `0` | `gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy between the staging buffers and the host copy while the device copies the next buffer; 0: the cores the process may use, at most 8 |
+//! | `GPUPOOL_SLEEP_THREADS` | count, 0 to 256 | `0` | `gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy between the staging buffers and the host copy while the device copies the next buffer; 0: the cores the process may use, at most 16 |
 //! | `GPUPOOL_SLEEP_HUGE_PAGES` | boolean | `on` | `gpupool_sleep` with offload: the host copy (ordinary memory, an anonymous mapping unmapped at `gpupool_wake`) asks for transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults when it is first written |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
@@ -222,7 +222,7 @@ pub struct Config {
     /// Pinned staging buffers per device (`GPUPOOL_SLEEP_BUFFERS`, 4, at least 2).
     pub sleep_buffers: usize,
     /// CPU threads of a sleep's or wake's host copies, the calling one included
-    /// (`GPUPOOL_SLEEP_THREADS`; 0, the default: the cores the process may use, at most 8).
+    /// (`GPUPOOL_SLEEP_THREADS`; 0, the default: the cores the process may use, at most 16).
     pub sleep_threads: usize,
     /// Whether the host copy of a sleeping pool asks for transparent huge pages
     /// (`GPUPOOL_SLEEP_HUGE_PAGES`, on).

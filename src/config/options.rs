@@ -174,7 +174,7 @@ pub static OPTIONS: [Opt; 16] = [
         default: Value::Count(0),
         doc: "`gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy \
               between the staging buffers and the host copy while the device copies the next buffer; 0: the \
-              cores the process may use, at most 8",
+              cores the process may use, at most 16",
         // The range check makes the count fit a usize.
         set: |c, v| c.sleep_threads = v.count() as usize,
         get: |c| Value::Count(c.sleep_threads as i64),

@@ -312,7 +312,7 @@ static void bench() {
   printf("pinned copy bandwidth this run: device to host %.1f GB/s, host to device %.1f GB/s\n", d2h, h2d);
   printf("staging: GPUPOOL_SLEEP_CHUNK=%s GPUPOOL_SLEEP_BUFFERS=%s GPUPOOL_SLEEP_THREADS=%s GPUPOOL_SLEEP_HUGE_PAGES=%s\n",
          env_or("GPUPOOL_SLEEP_CHUNK", "32MiB (default)"), env_or("GPUPOOL_SLEEP_BUFFERS", "4 (default)"),
-         env_or("GPUPOOL_SLEEP_THREADS", "0 (default: cores, at most 8)"),
+         env_or("GPUPOOL_SLEEP_THREADS", "0 (default: cores, at most 16)"),
          env_or("GPUPOOL_SLEEP_HUGE_PAGES", "on (default)"));
   printf("%-5s %-10s %-7s %-11s %-10s %-10s %-9s %-9s %-10s %-10s %-10s %s\n", "GiB", "block", "blocks",
          "cold sleep", "sleep GB/s", "wake GB/s", "sleep/pin", "wake/pin", "RSS MiB", "asleep", "woken", "target 0.80");
