@@ -60,6 +60,17 @@ impl ShardState {
     #[cold]
     #[inline(never)]
     fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
+        if self.ipc_free(ptr, id)? {
+            return Ok(());
+        }
+        if self.blocks[id].stream_uses.is_empty() {
+            self.count_free(id, ctx.max_split_size);
+            self.count_inactive(id);
+            if !self.cache_freed(id) {
+                self.live.remove(&ptr);
+            }
+            return Ok(());
+        }
         if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
             self.live.remove(&ptr);
             self.count_free(id, ctx.max_split_size);
@@ -122,7 +133,7 @@ impl ShardState {
             return Err(self.diagnose(ptr, segment));
         };
         let b = &mut self.blocks[id];
-        if stream != owner && !b.stream_uses.contains(&stream) {
+        if stream != owner && stream != super::ipc::EXPORTED && !b.stream_uses.contains(&stream) {
             b.add_stream_use(stream);
         }
         Ok(())
@@ -138,6 +149,9 @@ impl ShardState {
         let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        if self.ipc_free(ptr, id)? {
+            return Ok(0);
+        }
         self.live.remove(&ptr);
         Ok(self.defer(ctx, id))
     }

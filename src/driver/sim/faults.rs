@@ -43,6 +43,12 @@ pub enum SimOp {
     StreamSynchronize,
     MemcpyDtoH,
     MemcpyHtoD,
+    DeviceUuid,
+    MemExport,
+    MemImport,
+    IpcGetMemHandle,
+    IpcOpenMemHandle,
+    IpcCloseMemHandle,
 }
 
 impl SimOp {
@@ -51,7 +57,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 31] = [
+    pub const ALL: [SimOp; 37] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -83,6 +89,12 @@ impl SimOp {
         SimOp::StreamSynchronize,
         SimOp::MemcpyDtoH,
         SimOp::MemcpyHtoD,
+        SimOp::DeviceUuid,
+        SimOp::MemExport,
+        SimOp::MemImport,
+        SimOp::IpcGetMemHandle,
+        SimOp::IpcOpenMemHandle,
+        SimOp::IpcCloseMemHandle,
     ];
 
     /// The CUDA driver function that [`crate::driver::cuda::CudaDriver`] calls for this kind (the
@@ -120,6 +132,12 @@ impl SimOp {
             SimOp::StreamSynchronize => "cuStreamSynchronize",
             SimOp::MemcpyDtoH => "cuMemcpyDtoHAsync_v2",
             SimOp::MemcpyHtoD => "cuMemcpyHtoDAsync_v2",
+            SimOp::DeviceUuid => "cuDeviceGetUuid_v2",
+            SimOp::MemExport => "cuMemExportToShareableHandle",
+            SimOp::MemImport => "cuMemImportFromShareableHandle",
+            SimOp::IpcGetMemHandle => "cuIpcGetMemHandle",
+            SimOp::IpcOpenMemHandle => "cuIpcOpenMemHandle_v2",
+            SimOp::IpcCloseMemHandle => "cuIpcCloseMemHandle",
         }
     }
 }
