@@ -47,9 +47,14 @@ impl Allocator {
         let mut st = shard.lock();
         let block = st.ipc_block(ptr)?;
         if block.marked
-            && let Some(h) = export::with(|m| m.get(&ptr).map(|e| e.handle))
+            && let Some(h) = export::with(|m| m.get(&ptr).map(|e| (e.stage, e.handle)))
         {
-            return Ok(h);
+            return match h {
+                (Stage::Live, h) => Ok(h),
+                _ => Err(Error::InvalidPointer(format!(
+                    "pointer {ptr:#x} was freed: it waits for the processes that imported it to close it"
+                ))),
+            };
         }
         let drv = |what: &'static str| move |e| Error::driver(e, what);
         let (kind, offset, page_size, pages, segment) = match &block.shape {
