@@ -24,6 +24,9 @@ fn consumer() {
 
 /// Both configurations: expandable segments (the default) and ordinary ones.
 fn each(test: impl Fn(&Allocator, &SimDriver, &str)) {
+    // Under Yama's ptrace_scope 1, let the consumer (a child) take this process's descriptors.
+    // SAFETY: a plain prctl; it fails harmlessly where Yama is absent.
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
     for (name, config) in [("expandable", Config::default()), ("ordinary", Config::pytorch())] {
         let (a, d) = common::sim_with(2, 1 << 30, config);
         test(&a, &d, name);
@@ -314,4 +317,30 @@ fn a_driver_that_cannot_share_says_so() {
     assert!(matches!(&r, Err(Error::DriverUnavailable(m)) if m.contains("cuMemExportToShareableHandle")), "{r:?}");
     a.free(p).unwrap();
     assert!(a.driver().device_uuid(0).is_ok());
+}
+
+#[test]
+fn the_history_records_a_limbo_block_freed_once_when_the_limbo_frees_it() {
+    use gpupool::history::{Action, HistoryContext, HistorySettings};
+    each(|a, _, name| {
+        let settings =
+            HistorySettings { max_entries: 1000, context: HistoryContext::State, stacks: Default::default() };
+        a.record_history(Some(settings)).unwrap();
+        let mut c = Consumer::start();
+        let p = a.malloc(2 * MIB, 0, 0).unwrap();
+        let q = ok_ptr(c.ask(&format!("import {} 0", hex(&a.ipc_export(p).unwrap()))));
+        a.free(p).unwrap();
+        let frees = |a: &Allocator| {
+            let snap = a.snapshot().unwrap();
+            snap.device_traces[0].iter().filter(|e| e.action == Action::FreeRequested && e.addr == p).count()
+        };
+        assert_eq!(frees(a), 0, "{name}: in limbo, the block is still allocated in the history");
+        check(a);
+        ok_ptr(c.ask(&format!("close {q:#x}")));
+        assert_eq!(a.ipc_reclaim(), 1);
+        assert_eq!(frees(a), 1, "{name}");
+        check(a);
+        c.end();
+        a.record_history(None).unwrap();
+    });
 }

@@ -14,23 +14,12 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
+use super::vmm::map_shared;
 use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, State, invalid};
 use crate::ipc::proc;
 
 /// The first bytes of a simulated `cuIpcGetMemHandle` handle.
 const MAGIC: &[u8; 8] = b"GPSIMIPC";
-
-/// Maps `size` bytes of `fd` (from its start) shared at `at`, readable and writable, over
-/// host address space the simulated driver owns.
-pub(super) fn map_shared(at: DevicePtr, size: usize, fd: &OwnedFd) -> bool {
-    let flags = libc::MAP_SHARED | libc::MAP_FIXED;
-    // SAFETY: `at` lies in a range the driver owns (checked by the callers), so MAP_FIXED
-    // replaces only its pages.
-    let p = unsafe {
-        libc::mmap(at as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
-    };
-    p != libc::MAP_FAILED
-}
 
 /// Copies `size` bytes at `at` (readable host memory) into a new memfd, then maps the memfd
 /// shared at `at`: the same bytes, now shareable.

@@ -86,6 +86,19 @@ fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
     p != libc::MAP_FAILED
 }
 
+/// Maps `size` bytes of `fd` (from its start) shared at `at`, readable and writable, over
+/// host address space the simulated driver owns.
+pub(super) fn map_shared(at: DevicePtr, size: usize, fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+    // SAFETY: `at` lies in a range the driver owns (checked by the callers), so MAP_FIXED
+    // replaces only its pages.
+    let p = unsafe {
+        libc::mmap(at as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
+    };
+    p != libc::MAP_FAILED
+}
+
 impl SimDriver {
     /// Reserved address ranges not yet freed, and physical handles not yet released, on every
     /// device.
@@ -226,7 +239,7 @@ impl SimDriver {
         let shared: Vec<_> =
             pieces.iter().filter_map(|&(a, s, h)| Some((a, s, st.handles.get(&h)?.fd.as_ref()?))).collect();
         if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE)
-            || !shared.into_iter().all(|(a, s, fd)| super::ipc::map_shared(a, s, fd))
+            || !shared.into_iter().all(|(a, s, fd)| map_shared(a, s, fd))
         {
             return Err(DriverError::OutOfMemory);
         }
