@@ -99,11 +99,10 @@ impl SimDriver {
         st.fault(SimOp::IpcGetMemHandle)?;
         let call = "cuIpcGetMemHandle";
         let &(_, size) = st.allocations.get(&ptr).ok_or_else(|| invalid(call))?;
-        if !st.shared_allocations.contains_key(&ptr) {
-            let fd = make_shared(Some(ptr), size)?;
-            st.shared_allocations.insert(ptr, fd);
-        }
-        let fd = st.shared_allocations[&ptr].as_raw_fd();
+        let fd = match st.shared_allocations.entry(ptr) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().as_raw_fd(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(make_shared(Some(ptr), size)?).as_raw_fd(),
+        };
         let me = proc::me();
         let mut out = [0u8; 64];
         out[..8].copy_from_slice(MAGIC);
