@@ -49,6 +49,14 @@ fn a_block_crosses_bit_for_bit_and_back() {
         let mut c = Consumer::start();
         // A block across page boundaries, after another so that it does not start a segment.
         let before = a.malloc(3 * MIB, 0, 0).unwrap();
+        // A large request too: 20 MiB pages of a range of its own (expandable segments).
+        let large = a.malloc(45 * MIB + 1, 0, 0).unwrap();
+        fill(large, 45 * MIB + 1, 4);
+        let hl = a.ipc_export(large).unwrap();
+        let ql = ok_ptr(c.ask(&format!("import {} 0", hex(&hl))));
+        assert_eq!(c.ask(&format!("check {ql:#x} {} 4", 45 * MIB + 1)), "ok", "{name}: a large block");
+        assert_eq!(ok_ptr(c.ask(&format!("close {ql:#x}"))), 0);
+        a.free(large).unwrap();
         let len = 5 * MIB + 12345;
         let p = a.malloc(len, 0, 0).unwrap();
         fill(p, len, 7);

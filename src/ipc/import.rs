@@ -164,7 +164,8 @@ fn map_pages(
     let r = record.header();
     let page = r.page_size as usize;
     let count = r.page_count as usize;
-    let len = page.checked_mul(count).filter(|&l| l > 0 && h.offset + h.size <= l as u64);
+    let end = h.offset.checked_add(h.size);
+    let len = page.checked_mul(count).filter(|&l| l > 0 && end.is_some_and(|e| e <= l as u64));
     let Some(len) = len else { return Err(gone(h, "its record's pages do not hold the block")) };
     let drv = |what: &'static str| move |e| Error::driver(e, what);
     let base = driver.address_reserve(device, len).map_err(drv("reserving address space for an import"))?;
@@ -204,7 +205,7 @@ fn open_segment(driver: &dyn Driver, device: i32, st: &mut State, h: &IpcHandle)
             base
         }
     };
-    Ok((base + h.offset, How::Segment { key }))
+    Ok((base.wrapping_add(h.offset), How::Segment { key }))
 }
 
 /// Undoes an import's mapping, each step recorded as it succeeds.

@@ -309,7 +309,21 @@ int main(void) {
   CHECK_OK(gpupool_ipc_reclaim(&reclaimed));
   report("a SIGKILLed consumer's block comes back", held_while_alive && reclaimed == 1, "");
 
-  /* 5. bad handles */
+  /* 5. bad arguments and bad handles */
+  void *x = NULL;
+  CHECK_OK(gpupool_malloc(&p, MIB, 0, NULL));
+  CHECK(gpupool_ipc_export(p, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_ipc_export(NULL, &h) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(gpupool_ipc_export((char *)p + 512, &h) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK_OK(gpupool_ipc_export(p, &h));
+  CHECK(gpupool_ipc_import(NULL, 0, &x) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_ipc_import(&h, 0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(gpupool_ipc_import(&h, 0, &x) == GPUPOOL_ERROR_INVALID_VALUE && x == NULL); /* its own */
+  CHECK(gpupool_ipc_close(NULL) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK(gpupool_ipc_close(p) == GPUPOOL_ERROR_INVALID_POINTER);
+  CHECK_OK(gpupool_ipc_reclaim(NULL));
+  CHECK_OK(gpupool_free(p));
+
   gpupool_ipc_handle_t junk;
   for (size_t i = 0; i < sizeof junk.bytes; i++) junk.bytes[i] = (unsigned char)(i * 131 + 17);
   m = ask(fd, (struct msg){.op = GARBAGE, .handle = junk, .device = 0});

@@ -133,7 +133,7 @@ impl ShardState {
             return Err(self.diagnose(ptr, segment));
         };
         let b = &mut self.blocks[id];
-        if stream != owner && stream != super::ipc::EXPORTED && !b.stream_uses.contains(&stream) {
+        if stream != owner && !b.stream_uses.contains(&stream) {
             b.add_stream_use(stream);
         }
         Ok(())

@@ -15,7 +15,8 @@ use crate::error::Error;
 use crate::ipc::export::{self, OnFree};
 
 /// The mark of an exported block among its stream uses: no stream's handle (CUDA streams are
-/// pointers; `record_stream` ignores this value).
+/// pointers). A program that names it to `record_stream` anyway makes its block look exported:
+/// its free then finds no export and frees it as usual.
 pub(crate) const EXPORTED: StreamHandle = usize::MAX;
 
 /// What the importer maps.
