@@ -352,3 +352,54 @@ fn the_history_records_a_limbo_block_freed_once_when_the_limbo_frees_it() {
         a.record_history(None).unwrap();
     });
 }
+
+#[test]
+fn a_free_racing_an_import_never_hands_an_imported_block_out() {
+    each(|a, _, name| {
+        let mut c = Consumer::start();
+        let (mut imported, mut refused) = (0, 0);
+        for i in 0..2000usize {
+            let len = [MIB, 64 << 10][i % 2];
+            let p = a.malloc(len, 0, 0).unwrap();
+            fill(p, 4096, i as u8);
+            let h = a.ipc_export(p).unwrap();
+            // The consumer imports, checks and closes while this process frees the block and
+            // writes other bytes into whatever the next malloc gives.
+            c.send(&format!("cycle {} 4096 {}", hex(&h), i as u8));
+            a.free(p).unwrap();
+            let q = a.malloc(len, 0, 0).unwrap();
+            fill(q, 4096, (i as u8).wrapping_add(1));
+            match c.answer().as_str() {
+                "ok 0x1" => imported += 1,
+                r if r.contains("freed the block") || r.contains("no longer exists") => refused += 1,
+                r => panic!("{name}: cycle {i}: {r}"),
+            }
+            a.free(q).unwrap();
+            a.ipc_reclaim();
+        }
+        assert_eq!(imported + refused, 2000);
+        assert!(a.ipc_exports().is_empty(), "{name}");
+        eprintln!("{name}: {imported} imports won the race, {refused} were refused");
+        c.end();
+    });
+}
+
+#[test]
+fn a_handle_imported_twice_is_closed_twice() {
+    each(|a, _, name| {
+        let mut c = Consumer::start();
+        let p = a.malloc(MIB, 0, 0).unwrap();
+        fill(p, MIB, 5);
+        let h = hex(&a.ipc_export(p).unwrap());
+        let q1 = ok_ptr(c.ask(&format!("import {h} 0")));
+        let q2 = ok_ptr(c.ask(&format!("import {h} 0")));
+        assert_eq!(a.ipc_exports(), vec![(p, 0, false, 2)], "{name}");
+        assert_eq!(ok_ptr(c.ask(&format!("close {q1:#x}"))), 0);
+        assert_eq!(c.ask(&format!("check {q2:#x} {} 5", MIB)), "ok", "{name}: the other import is intact");
+        assert_eq!(ok_ptr(c.ask(&format!("close {q2:#x}"))), 0);
+        assert!(c.ask(&format!("close {q2:#x}")).starts_with("err"), "{name}");
+        assert_eq!(a.ipc_exports(), vec![(p, 0, false, 0)], "{name}");
+        c.end();
+        a.free(p).unwrap();
+    });
+}

@@ -74,11 +74,21 @@ impl Consumer {
 
     /// Sends a command; returns the answer (without its prefix).
     pub fn ask(&mut self, line: &str) -> String {
+        self.send(line);
+        self.answer()
+    }
+
+    /// Sends a command without waiting for its answer.
+    pub fn send(&mut self, line: &str) {
         writeln!(self.stdin, "{line}").unwrap();
         self.stdin.flush().unwrap();
+    }
+
+    /// The answer to the oldest command not yet answered.
+    pub fn answer(&mut self) -> String {
         loop {
             let mut s = String::new();
-            assert!(self.stdout.read_line(&mut s).unwrap() > 0, "the consumer ended (asked {line:.40})");
+            assert!(self.stdout.read_line(&mut s).unwrap() > 0, "the consumer ended");
             if let Some(a) = s.trim_end().strip_prefix("IPC ") {
                 return a.to_string();
             }
