@@ -50,7 +50,8 @@ extern "C" {
  * From now on the block's `gpupool_free` does not reuse it while another process holds an
  * import: it stays allocated (counted in `allocated_bytes`, as PyTorch's limbo does) until
  * every importer has called `gpupool_ipc_close` or exited (killed included); the next
- * `gpupool_ipc_*` call, `gpupool_empty_cache` or `gpupool_ipc_reclaim` then frees it. A
+ * `gpupool_ipc_*` call, `gpupool_empty_cache`, `gpupool_ipc_reclaim` or out-of-memory retry
+ * on its device then frees it. A
  * block freed while no process holds it is freed at once, and a later import of its handle
  * fails. So free a block only once the other process imported it (or knows not to).
  *
@@ -123,8 +124,8 @@ gpupool_status gpupool_ipc_close(void *ptr);
  * Frees the exported blocks that were freed while imported (in limbo) and that no running
  * process holds any more: their importers closed them, exited or were killed. Writes how
  * many to `*reclaimed` when it is not NULL. Every other `gpupool_ipc_*` call and
- * `gpupool_empty_cache` do the same; call it where the program frees shared blocks but makes
- * neither call (the out-of-memory path does not reclaim).
+ * `gpupool_empty_cache` do the same, and a request that finds its device out of memory
+ * reclaims that device's first; call it to see the memory back in the statistics sooner.
  *
  * Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
  *

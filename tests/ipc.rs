@@ -403,3 +403,22 @@ fn a_handle_imported_twice_is_closed_twice() {
         a.free(p).unwrap();
     });
 }
+
+#[test]
+fn the_out_of_memory_path_reclaims_the_limbo_first() {
+    for config in [Config::default(), Config::pytorch()] {
+        let (a, _) = common::sim_with(1, 64 * MIB, config);
+        let mut c = Consumer::start();
+        let p = a.malloc(40 * MIB, 0, 0).unwrap();
+        let q = ok_ptr(c.ask(&format!("import {} 0", hex(&a.ipc_export(p).unwrap()))));
+        a.free(p).unwrap();
+        assert!(matches!(a.malloc(40 * MIB, 0, 0), Err(Error::OutOfMemory(_))), "held: no room");
+        ok_ptr(c.ask(&format!("close {q:#x}")));
+        // No gpupool_ipc_* call and no empty_cache in between: the out-of-memory path finds it.
+        let r = a.malloc(40 * MIB, 0, 0).unwrap();
+        assert!(a.ipc_exports().is_empty());
+        a.free(r).unwrap();
+        check(&a);
+        c.end();
+    }
+}

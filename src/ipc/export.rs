@@ -3,8 +3,8 @@
 //! blocks the program freed while another process still uses them (PyTorch
 //! `CudaIPCSentDataLimbo`): such a block stays allocated (in its shard and in the statistics,
 //! as PyTorch's does) until every importer has closed it or died, and is freed then by the
-//! next reclaim (`Allocator::ipc_reclaim`: every `gpupool_ipc_*` call, `gpupool_empty_cache`
-//! and the out-of-memory path), never on the hit path.
+//! next reclaim (`Allocator::ipc_reclaim`: every `gpupool_ipc_*` call and `gpupool_empty_cache`;
+//! a device's out-of-memory path reclaims its own first), never on the hit path.
 //!
 //! One table for the process, keyed by address (addresses of live blocks are unique in a
 //! process), because the shard's free of an exported block asks it under the shard's lock
@@ -94,13 +94,18 @@ pub(crate) fn on_free(ptr: DevicePtr) -> OnFree {
 /// The blocks of `allocator` in limbo that no running importer holds any more, now marked
 /// [`Stage::Reclaiming`]: the caller frees each and then calls [`finish`].
 pub(crate) fn reclaimable(allocator: u64) -> Vec<(DevicePtr, i32)> {
+    reclaimable_where(|_, e| e.allocator == allocator)
+}
+
+/// As [`reclaimable`], for the exports `pick` chooses (a device's, on its out-of-memory path).
+pub(crate) fn reclaimable_where(pick: impl Fn(DevicePtr, &Export) -> bool) -> Vec<(DevicePtr, i32)> {
     if LIMBO.load(Ordering::Relaxed) == 0 {
         return Vec::new();
     }
     let mut map = EXPORTS.lock();
     let mut out = Vec::new();
     for (&ptr, e) in map.iter_mut() {
-        if e.allocator == allocator && e.stage == Stage::Limbo && e.record.holders() == 0 {
+        if e.stage == Stage::Limbo && pick(ptr, e) && e.record.holders() == 0 {
             e.stage = Stage::Reclaiming;
             out.push((ptr, e.device));
         }

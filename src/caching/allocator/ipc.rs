@@ -104,6 +104,7 @@ impl Allocator {
     /// [`Error::DriverUnavailable`] where the owner's descriptors cannot be taken;
     /// [`Error::OutOfMemory`], [`Error::Cuda`] from the driver. Nothing changes on failure.
     pub fn ipc_import(&self, handle: &[u8; IPC_HANDLE_SIZE], device: i32) -> Result<DevicePtr, Error> {
+        crate::caching::fork::check()?;
         self.ipc_reclaim();
         let h = IpcHandle::decode(handle)?;
         let dev = self.device_or_init(device)?;
@@ -126,8 +127,13 @@ impl Allocator {
 
     /// Frees the blocks in limbo that no running process holds any more (importers that
     /// closed them, or exited, or were killed); returns how many. Every `ipc_*` call and
-    /// `empty_cache` call it; never the hit path.
+    /// `empty_cache` call it, and a device's out-of-memory path reclaims its own; never the
+    /// hit path.
     pub fn ipc_reclaim(&self) -> usize {
+        // A forked child's copy of the table is the parent's business.
+        if crate::caching::fork::check().is_err() {
+            return 0;
+        }
         let blocks = export::reclaimable(self.id);
         for &(ptr, _) in &blocks {
             let shard = self.index.with_segment(ptr, |seg| seg.map(|e| e.owner.clone()));
