@@ -422,3 +422,18 @@ fn the_out_of_memory_path_reclaims_the_limbo_first() {
         c.end();
     }
 }
+
+#[test]
+fn an_import_outlives_its_owner() {
+    // The owner is a consumer process too; this process only relays the handle.
+    let mut owner = Consumer::start();
+    let mut user = Consumer::start();
+    let h = owner.ask("export");
+    let q = ok_ptr(user.ask(&format!("import {h} 0")));
+    owner.end();
+    assert_eq!(user.ask(&format!("check {q:#x} {} 77", MIB)), "ok", "the bytes outlive their owner");
+    assert_eq!(ok_ptr(user.ask(&format!("close {q:#x}"))), 0);
+    assert!(user.ask(&format!("import {h} 0")).contains("has exited"));
+    assert_eq!(user.ask("state").split(' ').next(), Some("0"));
+    user.end();
+}

@@ -113,7 +113,7 @@ fn parse(s: &str) -> u64 {
 /// The consumer's loop: `import H`, `check P LEN SEED`, `fill P LEN SEED`, `close P`,
 /// `cycle H LEN SEED` (import, check, close), `threads N H...` (N import-check-close cycles on
 /// each handle, a thread each), `faults H LEN SEED` (an import and a close with a fault at
-/// each of their driver calls, then a clean one), `export` (a block of its own, its handle answered), `state`, `exit`.
+/// each of their driver calls, then a clean one), `export` (a block of its own, 1 MiB filled with seed 77, its handle answered), `state`, `exit`.
 pub fn serve() {
     let driver = Arc::new(SimDriver::new(2, 1 << 30));
     let alloc = Allocator::new(driver.clone(), Config::default());
@@ -163,6 +163,7 @@ pub fn serve() {
             }
             "export" => {
                 let p = alloc.malloc(1 << 20, 0, 0).unwrap();
+                fill(p, 1 << 20, 77);
                 reply(hex(&alloc.ipc_export(p).unwrap()))
             }
             "faults" => reply(faults(&alloc, &driver, &handle_of(w[1]), num(2), num(3) as u8)),
