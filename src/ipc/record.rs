@@ -51,7 +51,9 @@ pub(crate) struct Header {
 
 /// One export's record, mapped in this process. Thread-safe: its shared fields are atomics.
 pub(crate) struct Record {
-    fd: OwnedFd,
+    /// The owner's descriptor (the number its handle carries); `None` in an importer, which
+    /// needs only the mapping.
+    fd: Option<OwnedFd>,
     at: *mut Header,
     len: usize,
 }
@@ -84,7 +86,7 @@ fn map(fd: OwnedFd, len: usize) -> io::Result<Record> {
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    Ok(Record { fd, at: p.cast(), len })
+    Ok(Record { fd: Some(fd), at: p.cast(), len })
 }
 
 fn bytes_for(pages: usize) -> usize {
@@ -132,7 +134,8 @@ impl Record {
         if len < size_of::<Header>() {
             return Err("the descriptor the handle names is not an export record".into());
         }
-        let r = map(fd, len).map_err(|e| format!("it cannot be mapped ({e})"))?;
+        let mut r = map(fd, len).map_err(|e| format!("it cannot be mapped ({e})"))?;
+        r.fd = None;
         let h = r.header();
         if h.magic != MAGIC || h.version != VERSION {
             return Err("the descriptor the handle names is not an export record".into());
@@ -148,9 +151,9 @@ impl Record {
         unsafe { &*self.at }
     }
 
-    /// The descriptor of the record itself (the number the handle carries).
+    /// The owner's descriptor of the record (the number the handle carries); -1 in an importer.
     pub fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
     /// The owner's descriptors of the pages.
