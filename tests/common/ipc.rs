@@ -4,6 +4,8 @@
 //! consumer has its own allocator over its own simulated device (one process, one device, as
 //! on a GPU).
 
+#![allow(dead_code)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;

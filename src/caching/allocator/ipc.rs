@@ -147,6 +147,22 @@ impl Allocator {
         blocks.len()
     }
 
+    /// Errors: [`Error::InvalidValue`] when `pool` on `device` holds exported blocks (live, or
+    /// in limbo with importers): a sleep would give their pages back under the importers.
+    pub(super) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
+        self.ipc_reclaim();
+        let in_pool = |ptr| self.index.with_segment(ptr, |s| s.is_some_and(|e| e.owner.pool == pool));
+        let shared = export::list(self.id).into_iter().filter(|&(p, d, _, _)| d == device && in_pool(p)).count();
+        if shared == 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidValue(format!(
+            "pool {pool} on device {device} holds {shared} block(s) exported to other processes (gpupool_ipc_export): \
+             its pages cannot be given back while another process may map them; free those blocks and let their \
+             importers close them first"
+        )))
+    }
+
     /// The blocks exported and not yet given back: (address, device, whether in limbo, uses
     /// held by running importers). For tests and diagnostics.
     pub fn ipc_exports(&self) -> Vec<(DevicePtr, i32, bool, u64)> {
