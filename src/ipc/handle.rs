@@ -54,6 +54,8 @@ fn uuid_text(u: &[u8; 16]) -> String {
 }
 
 impl IpcHandle {
+    /// The handle's bytes: the fields little-endian, then the checksum of the first 144
+    /// bytes, then zeros.
     pub fn encode(&self) -> [u8; HANDLE_SIZE] {
         let mut b = [0u8; HANDLE_SIZE];
         b[..8].copy_from_slice(MAGIC);

@@ -146,6 +146,7 @@ impl Record {
         Ok(r)
     }
 
+    /// The record's fixed fields and importer slots, as the owner wrote them.
     pub fn header(&self) -> &Header {
         // SAFETY: the mapping holds a Header for as long as `self` lives.
         unsafe { &*self.at }
