@@ -20,6 +20,13 @@
 # GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all but ab):
 #   rust        the Rust tests (simulated device)
 #   c           the C API tests on the real driver
+#   ipc         tests/c/test_ipc.c on the GPU (memory shared between processes: a producer and
+#               two forked consumers; bit for bit, 10,000 export/import/close cycles with the
+#               consumer's VmSize, descriptors and the device's free memory flat, a block freed
+#               while imported, a SIGKILLed consumer, garbage handles, a device-1 block imported
+#               on device 0 with two GPUs), with expandable segments and with ordinary ones; then
+#               what torch.multiprocessing does with a CUDA tensor under gpupool's pluggable
+#               allocator; OUT/ipc.log
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
 #   streams     tests/gpu/test_streams (a stream per step for 1,000 steps, slow readers), with
@@ -140,7 +147,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -180,6 +187,35 @@ if want c; then
   build_against_prefix tests/c build-gpu/c -DGPUPOOL_TEST_DRIVER=cuda >"$out/c-tests.log" 2>&1
   ctest --test-dir build-gpu/c --output-on-failure -E c_no_driver >>"$out/c-tests.log" 2>&1 || status=1
   grep -E "tests passed|Failed|passed," "$out/c-tests.log" || true
+fi
+
+if want ipc; then
+  echo "== IPC: tests/c/test_ipc.c with GPUPOOL_DRIVER=cuda"
+  if build_against_prefix tests/c build-gpu/c -DGPUPOOL_TEST_DRIVER=cuda >"$out/ipc-build.log" 2>&1; then
+    : >"$out/ipc.log"
+    for conf in expandable_segments:True expandable_segments:False; do
+      echo "-- GPUPOOL_CONF=$conf" | tee -a "$out/ipc.log"
+      GPUPOOL_CONF=$conf ./build-gpu/c/test_ipc 2>&1 | tee -a "$out/ipc.log" || status=1
+    done
+  else
+    echo "tests/c did not build (see ipc-build.log)"
+    status=1
+  fi
+  # torch.multiprocessing pickles a CUDA tensor through its allocator's shareIpcHandle, which
+  # PyTorch's CUDAPluggableAllocator refuses: expected "does not yet support shareIPcHandle".
+  if python3 -c "import torch" 2>/dev/null; then
+    GPUPOOL_LIB="$prefix/lib/libgpupool.so" PYTHONPATH="$prefix/share/gpupool/python" python3 -c '
+import torch, gpupool.torch
+from torch.multiprocessing.reductions import reduce_tensor
+gpupool.torch.install()
+t = torch.ones(1 << 20, device="cuda")
+try:
+    reduce_tensor(t)
+    print("torch.multiprocessing under gpupool: reduce_tensor of a CUDA tensor succeeded")
+except Exception as e:
+    print("torch.multiprocessing under gpupool: reduce_tensor of a CUDA tensor raised", type(e).__name__, e)
+' 2>&1 | tee -a "$out/ipc.log" || true
+  fi
 fi
 
 # Builds the GPU test $1 (tests/gpu/$1.cu) and runs it, its output in $out/$2; each test is

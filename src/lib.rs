@@ -8,6 +8,7 @@
 //! - [`history`]: the allocation history and snapshots, in PyTorch's formats.
 //! - [`config`]: the `GPUPOOL_*` options.
 //! - [`host`]: pinned host memory, PyTorch's caching host allocator.
+//! - `ipc`: device memory shared between processes (`gpupool_ipc_*`).
 //!
 //! From Rust, build an [`Allocator`] over a driver:
 //!
@@ -28,9 +29,10 @@ pub mod error;
 pub mod ffi;
 pub mod history;
 pub mod host;
+mod ipc;
 pub mod stats;
 
-pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
+pub use caching::allocator::{Allocator, BlockInfo, ConfigRef, IPC_HANDLE_SIZE};
 pub use caching::deferred::DeferredStats;
 pub use caching::device::PoolStats;
 pub use caching::observers::{OomEvent, OomObserverId};

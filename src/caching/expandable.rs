@@ -234,6 +234,11 @@ impl Expandable {
         r
     }
 
+    /// The handle mapped at page `index`, if that page is mapped (`gpupool_ipc_export`).
+    pub fn handle(&self, index: usize) -> Option<PhysHandle> {
+        self.pages.get(index).copied().flatten()
+    }
+
     /// Whether the page at `offset` bytes into the range is mapped, or was when the segment
     /// was put to sleep and is to be mapped again at wake: whether blocks may lie on it.
     pub fn is_held(&self, offset: usize) -> bool {

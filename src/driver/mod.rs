@@ -241,6 +241,56 @@ pub trait Driver: Send + Sync {
         size: usize,
         stream: StreamHandle,
     ) -> Result<(), DriverError>;
+
+    // Memory shared with other processes (`gpupool_ipc_*`, `crate::ipc`): never on the
+    // allocator's other paths. The defaults refuse, for a driver that cannot share.
+
+    /// The device's UUID (`cuDeviceGetUuid_v2`): 16 bytes that name the GPU in every process,
+    /// whatever its ordinal there (`CUDA_VISIBLE_DEVICES`).
+    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+        let _ = device;
+        Err(not_shareable("cuDeviceGetUuid_v2"))
+    }
+    /// Exports the physical allocation `handle` (from [`Driver::mem_create`]) as a POSIX file
+    /// descriptor that another process imports (`cuMemExportToShareableHandle`,
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). The caller owns the descriptor; the
+    /// memory lives while the handle, any import of it, or any mapping of either does.
+    fn mem_export(&self, device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+        let _ = (device, handle);
+        Err(not_shareable("cuMemExportToShareableHandle"))
+    }
+    /// Imports a descriptor from [`Driver::mem_export`], of any process, as a handle of
+    /// `size` bytes on `device` that the caller maps and releases as one from
+    /// [`Driver::mem_create`] (`cuMemImportFromShareableHandle`). The descriptor stays the
+    /// caller's. The memory counts against the exporter's device, not again here.
+    fn mem_import(&self, device: i32, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
+        let _ = (device, fd, size);
+        Err(not_shareable("cuMemImportFromShareableHandle"))
+    }
+    /// The interprocess handle of the allocation at `ptr` (from [`Driver::mem_alloc`], its
+    /// start) (`cuIpcGetMemHandle`): 64 opaque bytes.
+    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+        let _ = (device, ptr);
+        Err(not_shareable("cuIpcGetMemHandle"))
+    }
+    /// Maps the allocation of another process's [`Driver::ipc_get_mem_handle`] into this one
+    /// and returns its start (`cuIpcOpenMemHandle` with
+    /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`). One open per handle and process: the caller
+    /// counts its own uses.
+    fn ipc_open_mem_handle(&self, device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+        let _ = (device, handle);
+        Err(not_shareable("cuIpcOpenMemHandle_v2"))
+    }
+    /// Unmaps an allocation from [`Driver::ipc_open_mem_handle`] (`cuIpcCloseMemHandle`).
+    fn ipc_close_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        let _ = (device, ptr);
+        Err(not_shareable("cuIpcCloseMemHandle"))
+    }
+}
+
+/// The error of a driver that cannot share memory between processes.
+fn not_shareable(call: &'static str) -> DriverError {
+    DriverError::Unavailable(format!("this driver cannot share memory between processes ({call})"))
 }
 
 /// A host address (a `void *` of page-locked host memory, as an integer).

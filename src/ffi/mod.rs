@@ -9,6 +9,8 @@
 //!   (cbindgen-torch.toml).
 //! - `include/gpupool_plugins.h`: [`plugins`] alone, the allocator functions of CuPy and ONNX
 //!   Runtime (cbindgen-plugins.toml).
+//! - `include/gpupool_ipc.h`: [`ipc`] alone, memory shared between processes
+//!   (cbindgen-ipc.toml).
 //!
 //! Rules every export follows (after rustls-ffi):
 //! - Every call returns a `gpupool_status` (but the three that return strings, and PyTorch's
@@ -24,6 +26,9 @@
 pub mod config;
 pub mod history;
 pub mod host;
+/// Memory shared between processes: `include/gpupool_ipc.h`, not gpupool.h.
+/// cbindgen:ignore
+pub mod ipc;
 pub mod memory;
 pub mod oom;
 /// The allocator plug-ins of CuPy and ONNX Runtime: `include/gpupool_plugins.h`, not gpupool.h.

@@ -83,7 +83,9 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 /// is neither, a pool never created, a device out of range, a pool whose memory is not on the
 /// virtual memory API (a private pool from `gpupool_pool_create`; the default pools with
 /// `expandable_segments:False` or where the driver cannot map memory; any pool holding an
-/// ordinary segment), a pool asleep already (a second sleep changes nothing) or released;
+/// ordinary segment), a pool asleep already (a second sleep changes nothing) or released, a
+/// pool holding blocks exported to other processes (`gpupool_ipc_export`, live or freed while
+/// imported: the importers would keep the old pages);
 /// `GPUPOOL_ERROR_STREAM_CAPTURE` while a capture may be under way on the device;
 /// `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot pin the staging ring or give the host
 /// copy's memory; `GPUPOOL_ERROR_CUDA` when

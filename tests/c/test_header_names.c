@@ -25,10 +25,12 @@ typedef int Config;
 #include "gpupool_testing.h"
 #include "gpupool_torch.h"
 #include "gpupool_plugins.h"
+#include "gpupool_ipc.h"
 #include "gpupool.h"
 #include "gpupool_testing.h"
 #include "gpupool_torch.h"
 #include "gpupool_plugins.h"
+#include "gpupool_ipc.h"
 
 /* After the headers: names a program may well use for itself. */
 typedef int Block;
@@ -110,6 +112,10 @@ int main(void) {
       (any_fn)gpupool_ort_free,
       (any_fn)gpupool_ort_empty_cache,
       (any_fn)gpupool_ort_set_stream,
+      (any_fn)gpupool_ipc_export,
+      (any_fn)gpupool_ipc_import,
+      (any_fn)gpupool_ipc_close,
+      (any_fn)gpupool_ipc_reclaim,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
       (any_fn)gpupool_torch_empty_cache,
@@ -118,5 +124,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 61 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 65 ? 0 : 1)) != 0;
 }

@@ -1,6 +1,6 @@
 //! The consistency check of the whole allocator, for tests: no two segments overlap, each
 //! device's own check (`device::check`), each device's segments against the index, and each
-//! tag's current figures against its live blocks.
+//! tag's current figures against its live blocks, and each exported block against its shard.
 
 use super::Allocator;
 
@@ -12,7 +12,9 @@ impl Allocator {
     /// segments overlap, each tag's current figures are its live blocks', and the private
     /// pools agree with their routes (counted routes, none to a released pool, each pool
     /// shard's release state, segments kept for a graph only in live pools, never expandable,
-    /// blocks deferred until no capture listed as such). Takes every
+    /// blocks deferred until no capture listed as such), and every block exported to another
+    /// process, live or in limbo, is allocated in its shard and marked there (never in a free
+    /// pool while an importer may hold it). Takes every
     /// lock; O(blocks). Call it while no other thread allocates or frees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut end = 0;
@@ -35,7 +37,22 @@ impl Allocator {
                 return Err(format!("device {i} was never used but has segments"));
             }
         }
-        self.check_tags()
+        self.check_tags()?;
+        self.check_exports()
+    }
+
+    /// Every export of this allocator names an allocated block marked exported.
+    fn check_exports(&self) -> Result<(), String> {
+        for (ptr, _, stage, _) in crate::ipc::export::list(self.id) {
+            let shard = self.index.with_segment(ptr, |seg| seg.map(|e| e.owner.clone()));
+            let Some(shard) = shard else {
+                return Err(format!("exported block {ptr:#x} ({stage:?}) lies in no segment"));
+            };
+            if !shard.lock_hot().ipc_marked(ptr) {
+                return Err(format!("exported block {ptr:#x} ({stage:?}) is not an allocated block marked exported"));
+            }
+        }
+        Ok(())
     }
 
     /// Each tag's current bytes and blocks equal those of the allocated blocks that carry it.

@@ -8,6 +8,7 @@
 //! - `sleep`: sleep and wake of a pool (`caching::sleep`);
 //! - `stats`: the statistics, the summary and gpupool's diagnostics;
 //! - `history`: the allocation history, snapshots, tags and the live report;
+//! - `ipc`: blocks shared with other processes (`gpupool_ipc_*`);
 //! - `check`: the consistency check, for tests.
 
 use std::ops::Deref;
@@ -32,10 +33,13 @@ use crate::history::{HistoryHook, Recorder};
 mod check;
 mod history;
 mod hit;
+mod ipc;
 mod pools;
 mod release;
 mod sleep;
 mod stats;
+
+pub use ipc::IPC_HANDLE_SIZE;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -71,6 +75,8 @@ pub struct Allocator {
     segment_observers: Arc<SegmentObservers>,
     /// The allocation history of every device.
     recorder: Arc<Recorder>,
+    /// What this allocator imported of other processes' exports (`ipc`).
+    ipc_imports: crate::ipc::import::Imports,
 }
 
 /// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
@@ -105,6 +111,7 @@ impl Allocator {
             observers: Arc::default(),
             segment_observers: Arc::default(),
             recorder,
+            ipc_imports: Default::default(),
         }
     }
 

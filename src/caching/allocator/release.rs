@@ -41,6 +41,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`].
     pub fn empty_cache(&self, device: i32) -> Result<(), Error> {
         crate::caching::fork::check()?;
+        self.ipc_reclaim();
         if device == -1 {
             for dev in self.devices.iter().filter_map(|d| d.get()) {
                 dev.release_cached_blocks()?;

@@ -20,12 +20,16 @@ impl Allocator {
     /// way on the device; [`Error::OutOfMemory`] when the host cannot pin the staging ring or
     /// give the copy's memory;
     /// [`Error::Cuda`] when waiting or copying fails. A driver failure while the pages are
-    /// given back leaves the pool asleep, and says so ([`Error::Cuda`]).
+    /// given back leaves the pool asleep, and says so ([`Error::Cuda`]). A pool holding blocks
+    /// exported to other processes ([`Allocator::ipc_export`], live or freed while imported)
+    /// is refused ([`Error::InvalidValue`]): their importers would keep the old pages.
     pub fn sleep(&self, device: i32, pool: u64, mode: SleepMode) -> Result<(), Error> {
         if pool != 0 {
             Self::check_pool(pool)?;
         }
-        self.device_or_init(device)?.sleep(pool, mode)
+        let dev = self.device_or_init(device)?;
+        self.ipc_refuse_sleep(dev.device, pool)?;
+        dev.sleep(pool, mode)
     }
 
     /// Wakes `pool` on `device` (-1: current): maps new memory at the addresses of every page

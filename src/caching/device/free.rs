@@ -118,7 +118,11 @@ impl DeviceAllocator {
             return st.free(|| ctx, max_split_size, ptr, segment);
         };
         st.free(|| ctx, max_split_size, ptr, segment)?;
-        freed.record(&self.history, shard.stream);
+        // An exported block still imported stays allocated (`shard::ipc`): its free is
+        // recorded when the limbo frees it.
+        if !st.is_allocated(ptr) {
+            freed.record(&self.history, shard.stream);
+        }
         Ok(())
     }
 
@@ -130,7 +134,7 @@ impl DeviceAllocator {
         let mut st = self.shards.lock_for_change(shard);
         let freed = if self.history.on_or_tagged() { st.about_to_free(&self.history, ptr) } else { None };
         let bytes = st.free_after_sync(&ctx, ptr, segment)?;
-        if let Some(mut freed) = freed {
+        if let Some(mut freed) = freed.filter(|_| !st.is_allocated(ptr)) {
             freed.at_once = false;
             freed.record(&self.history, shard.stream);
         }

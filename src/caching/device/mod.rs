@@ -7,8 +7,8 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
 //! and `getStats`; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
-//! consistency check.
+//! snapshots; `largest.rs`: the largest request a stream would be served now; `ipc.rs`: blocks
+//! in IPC limbo reclaimed on the out-of-memory path; `check.rs`: the consistency check.
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -17,7 +17,8 @@
 //! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
 //! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
 //! pools' lock (`pools.rs`), the capture probe's list of streams seen capturing
-//! (`capture.rs`) and the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls)
+//! (`capture.rs`), the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls) and
+//! the process's table of IPC exports (`ipc::export`, taken by the free of an exported block)
 //! are leaves: taken with or without shard locks held, never held while taking another lock. Out-of-memory observers and route filters run with none of these held
 //! (`out_of_memory.rs`, `pools.rs`).
 
@@ -49,6 +50,7 @@ mod check;
 mod free;
 mod gc;
 mod history;
+mod ipc;
 mod largest;
 mod out_of_memory;
 mod pools;

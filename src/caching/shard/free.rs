@@ -76,6 +76,17 @@ impl ShardState {
     #[cold]
     #[inline(never)]
     fn free_used(&mut self, ctx: &ShardCtx, ptr: DevicePtr, id: BlockId) -> Result<(), Error> {
+        if self.ipc_free(ptr, id)? {
+            return Ok(());
+        }
+        if self.blocks[id].stream_uses.is_empty() {
+            self.count_free(id, ctx.max_split_size);
+            self.count_inactive(id);
+            if !self.cache_freed(id) {
+                self.live.remove(&ptr);
+            }
+            return Ok(());
+        }
         if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
             self.live.remove(&ptr);
             self.count_free(id, ctx.max_split_size);
@@ -155,6 +166,9 @@ impl ShardState {
         let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
+        if self.ipc_free(ptr, id)? {
+            return Ok(0);
+        }
         self.live.remove(&ptr);
         Ok(self.defer(ctx, id))
     }

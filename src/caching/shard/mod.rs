@@ -19,7 +19,8 @@
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
 //! - [`record`]: its events in the allocation history, and its segments for a snapshot;
 //! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`);
-//! - [`sleep`]: its pages given back and mapped again (`gpupool_sleep`, `gpupool_wake`).
+//! - [`sleep`]: its pages given back and mapped again (`gpupool_sleep`, `gpupool_wake`);
+//! - [`ipc`]: its blocks exported to other processes (`gpupool_ipc_export`), and their free.
 
 mod blocks;
 mod check;
@@ -27,6 +28,7 @@ mod expand;
 mod free;
 mod front;
 mod gc;
+mod ipc;
 mod largest;
 mod malloc;
 mod record;
@@ -35,6 +37,7 @@ mod sleep;
 mod waiting;
 
 pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
+pub(crate) use ipc::Shape;
 pub(crate) use malloc::Request;
 pub(crate) use sleep::ShardSleep;
 
@@ -298,6 +301,12 @@ impl ShardState {
     /// `ptr`, or `None` when `ptr` is not the start of an allocated block.
     pub fn allocated_size(&self, ptr: DevicePtr) -> Option<usize> {
         self.allocated(ptr).map(|id| self.blocks[id].size)
+    }
+
+    /// Whether `ptr` is an allocated block of this shard.
+    #[inline(always)]
+    pub fn is_allocated(&self, ptr: DevicePtr) -> bool {
+        self.allocated(ptr).is_some()
     }
 
     /// The allocated block at `ptr`, if there is one (not one of the front cache's).

@@ -101,7 +101,7 @@ impl ShardState {
         let mut streams = vec![ctx.shard.stream];
         for &id in self.live.values() {
             for &s in self.blocks[id].stream_uses.iter() {
-                if !streams.contains(&s) {
+                if s != super::ipc::EXPORTED && !streams.contains(&s) {
                     streams.push(s);
                 }
             }

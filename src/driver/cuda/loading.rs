@@ -131,6 +131,8 @@ impl CudaDriver {
             vmm_missing,
             granularity: per_device(count),
             access: per_device(count),
+            ipc_missing: first_missing(&super::ipc::IPC_FUNCTIONS, exported),
+            fd_handles_refused: Default::default(),
         })
     }
 }

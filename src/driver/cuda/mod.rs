@@ -26,6 +26,7 @@
 mod context;
 mod copy;
 mod error;
+mod ipc;
 mod loading;
 mod memory;
 mod streams;
@@ -59,6 +60,12 @@ pub struct CudaDriver {
     /// Per device: the access descriptors of [`Driver::mem_set_access`] (the device, then its
     /// peers); set on the first success.
     access: Vec<OnceLock<Vec<sys::CUmemAccessDesc>>>,
+    /// The first of [`IPC_FUNCTIONS`](ipc::IPC_FUNCTIONS) that the driver library lacks,
+    /// looked up at start: memory cannot be shared then.
+    ipc_missing: Option<&'static str>,
+    /// `cuMemCreate` refused file-descriptor handles once: pages are made without, and cannot
+    /// be exported.
+    fd_handles_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Driver for CudaDriver {
@@ -206,5 +213,29 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.cuda_memcpy_htod(device, dst, src, size, stream)
+    }
+
+    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+        self.cuda_device_uuid(device)
+    }
+
+    fn mem_export(&self, device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.cuda_mem_export(device, handle)
+    }
+
+    fn mem_import(&self, device: i32, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
+        self.cuda_mem_import(device, fd, size)
+    }
+
+    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+        self.cuda_ipc_get_mem_handle(device, ptr)
+    }
+
+    fn ipc_open_mem_handle(&self, device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+        self.cuda_ipc_open_mem_handle(device, handle)
+    }
+
+    fn ipc_close_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.cuda_ipc_close_mem_handle(device, ptr)
     }
 }

@@ -8,15 +8,20 @@ use cudarc::driver::sys;
 use super::{CudaDriver, DevicePtr, Driver, DriverError, PhysHandle, check};
 
 /// What `cuMemCreate` is asked for, and what the granularity is queried for: pinned memory on
-/// device `dev` (a `CUdevice`), as PyTorch's `ExpandableSegment::map` fills it, except for the
-/// handle type. PyTorch requests `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` so that a segment
-/// can be exported to another process (`ExpandableSegment::share`, for IPC of CUDA tensors);
-/// gpupool shares no memory between processes, so it requests no shareable handle (none),
-/// which also works where file-descriptor handles are not supported.
-pub(super) fn allocation_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// device `dev` (a `CUdevice`), as PyTorch's `ExpandableSegment::map` fills it. With
+/// `shareable`, the handle type PyTorch requests, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
+/// so that a page can be exported to another process (`gpupool_ipc_export`, PyTorch's
+/// `ExpandableSegment::share`); without, none, for where file-descriptor handles are refused
+/// (see [`CudaDriver::cuda_mem_create`]).
+pub(super) fn allocation_prop(dev: sys::CUdevice, shareable: bool) -> sys::CUmemAllocationProp {
+    use sys::CUmemAllocationHandleType as H;
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: if shareable {
+            H::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            H::CU_MEM_HANDLE_TYPE_NONE
+        },
         location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
         win32HandleMetaData: std::ptr::null_mut(),
         // No compression, no GPUDirect RDMA, no special usage: what `prop = {}` leaves.
@@ -100,7 +105,7 @@ impl CudaDriver {
             if supported == 0 {
                 return Ok(None);
             }
-            let prop = allocation_prop(dev);
+            let prop = allocation_prop(dev, false);
             let mut granularity = 0usize;
             let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
             // SAFETY: writes one size; `prop` outlives the call.
@@ -135,15 +140,34 @@ impl CudaDriver {
         self.in_context(device, || check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, size) }))
     }
 
+    /// Asks for file-descriptor handles (exportable, `gpupool_ipc_export`) as PyTorch does for
+    /// expandable segments; where the driver refuses them (`CUDA_ERROR_NOT_SUPPORTED` or
+    /// `CUDA_ERROR_INVALID_VALUE`: some containers and virtual GPUs), asks again without and
+    /// never asks for them again in this process, and an export then says why it cannot.
     pub(super) fn cuda_mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        use std::sync::atomic::Ordering;
         self.vmm_functions()?;
-        let prop = allocation_prop(self.devices[device as usize]);
+        let dev = self.devices[device as usize];
         self.in_context(device, || {
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: writes one handle; `prop` outlives the call; flags 0 as required. Any
-            // failure (CUDA_ERROR_NOT_PERMITTED under cuda-gdb, for one) is returned.
-            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
-            Ok(PhysHandle(handle))
+            let create = |shareable: bool| {
+                let prop = allocation_prop(dev, shareable);
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: writes one handle; `prop` outlives the call; flags 0 as required. Any
+                // failure (CUDA_ERROR_NOT_PERMITTED under cuda-gdb, for one) is returned.
+                check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })
+                    .map(|()| PhysHandle(handle))
+            };
+            if self.fd_handles_refused.load(Ordering::Relaxed) {
+                return create(false);
+            }
+            match create(true) {
+                Err(DriverError::Cuda { code, .. }) if code == 801 || code == 1 => {
+                    let plain = create(false)?;
+                    self.fd_handles_refused.store(true, Ordering::Relaxed);
+                    Ok(plain)
+                }
+                r => r,
+            }
         })
     }
 

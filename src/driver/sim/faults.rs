@@ -47,6 +47,12 @@ pub enum SimOp {
     HostMap,
     /// `host_unmap`: the system's `munmap`, not a CUDA call.
     HostUnmap,
+    DeviceUuid,
+    MemExport,
+    MemImport,
+    IpcGetMemHandle,
+    IpcOpenMemHandle,
+    IpcCloseMemHandle,
 }
 
 impl SimOp {
@@ -55,7 +61,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 33] = [
+    pub const ALL: [SimOp; 39] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -89,6 +95,12 @@ impl SimOp {
         SimOp::MemcpyHtoD,
         SimOp::HostMap,
         SimOp::HostUnmap,
+        SimOp::DeviceUuid,
+        SimOp::MemExport,
+        SimOp::MemImport,
+        SimOp::IpcGetMemHandle,
+        SimOp::IpcOpenMemHandle,
+        SimOp::IpcCloseMemHandle,
     ];
 
     /// The CUDA driver function that [`crate::driver::cuda::CudaDriver`] calls for this kind (the
@@ -131,6 +143,12 @@ impl SimOp {
             // for a refusal.
             SimOp::HostMap => "mmap",
             SimOp::HostUnmap => "munmap",
+            SimOp::DeviceUuid => "cuDeviceGetUuid_v2",
+            SimOp::MemExport => "cuMemExportToShareableHandle",
+            SimOp::MemImport => "cuMemImportFromShareableHandle",
+            SimOp::IpcGetMemHandle => "cuIpcGetMemHandle",
+            SimOp::IpcOpenMemHandle => "cuIpcOpenMemHandle_v2",
+            SimOp::IpcCloseMemHandle => "cuIpcCloseMemHandle",
         }
     }
 }

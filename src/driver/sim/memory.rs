@@ -52,6 +52,7 @@ impl SimDriver {
         st.unsafe_call("cuMemFree")?;
         let (device, size) = st.allocations.remove(&ptr).ok_or_else(|| invalid("cuMemFree"))?;
         st.used[device as usize] -= size;
+        st.shared_allocations.remove(&ptr);
         // SAFETY: `ptr` and `size` are exactly a mapping made by `mem_alloc` and not yet unmapped.
         unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         Ok(())

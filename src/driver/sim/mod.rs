@@ -31,14 +31,17 @@
 //! This file holds the driver and its state; each mechanism is in a file of its own, and the
 //! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
 //! (an inherent method of the trait's name would shadow the trait's):
-//! device memory in `memory`, virtual memory in `vmm`, pinned host memory in `host`, pageable
-//! host memory (a sleeping pool's host copy) in `pageable`, streams and events in `streams`, stream capture in `capture`, copies and copy streams in `copy`,
+//! device memory in `memory`, virtual memory in `vmm`, memory shared with other processes in
+//! `ipc`, pinned host memory in `host`, pageable host memory (a sleeping pool's host copy) in
+//! `pageable`, streams and events in `streams`, stream capture in `capture`, copies and copy
+//! streams in `copy`,
 //! injected faults in `faults`.
 
 mod capture;
 mod copy;
 mod faults;
 mod host;
+mod ipc;
 mod memory;
 mod pageable;
 mod streams;
@@ -129,6 +132,10 @@ struct State {
     next_stream: StreamHandle,
     /// Streams a test placed on a device ([`SimDriver::set_stream_device`]).
     stream_devices: FxHashMap<StreamHandle, i32>,
+    /// Allocations of `mem_alloc` made shareable by `ipc_get_mem_handle`: their memfds.
+    shared_allocations: FxHashMap<DevicePtr, std::os::fd::OwnedFd>,
+    /// Allocations of other processes mapped by `ipc_open_mem_handle`: start -> size.
+    opened: FxHashMap<DevicePtr, usize>,
 }
 
 thread_local! {
@@ -332,6 +339,30 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         self.sim_memcpy(copy::Direction::ToDevice, dst as usize, src, size, stream)
     }
+
+    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+        self.sim_device_uuid(device)
+    }
+
+    fn mem_export(&self, _device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.sim_mem_export(handle)
+    }
+
+    fn mem_import(&self, device: i32, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
+        self.sim_mem_import(device, fd, size)
+    }
+
+    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+        self.sim_ipc_get_mem_handle(device, ptr)
+    }
+
+    fn ipc_open_mem_handle(&self, _device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+        self.sim_ipc_open_mem_handle(handle)
+    }
+
+    fn ipc_close_mem_handle(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.sim_ipc_close_mem_handle(ptr)
+    }
 }
 
 impl Drop for SimDriver {
@@ -348,6 +379,10 @@ impl Drop for SimDriver {
         }
         for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.
+            unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        }
+        for (&ptr, &size) in self.state.get_mut().opened.iter() {
+            // SAFETY: every entry is a live mapping made by `ipc_open_mem_handle`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         }
         for (&ptr, r) in self.state.get_mut().ranges.iter() {

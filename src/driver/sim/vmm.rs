@@ -57,9 +57,15 @@ impl Range {
 
 /// A physical allocation: its device, size and where it is mapped, if anywhere.
 pub(super) struct Handle {
-    device: i32,
-    size: usize,
-    mapped_at: Option<DevicePtr>,
+    pub(super) device: i32,
+    pub(super) size: usize,
+    pub(super) mapped_at: Option<DevicePtr>,
+    /// The shared memory behind it once exported or imported (`ipc`): mapped shared, so that
+    /// every process mapping it sees the same bytes, and kept across unmaps. `None`: the pages
+    /// are anonymous memory of the mapping, lost when unmapped.
+    pub(super) fd: Option<std::os::fd::OwnedFd>,
+    /// Imported from another process: counts against that process's device, not this one's.
+    pub(super) imported: bool,
 }
 
 impl State {
@@ -77,6 +83,19 @@ fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
     // SAFETY: the range lies inside a reservation of this driver (checked by the callers), so
     // MAP_FIXED replaces only pages the driver owns.
     let p = unsafe { libc::mmap(ptr as *mut libc::c_void, size, prot, flags, -1, 0) };
+    p != libc::MAP_FAILED
+}
+
+/// Maps `size` bytes of `fd` (from its start) shared at `at`, readable and writable, over
+/// host address space the simulated driver owns.
+pub(super) fn map_shared(at: DevicePtr, size: usize, fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+    // SAFETY: `at` lies in a range the driver owns (checked by the callers), so MAP_FIXED
+    // replaces only its pages.
+    let p = unsafe {
+        libc::mmap(at as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
+    };
     p != libc::MAP_FAILED
 }
 
@@ -168,7 +187,7 @@ impl SimDriver {
         st.used[d] += size;
         st.next_handle += 1;
         let id = st.next_handle;
-        st.handles.insert(id, Handle { device, size, mapped_at: None });
+        st.handles.insert(id, Handle { device, size, mapped_at: None, fd: None, imported: false });
         Ok(PhysHandle(id))
     }
 
@@ -182,7 +201,9 @@ impl SimDriver {
             _ => return Err(invalid("cuMemRelease")),
         }
         let h = st.handles.remove(&handle.0).expect("checked above");
-        st.used[h.device as usize] -= h.size;
+        if !h.imported {
+            st.used[h.device as usize] -= h.size;
+        }
         Ok(())
     }
 
@@ -215,10 +236,16 @@ impl SimDriver {
         let Some(pieces) = r.pieces(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
-        if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE) {
+        let shared: Vec<_> =
+            pieces.iter().filter_map(|&(a, s, h)| Some((a, s, st.handles.get(&h)?.fd.as_ref()?))).collect();
+        if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE)
+            || !shared.into_iter().all(|(a, s, fd)| map_shared(a, s, fd))
+        {
             return Err(DriverError::OutOfMemory);
         }
-        r.accessible.extend(pieces.into_iter().map(|(a, s, _)| (a, s)));
+        if let Some((_, r)) = st.range_of(ptr, size) {
+            r.accessible.extend(pieces.into_iter().map(|(a, s, _)| (a, s)));
+        }
         Ok(())
     }
 

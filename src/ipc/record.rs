@@ -1,0 +1,217 @@
+//! The owner's record of one export, in shared memory (a `memfd` mapped by the owner and by
+//! each importer, which takes its descriptor with `pidfd_getfd`): what the export is (owner,
+//! export id, kind, size, offset), the owner's descriptors of its pages, whether the owner
+//! freed the block, and a count of uses per importer process (PyTorch keeps one reference
+//! count per shared block in a shared-memory file, `CudaIPCRefCountersFile`; here a count per
+//! importer, with its pid and start time, so that the owner drops a dead importer's uses).
+//!
+//! The protocol between an importer's use and the owner's free is lock-free: the importer
+//! adds its use, then reads the freed flag, and backs out if set; the owner sets the flag,
+//! then sums the uses. Both sequentially consistent, so at least one of them sees the other:
+//! never an import of a block the owner reuses.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+
+use super::proc::{self, Identity};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"GPIPCREC");
+const VERSION: u32 = 1;
+/// Importer processes one export can have at once.
+pub(crate) const MAX_IMPORTERS: usize = 64;
+/// Pages one export can have (a block of 1 TiB in 2 MiB pages).
+pub(crate) const MAX_PAGES: u64 = 1 << 19;
+const FREED: u64 = 1;
+
+#[repr(C)]
+struct Slot {
+    pid: AtomicU32,
+    _pad: u32,
+    start: AtomicU64,
+    count: AtomicU64,
+}
+
+#[repr(C)]
+pub(crate) struct Header {
+    magic: u64,
+    version: u32,
+    pub kind: u32,
+    pub owner_pid: u32,
+    pub device: i32,
+    pub owner_start: u64,
+    pub export_id: u64,
+    state: AtomicU64,
+    pub size: u64,
+    pub offset: u64,
+    pub page_size: u64,
+    pub page_count: u64,
+    slots: [Slot; MAX_IMPORTERS],
+}
+
+/// One export's record, mapped in this process. Thread-safe: its shared fields are atomics.
+pub(crate) struct Record {
+    /// The owner's descriptor (the number its handle carries); `None` in an importer, which
+    /// needs only the mapping.
+    fd: Option<OwnedFd>,
+    at: *mut Header,
+    len: usize,
+}
+
+// SAFETY: the mapping is shared memory whose mutable fields are atomics.
+unsafe impl Send for Record {}
+// SAFETY: as above.
+unsafe impl Sync for Record {}
+
+/// Why a use could not be added.
+#[derive(Debug)]
+pub(crate) enum AcquireError {
+    /// The owner freed the block.
+    Freed,
+    /// [`MAX_IMPORTERS`] other processes hold it.
+    Full,
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `map`.
+        unsafe { libc::munmap(self.at.cast(), self.len) };
+    }
+}
+
+fn map(fd: OwnedFd, len: usize) -> io::Result<Record> {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: a new shared mapping of our descriptor, anywhere; the result is checked.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Record { fd: Some(fd), at: p.cast(), len })
+}
+
+fn bytes_for(pages: usize) -> usize {
+    (size_of::<Header>() + pages * 4).next_multiple_of(4096)
+}
+
+/// What a new record says.
+pub(crate) struct Fields {
+    pub kind: u32,
+    pub owner: Identity,
+    pub device: i32,
+    pub export_id: u64,
+    pub size: u64,
+    pub offset: u64,
+    pub page_size: u64,
+}
+
+impl Record {
+    /// A new record of an export with `pages` (the owner's descriptors of its pages).
+    ///
+    /// Errors: the system's, when the memfd cannot be made or mapped.
+    pub fn create(f: &Fields, pages: &[RawFd]) -> io::Result<Record> {
+        let len = bytes_for(pages.len());
+        let r = map(proc::memfd("gpupool-ipc-export", len)?, len)?;
+        // SAFETY: a fresh mapping of `len` bytes, zero-filled, holding a Header and the pages;
+        // nobody else has it yet.
+        unsafe {
+            let h = &mut *r.at;
+            (h.magic, h.version, h.kind, h.owner_pid, h.device) = (MAGIC, VERSION, f.kind, f.owner.pid, f.device);
+            (h.owner_start, h.export_id, h.size, h.offset) = (f.owner.start, f.export_id, f.size, f.offset);
+            (h.page_size, h.page_count) = (f.page_size, pages.len() as u64);
+            let list = r.at.add(1).cast::<i32>();
+            for (i, &fd) in pages.iter().enumerate() {
+                list.add(i).write(fd);
+            }
+        }
+        Ok(r)
+    }
+
+    /// Maps a record whose descriptor was taken from its owner, checking its shape.
+    ///
+    /// Errors: a message saying what is wrong (not a record, or cut short).
+    pub fn open(fd: OwnedFd) -> Result<Record, String> {
+        let len = proc::file_size(&fd).map_err(|e| format!("its size cannot be read ({e})"))?;
+        if len < size_of::<Header>() {
+            return Err("the descriptor the handle names is not an export record".into());
+        }
+        let mut r = map(fd, len).map_err(|e| format!("it cannot be mapped ({e})"))?;
+        r.fd = None;
+        let h = r.header();
+        if h.magic != MAGIC || h.version != VERSION {
+            return Err("the descriptor the handle names is not an export record".into());
+        }
+        if h.page_count > MAX_PAGES || bytes_for(h.page_count as usize) > len {
+            return Err("the export record is cut short".into());
+        }
+        Ok(r)
+    }
+
+    /// The record's fixed fields and importer slots, as the owner wrote them.
+    pub fn header(&self) -> &Header {
+        // SAFETY: the mapping holds a Header for as long as `self` lives.
+        unsafe { &*self.at }
+    }
+
+    /// The owner's descriptor of the record (the number the handle carries); -1 in an importer.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    /// The owner's descriptors of the pages.
+    pub fn page_fds(&self) -> &[i32] {
+        // SAFETY: `open` and `create` checked that the mapping holds `page_count` of them.
+        unsafe { std::slice::from_raw_parts(self.at.add(1).cast::<i32>(), self.header().page_count as usize) }
+    }
+
+    /// Adds a use by `me`; returns its slot.
+    pub fn acquire(&self, me: Identity) -> Result<usize, AcquireError> {
+        let slots = &self.header().slots;
+        let mine = slots.iter().position(|s| s.pid.load(SeqCst) == me.pid && s.start.load(SeqCst) == me.start);
+        let slot = match mine {
+            Some(i) => i,
+            None => {
+                let free = slots.iter().position(|s| s.pid.compare_exchange(0, me.pid, SeqCst, SeqCst).is_ok());
+                let i = free.ok_or(AcquireError::Full)?;
+                slots[i].start.store(me.start, SeqCst);
+                i
+            }
+        };
+        slots[slot].count.fetch_add(1, SeqCst);
+        if self.header().state.load(SeqCst) & FREED != 0 {
+            self.release(slot);
+            return Err(AcquireError::Freed);
+        }
+        Ok(slot)
+    }
+
+    /// Drops a use added by [`Record::acquire`].
+    pub fn release(&self, slot: usize) {
+        self.header().slots[slot].count.fetch_sub(1, SeqCst);
+    }
+
+    /// The owner frees the block: no use may be added from now on.
+    pub fn mark_freed(&self) {
+        self.header().state.fetch_or(FREED, SeqCst);
+    }
+
+    /// Uses held by importers that still run; a dead importer's slot is cleared first.
+    pub fn holders(&self) -> u64 {
+        let mut total = 0;
+        for s in &self.header().slots {
+            let pid = s.pid.load(SeqCst);
+            if pid == 0 {
+                continue;
+            }
+            let (start, count) = (s.start.load(SeqCst), s.count.load(SeqCst));
+            // A start of 0: the importer is claiming the slot now, so it runs.
+            if start != 0 && !proc::alive(Identity { pid, start }) {
+                s.count.store(0, SeqCst);
+                s.start.store(0, SeqCst);
+                s.pid.store(0, SeqCst);
+                continue;
+            }
+            total += count;
+        }
+        total
+    }
+}
