@@ -1,0 +1,86 @@
+/* How gpupool's throughput grows with threads, apart from the GPU: T threads, each on its own
+ * stream of device t % D, run bench.c's threads loop (16 live blocks, each freed and allocated
+ * again at a size of 4 KiB to 1 MiB drawn at random, OPS operations a thread) and the total
+ * rate is printed in million operations a second. Run it on the simulated device to measure
+ * the host and gpupool alone (the streams are made-up handles, which a GPU would refuse):
+ *
+ *   GPUPOOL_DRIVER=sim GPUPOOL_SIM_DEVICES=16 GPUPOOL_SIM_CAPACITY=16GiB ./thread_scaling T D [OPS]
+ *
+ * D = 1 puts every thread on one device (they share its statistics and peak credit); D = T gives
+ * each its own (docs/performance.md compares the two on the GPU machine's host). */
+#include <gpupool.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+enum { LIVE = 16, MAX_THREADS = 256 };
+
+static int ops = 400000, devices = 1;
+static pthread_barrier_t start;
+
+static uint64_t rng_next(uint64_t *s) {
+  uint64_t x = *s;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return *s = x;
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void ok(gpupool_status s) {
+  if (s != GPUPOOL_SUCCESS) {
+    fprintf(stderr, "thread_scaling: %s\n", gpupool_last_error_message());
+    exit(1);
+  }
+}
+
+static void *body(void *arg) {
+  uintptr_t t = (uintptr_t)arg;
+  int device = (int)(t % (uintptr_t)devices);
+  gpupool_stream_t stream = (gpupool_stream_t)(0x1000 * (t + 1));
+  void *live[LIVE];
+  uint64_t rng = (t + 1) * 0x9e3779b97f4a7c15ULL | 1;
+  for (int k = 0; k < LIVE; k++) ok(gpupool_malloc(&live[k], (size_t)4096 << (k % 9), device, stream));
+  pthread_barrier_wait(&start);
+  for (int i = 0; i < ops / 2; i++) {
+    int k = i % LIVE;
+    ok(gpupool_free(live[k]));
+    ok(gpupool_malloc(&live[k], (size_t)4096 << (rng_next(&rng) % 9), device, stream));
+  }
+  pthread_barrier_wait(&start);
+  for (int k = 0; k < LIVE; k++) ok(gpupool_free(live[k]));
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: thread_scaling THREADS DEVICES [OPS]\n");
+    return 2;
+  }
+  int threads = atoi(argv[1]);
+  devices = atoi(argv[2]);
+  if (argc > 3) ops = atoi(argv[3]);
+  if (threads < 1 || threads > MAX_THREADS || devices < 1 || ops < 2) {
+    fprintf(stderr, "thread_scaling: 1 to %d threads, at least 1 device and 2 operations\n", MAX_THREADS);
+    return 2;
+  }
+  pthread_t th[MAX_THREADS];
+  pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
+  for (int t = 0; t < threads; t++) pthread_create(&th[t], NULL, body, (void *)(uintptr_t)t);
+  pthread_barrier_wait(&start);
+  double t0 = now_s();
+  pthread_barrier_wait(&start);
+  double seconds = now_s() - t0;
+  for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+  pthread_barrier_destroy(&start);
+  printf("thread_scaling: %d thread(s) on %d device(s): %.2f M ops/s\n", threads, devices,
+         (double)threads * ops / seconds / 1e6);
+  return 0;
+}
