@@ -38,7 +38,7 @@ impl Default for SizeSet {
 /// The bit of `size`, if the bitmap holds it.
 #[inline(always)]
 fn bit_of(size: usize) -> Option<usize> {
-    (size > 0 && size <= BITMAP_MAX && size.is_multiple_of(UNIT)).then(|| size / UNIT - 1)
+    (size > 0 && size <= BITMAP_MAX && size % UNIT == 0).then(|| size / UNIT - 1)
 }
 
 /// The size of bit `i`.
