@@ -1144,6 +1144,31 @@ gpupool_status gpupool_pool_create_with_allocator(uint64_t *pool,
                                                   void *user);
 
 /**
+ * `gpupool_pool_create_with_allocator` whose blocks are never split below `split_alignment`
+ * bytes: every request routed to the pool is rounded up to a multiple of it, and so is every
+ * segment asked of `alloc`, so that each block starts at a multiple of it from the start of
+ * its segment. For NVLink SHARP, pass the multicast granularity
+ * (`cuMulticastGetGranularity`) and an `alloc` over `ncclMemAlloc`, whose segments start at
+ * such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. Not in PyTorch, whose
+ * `MemPool(allocator)` splits its blocks as any pool. The bytes a request is rounded up by
+ * count as allocated (as PyTorch counts its own rounding), not as requested.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`; an alignment that is
+ * not a multiple of 512 bytes, or is over 1 TiB; a request that overflows when rounded, at
+ * malloc); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * As for `gpupool_pool_create_with_allocator`.
+ */
+gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
+                                                          gpupool_segment_alloc_fn alloc,
+                                                          gpupool_segment_free_fn free,
+                                                          void *user,
+                                                          size_t split_alignment);
+
+/**
  * Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
  * `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
  * process-wide, and a pool's memory is per device: made on the devices whose allocations are

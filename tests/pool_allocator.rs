@@ -1,7 +1,7 @@
 //! Private pools whose segments come from the program's allocator (PyTorch
 //! `torch.cuda.MemPool(allocator)`) on the simulated device: segments from `alloc` and back
-//! through `free`, the default pools untouched, out of memory when `alloc` refuses, and segment
-//! observers told of them.
+//! through `free`, the default pools untouched, out of memory when `alloc` refuses, segment
+//! observers told of them, and a pool whose blocks are not split below an alignment.
 
 mod common;
 
@@ -114,4 +114,62 @@ fn an_allocator_that_refuses_is_out_of_memory_and_changes_nothing() {
     assert_eq!((calls.allocs.len(), calls.frees.len()), (1, 1), "release_pool gave the segment back");
     assert_eq!(sim.used(0), 0);
     check(&a);
+}
+
+#[test]
+fn an_aligned_pool_never_splits_below_its_alignment() {
+    let (a, sim) = sim(1, 512 * MIB);
+    let align = 2 * MIB;
+    let segments: Arc<Mutex<Vec<(u64, usize)>>> = Arc::default();
+    let (g, s, s2) = (segments.clone(), sim.clone(), sim.clone());
+    let pool = a
+        .pool_create_with_allocator_aligned(
+            move |bytes, device, _| {
+                let p = s.mem_alloc(device, bytes).ok()?;
+                g.lock().unwrap().push((p, bytes));
+                Some(p)
+            },
+            move |p, _, device, _| s2.mem_free(device, p).unwrap(),
+            align,
+        )
+        .unwrap();
+    // Sizes below, at and above the alignment, some freed and others served from what they
+    // leave, so that blocks are split and merged.
+    a.begin_allocate_to_pool(0, pool, 5).unwrap();
+    let mut live = Vec::new();
+    for (i, size) in [512, MIB, 3 * MIB + 1, 5 * MIB, 2 * MIB, 700 << 10, 9 * MIB].into_iter().enumerate() {
+        live.push(a.malloc(size, 0, 5).unwrap());
+        if i % 2 == 1 {
+            a.free(live.remove(0)).unwrap();
+        }
+    }
+    a.end_allocate_to_pool(0, pool).unwrap();
+    let segments = segments.lock().unwrap().clone();
+    assert!(segments.iter().all(|&(_, bytes)| bytes % align == 0), "segments of multiples: {segments:?}");
+    for &p in &live {
+        let &(base, _) = segments.iter().find(|&&(b, n)| p >= b && p < b + n as u64).expect("in a segment");
+        assert_eq!((p - base) % align as u64, 0, "block {p:#x} of segment {base:#x}");
+    }
+    // Rounded up, the rounding counted as allocated: 512 bytes take a whole 2 MiB.
+    let before = a.pool_stats(0, pool).unwrap().stats.allocated_bytes.all.current;
+    a.begin_allocate_to_pool(0, pool, 5).unwrap();
+    let small = a.malloc(512, 0, 5).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    assert_eq!(a.pool_stats(0, pool).unwrap().stats.allocated_bytes.all.current - before, align as i64);
+    check(&a);
+    for p in live.into_iter().chain([small]) {
+        a.free(p).unwrap();
+    }
+    a.release_pool(0, pool).unwrap();
+    check(&a);
+}
+
+#[test]
+fn a_bad_split_alignment_makes_no_pool() {
+    let (a, _sim) = sim(1, 64 * MIB);
+    for bad in [1000, 513, (1 << 40) + 512] {
+        let e = a.pool_create_with_allocator_aligned(|_, _, _| None, |_, _, _, _| {}, bad).unwrap_err();
+        assert!(matches!(e, Error::InvalidValue(ref m) if m.contains("multiple of 512")), "{bad}: {e}");
+    }
+    assert!(a.pool_create_with_allocator_aligned(|_, _, _| None, |_, _, _, _| {}, 0).unwrap() != 0);
 }

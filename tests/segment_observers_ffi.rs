@@ -10,8 +10,8 @@ use std::alloc::Layout;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gpupool::ffi::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc};
-use gpupool::ffi::pool_allocator::gpupool_pool_create_with_allocator;
-use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool};
+use gpupool::ffi::pool_allocator::{gpupool_pool_create_with_allocator, gpupool_pool_create_with_allocator_aligned};
+use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
 use gpupool::ffi::segments::{
     GPUPOOL_SEGMENT_MAP, GPUPOOL_SEGMENT_UNMAP, gpupool_attach_segment_observer, gpupool_detach_segment_observer,
     gpupool_segment_event_t,
@@ -154,6 +154,29 @@ fn pool_from_c_functions() {
         );
         assert_eq!(gpupool_free(p), GPUPOOL_SUCCESS);
         assert_eq!(gpupool_empty_cache(0), GPUPOOL_SUCCESS);
+        assert_eq!(LIVE.load(Ordering::SeqCst), 0, "given back through seg_free");
+
+        // Not split below 1 MiB: 4 KiB takes a whole MiB of a segment of whole MiBs.
+        let mut aligned = 0u64;
+        assert_eq!(
+            gpupool_pool_create_with_allocator_aligned(&mut aligned, Some(seg_alloc), Some(seg_free), user, 1000),
+            GPUPOOL_ERROR_INVALID_VALUE
+        );
+        assert!(message().contains("1000 bytes is not a multiple of 512"), "{}", message());
+        assert_eq!(aligned, 0, "nothing written on error");
+        assert_eq!(
+            gpupool_pool_create_with_allocator_aligned(&mut aligned, Some(seg_alloc), Some(seg_free), user, 1 << 20),
+            GPUPOOL_SUCCESS
+        );
+        assert_eq!(gpupool_begin_allocate_to_pool(0, aligned, stream(9)), GPUPOOL_SUCCESS);
+        let (mut x, mut y): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(gpupool_malloc(&mut x, 4096, 0, stream(9)), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_malloc(&mut y, 4096, 0, stream(9)), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_end_allocate_to_pool(0, aligned), GPUPOOL_SUCCESS);
+        assert_eq!((y as usize).abs_diff(x as usize) % (1 << 20), 0, "{x:?} and {y:?} a MiB apart");
+        assert_eq!(gpupool_free(x), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_free(y), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_release_pool(0, aligned), GPUPOOL_SUCCESS);
         assert_eq!(LIVE.load(Ordering::SeqCst), 0, "given back through seg_free");
     }
 }

@@ -23,6 +23,10 @@ pub type SegmentFreeFn = dyn Fn(DevicePtr, usize, i32, StreamHandle) + Send + Sy
 pub(crate) struct PoolSource {
     pub alloc: Box<SegmentAllocFn>,
     pub free: Box<SegmentFreeFn>,
+    /// Bytes that every block and segment of the pool is a multiple of (0: none): no block is
+    /// split below it, so that each block starts at a multiple of it from its segment's start
+    /// (NVLink SHARP buffers from `ncclMemAlloc` need the multicast granularity).
+    pub split_alignment: usize,
 }
 
 static SOURCES: RwLock<Option<FxHashMap<u64, Arc<PoolSource>>>> = RwLock::new(None);

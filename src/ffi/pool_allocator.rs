@@ -80,28 +80,66 @@ pub unsafe extern "C" fn gpupool_pool_create_with_allocator(
     free: gpupool_segment_free_fn,
     user: *mut c_void,
 ) -> gpupool_status {
-    boundary("gpupool_pool_create_with_allocator", || {
-        let out = out_ptr(pool, "pool")?;
-        let alloc = alloc.ok_or_else(|| Error::InvalidValue("alloc is NULL".into()))?;
-        let free = free.ok_or_else(|| Error::InvalidValue("free is NULL".into()))?;
-        let allocator = &runtime()?.allocator;
-        let source = std::sync::Arc::new(CSource { alloc, free, user });
-        let s = source.clone();
-        let id = allocator.pool_create_with_allocator(
-            move |bytes, device, stream| {
-                let mut ptr: *mut c_void = std::ptr::null_mut();
-                // SAFETY: the caller gave a function of this signature, callable with `user`
-                // from any thread; `ptr` is storage for one pointer.
-                let status = unsafe { (s.alloc)(s.user, bytes, device, stream as gpupool_stream_t, &mut ptr) };
-                (status == 0 && !ptr.is_null()).then_some(ptr as u64)
-            },
-            move |addr, bytes, device, stream| {
-                // SAFETY: as for `alloc`; `addr` is a segment `alloc` gave.
-                unsafe { (source.free)(source.user, addr as *mut c_void, bytes, device, stream as gpupool_stream_t) }
-            },
-        );
-        // SAFETY: the caller passes storage for one uint64_t.
-        unsafe { out.write(id) };
-        Ok(())
-    })
+    boundary("gpupool_pool_create_with_allocator", || create(pool, alloc, free, user, 0))
+}
+
+/// `gpupool_pool_create_with_allocator` whose blocks are never split below `split_alignment`
+/// bytes: every request routed to the pool is rounded up to a multiple of it, and so is every
+/// segment asked of `alloc`, so that each block starts at a multiple of it from the start of
+/// its segment. For NVLink SHARP, pass the multicast granularity
+/// (`cuMulticastGetGranularity`) and an `alloc` over `ncclMemAlloc`, whose segments start at
+/// such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. Not in PyTorch, whose
+/// `MemPool(allocator)` splits its blocks as any pool. The bytes a request is rounded up by
+/// count as allocated (as PyTorch counts its own rounding), not as requested.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`; an alignment that is
+/// not a multiple of 512 bytes, or is over 1 TiB; a request that overflows when rounded, at
+/// malloc); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// As for `gpupool_pool_create_with_allocator`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_pool_create_with_allocator_aligned(
+    pool: *mut u64,
+    alloc: gpupool_segment_alloc_fn,
+    free: gpupool_segment_free_fn,
+    user: *mut c_void,
+    split_alignment: usize,
+) -> gpupool_status {
+    boundary("gpupool_pool_create_with_allocator_aligned", || create(pool, alloc, free, user, split_alignment))
+}
+
+/// The body of both exports.
+fn create(
+    pool: *mut u64,
+    alloc: gpupool_segment_alloc_fn,
+    free: gpupool_segment_free_fn,
+    user: *mut c_void,
+    split_alignment: usize,
+) -> Result<(), Error> {
+    let out = out_ptr(pool, "pool")?;
+    let alloc = alloc.ok_or_else(|| Error::InvalidValue("alloc is NULL".into()))?;
+    let free = free.ok_or_else(|| Error::InvalidValue("free is NULL".into()))?;
+    let allocator = &runtime()?.allocator;
+    let source = std::sync::Arc::new(CSource { alloc, free, user });
+    let s = source.clone();
+    let id = allocator.pool_create_with_allocator_aligned(
+        move |bytes, device, stream| {
+            let mut ptr: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the caller gave a function of this signature, callable with `user`
+            // from any thread; `ptr` is storage for one pointer.
+            let status = unsafe { (s.alloc)(s.user, bytes, device, stream as gpupool_stream_t, &mut ptr) };
+            (status == 0 && !ptr.is_null()).then_some(ptr as u64)
+        },
+        move |addr, bytes, device, stream| {
+            // SAFETY: as for `alloc`; `addr` is a segment `alloc` gave.
+            unsafe { (source.free)(source.user, addr as *mut c_void, bytes, device, stream as gpupool_stream_t) }
+        },
+        split_alignment,
+    )?;
+    // SAFETY: the caller passes storage for one uint64_t.
+    unsafe { out.write(id) };
+    Ok(())
 }

@@ -91,6 +91,7 @@ int main(void) {
       (any_fn)gpupool_version,
       (any_fn)gpupool_pool_create,
       (any_fn)gpupool_pool_create_with_allocator,
+      (any_fn)gpupool_pool_create_with_allocator_aligned,
       (any_fn)gpupool_begin_allocate_to_pool,
       (any_fn)gpupool_begin_allocate_to_pool_thread,
       (any_fn)gpupool_begin_allocate_to_pool_filter,

@@ -37,12 +37,36 @@ impl Allocator {
         alloc: impl Fn(usize, i32, StreamHandle) -> Option<crate::driver::DevicePtr> + Send + Sync + 'static,
         free: impl Fn(crate::driver::DevicePtr, usize, i32, StreamHandle) + Send + Sync + 'static,
     ) -> u64 {
+        self.pool_create_with_allocator_aligned(alloc, free, 0).expect("no alignment is always valid")
+    }
+
+    /// [`Allocator::pool_create_with_allocator`] whose blocks are never split below
+    /// `split_alignment` bytes: every request is rounded up to a multiple of it, and every
+    /// segment asked of `alloc` too, so that each block starts at a multiple of it from its
+    /// segment's start (the segments `alloc` gives must start at such a multiple: `ncclMemAlloc`
+    /// gives the multicast granularity NVLink SHARP needs). 0: none. Not in PyTorch, whose
+    /// `MemPool` splits as any pool.
+    ///
+    /// Errors: [`Error::InvalidValue`] for an alignment that is not a multiple of 512 bytes
+    /// (PyTorch's `kMinBlockSize`, which every block size is a multiple of) or is over 1 TiB;
+    /// no pool is made.
+    pub fn pool_create_with_allocator_aligned(
+        &self,
+        alloc: impl Fn(usize, i32, StreamHandle) -> Option<crate::driver::DevicePtr> + Send + Sync + 'static,
+        free: impl Fn(crate::driver::DevicePtr, usize, i32, StreamHandle) + Send + Sync + 'static,
+        split_alignment: usize,
+    ) -> Result<u64, Error> {
+        if split_alignment % 512 != 0 || split_alignment > 1 << 40 {
+            return Err(Error::InvalidValue(format!(
+                "split alignment {split_alignment} bytes is not a multiple of 512 bytes from 0 to 1 TiB"
+            )));
+        }
         let pool = self.pool_create();
         crate::caching::pool_source::set(
             pool,
-            crate::caching::pool_source::PoolSource { alloc: Box::new(alloc), free: Box::new(free) },
+            crate::caching::pool_source::PoolSource { alloc: Box::new(alloc), free: Box::new(free), split_alignment },
         );
-        pool
+        Ok(pool)
     }
 
     /// A new private pool that may sleep ([`Allocator::sleep`]): as [`Allocator::pool_create`],

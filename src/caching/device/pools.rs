@@ -299,9 +299,12 @@ impl DeviceAllocator {
     /// released meanwhile, or sleeps (pool 0: the default pools).
     pub fn malloc_in_pool(&self, pool: u64, stream: StreamHandle, size: usize) -> Result<DevicePtr, Error> {
         self.refuse_asleep(pool)?;
-        let req = Request::new(size, &self.rules)?;
+        let mut req = Request::new(size, &self.rules)?;
         let capturing = self.capture.status(stream)?.is_capturing();
         let shard = self.shards.get_or_create(pool, stream);
+        if let Some(align) = shard.source.as_ref().map(|s| s.split_alignment).filter(|&a| a > 0) {
+            req = req.aligned(align)?;
+        }
         if shard.lock().released {
             return Err(Error::InvalidValue(format!("pool {pool} was released on device {}", self.device)));
         }

@@ -35,6 +35,24 @@ impl Request {
     }
 }
 
+impl Request {
+    /// The request rounded up to a multiple of `align` bytes, its segment too (a pool whose
+    /// blocks are not split below `align`: `pool_source::PoolSource::split_alignment`), and
+    /// placed in the pool its new size belongs to.
+    ///
+    /// Errors: [`Error::InvalidValue`] when rounding overflows.
+    pub fn aligned(self, align: usize) -> Result<Request, Error> {
+        let up = |n: usize| {
+            n.checked_next_multiple_of(align).ok_or_else(|| {
+                Error::InvalidValue(format!("size {} bytes overflows when rounded to {align} bytes", self.size))
+            })
+        };
+        let rounded = up(self.rounded)?;
+        let segment = up(self.segment.max(rounded))?;
+        Ok(Request { size: self.size, rounded, pool: rules::pool_for(rounded), segment })
+    }
+}
+
 impl ShardState {
     /// PyTorch `get_free_block`: the best fit in the request's pool, within the
     /// `max_split_size` rules, taken out of the pool.
