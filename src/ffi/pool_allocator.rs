@@ -88,8 +88,8 @@ pub unsafe extern "C" fn gpupool_pool_create_with_allocator(
 /// segment asked of `alloc`, so that each block starts at a multiple of it from the start of
 /// its segment. For NVLink SHARP, pass the multicast granularity
 /// (`cuMulticastGetGranularity`) and an `alloc` over `ncclMemAlloc`, whose segments start at
-/// such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. Not in PyTorch, whose
-/// `MemPool(allocator)` splits its blocks as any pool. The bytes a request is rounded up by
+/// such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. gpupool's own:
+/// `torch.cuda.MemPool(allocator)` takes no alignment. The bytes a request is rounded up by
 /// count as allocated (as PyTorch counts its own rounding), not as requested.
 ///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`; an alignment that is

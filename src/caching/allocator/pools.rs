@@ -44,8 +44,8 @@ impl Allocator {
     /// `split_alignment` bytes: every request is rounded up to a multiple of it, and every
     /// segment asked of `alloc` too, so that each block starts at a multiple of it from its
     /// segment's start (the segments `alloc` gives must start at such a multiple: `ncclMemAlloc`
-    /// gives the multicast granularity NVLink SHARP needs). 0: none. Not in PyTorch, whose
-    /// `MemPool` splits as any pool.
+    /// gives the multicast granularity NVLink SHARP needs). 0: none. gpupool's own:
+    /// `torch.cuda.MemPool(allocator)` takes no alignment.
     ///
     /// Errors: [`Error::InvalidValue`] for an alignment that is not a multiple of 512 bytes
     /// (PyTorch's `kMinBlockSize`, which every block size is a multiple of) or is over 1 TiB;
