@@ -2,9 +2,10 @@
 // PyTorch's ProcessGroupNCCL does through its allocator trace tracker (ncclCommRegister on
 // SEGMENT_ALLOC and SEGMENT_MAP, ncclCommDeregister on SEGMENT_FREE and SEGMENT_UNMAP), then
 // runs an all-reduce on blocks from gpupool and checks it. Then a private pool whose segments
-// come from ncclMemAlloc (gpupool_pool_create_with_allocator, PyTorch's
-// torch.cuda.MemPool(allocator) for NVLink SHARP): the all-reduce again on its blocks, and its
-// segments back through ncclMemFree.
+// come from ncclMemAlloc (gpupool_pool_create_with_allocator_aligned, PyTorch's
+// torch.cuda.MemPool(allocator) for NVLink SHARP, its blocks not split below 2 MiB): the
+// all-reduce again on its blocks, each at a multiple of 2 MiB, and its segments back through
+// ncclMemFree.
 //
 // One process, one rank per GPU (argv[1] ranks, default every visible GPU), each rank on its
 // own thread with its own communicator, stream and pool; the observer registers each segment
@@ -18,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
@@ -124,10 +126,15 @@ void nccl_free(void *user, void *ptr, size_t, int, gpupool_stream_t) {
 
 // An all-reduce (sum over `ranks` ranks) of `count` floats on two blocks allocated now on
 // `stream` of this rank's device, checked, then freed. Rank r sends its input times r + 1.
-void all_reduce_checked(Registry &reg, int rank, int ranks, cudaStream_t stream, size_t count) {
+// `align`: the blocks must start at multiples of it (a pool not split below it), or 0.
+void all_reduce_checked(Registry &reg, int rank, int ranks, cudaStream_t stream, size_t count, size_t align = 0) {
   float *send = nullptr, *recv = nullptr;
   POOL(gpupool_malloc(reinterpret_cast<void **>(&send), count * sizeof(float), rank, stream));
   POOL(gpupool_malloc(reinterpret_cast<void **>(&recv), count * sizeof(float), rank, stream));
+  if (align != 0) {
+    CHECK("blocks of the aligned pool start at multiples of its alignment",
+          reinterpret_cast<uintptr_t>(send) % align == 0 && reinterpret_cast<uintptr_t>(recv) % align == 0);
+  }
   std::vector<float> host(count);
   for (size_t i = 0; i < count; i++) host[i] = static_cast<float>(i % 1000) * 0.5f * static_cast<float>(rank + 1);
   CUDA(cudaMemcpyAsync(send, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
@@ -177,17 +184,20 @@ void run_rank(Registry &reg, int rank, int ranks, const ncclUniqueId &id) {
     std::printf("rank %d of %d: all-reduce of %zu floats on gpupool blocks: checked; %zu bytes registered in %zu ranges\n",
                 rank, ranks, count, reg.bytes, reg.ranges.size());
   }
-  // A pool over ncclMemAlloc: this thread's allocations go there until the route ends.
+  // A pool over ncclMemAlloc, its blocks not split below 2 MiB (the granularity NVLink SHARP
+  // buffers need is a multiple of it; ncclMemAlloc's segments start at one): this thread's
+  // allocations go there until the route ends.
   int nccl_calls[2] = {0, 0};
   uint64_t pool = 0;
-  POOL(gpupool_pool_create_with_allocator(&pool, nccl_alloc, nccl_free, nccl_calls));
+  const size_t align = size_t(2) << 20;
+  POOL(gpupool_pool_create_with_allocator_aligned(&pool, nccl_alloc, nccl_free, nccl_calls, align));
   POOL(gpupool_begin_allocate_to_pool_thread(rank, pool));
-  for (size_t count : kSizes) all_reduce_checked(reg, rank, ranks, stream, count);
+  for (size_t count : kSizes) all_reduce_checked(reg, rank, ranks, stream, count, align);
   POOL(gpupool_end_allocate_to_pool(rank, pool));
   CHECK("the pool's segments came from ncclMemAlloc", nccl_calls[0] > 0);
   CHECK("its segments are registered too", static_cast<int64_t>(reg.bytes) == reserved(rank));
-  std::printf("rank %d of %d: the same on a pool over ncclMemAlloc: checked; %d segments from ncclMemAlloc\n", rank,
-              ranks, nccl_calls[0]);
+  std::printf("rank %d of %d: the same on a pool over ncclMemAlloc, blocks at multiples of 2 MiB: checked; %d segments "
+              "from ncclMemAlloc\n", rank, ranks, nccl_calls[0]);
   POOL(gpupool_release_pool(rank, pool));
   CHECK("release_pool gave every segment back through ncclMemFree", nccl_calls[1] == nccl_calls[0]);
   CUDA(cudaStreamSynchronize(stream));
