@@ -5,7 +5,8 @@
 // each checks, on its own device, that free device memory rose by the pool's reserved bytes to
 // the byte, came back to the byte, and that every word was restored at the same addresses. A
 // second round discards instead, and checks that the addresses work again after wake. Three
-// rounds of each.
+// rounds of each. Before them, on one thread: a page of device 0 moved between streams by the
+// high-water rule, then written by a kernel on device 1.
 //
 // The checks are counted on the main thread from what each thread measured (check.h's counters
 // are not thread-safe). Prints "skipped: fewer than two GPUs" and passes on one GPU. Built with
@@ -15,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -138,12 +140,60 @@ static void run_device(int device, Barrier *barrier, std::vector<Round> *rounds)
   rounds->back().calls_ok &= ok;
 }
 
+// A page moved between streams, then written from the peer: with GPUPOOL_EXPANDABLE_RECLAIM=1
+// (main sets it before gpupool starts), a stream's growth past device 0's high-water mark maps
+// the pages another stream's freed block had, unmapped for it, instead of creating pages
+// (device 0's free memory does not move). A kernel on device 1 then writes the block on those
+// pages, without cudaDeviceEnablePeerAccess (gpupool grants the peers access at each map), and
+// device 0 reads it back.
+static void test_moved_page_from_the_peer() {
+  const size_t bytes = 6 * MIB;
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
+  CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) == cudaSuccess);
+  void *a = nullptr, *b = nullptr;
+  CHECK_OK(gpupool_malloc(&a, bytes, 0, s1));
+  fill<<<256, 256, 0, s1>>>(static_cast<uint32_t *>(a), bytes / 4, 1);
+  CHECK(cudaStreamSynchronize(s1) == cudaSuccess);
+  CHECK_OK(gpupool_free(a));
+  bool ok = true;
+  long long before = free_bytes(&ok);
+  CHECK_OK(gpupool_malloc(&b, bytes, 0, s2));
+  long long after = free_bytes(&ok);
+  CHECK(ok);
+  gpupool_stats_t st = GPUPOOL_STATS_INIT;
+  CHECK_OK(gpupool_stats(0, &st));
+  CHECK(cudaSetDevice(1) == cudaSuccess);
+  fill<<<256, 256>>>(static_cast<uint32_t *>(b), bytes / 4, 77);
+  cudaError_t launched = cudaGetLastError();
+  cudaError_t ran = cudaDeviceSynchronize();
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  std::vector<void *> blocks = {b};
+  const size_t sizes[] = {bytes};
+  long long wrong = (launched == cudaSuccess && ran == cudaSuccess) ? wrong_words(blocks, sizes, 77, &ok) : -1;
+  std::printf("moved page: device 0's free memory moved by %lld bytes at the second stream's growth (reserved %lld); "
+              "device 1 wrote the block (%s, %s), device 0 read %lld words wrong\n",
+              after - before, (long long)st.reserved_bytes.all.current, cudaGetErrorString(launched),
+              cudaGetErrorString(ran), wrong);
+  CHECK(after == before);
+  CHECK(st.reserved_bytes.all.current == (long long)bytes);
+  CHECK(wrong == 0);
+  CHECK_OK(gpupool_free(b));
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK_OK(gpupool_empty_cache(0));
+  CHECK(cudaStreamDestroy(s1) == cudaSuccess && cudaStreamDestroy(s2) == cudaSuccess);
+}
+
 int main() {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) {
     std::printf("test_two_gpus: skipped: fewer than two GPUs (%d)\n", devices);
     return 0;
   }
+  // Before gpupool reads its configuration (at its first call).
+  setenv("GPUPOOL_EXPANDABLE_RECLAIM", "1", 1);
+  test_moved_page_from_the_peer();
   Barrier barrier(2);
   std::vector<Round> rounds[2];
   std::thread t0(run_device, 0, &barrier, &rounds[0]);
