@@ -22,22 +22,8 @@
 
 #include "gpupool.h"
 #include "check.h"
-
-static const size_t MIB = size_t(1) << 20;
-
-__host__ __device__ inline uint32_t pattern(size_t i, uint32_t tag) { return (uint32_t)(i * 2654435761u) ^ tag; }
-
-__global__ void fill(uint32_t *p, size_t n, uint32_t tag) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = pattern(i, tag);
-}
-
-__global__ void count_wrong(const uint32_t *p, size_t n, uint32_t tag, unsigned long long *wrong) {
-  unsigned long long mine = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    mine += p[i] != pattern(i, tag);
-  if (mine) atomicAdd(wrong, mine);
-}
+// pattern, fill, and slow_check (with no spin: the words that differ from a pattern).
+#include "readers.cuh"
 
 // What one thread saw in one round; the main thread checks it.
 struct Round {
@@ -78,7 +64,7 @@ static long long wrong_words(const std::vector<void *> &blocks, const size_t *si
   if (cudaMalloc((void **)&wrong, sizeof *wrong) != cudaSuccess) return *ok = false, -1;
   *ok &= cudaMemset(wrong, 0, sizeof *wrong) == cudaSuccess;
   for (size_t k = 0; k < blocks.size(); k++)
-    count_wrong<<<256, 256>>>(static_cast<const uint32_t *>(blocks[k]), sizes[k] / 4, tag + (uint32_t)k, wrong);
+    slow_check<<<256, 256>>>(static_cast<const uint32_t *>(blocks[k]), sizes[k] / 4, tag + (uint32_t)k, 0, wrong);
   *ok &= cudaMemcpy(&host, wrong, sizeof host, cudaMemcpyDeviceToHost) == cudaSuccess;
   *ok &= cudaFree(wrong) == cudaSuccess;
   return (long long)host;
