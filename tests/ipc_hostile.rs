@@ -136,6 +136,40 @@ fn forged_handles_with_a_valid_checksum_are_refused_and_change_nothing() {
 }
 
 #[test]
+fn the_65th_importer_gets_a_clear_error_and_the_first_64_keep_theirs() {
+    let (a, _) = common::sim_with(1, 1 << 30, Config::default());
+    // SAFETY: a plain prctl.
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let p = a.malloc(MIB, 0, 0).unwrap();
+    fill(p, MIB, 9);
+    let h = hex(&a.ipc_export(p).unwrap());
+    let mut cs: Vec<Consumer> = (0..65).map(|_| Consumer::start()).collect();
+    let mut qs = Vec::new();
+    for c in &mut cs[..64] {
+        qs.push(ok_ptr(c.ask(&format!("import {h} 0"))));
+        // A second import of the same process takes no second slot.
+        ok_ptr(c.ask(&format!("import {h} 0")));
+    }
+    let r = cs[64].ask(&format!("import {h} 0"));
+    assert!(r.starts_with("err ") && r.contains("64 processes already"), "{r}");
+    assert_eq!(imports_and_fds(&mut cs[64]).0, "0");
+    assert_eq!(a.ipc_exports(), vec![(p, 0, false, 128)]);
+    for (c, q) in cs.iter_mut().zip(&qs) {
+        assert_eq!(c.ask(&format!("check {q:#x} {MIB} 9")), "ok");
+    }
+    // One importer ends: its slot serves the 65th.
+    cs.remove(0).end();
+    ok_ptr(cs[63].ask(&format!("import {h} 0")));
+    a.free(p).unwrap();
+    assert_eq!(a.ipc_exports(), vec![(p, 0, true, 127)]);
+    for c in cs {
+        c.end();
+    }
+    assert_eq!(a.ipc_reclaim(), 1);
+    check(&a);
+}
+
+#[test]
 fn an_importer_that_exits_without_closing_lets_the_block_go() {
     each(|a, name| {
         let mut c = Consumer::start();
