@@ -102,8 +102,8 @@ impl Staging {
     /// `empty_cache`); while a sleep or wake uses it, what it held before.
     pub fn bytes(&self) -> usize {
         match self.ring.try_lock() {
-            Some(g) => g.as_ref().map_or(0, |r| r.slots.len() * r.chunk),
-            None => self.settings.buffers * self.settings.chunk,
+            Some(g) => g.as_ref().map_or(0, |r| r.slots.len().saturating_mul(r.chunk)),
+            None => self.settings.buffers.saturating_mul(self.settings.chunk),
         }
     }
 }

@@ -17,17 +17,26 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use super::proc::{self, Identity};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"GPIPCREC");
-const VERSION: u32 = 1;
+/// 2: a slot is given back by its process's last release (`Slot::generation`).
+const VERSION: u32 = 2;
 /// Importer processes one export can have at once.
 pub(crate) const MAX_IMPORTERS: usize = 64;
 /// Pages one export can have (a block of 1 TiB in 2 MiB pages).
 pub(crate) const MAX_PAGES: u64 = 1 << 19;
 const FREED: u64 = 1;
 
+/// Serialises this process's [`Record::acquire`] and [`Record::release`] (of every record: an
+/// import is rare, and held briefly): another thread of this process never finds its slot
+/// given back under it. Other processes only claim free slots, and the owner clears only the
+/// slots of processes that exited.
+static SLOTS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 #[repr(C)]
 struct Slot {
     pid: AtomicU32,
-    _pad: u32,
+    /// Odd while the slot's process gives it back; bumped twice by each give-back, so that the
+    /// owner never takes a pid and a start time read across one for a process that exited.
+    generation: AtomicU32,
     start: AtomicU64,
     count: AtomicU64,
 }
@@ -164,7 +173,13 @@ impl Record {
     }
 
     /// Adds a use by `me`; returns its slot.
+    ///
+    /// A process's acquires and releases of every record are serialised ([`SLOTS`]), so that
+    /// its threads share one slot per record and a release that empties the slot may give it
+    /// back: a slot is held by a process only while it holds a use (a process that imported
+    /// and closed leaves room for another).
     pub fn acquire(&self, me: Identity) -> Result<usize, AcquireError> {
+        let _serial = SLOTS.lock();
         let slots = &self.header().slots;
         let mine = slots.iter().position(|s| s.pid.load(SeqCst) == me.pid && s.start.load(SeqCst) == me.start);
         let slot = match mine {
@@ -178,15 +193,29 @@ impl Record {
         };
         slots[slot].count.fetch_add(1, SeqCst);
         if self.header().state.load(SeqCst) & FREED != 0 {
-            self.release(slot);
+            self.give_back(slot);
             return Err(AcquireError::Freed);
         }
         Ok(slot)
     }
 
-    /// Drops a use added by [`Record::acquire`].
+    /// Drops a use added by [`Record::acquire`]; the last use of this process gives its slot
+    /// back (start first, then pid: the owner reads a slot with a pid and no start as being
+    /// claimed, and counts its zero uses).
     pub fn release(&self, slot: usize) {
-        self.header().slots[slot].count.fetch_sub(1, SeqCst);
+        let _serial = SLOTS.lock();
+        self.give_back(slot);
+    }
+
+    /// [`Record::release`], [`SLOTS`] held.
+    fn give_back(&self, slot: usize) {
+        let s = &self.header().slots[slot];
+        if s.count.fetch_sub(1, SeqCst) == 1 {
+            s.generation.fetch_add(1, SeqCst);
+            s.start.store(0, SeqCst);
+            s.pid.store(0, SeqCst);
+            s.generation.fetch_add(1, SeqCst);
+        }
     }
 
     /// The owner frees the block: no use may be added from now on.
@@ -198,13 +227,16 @@ impl Record {
     pub fn holders(&self) -> u64 {
         let mut total = 0;
         for s in &self.header().slots {
+            let seen = s.generation.load(SeqCst);
             let pid = s.pid.load(SeqCst);
             if pid == 0 {
                 continue;
             }
             let (start, count) = (s.start.load(SeqCst), s.count.load(SeqCst));
-            // A start of 0: the importer is claiming the slot now, so it runs.
-            if start != 0 && !proc::alive(Identity { pid, start }) {
+            // A slot given back and claimed again while it was read runs (its pid and start
+            // may be of two processes); so does one with a start of 0 (being claimed now).
+            let steady = seen % 2 == 0 && s.generation.load(SeqCst) == seen;
+            if steady && start != 0 && !proc::alive(Identity { pid, start }) {
                 s.count.store(0, SeqCst);
                 s.start.store(0, SeqCst);
                 s.pid.store(0, SeqCst);

@@ -115,7 +115,8 @@ fn parse(s: &str) -> u64 {
 /// The consumer's loop: `import H`, `check P LEN SEED`, `fill P LEN SEED`, `close P`,
 /// `cycle H LEN SEED` (import, check, close), `threads N H...` (N import-check-close cycles on
 /// each handle, a thread each), `faults H LEN SEED` (an import and a close with a fault at
-/// each of their driver calls, then a clean one), `export` (a block of its own, 1 MiB filled with seed 77, its handle answered), `state`, `exit`.
+/// each of their driver calls, then a clean one), `export` (a block of its own, 1 MiB filled with seed 77, its handle answered), `state`, `exit`,
+/// `quit` (exits with imports open, nothing dropped).
 pub fn serve() {
     let driver = Arc::new(SimDriver::new(2, 1 << 30));
     let alloc = Allocator::new(driver.clone(), Config::default());
@@ -178,6 +179,12 @@ pub fn serve() {
             "exit" => {
                 reply("bye".into());
                 return;
+            }
+            // Exits at once, imports left open and the allocator not dropped (as a C program
+            // that returns from main without closing them).
+            "quit" => {
+                reply("bye".into());
+                std::process::exit(0);
             }
             other => reply(format!("unknown {other}")),
         }

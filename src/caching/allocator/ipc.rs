@@ -90,7 +90,18 @@ impl Allocator {
         }
         .encode();
         let entry = Export { allocator: self.id, device, handle: h, record, pages, stage: Stage::Live };
-        export::with(|m| m.insert(ptr, entry));
+        // A sleep of the pool that began since the shard was checked: refused, what was made
+        // dropped (the sleep reads the table after it began, so one of the two sees the other).
+        let dev = self.device_or_init(device)?;
+        export::with(|m| {
+            if dev.sleep_begun(shard.pool) {
+                return Err(Error::InvalidValue(format!(
+                    "pointer {ptr:#x} is in a pool that sleeps or is going to sleep: wake it first"
+                )));
+            }
+            m.insert(ptr, entry);
+            Ok(())
+        })?;
         st.ipc_mark(ptr);
         Ok(h)
     }
@@ -149,8 +160,9 @@ impl Allocator {
 
     /// Errors: [`Error::InvalidValue`] when `pool` on `device` holds exported blocks (live, or
     /// in limbo with importers): a sleep would give their pages back under the importers.
+    /// Called once the sleep has begun (the caller reclaimed the limbo before it), so that an
+    /// export racing the sleep is refused by one side or the other.
     pub(super) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
-        self.ipc_reclaim();
         let in_pool = |ptr| self.index.with_segment(ptr, |s| s.is_some_and(|e| e.owner.pool == pool));
         let shared = export::list(self.id).into_iter().filter(|&(p, d, _, _)| d == device && in_pool(p)).count();
         if shared == 0 {

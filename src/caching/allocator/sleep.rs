@@ -28,8 +28,8 @@ impl Allocator {
             Self::check_pool(pool)?;
         }
         let dev = self.device_or_init(device)?;
-        self.ipc_refuse_sleep(dev.device, pool)?;
-        dev.sleep(pool, mode)
+        self.ipc_reclaim();
+        dev.sleep(pool, mode, || self.ipc_refuse_sleep(dev.device, pool))
     }
 
     /// Wakes `pool` on `device` (-1: current): maps new memory at the addresses of every page

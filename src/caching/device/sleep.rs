@@ -44,6 +44,13 @@ impl DeviceAllocator {
         }
     }
 
+    /// Whether `pool` sleeps, or its sleep or wake is under way (from the moment a sleep
+    /// begins, before it checks for exported blocks: `gpupool_ipc_export` asks this under the
+    /// export table's lock, the sleep reads that table after it began).
+    pub(crate) fn sleep_begun(&self, pool: u64) -> bool {
+        self.sleepers.is_asleep(pool)
+    }
+
     /// [`Error::InvalidValue`] when `pool` sleeps: nothing may be allocated from it, and it
     /// may not be released, until it wakes.
     pub(super) fn refuse_asleep(&self, pool: u64) -> Result<(), Error> {
@@ -88,7 +95,11 @@ impl DeviceAllocator {
     /// when waiting or copying fails. Once every copy has completed the pool sleeps whatever
     /// happens: a page the driver would not unmap stays mapped, a handle it would not release
     /// stays held by the device, and the error ([`Error::Cuda`]) says the pool sleeps.
-    pub fn sleep(&self, pool: u64, mode: SleepMode) -> Result<(), Error> {
+    ///
+    /// `refuse` runs once the sleep has begun (so that no export of the pool can begin after
+    /// it: `DeviceAllocator::sleep_begun`), before anything is copied; its error ends the
+    /// sleep with nothing changed.
+    pub fn sleep(&self, pool: u64, mode: SleepMode, refuse: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
         let name = self.pool_name(pool);
         if let Some(why) = self.cannot_sleep(pool) {
             return Err(Error::InvalidValue(why));
@@ -117,6 +128,7 @@ impl DeviceAllocator {
         self.capture.set_default_asleep(self.capture.default_asleep() || pool == 0);
         // Awake again if anything fails before the pages go.
         let awake = scopeguard::guard((), |()| self.end_sleep(pool));
+        refuse()?;
         if shards.iter().any(|s| s.lock().has_deferred_sync()) {
             // Blocks freed with free_after_device_sync: the streams that used them are unknown.
             self.release_deferred()?;
