@@ -21,6 +21,9 @@ impl DeviceAllocator {
         let fail = |what: String| Err(format!("device {}: {what}", self.device));
         for (shard, st) in list.iter().zip(&guards) {
             st.check(shard.stream, self.max_split_size).map_err(|e| format!("device {}: {e}", self.device))?;
+            if let Some(align) = shard.source.as_ref().map(|s| s.split_alignment).filter(|&a| a > 0) {
+                st.check_alignment(shard.stream, align).map_err(|e| format!("device {}: {e}", self.device))?;
+            }
         }
         let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;

@@ -56,6 +56,32 @@ impl ShardState {
         not_ours()
     }
 
+    /// The rule of a pool not split below `align` bytes (`pool_source::PoolSource::
+    /// split_alignment`): every segment and every block of it, free or allocated, is a multiple
+    /// of `align`, so each block starts at a multiple of it from its segment's start.
+    pub fn check_alignment(&self, owner: StreamHandle, align: usize) -> Result<(), String> {
+        for (&base, seg) in &self.segments {
+            if seg.size % align != 0 {
+                return Err(format!(
+                    "stream {owner:#x}: segment {base:#x} of {} bytes is not a multiple of {align}",
+                    seg.size
+                ));
+            }
+            let mut id = seg.head;
+            while id != NIL {
+                let b = &self.blocks[id];
+                if b.size % align != 0 {
+                    return Err(format!(
+                        "stream {owner:#x}: block {:#x} of {} bytes splits below {align}",
+                        b.addr, b.size
+                    ));
+                }
+                id = b.next;
+            }
+        }
+        Ok(())
+    }
+
     /// The consistency check of this shard (see [`crate::Allocator::check_invariants`]):
     /// segment lists, pools, the live map, pending events and a recount of every statistic.
     pub fn check(&self, owner: StreamHandle, max_split_size: usize) -> Result<(), String> {
