@@ -108,6 +108,20 @@
 #define GPUPOOL_SLEEP_DISCARD 2
 
 /**
+ * `gpupool_sleep`'s mode: as `GPUPOOL_SLEEP_OFFLOAD`, into pinned host memory that the copy
+ * engines write and read directly, with no staging and no CPU copy, and that the pool keeps
+ * after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
+ * wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
+ * memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
+ * three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+ * awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
+ * `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
+ * keeps them. For engines that sleep and wake the same weights again and again (vLLM's
+ * sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
+ */
+#define GPUPOOL_SLEEP_OFFLOAD_PINNED 3
+
+/**
  * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
  * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
  */
@@ -1378,7 +1392,7 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
 /**
  * Puts `pool` on `device` (-1: the calling thread's current device) to sleep: 0 names the
  * device's default pools, any other id a pool from `gpupool_pool_create_sleepable`. `mode` is
- * `GPUPOOL_SLEEP_OFFLOAD` or `GPUPOOL_SLEEP_DISCARD`.
+ * `GPUPOOL_SLEEP_OFFLOAD`, `GPUPOOL_SLEEP_OFFLOAD_PINNED` or `GPUPOOL_SLEEP_DISCARD`.
  *
  * In order: allocations from the pool are refused from now on; the work queued so far on
  * the pool's blocks is waited for, by events (an event recorded on each of the pool's
@@ -1389,7 +1403,9 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * allocated bytes, unmapped at wake) through the device's pinned staging ring
  * (`GPUPOOL_SLEEP_BUFFERS` buffers of `GPUPOOL_SLEEP_CHUNK` bytes, pinned at the first offload
  * and kept until `gpupool_empty_cache`) on two copy streams of gpupool's own, CPU threads
- * (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next; then every page of the pool's memory, cached
+ * (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next (with
+ * `GPUPOOL_SLEEP_OFFLOAD_PINNED`, straight into the pinned copy the pool keeps, made at its
+ * first such sleep); then every page of the pool's memory, cached
  * free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
  * `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
  * their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
@@ -1420,16 +1436,15 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * Thread-safe; blocks the calling thread for the wait and the copies (it holds only the
  * pool's own locks meanwhile).
  */
-gpupool_status gpupool_sleep(int device,
-                             uint64_t pool,
-                             uint32_t mode);
+gpupool_status gpupool_sleep(int device, uint64_t pool, uint32_t mode);
 
 /**
  * Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is
  * created and mapped at the address of every page the pool gave back (`cuMemCreate`,
  * `cuMemMap`, `cuMemSetAccess`); with offload, each live block's copy is put back bit for
- * bit, on two copy streams, and waited for; then the host copy is freed (`cuMemFreeHost`:
- * host memory back where it was). Blocks freed during the sleep are cache again. When the
+ * bit, on two copy streams, and waited for; then the host copy is given back (`munmap`: host
+ * memory back where it was), or, after `GPUPOOL_SLEEP_OFFLOAD_PINNED`, kept pinned for the
+ * pool's next sleep. Blocks freed during the sleep are cache again. When the
  * call returns, kernels may use the pool's memory and CUDA graphs captured into it replay
  * as before.
  *
@@ -1447,6 +1462,40 @@ gpupool_status gpupool_sleep(int device,
  * Thread-safe; blocks the calling thread for the copies.
  */
 gpupool_status gpupool_wake(int device, uint64_t pool);
+
+/**
+ * Reads the pinned host memory that sleep and wake hold on `device` (-1: current):
+ * `*staging`, the staging ring's bytes (`GPUPOOL_SLEEP_BUFFERS` times `GPUPOOL_SLEEP_CHUNK`
+ * from the first offload or restore until `gpupool_empty_cache`, 0 otherwise); `*kept`, the
+ * bytes of the pinned copies that pools keep for their next `GPUPOOL_SLEEP_OFFLOAD_PINNED`
+ * sleep (a sleeping pool's copy is in use and not counted until it wakes). Either pointer may
+ * be NULL. Counted in no device statistic (host memory) nor in `gpupool_host_stats` (not the
+ * pinned host allocator's memory).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (a device out of range); nothing is written then.
+ *
+ * Thread-safe; no driver call.
+ *
+ * # Safety
+ * `staging` and `kept` must each be NULL or point to writable storage for one `size_t`.
+ */
+gpupool_status gpupool_sleep_host_bytes(int device, size_t *staging, size_t *kept);
+
+/**
+ * Gives back the pinned host copy that `pool` (0: the default pools) on `device` (-1:
+ * current) keeps after a `GPUPOOL_SLEEP_OFFLOAD_PINNED` sleep (`cuMemHostUnregister`, then
+ * `munmap`: host memory back where it was) and writes its bytes to `*released` (may be NULL).
+ * A sleeping pool's copy is in use and stays (0 bytes): call this after its wake. The pool's
+ * next sleep in that mode pins a new copy.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (a device out of range, a pool never created).
+ *
+ * Thread-safe; takes no lock of the pool's streams.
+ *
+ * # Safety
+ * `released` must be NULL or point to writable storage for one `size_t`.
+ */
+gpupool_status gpupool_sleep_release_kept(int device, uint64_t pool, size_t *released);
 
 /**
  * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as

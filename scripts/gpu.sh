@@ -37,7 +37,8 @@
 #   sleep       tests/gpu/test_sleep (gpupool_sleep and gpupool_wake: free memory to the byte,
 #               contents and a CUDA graph restored, a wake without memory) and its benchmark
 #               (offload and restore against the pinned copy bandwidth of the run, 80% the
-#               target, and the host's resident memory before, during and after; sizes from
+#               target, and the host's resident memory before, during and after; the same with
+#               GPUPOOL_SLEEP_OFFLOAD_PINNED, and the unmap and map times alone; sizes from
 #               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16 40"), into OUT/sleep.log; with two GPUs,
 #               tests/gpu/test_two_gpus (a pool on each slept and woken at once from two
 #               threads), into OUT/two-gpus.log

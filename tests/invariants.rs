@@ -363,10 +363,11 @@ enum FaultOp {
     },
     /// Sets the run's memory fraction again (reads the device's total: `cuMemGetInfo`).
     SetFraction,
-    /// Puts the default pools to sleep (offload, or discard) and wakes them, the faults armed;
-    /// then, if they still sleep, wakes them with the faults cleared.
+    /// Puts the default pools to sleep (offload, staged or `pinned`, or discard) and wakes them,
+    /// the faults armed; then, if they still sleep, wakes them with the faults cleared.
     SleepWake {
         discard: bool,
+        pinned: bool,
     },
     Inject {
         kind: usize,
@@ -386,7 +387,7 @@ fn fault_op() -> impl Strategy<Value = FaultOp> {
         12 => op().prop_map(FaultOp::Plain),
         1 => size().prop_map(|size| FaultOp::MallocCurrent { size }),
         1 => Just(FaultOp::SetFraction),
-        1 => any::<bool>().prop_map(|discard| FaultOp::SleepWake { discard }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(discard, pinned)| FaultOp::SleepWake { discard, pinned }),
         3 => (0..SimOp::ALL.len(), 0u32..6, fault).prop_map(|(kind, skip, fault)| FaultOp::Inject { kind, skip, fault }),
     ]
 }
@@ -474,8 +475,12 @@ fn run_with_faults(
             FaultOp::SetFraction => {
                 let _ = guarded(|| a.set_memory_fraction(fraction_or_all, 0));
             }
-            FaultOp::SleepWake { discard } => {
-                let mode = if discard { SleepMode::Discard } else { SleepMode::Offload };
+            FaultOp::SleepWake { discard, pinned } => {
+                let mode = match (discard, pinned) {
+                    (true, _) => SleepMode::Discard,
+                    (false, false) => SleepMode::Offload,
+                    (false, true) => SleepMode::OffloadPinned,
+                };
                 let _ = guarded(|| a.sleep(0, 0, mode));
                 check(&a);
                 let woke = guarded(|| a.wake(0, 0));

@@ -158,6 +158,8 @@ inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
 enum class sleep_mode : std::uint32_t {
   offload = GPUPOOL_SLEEP_OFFLOAD,  // copied to host memory, back at wake (weights)
   discard = GPUPOOL_SLEEP_DISCARD,  // dropped (KV cache, activations)
+  // copied to pinned host memory the pool keeps after wake: later sleeps copy at the bus's speed
+  offload_pinned = GPUPOOL_SLEEP_OFFLOAD_PINNED,
 };
 
 // Tag for a pool that may sleep (gpupool_pool_create_sleepable).

@@ -35,7 +35,7 @@ import tempfile
 
 from . import _structs
 from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle, text, unsigned
-from ._pools import Pool, pool_create, release_pool, sleep, use_pool, wake
+from ._pools import Pool, pool_create, release_kept, release_pool, sleep, sleep_host_bytes, use_pool, wake
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
@@ -44,7 +44,7 @@ __all__ = [
     "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
     "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
     "host_stats", "host_reset_peak_stats", "Pool", "pool_create", "release_pool", "use_pool", "sleep",
-    "wake",
+    "wake", "sleep_host_bytes", "release_kept",
 ]
 _SUBMODULES = ("torch", "cupy", "numba", "onnxruntime")
 

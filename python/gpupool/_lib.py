@@ -200,6 +200,8 @@ def _declare(lib):
         "gpupool_release_pool": [_INT, ctypes.c_uint64],
         "gpupool_sleep": [_INT, ctypes.c_uint64, ctypes.c_uint32],
         "gpupool_wake": [_INT, ctypes.c_uint64],
+        "gpupool_sleep_host_bytes": [_INT, ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)],
+        "gpupool_sleep_release_kept": [_INT, ctypes.c_uint64, ctypes.POINTER(_SZ)],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)

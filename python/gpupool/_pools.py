@@ -15,9 +15,11 @@ import ctypes
 
 from ._lib import check, lib, unsigned
 
-# gpupool_sleep's modes (GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_DISCARD).
+# gpupool_sleep's modes (GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_DISCARD,
+# GPUPOOL_SLEEP_OFFLOAD_PINNED).
 SLEEP_OFFLOAD = 1
 SLEEP_DISCARD = 2
+SLEEP_OFFLOAD_PINNED = 3
 
 
 def _device(device):
@@ -64,10 +66,17 @@ def sleep(pool=0, offload=True, device=-1):
     `device` (-1: current) to sleep (gpupool_sleep): the work queued on its blocks is waited
     for, their contents copied to host memory (`offload`) or dropped, and every page of its
     memory given back to the driver; its blocks keep their addresses, and nothing may be
-    allocated from it (nor its memory touched) until wake(). Raises Error (nothing changed) for
-    a pool that cannot sleep or sleeps already, OutOfMemoryError when the host has no room for
-    the copy."""
-    mode = SLEEP_OFFLOAD if offload else SLEEP_DISCARD
+    allocated from it (nor its memory touched) until wake(). `offload="pinned"`
+    (GPUPOOL_SLEEP_OFFLOAD_PINNED): the copy is pinned host memory the pool keeps after wake, so
+    that its next sleeps and wakes copy at the bus's speed (see release_kept). Raises Error
+    (nothing changed) for a pool that cannot sleep or sleeps already, ValueError for another
+    `offload` string, OutOfMemoryError when the host has no room for the copy."""
+    if isinstance(offload, str):
+        if offload != "pinned":
+            raise ValueError(f"offload must be True, False or 'pinned', not {offload!r}")
+        mode = SLEEP_OFFLOAD_PINNED
+    else:
+        mode = SLEEP_OFFLOAD if offload else SLEEP_DISCARD
     check(lib().gpupool_sleep(_device(device), unsigned(pool, "pool"), mode), "gpupool_sleep")
 
 
@@ -76,6 +85,30 @@ def wake(pool=0, device=-1):
     an offloaded pool's contents back bit for bit, its host copy freed. OutOfMemoryError when
     the device has no room (the pool still sleeps, its copy intact: free memory and call again)."""
     check(lib().gpupool_wake(_device(device), unsigned(pool, "pool")), "gpupool_wake")
+
+
+def sleep_host_bytes(device=-1):
+    """(staging, kept): bytes of pinned host memory sleep and wake hold on `device` (-1:
+    current) (gpupool_sleep_host_bytes): the staging ring, and the copies pools keep after
+    sleep(offload="pinned")."""
+    staging, kept = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    check(
+        lib().gpupool_sleep_host_bytes(_device(device), ctypes.byref(staging), ctypes.byref(kept)),
+        "gpupool_sleep_host_bytes",
+    )
+    return staging.value, kept.value
+
+
+def release_kept(pool=0, device=-1):
+    """Gives back the pinned copy `pool` on `device` (-1: current) keeps after
+    sleep(offload="pinned") (gpupool_sleep_release_kept); returns its bytes (0 while the pool
+    sleeps: its copy is in use)."""
+    n = ctypes.c_size_t(0)
+    check(
+        lib().gpupool_sleep_release_kept(_device(device), unsigned(pool, "pool"), ctypes.byref(n)),
+        "gpupool_sleep_release_kept",
+    )
+    return n.value
 
 
 class Pool:

@@ -33,6 +33,30 @@ pub(crate) enum Way {
     Restore,
 }
 
+/// Where a sleep's or a wake's copies go: through the staging ring ([`Copier`]) or straight
+/// to a pinned host copy (`copy_direct::Direct`).
+pub(crate) trait Copies {
+    /// Adds `len` bytes between the host copy at `host` and device memory at `dev`, which way
+    /// the copies go; written by the end of [`Copies::finish`].
+    ///
+    /// Errors: the driver's; what was added before stays queued (the caller abandons the
+    /// copies, whose drop waits for them).
+    fn add(&mut self, host: HostPtr, dev: DevicePtr, len: usize) -> Result<(), DriverError>;
+    /// Copies what is left and waits for every copy.
+    ///
+    /// Errors: the driver's.
+    fn finish(&mut self) -> Result<(), DriverError>;
+}
+
+impl Copies for Copier<'_> {
+    fn add(&mut self, host: HostPtr, dev: DevicePtr, len: usize) -> Result<(), DriverError> {
+        Copier::add(self, host, dev, len)
+    }
+    fn finish(&mut self) -> Result<(), DriverError> {
+        Copier::finish(self)
+    }
+}
+
 /// One piece of a buffer: (host copy address, device address, offset in the buffer, bytes).
 type Piece = (HostPtr, DevicePtr, usize, usize);
 

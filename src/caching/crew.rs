@@ -12,18 +12,31 @@ use std::thread::Scope;
 /// One host-to-host copy: (destination, source, bytes), ranges that do not overlap.
 pub(crate) type Move = (usize, usize, usize);
 
-/// A part of a batch for one thread. The pointers are valid until [`Crew::copy`] returns,
-/// which waits for every part: sending them to another thread is sound.
-struct Part(Vec<Move>);
+/// A part of a batch for one thread: copies, or a function run on ranges (start, bytes).
+/// The pointers are valid until [`Crew::copy`] or [`Crew::each`] returns, which waits for
+/// every part: sending them to another thread is sound.
+enum Part {
+    Copy(Vec<Move>),
+    Each(Vec<(usize, usize)>, fn(usize, usize)),
+}
 
 // SAFETY: see `Part`: the memory it names outlives its use, and no two parts overlap.
 unsafe impl Send for Part {}
 
-/// Runs every copy of `part`.
+/// Runs every copy, or every call, of `part`.
 fn run(part: &Part) {
-    for &(dst, src, len) in &part.0 {
-        // SAFETY: per `Crew::copy`'s contract, valid and non-overlapping ranges.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+    match part {
+        Part::Copy(moves) => {
+            for &(dst, src, len) in moves {
+                // SAFETY: per `Crew::copy`'s contract, valid and non-overlapping ranges.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+            }
+        }
+        Part::Each(ranges, f) => {
+            for &(at, len) in ranges {
+                f(at, len);
+            }
+        }
     }
 }
 
@@ -82,8 +95,30 @@ impl Crew {
     /// this returns, and no destination may overlap another move's source or destination.
     pub unsafe fn copy(&self, moves: &[Move]) {
         let total: usize = moves.iter().map(|m| m.2).sum();
-        let mut parts = cut(moves, total, self.threads());
-        let mine = parts.pop().unwrap_or(Part(Vec::new()));
+        let parts = cut(moves, total, self.threads()).into_iter().map(Part::Copy).collect();
+        self.run_parts(parts);
+    }
+
+    /// Calls `f(start, bytes)` once for each of `ranges`, the ranges dealt to the threads in
+    /// turn, and returns once all have run (the caller cuts the work into one range a thread).
+    ///
+    /// # Safety
+    /// Whatever `f` does to a range must be sound from any thread while this runs, and no two
+    /// ranges may overlap.
+    pub unsafe fn each(&self, ranges: &[(usize, usize)], f: fn(usize, usize)) {
+        let n = self.threads();
+        let mut parts: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n.min(ranges.len()).max(1)];
+        let k = parts.len();
+        for (i, &r) in ranges.iter().enumerate() {
+            parts[i % k].push(r);
+        }
+        self.run_parts(parts.into_iter().map(|p| Part::Each(p, f)).collect());
+    }
+
+    /// Runs the last of `parts` on the calling thread and the others on the workers, and
+    /// waits for all.
+    fn run_parts(&self, mut parts: Vec<Part>) {
+        let mine = parts.pop().unwrap_or(Part::Copy(Vec::new()));
         let mut sent = 0;
         for (worker, part) in self.workers.iter().zip(parts) {
             match worker.send(part) {
@@ -105,18 +140,18 @@ impl Crew {
 
 /// Cuts `moves` (of `total` bytes) into at most `n` parts of about `total / n` bytes each,
 /// splitting a move where a part ends; parts of less than 64 KiB are not worth a thread.
-fn cut(moves: &[Move], total: usize, n: usize) -> Vec<Part> {
+fn cut(moves: &[Move], total: usize, n: usize) -> Vec<Vec<Move>> {
     let each = total.div_ceil(n.max(1)).max(64 << 10);
-    let mut parts = vec![Part(Vec::new())];
+    let mut parts = vec![Vec::new()];
     let mut room = each;
     for &(mut dst, mut src, mut len) in moves {
         while len > 0 {
             if room == 0 {
-                parts.push(Part(Vec::new()));
+                parts.push(Vec::new());
                 room = each;
             }
             let k = len.min(room);
-            parts.last_mut().expect("one part").0.push((dst, src, k));
+            parts.last_mut().expect("one part").push((dst, src, k));
             (dst, src, len, room) = (dst + k, src + k, len - k, room - k);
         }
     }
@@ -150,10 +185,27 @@ mod tests {
         let moves = [(1000, 0, 300_000), (2_000_000, 500_000, 10)];
         let parts = cut(&moves, 300_010, 3);
         assert_eq!(parts.len(), 3);
-        let bytes: usize = parts.iter().flat_map(|p| p.0.iter()).map(|m| m.2).sum();
+        let bytes: usize = parts.iter().flat_map(|p| p.iter()).map(|m| m.2).sum();
         assert_eq!(bytes, 300_010);
-        assert_eq!(parts[0].0[0], (1000, 0, 100_004));
+        assert_eq!(parts[0][0], (1000, 0, 100_004));
         assert_eq!(crew_size(3), 3);
         assert!((1..=8).contains(&crew_size(0)));
+    }
+
+    #[test]
+    fn each_calls_the_function_once_per_range_from_the_crew() {
+        static SEEN: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+        fn note(at: usize, len: usize) {
+            SEEN.lock().unwrap().push((at, len));
+        }
+        let ranges: Vec<(usize, usize)> = (0..11).map(|i| (i * 10, 10)).collect();
+        std::thread::scope(|scope| {
+            let crew = Crew::new(scope, 4);
+            // SAFETY: `note` touches no memory of the ranges.
+            unsafe { crew.each(&ranges, note) };
+        });
+        let mut seen = SEEN.lock().unwrap().clone();
+        seen.sort_unstable();
+        assert_eq!(seen, ranges);
     }
 }

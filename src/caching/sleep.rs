@@ -42,6 +42,18 @@ pub enum SleepMode {
     /// Dropped: after wake the blocks hold whatever the new memory holds (KV cache,
     /// activations).
     Discard,
+    /// As [`SleepMode::Offload`], into pinned host memory that the copy engines write and read
+    /// directly, and that the pool keeps after wake for its next sleep (see `caching::kept`):
+    /// from the second sleep on, sleep and wake copy at the bus's speed; meanwhile the pool's
+    /// live bytes stay pinned in host memory.
+    OffloadPinned,
+}
+
+impl SleepMode {
+    /// Whether the live blocks' contents are copied to host memory and back.
+    pub fn offloads(self) -> bool {
+        self != SleepMode::Discard
+    }
 }
 
 /// One sleeping pool of a device.

@@ -25,6 +25,17 @@ pub const GPUPOOL_SLEEP_OFFLOAD: u32 = 1;
 /// `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
 /// hold whatever the new memory holds (KV cache, activations).
 pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
+/// `gpupool_sleep`'s mode: as `GPUPOOL_SLEEP_OFFLOAD`, into pinned host memory that the copy
+/// engines write and read directly, with no staging and no CPU copy, and that the pool keeps
+/// after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
+/// wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
+/// memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
+/// three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+/// awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
+/// `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
+/// keeps them. For engines that sleep and wake the same weights again and again (vLLM's
+/// sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
+pub const GPUPOOL_SLEEP_OFFLOAD_PINNED: u32 = 3;
 
 /// Creates a private pool that may sleep and writes its id to `*pool`: as
 /// `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
@@ -54,7 +65,7 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 
 /// Puts `pool` on `device` (-1: the calling thread's current device) to sleep: 0 names the
 /// device's default pools, any other id a pool from `gpupool_pool_create_sleepable`. `mode` is
-/// `GPUPOOL_SLEEP_OFFLOAD` or `GPUPOOL_SLEEP_DISCARD`.
+/// `GPUPOOL_SLEEP_OFFLOAD`, `GPUPOOL_SLEEP_OFFLOAD_PINNED` or `GPUPOOL_SLEEP_DISCARD`.
 ///
 /// In order: allocations from the pool are refused from now on; the work queued so far on
 /// the pool's blocks is waited for, by events (an event recorded on each of the pool's
@@ -65,7 +76,9 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 /// allocated bytes, unmapped at wake) through the device's pinned staging ring
 /// (`GPUPOOL_SLEEP_BUFFERS` buffers of `GPUPOOL_SLEEP_CHUNK` bytes, pinned at the first offload
 /// and kept until `gpupool_empty_cache`) on two copy streams of gpupool's own, CPU threads
-/// (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next; then every page of the pool's memory, cached
+/// (`GPUPOOL_SLEEP_THREADS`) copying each buffer out while the device fills the next (with
+/// `GPUPOOL_SLEEP_OFFLOAD_PINNED`, straight into the pinned copy the pool keeps, made at its
+/// first such sleep); then every page of the pool's memory, cached
 /// free pages included, is unmapped and given back to the driver (`cuMemUnmap`,
 /// `cuMemRelease`): free device memory rises by the pool's reserved bytes. The blocks keep
 /// their addresses (still reserved, `cuMemAddressReserve`), and reserved bytes still count
@@ -101,9 +114,11 @@ pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_
         let mode = match mode {
             GPUPOOL_SLEEP_OFFLOAD => SleepMode::Offload,
             GPUPOOL_SLEEP_DISCARD => SleepMode::Discard,
+            GPUPOOL_SLEEP_OFFLOAD_PINNED => SleepMode::OffloadPinned,
             m => {
                 return Err(Error::InvalidValue(format!(
-                    "mode {m} is not a sleep mode: pass GPUPOOL_SLEEP_OFFLOAD (1) or GPUPOOL_SLEEP_DISCARD (2)"
+                    "mode {m} is not a sleep mode: pass GPUPOOL_SLEEP_OFFLOAD (1), GPUPOOL_SLEEP_DISCARD (2) or \
+                     GPUPOOL_SLEEP_OFFLOAD_PINNED (3)"
                 )));
             }
         };
@@ -114,8 +129,9 @@ pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_
 /// Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is
 /// created and mapped at the address of every page the pool gave back (`cuMemCreate`,
 /// `cuMemMap`, `cuMemSetAccess`); with offload, each live block's copy is put back bit for
-/// bit, on two copy streams, and waited for; then the host copy is freed (`cuMemFreeHost`:
-/// host memory back where it was). Blocks freed during the sleep are cache again. When the
+/// bit, on two copy streams, and waited for; then the host copy is given back (`munmap`: host
+/// memory back where it was), or, after `GPUPOOL_SLEEP_OFFLOAD_PINNED`, kept pinned for the
+/// pool's next sleep. Blocks freed during the sleep are cache again. When the
 /// call returns, kernels may use the pool's memory and CUDA graphs captured into it replay
 /// as before.
 ///
@@ -134,4 +150,64 @@ pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_
 #[unsafe(no_mangle)]
 pub extern "C" fn gpupool_wake(device: c_int, pool: u64) -> gpupool_status {
     boundary("gpupool_wake", || runtime()?.allocator.wake(device, pool))
+}
+
+/// Reads the pinned host memory that sleep and wake hold on `device` (-1: current):
+/// `*staging`, the staging ring's bytes (`GPUPOOL_SLEEP_BUFFERS` times `GPUPOOL_SLEEP_CHUNK`
+/// from the first offload or restore until `gpupool_empty_cache`, 0 otherwise); `*kept`, the
+/// bytes of the pinned copies that pools keep for their next `GPUPOOL_SLEEP_OFFLOAD_PINNED`
+/// sleep (a sleeping pool's copy is in use and not counted until it wakes). Either pointer may
+/// be NULL. Counted in no device statistic (host memory) nor in `gpupool_host_stats` (not the
+/// pinned host allocator's memory).
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (a device out of range); nothing is written then.
+///
+/// Thread-safe; no driver call.
+///
+/// # Safety
+/// `staging` and `kept` must each be NULL or point to writable storage for one `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_sleep_host_bytes(
+    device: c_int,
+    staging: *mut usize,
+    kept: *mut usize,
+) -> gpupool_status {
+    boundary("gpupool_sleep_host_bytes", || {
+        let a = &runtime()?.allocator;
+        let (s, k) = (a.sleep_staging_bytes(device)?, a.sleep_kept_bytes(device, None)?);
+        // SAFETY: per this function's contract, each NULL or writable for one size_t.
+        unsafe {
+            if !staging.is_null() {
+                staging.write(s);
+            }
+            if !kept.is_null() {
+                kept.write(k);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Gives back the pinned host copy that `pool` (0: the default pools) on `device` (-1:
+/// current) keeps after a `GPUPOOL_SLEEP_OFFLOAD_PINNED` sleep (`cuMemHostUnregister`, then
+/// `munmap`: host memory back where it was) and writes its bytes to `*released` (may be NULL).
+/// A sleeping pool's copy is in use and stays (0 bytes): call this after its wake. The pool's
+/// next sleep in that mode pins a new copy.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (a device out of range, a pool never created).
+///
+/// Thread-safe; takes no lock of the pool's streams.
+///
+/// # Safety
+/// `released` must be NULL or point to writable storage for one `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpupool_sleep_release_kept(device: c_int, pool: u64, released: *mut usize) -> gpupool_status {
+    boundary("gpupool_sleep_release_kept", || {
+        let n = runtime()?.allocator.sleep_release_kept(device, pool)?;
+        if !released.is_null() {
+            // SAFETY: per this function's contract, writable for one size_t.
+            unsafe { released.write(n) };
+        }
+        Ok(())
+    })
 }

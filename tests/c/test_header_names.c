@@ -117,6 +117,11 @@ int main(void) {
       (any_fn)gpupool_ipc_import,
       (any_fn)gpupool_ipc_close,
       (any_fn)gpupool_ipc_reclaim,
+      (any_fn)gpupool_pool_create_sleepable,
+      (any_fn)gpupool_sleep,
+      (any_fn)gpupool_wake,
+      (any_fn)gpupool_sleep_host_bytes,
+      (any_fn)gpupool_sleep_release_kept,
       (any_fn)gpupool_torch_free,
       (any_fn)gpupool_torch_record_stream,
       (any_fn)gpupool_torch_empty_cache,
@@ -125,5 +130,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 66 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 71 ? 0 : 1)) != 0;
 }

@@ -28,7 +28,8 @@
  * segments allocated against freed holds only without them), a sleeper thread keeps a few
  * blocks of its own in a sleepable private pool on device 0, and
  * puts the pool to sleep and wakes it in a loop while the workers run (gpupool_sleep with
- * offload three times in four, discard the fourth): allocating from the sleeping pool must be
+ * offload three times in four, once of them into the pinned copy the pool keeps, discard the
+ * fourth): allocating from the sleeping pool must be
  * refused, and after an offload every byte of its blocks must be back (a wake the device
  * cannot serve yet is retried).
  *
@@ -582,8 +583,10 @@ static void *sleeper(void *arg) {
   }
   EXPECT_STATUS(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
   for (long round = 0; atomic_load(&workers_done) < nthreads; round++) {
+    /* Offload, pinned offload (the copy kept between those rounds), offload, discard. */
     int offload = round % 4 != 3;
-    EXPECT_STATUS(gpupool_sleep(0, pool, offload ? GPUPOOL_SLEEP_OFFLOAD : GPUPOOL_SLEEP_DISCARD), GPUPOOL_SUCCESS);
+    uint32_t mode = round % 4 == 1 ? GPUPOOL_SLEEP_OFFLOAD_PINNED : offload ? GPUPOOL_SLEEP_OFFLOAD : GPUPOOL_SLEEP_DISCARD;
+    EXPECT_STATUS(gpupool_sleep(0, pool, mode), GPUPOOL_SUCCESS);
     atomic_fetch_add(&n_sleeps, 1);
     void *q = NULL;
     EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(0, pool), GPUPOOL_SUCCESS);

@@ -16,7 +16,12 @@
 //   direction): the issue's target is 80% of it (the last column, and the "bench:" line; a
 //   figure below it is printed, not counted as a failed check). The host's resident memory
 //   before the sleep, asleep and after the wake shows the host copy come and go (checked: back
-//   within 1 GiB). GPUPOOL_SLEEP_BENCH_GIB (say "1 4") picks the sizes; GPUPOOL_SLEEP_CHUNK,
+//   within 1 GiB). Each row then times a sleep that discards and its wake (the virtual memory
+//   calls alone: "unmap s", "map s") and three sleeps and wakes with
+//   GPUPOOL_SLEEP_OFFLOAD_PINNED (the first pins the copy the pool keeps; the third is the
+//   figure, its own "bench:" line), the checked blocks' words after each, and the resident
+//   memory once gpupool_sleep_release_kept gave the copy back (checked likewise).
+//   GPUPOOL_SLEEP_BENCH_GIB (say "1 4") picks the sizes; GPUPOOL_SLEEP_CHUNK,
 //   _BUFFERS, _THREADS and _HUGE_PAGES tune the staging (docs/sleep.md).
 // Built with nvcc against an installed gpupool; prints "N passed, M failed" and exits 1 on a
 // failure. `test_sleep bench` runs the benchmark alone.
@@ -314,12 +319,13 @@ static void bench() {
          env_or("GPUPOOL_SLEEP_CHUNK", "32MiB (default)"), env_or("GPUPOOL_SLEEP_BUFFERS", "4 (default)"),
          env_or("GPUPOOL_SLEEP_THREADS", "0 (default: cores, at most 16)"),
          env_or("GPUPOOL_SLEEP_HUGE_PAGES", "on (default)"));
-  printf("%-5s %-10s %-7s %-11s %-10s %-10s %-9s %-9s %-10s %-10s %-10s %s\n", "GiB", "block", "blocks",
-         "cold sleep", "sleep GB/s", "wake GB/s", "sleep/pin", "wake/pin", "RSS MiB", "asleep", "woken", "target 0.80");
+  printf("%-5s %-10s %-7s %-11s %-10s %-10s %-9s %-9s %-8s %-8s %-10s %-10s %-10s %s\n", "GiB", "block", "blocks",
+         "cold sleep", "sleep GB/s", "wake GB/s", "sleep/pin", "wake/pin", "unmap s", "map s", "RSS MiB", "asleep",
+         "woken", "target 0.80");
   const size_t block_sizes[] = {MIB, 64 * MIB, GIB};
   cudaStream_t s = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  int rows = 0, met = 0;
+  int rows = 0, met = 0, pin_met = 0;
   for (size_t g : gibs) {
     for (size_t b : block_sizes) {
       size_t total = g * GIB, count = total / b;
@@ -360,14 +366,58 @@ static void bench() {
         CHECK(wrong_words(blocks[0], b, 21) == 0);
         if (count > 1) CHECK(wrong_words(blocks[count - 1], b, 22) == 0);
       }
+      // The pages alone: a sleep that discards (no copy: the unmapping and release of the
+      // pages) and the wake after it (creating and mapping them again), to tell the copies'
+      // share of the times above from the virtual memory calls'.
+      auto t = std::chrono::steady_clock::now();
+      CHECK_OK(gpupool_sleep(0, pool, GPUPOOL_SLEEP_DISCARD));
+      double unmap_s = seconds_since(t);
+      t = std::chrono::steady_clock::now();
+      CHECK_OK(gpupool_wake(0, pool));
+      double map_s = seconds_since(t);
+      // The discard dropped the contents: the checked blocks are filled again.
+      launch_fill(blocks[0], b, 21, s);
+      if (count > 1) launch_fill(blocks[count - 1], b, 22, s);
+      CUDA_OK(cudaStreamSynchronize(s));
+      // GPUPOOL_SLEEP_OFFLOAD_PINNED: the first sleep pins the copy the pool keeps; the third
+      // sleep and wake are the figures (copies straight between the device and the copy).
+      double pin_cold = 0, pin_sleep_s = 0, pin_wake_s = 0;
+      size_t kept = 0;
+      for (int round = 0; round < 3; round++) {
+        t = std::chrono::steady_clock::now();
+        gpupool_status st = gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED);
+        pin_sleep_s = seconds_since(t);
+        CHECK(st == GPUPOOL_SUCCESS);
+        if (st != GPUPOOL_SUCCESS) printf("pinned sleep: %s\n", gpupool_last_error_message());
+        if (round == 0) pin_cold = (double)total / pin_sleep_s / 1e9;
+        t = std::chrono::steady_clock::now();
+        CHECK_OK(gpupool_wake(0, pool));
+        pin_wake_s = seconds_since(t);
+        CHECK(wrong_words(blocks[0], b, 21) == 0);
+        if (count > 1) CHECK(wrong_words(blocks[count - 1], b, 22) == 0);
+      }
+      CHECK_OK(gpupool_sleep_host_bytes(0, nullptr, &kept));
+      CHECK(kept >= total);
+      long long rss_kept = rss_mib();
+      size_t released = 0;
+      CHECK_OK(gpupool_sleep_release_kept(0, pool, &released));
+      CHECK(released == kept);
+      long long rss_released = rss_mib();
       double sg = (double)total / sleep_s / 1e9, wg = (double)total / wake_s / 1e9;
       bool good = sg >= 0.8 * d2h && wg >= 0.8 * h2d;
+      double psg = (double)total / pin_sleep_s / 1e9, pwg = (double)total / pin_wake_s / 1e9;
+      bool pin_good = psg >= 0.8 * d2h && pwg >= 0.8 * h2d;
       rows++;
       met += good;
-      printf("%-5zu %-10zu %-7zu %-11.1f %-10.1f %-10.1f %-9.2f %-9.2f %-10lld %-10lld %-10lld %s\n", g, b, count, cold,
-             sg, wg, sg / d2h, wg / h2d, rss[0], rss[1], rss[2], good ? "PASS" : "FAIL");
+      pin_met += pin_good;
+      printf("%-5zu %-10zu %-7zu %-11.1f %-10.1f %-10.1f %-9.2f %-9.2f %-8.3f %-8.3f %-10lld %-10lld %-10lld %s\n", g, b,
+             count, cold, sg, wg, sg / d2h, wg / h2d, unmap_s, map_s, rss[0], rss[1], rss[2], good ? "PASS" : "FAIL");
+      printf("      pinned (GPUPOOL_SLEEP_OFFLOAD_PINNED): first sleep %.1f GB/s; then sleep %.1f GB/s, wake %.1f GB/s, "
+             "%.2f / %.2f of pinned; RSS kept %lld MiB, released %lld MiB: %s\n",
+             pin_cold, psg, pwg, psg / d2h, pwg / h2d, rss_kept, rss_released, pin_good ? "PASS" : "FAIL");
       // The host copy goes back at wake: resident memory after it within 1 GiB of before.
       CHECK(rss[2] - rss[0] < 1024);
+      CHECK(rss_released - rss[0] < 1024);
       for (void *p : blocks) CHECK_OK(gpupool_free(p));
       CHECK_OK(gpupool_release_pool(0, pool));
       CHECK_OK(gpupool_empty_cache(0));
@@ -375,6 +425,8 @@ static void bench() {
   }
   printf("bench: %d of %d rows at 80%% of the pinned bandwidth both ways (sleep and wake): %s\n", met, rows,
          met == rows ? "PASS" : "FAIL");
+  printf("bench: with GPUPOOL_SLEEP_OFFLOAD_PINNED, %d of %d rows at 80%% both ways: %s\n", pin_met, rows,
+         pin_met == rows ? "PASS" : "FAIL");
   CUDA_OK(cudaStreamDestroy(s));
 }
 

@@ -57,4 +57,31 @@ impl Allocator {
     pub fn sleep_staging_bytes(&self, device: i32) -> Result<usize, Error> {
         Ok(self.device_or_init(device)?.staging_bytes())
     }
+
+    /// Bytes of pinned host memory that pools of `device` (-1: current) keep for their next
+    /// [`SleepMode::OffloadPinned`] sleep: `pool`'s, or every pool's with `None`. A sleeping
+    /// pool's copy is in use, not kept: 0 until it wakes. Counted in no statistic of the device
+    /// (host memory) nor of the pinned host allocator (not its memory). Thread-safe; no
+    /// driver call.
+    ///
+    /// Errors: [`Error::InvalidValue`] for a device out of range or a pool never made.
+    pub fn sleep_kept_bytes(&self, device: i32, pool: Option<u64>) -> Result<usize, Error> {
+        if let Some(p) = pool.filter(|&p| p != 0) {
+            Self::check_pool(p)?;
+        }
+        Ok(self.device_or_init(device)?.kept_bytes(pool))
+    }
+
+    /// Gives back the pinned host copy `pool` (0: the default pools) on `device` (-1: current)
+    /// keeps for its next [`SleepMode::OffloadPinned`] sleep (`cuMemHostUnregister`, then
+    /// `munmap`), and returns its bytes. A sleeping pool's copy is in use, and stays: call it
+    /// after the wake. Thread-safe.
+    ///
+    /// Errors: [`Error::InvalidValue`] for a device out of range or a pool never made.
+    pub fn sleep_release_kept(&self, device: i32, pool: u64) -> Result<usize, Error> {
+        if pool != 0 {
+            Self::check_pool(pool)?;
+        }
+        Ok(self.device_or_init(device)?.release_kept(pool))
+    }
 }

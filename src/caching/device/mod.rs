@@ -57,6 +57,7 @@ mod pools;
 mod release;
 mod serve;
 mod sleep;
+mod sleep_copy;
 mod stats;
 mod stranded;
 
@@ -118,6 +119,8 @@ pub(crate) struct DeviceAllocator {
     sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
     /// The pinned staging ring of sleep and wake with offload (see `staging`).
     staging: Staging,
+    /// The pinned host copies pools keep between sleeps (see `kept`).
+    kept: crate::caching::kept::Kept,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -182,6 +185,7 @@ impl DeviceAllocator {
             sleepers: Sleepers::default(),
             sleep_policy: std::sync::OnceLock::new(),
             staging: Staging::new(StagingSettings::from_config(config)),
+            kept: Default::default(),
         }
     }
 

@@ -228,6 +228,7 @@ impl DeviceAllocator {
             self.after_captures();
         }
         self.prune_released();
+        self.release_kept(pool);
         Ok(())
     }
 

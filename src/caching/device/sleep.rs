@@ -17,8 +17,6 @@ use std::sync::Arc;
 
 use super::{DeviceAllocator, ExpandablePolicy, expandable_policy};
 use crate::caching::capture;
-use crate::caching::copy::{Copier, Way};
-use crate::caching::crew::{Crew, crew_size};
 use crate::caching::shard::Shard;
 use crate::caching::shard::ShardSleep;
 use crate::caching::sleep::{SleepMode, sleepable};
@@ -137,11 +135,11 @@ impl DeviceAllocator {
         // The host copies made so far are unmapped if a later step fails.
         let mut copies = scopeguard::guard(&mut prepared, |p| {
             for (_, s) in p.drain(..) {
-                s.discard(&*self.driver);
+                self.give_host(pool, s.discard());
             }
         });
         match mode {
-            SleepMode::Offload => self.offload(&shards, &mut copies)?,
+            SleepMode::Offload | SleepMode::OffloadPinned => self.offload(pool, mode, &shards, &mut copies)?,
             SleepMode::Discard => {
                 for shard in &shards {
                     let ctx = self.ctx(shard);
@@ -155,6 +153,10 @@ impl DeviceAllocator {
         }
         let prepared = std::mem::take(&mut *scopeguard::ScopeGuard::into_inner(copies));
         scopeguard::ScopeGuard::into_inner(awake);
+        if mode != SleepMode::OffloadPinned {
+            // The pool sleeps in another mode: it keeps no pinned copy any more.
+            self.release_kept(pool);
+        }
         // The point of no return: the pages go. What was unmapped is accounted for whatever
         // happens, a driver call that unwinds included.
         // Every stream goes to sleep, even after one whose driver call unwound.
@@ -188,45 +190,6 @@ impl DeviceAllocator {
                 "giving a sleeping pool's pages back to the driver (the pool sleeps all the same: wake it with \
                  gpupool_wake; what the driver kept stays mapped or held)",
             )),
-        }
-    }
-
-    /// The copying half of a sleep with offload: each stream's work waited for and its live
-    /// blocks copied to a host copy of its own, through the device's staging ring; what each
-    /// stream will keep asleep appended to `into` as soon as it is made (the caller unmaps the
-    /// host copies if anything fails). Returns once every copy has completed.
-    ///
-    /// Errors: [`Error::OutOfMemory`] when the host cannot pin the ring or give a host copy;
-    /// [`Error::Cuda`] when waiting or copying fails.
-    fn offload(&self, shards: &[Arc<Shard>], into: &mut Vec<(Arc<Shard>, ShardSleep)>) -> Result<(), Error> {
-        let ring = self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?;
-        let fail = |e| Error::driver(e, "copying a pool's live blocks to host memory");
-        let huge = self.staging.settings.huge_pages;
-        std::thread::scope(|scope| {
-            let crew = Crew::new(scope, crew_size(self.staging.settings.threads));
-            let mut copier = Copier::new(&*self.driver, self.device, Way::Offload, &ring, &crew).map_err(fail)?;
-            for shard in shards {
-                let ctx = self.ctx(shard);
-                let mut st = self.shards.lock_for_change(shard);
-                st.wait_for_work(&ctx)?;
-                let prep = st.prepare_sleep(&ctx, &mut copier, huge);
-                self.finish(st, ());
-                into.push((shard.clone(), prep?));
-            }
-            copier.finish().map_err(fail)
-        })
-    }
-
-    /// The error of a staging ring the driver would not give.
-    fn staging_error(&self, e: DriverError) -> Error {
-        let s = self.staging.settings;
-        match e {
-            DriverError::OutOfMemory => Error::OutOfMemory(format!(
-                "the host cannot pin the staging buffers of device {} for gpupool_sleep and gpupool_wake ({} of {} \
-                 bytes, GPUPOOL_SLEEP_BUFFERS and GPUPOOL_SLEEP_CHUNK); nothing changed",
-                self.device, s.buffers, s.chunk
-            )),
-            e => Error::driver(e, "pinning the staging buffers of sleep and wake"),
         }
     }
 
@@ -372,25 +335,9 @@ impl DeviceAllocator {
         self.end_sleep(pool);
         // The host copies go last, once the pool is awake.
         for host in copies {
-            crate::caching::copy::free_host(&*self.driver, host);
+            self.give_host(pool, host);
         }
         Ok(())
-    }
-
-    /// Puts the host copies of `shards` back (see `ShardState::restore`) and waits for them.
-    ///
-    /// Errors: [`Error::Cuda`] when a copy fails.
-    fn restore(&self, shards: &[Arc<Shard>]) -> Result<(), Error> {
-        let fail = |e| Error::driver(e, "copying a sleeping pool's blocks back from host memory");
-        let ring = self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?;
-        std::thread::scope(|scope| {
-            let crew = Crew::new(scope, crew_size(self.staging.settings.threads));
-            let mut copier = Copier::new(&*self.driver, self.device, Way::Restore, &ring, &crew).map_err(fail)?;
-            for shard in shards {
-                shard.lock().restore(&mut copier).map_err(fail)?;
-            }
-            copier.finish().map_err(fail)
-        })
     }
 }
 

@@ -39,7 +39,7 @@ mod waiting;
 pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
 pub(crate) use ipc::Shape;
 pub(crate) use malloc::Request;
-pub(crate) use sleep::ShardSleep;
+pub(crate) use sleep::{ShardSleep, SleepHost};
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

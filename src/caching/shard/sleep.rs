@@ -7,7 +7,7 @@
 
 use super::{ShardCtx, ShardState};
 use crate::caching::block::{BlockId, BlockState};
-use crate::caching::copy::{Copier, HostCopy, free_host};
+use crate::caching::copy::Copies;
 use crate::caching::expandable::Expandable;
 use crate::caching::sleep::SleepMode;
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
@@ -33,16 +33,27 @@ pub(crate) struct ShardSleep {
     /// a thousand blocks of 1 MiB side by side are a few copies of a buffer each, not a
     /// thousand.
     runs: Vec<(DevicePtr, usize, usize)>,
-    /// The pageable host copy (pointer, bytes; `driver::pageable`); (0, 0) for none.
-    host: (HostPtr, usize),
+    /// The host copy; `ptr` 0 for none.
+    host: SleepHost,
     /// The driver would not unmap some page at sleep: it stays mapped, and counted as such.
     partial: bool,
 }
 
+/// A shard's host copy while it sleeps: `used` bytes at `ptr`, pageable memory of
+/// `driver::pageable` (`pinned` 0) or the first `used` bytes of a pinned copy of `pinned`
+/// bytes that the pool keeps (`caching::kept`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SleepHost {
+    pub ptr: HostPtr,
+    pub used: usize,
+    pub pinned: usize,
+}
+
 impl ShardSleep {
-    /// Drops a sleep prepared but not begun (a later step failed): its host copy is unmapped.
-    pub fn discard(self, driver: &dyn Driver) {
-        free_host(driver, self.host);
+    /// The host copy of a sleep prepared but not begun (a later step failed), for the caller
+    /// to give back.
+    pub fn discard(self) -> SleepHost {
+        self.host
     }
 }
 
@@ -65,12 +76,18 @@ impl ShardState {
 
     /// Whether the shard sleeps with its live blocks copied to host memory.
     pub fn offloaded(&self) -> bool {
-        self.asleep.as_ref().is_some_and(|s| s.mode == SleepMode::Offload)
+        self.asleep.as_ref().is_some_and(|s| s.mode.offloads())
     }
 
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
     pub fn prepare_discard(&self) -> ShardSleep {
-        ShardSleep { mode: SleepMode::Discard, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false }
+        ShardSleep {
+            mode: SleepMode::Discard,
+            copies: Vec::new(),
+            runs: Vec::new(),
+            host: SleepHost::default(),
+            partial: false,
+        }
     }
 
     /// Bytes mapped in its expandable segments.
@@ -119,28 +136,27 @@ impl ShardState {
         Ok(())
     }
 
-    /// The first half of a sleep with [`SleepMode::Offload`], which changes nothing of the
-    /// shard: pageable host memory for every live block (transparent huge pages asked for
-    /// with `huge_pages`), and the copies into it added to `copier` (the caller finishes
-    /// them). Returns what the shard will keep asleep.
+    /// Bytes of the shard's live blocks: what its host copy must hold.
+    pub fn live_bytes(&self) -> usize {
+        self.live.values().map(|&id| self.blocks[id].size).sum()
+    }
+
+    /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard:
+    /// the copies of every live block into `host` (at least [`ShardState::live_bytes`] bytes,
+    /// pinned for a [`crate::caching::copy_direct::Direct`] `copies`) added to `copies` (the
+    /// caller finishes them). Returns what the shard will keep asleep.
     ///
-    /// Errors: [`Error::OutOfMemory`] when the host cannot give the copy's memory,
-    /// [`Error::Cuda`] when a copy cannot be queued; the host memory is unmapped.
-    pub fn prepare_sleep(&self, ctx: &ShardCtx, copier: &mut Copier, huge_pages: bool) -> Result<ShardSleep, Error> {
-        let mut sleep =
-            ShardSleep { mode: SleepMode::Offload, copies: Vec::new(), runs: Vec::new(), host: (0, 0), partial: false };
+    /// Errors: [`Error::Cuda`] when a copy cannot be queued; the caller gives `host` back.
+    pub fn prepare_sleep(
+        &self,
+        copies: &mut dyn Copies,
+        mode: SleepMode,
+        host: SleepHost,
+    ) -> Result<ShardSleep, Error> {
+        let mut sleep = ShardSleep { mode, copies: Vec::new(), runs: Vec::new(), host, partial: false };
         let mut live: Vec<(DevicePtr, usize, BlockId)> =
             self.live.values().map(|&id| (self.blocks[id].addr, self.blocks[id].size, id)).collect();
         live.sort_unstable_by_key(|l| l.0);
-        let total: usize = live.iter().map(|l| l.1).sum();
-        let host = HostCopy::new(ctx.driver, total, huge_pages).map_err(|e| match e {
-            DriverError::OutOfMemory => Error::OutOfMemory(format!(
-                "the host cannot give {total} bytes of memory for the copy of the live blocks of stream {:#x} \
-                 (gpupool_sleep with GPUPOOL_SLEEP_OFFLOAD); nothing changed",
-                ctx.shard.stream
-            )),
-            e => Error::driver(e, "mapping host memory for a pool's copy"),
-        })?;
         let (mut at, mut prev) = (0, None);
         for (addr, size, id) in live {
             sleep.copies.push((addr, size, at));
@@ -152,12 +168,12 @@ impl ShardState {
             prev = Some(id);
             at += size;
         }
-        for &(addr, size, at) in &sleep.runs {
-            copier
-                .add(host.ptr + at, addr, size)
+        debug_assert!(at == host.used);
+        for &(addr, size, off) in &sleep.runs {
+            copies
+                .add(host.ptr + off, addr, size)
                 .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
         }
-        sleep.host = host.keep();
         Ok(sleep)
     }
 
@@ -264,18 +280,23 @@ impl ShardState {
     /// Adds to `copier` the copies of the shard's host copy back to its blocks (offload).
     ///
     /// Errors: the driver's.
-    pub fn restore(&self, copier: &mut Copier) -> Result<(), DriverError> {
+    pub fn restore(&self, copies: &mut dyn Copies) -> Result<(), DriverError> {
         let Some(s) = self.asleep.as_deref() else { return Ok(()) };
         for &(addr, size, at) in &s.runs {
-            copier.add(s.host.0 + at, addr, size)?;
+            copies.add(s.host.ptr + at, addr, size)?;
         }
         Ok(())
     }
 
-    /// The end of a wake: the shard awake. Returns its host copy ((0, 0): none), for the
-    /// caller to unmap once every stream of the pool is awake.
-    pub fn finish_wake(&mut self) -> (HostPtr, usize) {
-        self.asleep.take().map_or((0, 0), |s| s.host)
+    /// Whether the shard sleeps with a pinned host copy (`GPUPOOL_SLEEP_OFFLOAD_PINNED`).
+    pub fn pinned_copy(&self) -> bool {
+        self.asleep.as_ref().is_some_and(|s| s.host.pinned != 0)
+    }
+
+    /// The end of a wake: the shard awake. Returns its host copy (`ptr` 0: none), for the
+    /// caller to give back once every stream of the pool is awake.
+    pub fn finish_wake(&mut self) -> SleepHost {
+        self.asleep.take().map_or(SleepHost::default(), |s| s.host)
     }
 
     /// The sleep's part of the consistency check: a sleeping shard maps no page (unless the
@@ -296,7 +317,10 @@ impl ShardState {
         if let Some(e) = exps().find(|e| e.mapped != 0 && !s.partial) {
             return Err(format!("segment {:#x} of a sleeping pool still maps {} bytes", e.base, e.mapped));
         }
-        if s.mode == SleepMode::Offload {
+        if s.host.pinned != 0 && s.host.pinned < s.host.used {
+            return Err(format!("a sleeping pool uses {} bytes of a pinned copy of {}", s.host.used, s.host.pinned));
+        }
+        if s.mode.offloads() {
             let mut at = 0;
             for &(_, size, off) in &s.copies {
                 if off != at {
@@ -304,8 +328,8 @@ impl ShardState {
                 }
                 at += size;
             }
-            if at != s.host.1 {
-                return Err(format!("a sleeping pool's copies hold {at} bytes, its host memory {}", s.host.1));
+            if at != s.host.used {
+                return Err(format!("a sleeping pool's copies hold {at} bytes, its host memory {}", s.host.used));
             }
             let mut end = 0;
             for &(addr, size, off) in &s.runs {

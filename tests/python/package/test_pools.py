@@ -39,8 +39,17 @@ def test_a_pool_routes_this_threads_allocations_and_sleeps_and_wakes():
         weights.wake()
         assert holds(a, 3 * MIB, 1) and holds(b, 4096 + 17, 2)
         assert gpupool.stats(0)["sleeping_bytes.current"] == 0
-        weights.sleep(offload=False)
+        weights.sleep(offload="pinned")
         weights.wake()
+        assert holds(a, 3 * MIB, 1) and holds(b, 4096 + 17, 2)
+        staging, kept = gpupool.sleep_host_bytes(0)
+        assert kept >= 3 * MIB + 4096
+        with pytest.raises(ValueError):
+            weights.sleep(offload="pageable")
+        weights.sleep(offload=False)  # another mode: the pinned copy goes
+        assert gpupool.sleep_host_bytes(0)[1] == 0
+        weights.wake()
+        assert gpupool.release_kept(weights.id, 0) == 0
         fill(a, 16, 3)  # discarded, but the address works
         gpupool.free(a)
         gpupool.free(b)

@@ -1,0 +1,169 @@
+//! The copying half of a pool's sleep and wake on one device (see `device::sleep`): each
+//! stream's live blocks to a host copy of its own and back, and where each host copy comes
+//! from and goes back to. [`SleepMode::Offload`]: pageable memory (`driver::pageable`),
+//! mapped at sleep, copied through the device's pinned staging ring (`copy`, `staging`), and
+//! unmapped at wake. [`SleepMode::OffloadPinned`]: pinned memory the pool keeps between its
+//! sleeps (`kept`), copied to and from directly (`copy_direct`).
+
+use std::sync::Arc;
+
+use super::DeviceAllocator;
+use crate::caching::copy::{Copier, Copies, HostCopy, Way, free_host};
+use crate::caching::copy_direct::Direct;
+use crate::caching::crew::{Crew, crew_size};
+use crate::caching::kept::{self, Pinned};
+use crate::caching::shard::{Shard, ShardSleep, SleepHost};
+use crate::caching::sleep::SleepMode;
+use crate::driver::DriverError;
+use crate::error::Error;
+
+impl DeviceAllocator {
+    /// The copying half of a sleep that offloads (`mode`): each stream's work waited for and
+    /// its live blocks copied to a host copy of its own; what each stream will keep asleep
+    /// appended to `into` as soon as it is made (the caller gives the host copies back if
+    /// anything fails). Returns once every copy has completed.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the host cannot pin the ring or give a host copy;
+    /// [`Error::Cuda`] when waiting, pinning or copying fails.
+    pub(super) fn offload(
+        &self,
+        pool: u64,
+        mode: SleepMode,
+        shards: &[Arc<Shard>],
+        into: &mut Vec<(Arc<Shard>, ShardSleep)>,
+    ) -> Result<(), Error> {
+        let fail = |e| Error::driver(e, "copying a pool's live blocks to host memory");
+        let settings = self.staging.settings;
+        let ring = match mode {
+            SleepMode::OffloadPinned => None,
+            _ => Some(self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?),
+        };
+        std::thread::scope(|scope| {
+            let crew = Crew::new(scope, crew_size(settings.threads));
+            let mut copies: Box<dyn Copies> = match &ring {
+                Some(ring) => {
+                    Box::new(Copier::new(&*self.driver, self.device, Way::Offload, ring, &crew).map_err(fail)?)
+                }
+                None => Box::new(Direct::new(&*self.driver, self.device, Way::Offload).map_err(fail)?),
+            };
+            for shard in shards {
+                let ctx = self.ctx(shard);
+                let mut st = self.shards.lock_for_change(shard);
+                let r = st.wait_for_work(&ctx).and_then(|()| {
+                    let need = st.live_bytes();
+                    // Given back if the copies cannot be queued, or a driver call unwinds: a
+                    // pinned copy to the pool's kept ones (direct copies queued into it may
+                    // still run), a pageable one (written only by the crew, synchronously)
+                    // to the system.
+                    let host = scopeguard::guard(self.host_copy(pool, mode, need, &crew)?, |h| self.give_host(pool, h));
+                    let prep = st.prepare_sleep(&mut *copies, mode, *host)?;
+                    scopeguard::ScopeGuard::into_inner(host);
+                    Ok(prep)
+                });
+                self.finish(st, ());
+                into.push((shard.clone(), r?));
+            }
+            copies.finish().map_err(fail)
+        })?;
+        // Copies the pool kept and this sleep did not use (its streams hold less, or fewer
+        // streams hold memory) go back; the sleep goes through from here.
+        self.release_kept(pool);
+        Ok(())
+    }
+
+    /// A host copy of `need` bytes for a stream of `pool` sleeping in `mode`: pageable memory
+    /// mapped now, or a pinned copy the pool keeps (the smallest that holds `need`), or one
+    /// pinned now with `crew`.
+    fn host_copy(&self, pool: u64, mode: SleepMode, need: usize, crew: &Crew) -> Result<SleepHost, Error> {
+        if need == 0 {
+            return Ok(SleepHost::default());
+        }
+        let huge = self.staging.settings.huge_pages;
+        let oom = |e| match e {
+            DriverError::OutOfMemory => Error::OutOfMemory(format!(
+                "the host cannot give {need} bytes of memory for the copy of a pool's live blocks (gpupool_sleep); \
+                 nothing changed"
+            )),
+            e => Error::driver(e, "making the host memory of a pool's copy"),
+        };
+        if mode != SleepMode::OffloadPinned {
+            let copy = HostCopy::new(&*self.driver, need, huge).map_err(oom)?;
+            let (ptr, used) = copy.keep();
+            return Ok(SleepHost { ptr, used, pinned: 0 });
+        }
+        let copy = match self.kept.take(pool, need) {
+            Some(c) => c,
+            None => kept::pin(&*self.driver, self.device, need, huge, crew).map_err(oom)?,
+        };
+        Ok(SleepHost { ptr: copy.ptr, used: need, pinned: copy.size })
+    }
+
+    /// Gives a host copy back: a pinned one to the pool's kept copies, a pageable one to the
+    /// system. Never panics.
+    pub(super) fn give_host(&self, pool: u64, host: SleepHost) {
+        match host.pinned {
+            0 => free_host(&*self.driver, (host.ptr, host.used)),
+            size => self.kept.put(pool, Pinned { ptr: host.ptr, size }),
+        }
+    }
+
+    /// Unpins and unmaps every pinned copy `pool` keeps (see `kept`): none is in use (a
+    /// sleeping pool's copy is not in the store). Returns the bytes given back.
+    pub(crate) fn release_kept(&self, pool: u64) -> usize {
+        let copies = self.kept.drain(pool);
+        let bytes = copies.iter().map(|c| c.size).sum();
+        for c in copies {
+            kept::unpin(&*self.driver, self.device, c);
+        }
+        bytes
+    }
+
+    /// Bytes of pinned host memory kept for `pool`'s next sleep (`None`: every pool of the
+    /// device); a sleeping pool's copy is in use, not kept, and not counted.
+    pub(crate) fn kept_bytes(&self, pool: Option<u64>) -> usize {
+        self.kept.bytes(pool)
+    }
+
+    /// Puts the host copies of `shards` back (see `ShardState::restore`) and waits for them:
+    /// directly from pinned copies, through the staging ring from pageable ones.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the ring cannot be pinned; [`Error::Cuda`] when a
+    /// copy fails.
+    pub(super) fn restore(&self, shards: &[Arc<Shard>]) -> Result<(), Error> {
+        let fail = |e| Error::driver(e, "copying a sleeping pool's blocks back from host memory");
+        let (pinned, pageable): (Vec<&Arc<Shard>>, Vec<&Arc<Shard>>) =
+            shards.iter().partition(|s| s.lock().pinned_copy());
+        if !pinned.is_empty() {
+            let mut direct = Direct::new(&*self.driver, self.device, Way::Restore).map_err(fail)?;
+            for shard in &pinned {
+                shard.lock().restore(&mut direct).map_err(fail)?;
+            }
+            direct.finish().map_err(fail)?;
+        }
+        if pageable.iter().all(|s| !s.lock().offloaded()) {
+            return Ok(());
+        }
+        let ring = self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?;
+        std::thread::scope(|scope| {
+            let crew = Crew::new(scope, crew_size(self.staging.settings.threads));
+            let mut copier = Copier::new(&*self.driver, self.device, Way::Restore, &ring, &crew).map_err(fail)?;
+            for shard in &pageable {
+                shard.lock().restore(&mut copier).map_err(fail)?;
+            }
+            copier.finish().map_err(fail)
+        })
+    }
+
+    /// The error of a staging ring the driver would not give.
+    fn staging_error(&self, e: DriverError) -> Error {
+        let s = self.staging.settings;
+        match e {
+            DriverError::OutOfMemory => Error::OutOfMemory(format!(
+                "the host cannot pin the staging buffers of device {} for gpupool_sleep and gpupool_wake ({} of {} \
+                 bytes, GPUPOOL_SLEEP_BUFFERS and GPUPOOL_SLEEP_CHUNK); nothing changed",
+                self.device, s.buffers, s.chunk
+            )),
+            e => Error::driver(e, "pinning the staging buffers of sleep and wake"),
+        }
+    }
+}
