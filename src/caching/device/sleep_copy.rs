@@ -38,7 +38,15 @@ impl DeviceAllocator {
             SleepMode::OffloadPinned => None,
             _ => Some(self.staging.lock(&*self.driver, self.device).map_err(|e| self.staging_error(e))?),
         };
-        std::thread::scope(|scope| {
+        // Host copies of streams whose copies could not be queued: given back once the copy
+        // streams are synchronised (direct copies queued into a pinned one may still run, and
+        // another thread's `sleep_release_kept` would unmap it under them).
+        let failed = scopeguard::guard(std::cell::RefCell::new(Vec::new()), |f| {
+            for h in f.into_inner() {
+                self.give_host(pool, h);
+            }
+        });
+        let r = std::thread::scope(|scope| {
             let crew = Crew::new(scope, crew_size(settings.threads));
             let mut copies: Box<dyn Copies> = match &ring {
                 Some(ring) => {
@@ -51,11 +59,9 @@ impl DeviceAllocator {
                 let mut st = self.shards.lock_for_change(shard);
                 let r = st.wait_for_work(&ctx).and_then(|()| {
                     let need = st.live_bytes();
-                    // Given back if the copies cannot be queued, or a driver call unwinds: a
-                    // pinned copy to the pool's kept ones (direct copies queued into it may
-                    // still run), a pageable one (written only by the crew, synchronously)
-                    // to the system.
-                    let host = scopeguard::guard(self.host_copy(pool, mode, need, &crew)?, |h| self.give_host(pool, h));
+                    // Given back if the copies cannot be queued, or a driver call unwinds.
+                    let host =
+                        scopeguard::guard(self.host_copy(pool, mode, need, &crew)?, |h| failed.borrow_mut().push(h));
                     let prep = st.prepare_sleep(&mut *copies, mode, *host)?;
                     scopeguard::ScopeGuard::into_inner(host);
                     Ok(prep)
@@ -64,7 +70,9 @@ impl DeviceAllocator {
                 into.push((shard.clone(), r?));
             }
             copies.finish().map_err(fail)
-        })?;
+        });
+        drop(failed);
+        r?;
         // Copies the pool kept and this sleep did not use (its streams hold less, or fewer
         // streams hold memory) go back; the sleep goes through from here.
         self.release_kept(pool);
