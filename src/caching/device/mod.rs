@@ -56,6 +56,7 @@ mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
+mod settle;
 mod sleep;
 mod stats;
 mod stranded;

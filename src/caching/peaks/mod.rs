@@ -54,6 +54,7 @@
 //! with; the peak is then exact up to the bytes other streams moved meanwhile.
 
 pub(crate) use super::cells::Totals;
+pub(crate) use settle::{Settle, settle};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -134,81 +135,10 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
     }
 }
 
-/// Settles every cell: raises each peak to the highest value reached, keeps the peaks of a
-/// metric consistent with each other, then deals the credit out again: each shard keeps what
-/// it held up to what it keeps, the rest goes to the spare.
-///
-/// `shards` must hold, locked, every shard that changed since a settle last visited it (the
-/// device's dirty list) and every shard that still held credit after the last settle; a
-/// shard in neither has no credit and counts as it was seen, so a settle costs what moved
-/// since the last one, not the number of streams. Sets `holds[j]` to whether shard `j` still
-/// holds credit (and so must be visited by the next settle); `holds` starts all false.
-pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit, holds: &mut [bool]) {
-    absorb(t, shards);
-    // The credit dealt out: the spare credit, what the visited shards hold, and what the peak
-    // rises by; so `P = G + sum(h) + R` of the true values is kept by every settle, whatever
-    // other shards do meanwhile. (A shard that is not visited, because it joined the dirty
-    // list after this settle took it, may have borrowed from the spare credit or given credit
-    // back to it: computing the credit as `P - G` of what the settle sees would then deal that
-    // credit out twice, or not at all. Closing the spare credit during a settle would avoid
-    // that too, but makes every call that needs to borrow meanwhile settle after it: 4 threads
-    // settled 4 times as often.)
-    let mut credit = take_credit(t, shards, spare);
-    let before = t.peak;
-    for (i, peak) in t.peak.iter_mut().enumerate() {
-        let current = t.current[i];
-        // Only a shard that went past its credit can have taken G above P; calls settle before
-        // they return, so while it did, no other shard moved.
-        let excursion =
-            shards.iter().map(|s| &s.cells[i]).filter(|c| c.low < 0).map(|c| c.headroom - c.low).max().unwrap_or(0);
-        *peak = (*peak).max(current + excursion);
-    }
-    consistent_pools(&mut t.peak, &t.current);
-    for (i, peak) in t.peak.iter().enumerate() {
-        // Below zero when shards this settle does not visit hold more than all the credit
-        // (they freed since they were last seen): the spare credit then holds a debt, no call
-        // can borrow, and the settle that visits them pays it.
-        credit[i] += peak - before[i];
-    }
-    for (s, holds) in shards.iter_mut().zip(holds.iter_mut()) {
-        let ShardCounters { cells, seen, .. } = &mut **s;
-        for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
-            let moved = c.allocated + c.freed;
-            if c.low < 0 {
-                c.keep = c.keep.max(-c.low);
-            } else if moved == seen.allocated + seen.freed {
-                // A shard whose value did not move since the last settle (a quiet stream)
-                // keeps no credit: what it held goes to the spare credit, where the stream that
-                // ran short can borrow it. Active shards keep theirs, or they would all come
-                // back to the spare credit at once.
-                c.keep = 0;
-            }
-            seen.allocated = c.allocated;
-            seen.freed = c.freed;
-            let kept = c.headroom.clamp(0, c.keep.min(credit[i]).max(0));
-            c.headroom = kept;
-            seen.headroom = kept;
-            c.low = kept;
-            credit[i] -= kept;
-            *holds |= kept != 0;
-        }
-        s.needs_settle = false;
-        s.has_surplus = false;
-    }
-    for (s, &holds) in shards.iter().zip(holds.iter()) {
-        if holds {
-            for (i, c) in s.cells.iter().enumerate() {
-                t.held[i] += c.headroom;
-            }
-        }
-    }
-    return_credit(spare, &credit);
-}
-
-/// The credit a settle or a reset deals out, per cell: the spare credit (taken, leaving 0)
-/// and what the visited `shards` hold (taken off the totals' `held`). Credit that shards off
-/// the list give back or borrow meanwhile moves the spare credit after this swap, and
-/// [`return_credit`] adds to it rather than storing, so none is dealt twice or lost.
+/// The credit a reset deals out, per cell: the spare credit (taken, leaving 0) and what the
+/// visited `shards` hold (taken off the totals' `held`). Credit that shards off the list give
+/// back or borrow meanwhile moves the spare credit after this swap, and [`return_credit`] adds
+/// to it rather than storing, so none is dealt twice or lost.
 fn take_credit(t: &mut Totals, shards: &[&mut ShardCounters], spare: &SpareCredit) -> [i64; CELLS] {
     std::array::from_fn(|i| {
         let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
@@ -225,20 +155,6 @@ fn return_credit(spare: &SpareCredit, credit: &[i64; CELLS]) {
         if c != 0 {
             r.fetch_add(c, Ordering::Relaxed);
         }
-    }
-}
-
-/// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
-/// small pool's plus the large pool's, and at least either. Exact peaks already are; when
-/// calls on several streams overlap, each cell's peak can be overstated by what other streams
-/// moved meanwhile, by a different amount per cell, and this bounds the aggregate by the
-/// pools. `current` is at most each bound, so every peak stays at or above its current value.
-fn consistent_pools(peak: &mut [i64; CELLS], current: &[i64; CELLS]) {
-    for m in METRICS {
-        let all = cell(m, StatType::All);
-        let small = peak[cell(m, StatType::Pool(PoolKind::Small))];
-        let large = peak[cell(m, StatType::Pool(PoolKind::Large))];
-        peak[all] = peak[all].min(small + large).max(small).max(large).max(current[all]);
     }
 }
 
@@ -280,5 +196,6 @@ pub(crate) fn spare_credit(spare: &SpareCredit, cell: usize) -> i64 {
     spare[cell].load(Ordering::Relaxed)
 }
 
+mod settle;
 #[cfg(test)]
 mod tests;
