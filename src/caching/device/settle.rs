@@ -42,7 +42,7 @@ impl DeviceAllocator {
             holds.push(settle.visit(totals, &mut shard.lock_hot().counters));
         }
         settle.raise(totals);
-        if settle.owes() && settle.pay_from_spare(&self.spare) {
+        if settle.pay_from_spare(&self.spare) {
             for (shard, h) in visit.iter().zip(holds.iter_mut()).rev() {
                 if *h {
                     *h = settle.cover(totals, &mut shard.lock_hot().counters);

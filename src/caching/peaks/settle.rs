@@ -1,7 +1,8 @@
 //! A settle as steps, one shard at a time: [`Settle::visit`] each shard (under its own lock,
-//! taken and dropped by the caller), [`Settle::raise`] the peaks, cover what the shards that
-//! went past their credit owe ([`Settle::pay_from_spare`], then [`Settle::cover`] per shard that
-//! still holds credit, last visited first), [`Settle::end`]. [`settle`] runs the steps over
+//! taken and dropped by the caller), [`Settle::raise`] the peaks, settle the account with the
+//! spare credit ([`Settle::pay_from_spare`]: what the shards that went past their credit owe,
+//! and any debt the spare credit holds), [`Settle::cover`] what is still owed from the shards
+//! that hold credit, last visited first, and [`Settle::end`]. [`settle`] runs the steps over
 //! shards that are all locked at once (PyTorch `getStats`' one consistent snapshot);
 //! `DeviceAllocator`'s call-end settle runs them locking one shard at a time, so that no stream
 //! waits for every other (see the module `peaks`, "What a settle costs").
@@ -87,18 +88,22 @@ impl Settle {
         }
     }
 
-    /// Pays what the account owes from the spare credit, as far as it holds any (one
-    /// compare-and-swap per cell in debt). Returns whether some debt remains, for
-    /// [`Settle::cover`].
+    /// Settles the account with the spare credit: takes over a debt the spare credit holds
+    /// (left by an earlier settle or reset while calls on other streams moved), and pays what
+    /// the account owes from the spare credit as far as it holds any (a load per cell, and a
+    /// compare-and-swap per cell that moves). Returns whether the account still owes credit
+    /// in some cell, for [`Settle::cover`].
     pub fn pay_from_spare(&mut self, spare: &SpareCredit) -> bool {
         let mut owed = false;
         for (c, r) in self.credit.iter_mut().zip(spare) {
-            if *c >= 0 {
-                continue;
-            }
             let mut have = r.load(Ordering::Relaxed);
-            while have > 0 {
-                let take = have.min(-*c);
+            loop {
+                // A debt of the spare credit becomes the account's; credit it holds pays
+                // what the account owes.
+                let take = if have < 0 { have } else { have.min((-*c).max(0)) };
+                if take == 0 {
+                    break;
+                }
                 match r.compare_exchange_weak(have, have - take, Ordering::Relaxed, Ordering::Relaxed) {
                     Ok(_) => {
                         *c += take;
@@ -169,7 +174,7 @@ pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &
         *h = s.visit(t, shard);
     }
     s.raise(t);
-    if s.owes() && s.pay_from_spare(spare) {
+    if s.pay_from_spare(spare) {
         for (shard, h) in shards.iter_mut().zip(holds.iter_mut()).rev() {
             if *h {
                 *h = s.cover(t, shard);
