@@ -69,7 +69,7 @@ impl DeviceAllocator {
             peaks::give_back(&mut st.counters, &self.spare, true);
         }
         if settle {
-            // Unlocked first: the settle locks every shard it visits, this one included.
+            // Unlocked first: the settle locks each shard it visits, this one included.
             let observed = std::mem::take(&mut st.segment_events);
             let own = MutexGuard::mutex(&st);
             drop(st);
@@ -121,7 +121,8 @@ impl DeviceAllocator {
         self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
     }
 
-    /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
+    /// How many times a call settled the peaks (a diagnostic; reads of the statistics settle
+    /// uncounted).
     pub fn peak_settles(&self) -> i64 {
         self.counters.num_peak_settles.load(Ordering::Relaxed)
     }

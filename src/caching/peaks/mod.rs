@@ -14,8 +14,8 @@
 //! holding only its own lock, borrows what it needs from the spare credit ([`borrow`], one
 //! compare-and-swap per statistic). Only when the spare credit cannot cover it (the device
 //! may be at a new peak, or the credit sits with other streams) does the call settle the
-//! device ([`settle`]): it recounts `G`, sets `P` to the highest value `G` reached and deals
-//! the credit `P - G` out again.
+//! device ([`Settle`]): it recounts `G`, sets `P` to the highest value `G` reached and deals
+//! the credit out again.
 //!
 //! Where credit stays. A stream the calling thread uses again and again (it is in the
 //! thread's cache of recent shards: *hot*) keeps the most it had to borrow at once, and gives
@@ -33,13 +33,30 @@
 //! `shard_table`). A settle visits those and the shards that still held credit after the last
 //! one; every other shard holds no credit and is as the totals saw it. So a settle, and
 //! `stats()`, cost what moved since the last settle, not the number of streams that exist or
-//! have existed.
+//! have existed. Settles run one at a time, under the device's peak lock.
 //!
-//! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
-//! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and about
-//! 1 in 3,000 at 16; N streams each holding a block, freed and allocated again in rotation with
-//! sizes alternating 512 B and 1 KiB (`benches/streams.rs`), no settle after the first round at
-//! any N (a quarter of the calls settled while credit stayed with the stream that freed it).
+//! A call's settle visits those shards one at a time ([`Settle`], `DeviceAllocator::settle_for`):
+//! each is locked only for its own visit (a few hundred instructions: its cells added to the
+//! totals, its credit taken or dealt), its front cache left as it is, and the streams go on
+//! meanwhile; a stream waits at most for its own shard's visit, and the shards that hold
+//! credit that is needed elsewhere are locked a second time ([`Settle::cover`]). Until
+//! 2026-11-28 a settle locked every shard at once, and every stream of the device waited for
+//! the whole settle: 16 threads on one device of the H100 machine's host ran 25-33 M ops/s,
+//! 75 with settles skipped (docs/performance.md). A call whose settle waited for the peak lock
+//! behind one that visited its shard after it ran short was covered by it, and settles
+//! nothing. `stats()`, `reset_peak_stats()` and `empty_cache` settle over every shard locked
+//! at once ([`settle`], the same steps): PyTorch reads its statistics as one snapshot.
+//!
+//! Measured on the simulated device (2-core development machine, so threads mostly took
+//! turns): threads each churning 16 blocks of 4 KiB to 1 MiB on their own stream
+//! (`examples/settle_rate.rs`, 200,000 calls a thread), 195 settles per million calls at 1
+//! thread (every one a new peak), 155 at 4 and 125 at 16 (219 and 187 while every settle
+//! locked every shard and settled again after another had covered it); shared credit (a
+//! compare-and-swap of a borrow, an addition of a give-back) touched about 15,000 times per
+//! million calls, all of it in the 1-2% of calls that borrow or give back. N streams each
+//! holding a block, freed and allocated again in rotation with sizes alternating 512 B and
+//! 1 KiB (`benches/streams.rs`): no settle after the first round at any N (a quarter of the
+//! calls settled while credit stayed with the stream that freed it).
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
@@ -48,10 +65,27 @@
 //! is now. A borrow succeeds only if the spare credit covers `-low`, the whole excursion; a settle
 //! takes `G + max(h_j - low_j)` as the highest value reached.
 //!
+//! Why `P = G + sum(h) + R` holds, whatever runs at once: a call moves `G` and its shard's
+//! `h_j` by opposite amounts under the shard's lock; a borrow or a give-back moves credit
+//! between `h_j` and `R` in one atomic operation; a settle's steps move credit between a
+//! shard's `h_j` (under its lock), the settle's own account and `R`, and its raise adds the
+//! same amount to `P` and to the account. No step makes or loses credit, so the sum holds
+//! with a settle's account counted in `R`, and between settles exactly (the invariant
+//! checker, `DeviceAllocator::check`, holds every cell to it). A settle never computes the
+//! credit as `P - G` of what it saw, which a settle that does not see every shard at once
+//! would get wrong.
+//!
 //! Exactness: every history of calls that do not overlap in time gets PyTorch's peak exactly,
-//! because borrowing and settling happen before the call returns, while no other shard moves.
-//! When calls on different streams of one device overlap, their order is not defined to begin
-//! with; the peak is then exact up to the bytes other streams moved meanwhile.
+//! because borrowing and settling happen before the call returns, while no other shard moves:
+//! a settle that visits the shards one at a time then sees what one visiting them all at once
+//! would, and deals the credit the same way. When calls on different streams of one device
+//! overlap, their order is not defined to begin with; the peak is then exact up to the bytes
+//! other streams moved meanwhile, above or below: a settle adds up values of shards seen at
+//! different moments while calls of other streams run between its visits. Credit stays exact
+//! whatever the overlap (above); a settle that set a peak too low leaves a debt in the spare
+//! credit, against which no call can borrow, and which the next settle pays from the shards'
+//! credit. A read of the statistics settles with every shard locked, so that what it reports
+//! always has every current value at most its peak.
 
 pub(crate) use super::cells::Totals;
 pub(crate) use settle::{Settle, settle};
@@ -159,10 +193,10 @@ fn return_credit(spare: &SpareCredit, credit: &[i64; CELLS]) {
 }
 
 /// PyTorch `reset_peak_stats`: every peak becomes the current value, and no credit is left.
-/// `shards` as for [`settle`]; afterwards no shard holds credit.
+/// `shards` as for [`settle`], all locked; afterwards no shard holds credit.
 ///
-/// The credit is dealt as a settle deals it ([`take_credit`], the peak's change,
-/// [`return_credit`]), with every peak lowered to the current value and no shard keeping any.
+/// The credit moves as in a settle ([`take_credit`], the peak's change, [`return_credit`]),
+/// with every peak lowered to the current value and no shard keeping any.
 /// A shard this reset does not visit (it joined the dirty list after the reset took it) may
 /// meanwhile have borrowed from the spare credit for an allocation the reset does not see:
 /// storing 0 in the spare credit, as the reset once did, lost that borrow (a peak below
