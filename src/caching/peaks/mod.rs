@@ -50,10 +50,10 @@
 //! Measured on the simulated device (2-core development machine, so threads mostly took
 //! turns): threads each churning 16 blocks of 4 KiB to 1 MiB on their own stream
 //! (`examples/settle_rate.rs`, 200,000 calls a thread), 195 settles per million calls at 1
-//! thread (every one a new peak), 155 at 4 and 125 at 16 (219 and 187 while every settle
-//! locked every shard and settled again after another had covered it); shared credit (a
-//! compare-and-swap of a borrow, an addition of a give-back) touched about 15,000 times per
-//! million calls, all of it in the 1-2% of calls that borrow or give back. N streams each
+//! thread (every one a new peak), 114-156 at 4 and 16 (168-219 while a call whose settle
+//! another had covered settled again); shared credit (a compare-and-swap of a borrow, an
+//! addition of a give-back) touched 12,000-17,000 times per million calls, before and after,
+//! only by the calls that borrow or give back. N streams each
 //! holding a block, freed and allocated again in rotation with sizes alternating 512 B and
 //! 1 KiB (`benches/streams.rs`): no settle after the first round at any N (a quarter of the
 //! calls settled while credit stayed with the stream that freed it).
