@@ -70,6 +70,11 @@
 #   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
 #               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
 #               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
+#   threads     examples/c/thread_scaling on the simulated device (this host's CPUs and gpupool
+#               alone): 1, 4, 8 and 16 threads on one device and on a device each, M ops/s and
+#               peak settles per million calls; with DIR/base/libgpupool.so there, base and this
+#               library alternating (base, new, base, new), each run's library named by ldd;
+#               OUT/threads.log
 #   ab          bench's main table (BENCH_ONLY=main) with DIR/base/libgpupool.so (the library
 #               before a change: put it there with `scripts/gpu.sh prepare-base REV`) and with
 #               the new one, alternating base, new, base, new, each run's loaded library named
@@ -148,7 +153,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench ab replay host plugins nccl"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench threads ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -441,6 +446,33 @@ if want bench; then
     traces+=("build-gpu/$(basename "$t" .gz)")
   done
   ./build-gpu/examples/bench "${traces[@]}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+# Threads on one device against a device each, on the simulated device: what the threads of
+# one device share (its peak credit) beside nothing shared; the library before a change too,
+# when DIR/base holds it, found through LD_LIBRARY_PATH ahead of the prefix.
+if want threads; then
+  echo "== thread_scaling on the simulated device"
+  build_examples
+  runs=new
+  [ -e "$dir/base/libgpupool.so" ] && runs="base new base new"
+  : >"$out/threads.log"
+  if [ -x build-gpu/examples/thread_scaling ]; then
+    for run in $runs; do
+      libs=$([ "$run" = base ] && (cd "$dir/base" && pwd) || echo "$prefix/lib")
+      echo "-- $run: $(LD_LIBRARY_PATH="$libs" ldd build-gpu/examples/thread_scaling | grep gpupool)" | tee -a "$out/threads.log"
+      for t in 1 4 8 16; do
+        for d in 1 "$t"; do
+          if [ "$d" = 1 ] || [ "$t" != 1 ]; then
+            GPUPOOL_DRIVER=sim GPUPOOL_SIM_DEVICES=16 GPUPOOL_SIM_CAPACITY=16GiB LD_LIBRARY_PATH="$libs" \
+              ./build-gpu/examples/thread_scaling "$t" "$d" 2>&1 | tee -a "$out/threads.log" || status=1
+          fi
+        done
+      done
+    done
+  else
+    echo "thread_scaling did not build (see examples-build.log)"
+    status=1
+  fi
 fi
 # The main table against the library before a change, alternating, in one session: the
 # library is found through LD_LIBRARY_PATH ahead of the prefix (bench's RUNPATH), and ldd

@@ -22,7 +22,9 @@ use gpupool::ffi::memory::{
     gpupool_record_stream, gpupool_set_memory_fraction,
 };
 use gpupool::ffi::sim::{gpupool_sim_hold_stream, gpupool_sim_release_stream, gpupool_sim_set_device};
-use gpupool::ffi::stats::{gpupool_memory_summary, gpupool_reset_peak_stats, gpupool_stats, gpupool_stats_t};
+use gpupool::ffi::stats::{
+    gpupool_memory_summary, gpupool_peak_settles, gpupool_reset_peak_stats, gpupool_stats, gpupool_stats_t,
+};
 use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status, gpupool_status_string, gpupool_version};
 use proptest::prelude::*;
 
@@ -141,6 +143,10 @@ enum Call {
         size: u32,
     },
     ResetPeakStats(c_int),
+    PeakSettles {
+        device: c_int,
+        null: bool,
+    },
     /// `len` is a fraction (per mille) of the size needed, or past it.
     MemorySummary {
         device: c_int,
@@ -178,6 +184,7 @@ fn call() -> impl Strategy<Value = Call> {
         2 => (device(), prop::bool::weighted(0.1), prop_oneof![0u32..16, 16u32..400, Just(u32::MAX), Just(0)])
             .prop_map(|(device, null, size)| Call::Stats { device, null, size }),
         1 => device().prop_map(Call::ResetPeakStats),
+        1 => (device(), prop::bool::weighted(0.1)).prop_map(|(device, null)| Call::PeakSettles { device, null }),
         1 => (device(), prop::bool::weighted(0.7), prop_oneof![0usize..1000, 1000usize..1100], prop::bool::weighted(0.8))
             .prop_map(|(device, buf, per_mille, needed)| Call::MemorySummary { device, buf, per_mille, needed }),
         1 => any::<u32>().prop_map(Call::StatusString),
@@ -436,6 +443,15 @@ fn run_call(m: &mut Model, call: &Call) {
             } else {
                 assert_eq!(bytes, usize::MAX, "{call:?}: the out-pointer was written on failure");
             }
+        }
+        Call::PeakSettles { device, null } => {
+            let mut n = -7i64;
+            let ptr = if null { std::ptr::null_mut() } else { &raw mut n };
+            // SAFETY: NULL or a writable int64_t.
+            let st = unsafe { gpupool_peak_settles(device, ptr) };
+            let ok = !null && valid_device(device);
+            after(call, st, &[if ok { GPUPOOL_SUCCESS } else { GPUPOOL_ERROR_INVALID_VALUE }]);
+            assert!(if ok { n >= 0 } else { n == -7 }, "{call:?}: {n}");
         }
         Call::ResetPeakStats(d) => {
             let st = gpupool_reset_peak_stats(d);

@@ -7,12 +7,18 @@
  *   GPUPOOL_DRIVER=sim GPUPOOL_SIM_DEVICES=16 GPUPOOL_SIM_CAPACITY=16GiB ./thread_scaling T D [OPS]
  *
  * D = 1 puts every thread on one device (they share its statistics and peak credit); D = T gives
- * each its own (docs/performance.md compares the two on the GPU machine's host). */
+ * each its own (docs/performance.md compares the two on the GPU machine's host). It also prints
+ * how many calls of the timed loop settled the peak statistics (gpupool_peak_settles), per
+ * million calls: the shared work that exact peaks cost the threads of one device. That function
+ * is looked up when the program starts, so that the same program runs against a library from
+ * before it (scripts/gpu.sh section threads compares the two), printing "n/a" there. */
+#include <dlfcn.h>
 #include <gpupool.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 enum { LIVE = 16, MAX_THREADS = 256 };
@@ -34,6 +40,22 @@ static double now_s(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+static void ok(gpupool_status s);
+
+typedef gpupool_status (*peak_settles_fn)(int, int64_t *);
+static peak_settles_fn peak_settles;
+
+/* Peak settles of every device the threads use, so far (0 without gpupool_peak_settles). */
+static int64_t settles(void) {
+  int64_t total = 0;
+  for (int d = 0; peak_settles && d < devices; d++) {
+    int64_t n = 0;
+    ok(peak_settles(d, &n));
+    total += n;
+  }
+  return total;
+}
+
 static void ok(gpupool_status s) {
   if (s != GPUPOOL_SUCCESS) {
     fprintf(stderr, "thread_scaling: %s\n", gpupool_last_error_message());
@@ -48,6 +70,8 @@ static void *body(void *arg) {
   void *live[LIVE];
   uint64_t rng = (t + 1) * 0x9e3779b97f4a7c15ULL | 1;
   for (int k = 0; k < LIVE; k++) ok(gpupool_malloc(&live[k], (size_t)4096 << (k % 9), device, stream));
+  /* Twice: the settles are counted in between, after every thread's first blocks. */
+  pthread_barrier_wait(&start);
   pthread_barrier_wait(&start);
   for (int i = 0; i < ops / 2; i++) {
     int k = i % LIVE;
@@ -71,16 +95,26 @@ int main(int argc, char **argv) {
     fprintf(stderr, "thread_scaling: 1 to %d threads, at least 1 device and 2 operations\n", MAX_THREADS);
     return 2;
   }
+  /* memcpy: ISO C has no cast from dlsym's object pointer to a function pointer. */
+  void *self = dlopen(NULL, RTLD_LAZY);
+  void *sym = self ? dlsym(self, "gpupool_peak_settles") : NULL;
+  memcpy(&peak_settles, &sym, sizeof peak_settles);
   pthread_t th[MAX_THREADS];
   pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
   for (int t = 0; t < threads; t++) pthread_create(&th[t], NULL, body, (void *)(uintptr_t)t);
   pthread_barrier_wait(&start);
+  int64_t settled = settles();
+  pthread_barrier_wait(&start);
   double t0 = now_s();
   pthread_barrier_wait(&start);
   double seconds = now_s() - t0;
+  settled = settles() - settled;
   for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
   pthread_barrier_destroy(&start);
-  printf("thread_scaling: %d thread(s) on %d device(s): %.2f M ops/s\n", threads, devices,
-         (double)threads * ops / seconds / 1e6);
+  double calls = (double)threads * ops;
+  char rate[32] = "n/a";
+  if (peak_settles) snprintf(rate, sizeof rate, "%.1f", (double)settled / calls * 1e6);
+  printf("thread_scaling: %d thread(s) on %d device(s): %.2f M ops/s, %s peak settles per million calls\n",
+         threads, devices, calls / seconds / 1e6, rate);
   return 0;
 }

@@ -136,6 +136,18 @@ static void test_stats_struct(void) {
   CHECK(gpupool_stats(0, &s) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(gpupool_stats(0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
   CHECK(starts_with(gpupool_last_error_message(), "gpupool_stats: out is NULL"));
+  /* The settle count: an out-pointer, a device in range; a new peak settles once. */
+  int64_t settles = -1, later = -1;
+  CHECK(gpupool_peak_settles(0, NULL) == GPUPOOL_ERROR_INVALID_VALUE);
+  CHECK(starts_with(gpupool_last_error_message(), "gpupool_peak_settles: settles is NULL"));
+  CHECK(gpupool_peak_settles(1 << 20, &settles) == GPUPOOL_ERROR_INVALID_VALUE && settles == -1);
+  CHECK_OK(gpupool_peak_settles(0, &settles));
+  CHECK(settles >= 0);
+  void *big = NULL;
+  CHECK_OK(gpupool_malloc(&big, (size_t)512 * MIB, 0, NULL));
+  CHECK_OK(gpupool_peak_settles(0, &later));
+  CHECK(later == settles + 1);
+  CHECK_OK(gpupool_free(big));
   /* An older caller that knows only the header and `allocation`. */
   memset(&s, 0xab, sizeof s);
   s.size = (uint32_t)(offsetof(gpupool_stats_t, segment));

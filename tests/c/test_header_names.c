@@ -77,6 +77,7 @@ int main(void) {
       (any_fn)gpupool_live_report,
       (any_fn)gpupool_stats,
       (any_fn)gpupool_reset_peak_stats,
+      (any_fn)gpupool_peak_settles,
       (any_fn)gpupool_memory_summary,
       (any_fn)gpupool_host_malloc,
       (any_fn)gpupool_host_free,
@@ -130,5 +131,5 @@ int main(void) {
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
-  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 71 ? 0 : 1)) != 0;
+  return (block + stat + b + (int)status + (s.size == sizeof s ? 0 : 1) + (hs.size == sizeof hs ? 0 : 1) + (present == 72 ? 0 : 1)) != 0;
 }

@@ -45,9 +45,13 @@ impl Allocator {
         self.device_or_init(device)?.largest_allocatable(stream)
     }
 
-    /// How many calls on `device` had to lock every stream's shard to settle the peak
-    /// statistics (see `src/caching/peaks.rs`): a diagnostic of the cost of exact peaks, not a
-    /// PyTorch statistic. In a steady state it stays flat.
+    /// How many calls on `device` settled the peak statistics, visiting the shard of every
+    /// stream that moved since the last settle, one at a time (see `src/caching/peaks/`): a
+    /// diagnostic of the cost of exact peaks, not a PyTorch statistic. A call that runs past
+    /// its stream's credit when the device's spare credit cannot cover it settles (a new peak,
+    /// or credit sitting with other streams); in a steady state the count stays flat. Reads
+    /// of the statistics (`stats`, `reset_peak_stats`, `empty_cache`) settle too and are not
+    /// counted.
     ///
     /// Errors: as [`Allocator::stats`].
     pub fn peak_settles(&self, device: i32) -> Result<i64, Error> {

@@ -6,7 +6,7 @@
 //! rest of malloc (release-and-retry, observers); `free.rs`: free and `record_stream`;
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
-//! and `getStats`; `pools.rs`: private pools; `history.rs`: the allocation history and
+//! of reads and `getStats`; `settle.rs`: a call's settle, one shard at a time; `pools.rs`: private pools; `history.rs`: the allocation history and
 //! snapshots; `largest.rs`: the largest request a stream would be served now; `ipc.rs`: blocks
 //! in IPC limbo reclaimed on the out-of-memory path; `check.rs`: the consistency check.
 //!
@@ -14,7 +14,8 @@
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
 //! history's (a device's trace, the table of stacks), none of which is held while taking
 //! another. The peak lock is taken with no shard lock held; under it a settle locks the shards
-//! it visits (one settle at a time), the consistency check and a snapshot lock every shard,
+//! it visits (one settle at a time; a call's settle one shard after another, a read's all at
+//! once), the consistency check and a snapshot lock every shard,
 //! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
 //! pools' lock (`pools.rs`), the capture probe's list of streams seen capturing
 //! (`capture.rs`), the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls) and
@@ -56,6 +57,7 @@ mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
+mod settle;
 mod sleep;
 mod sleep_copy;
 mod stats;

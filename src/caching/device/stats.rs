@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use parking_lot::MutexGuard;
 
 use super::{DeviceAllocator, PeakState};
-use crate::caching::counters::{self, ShardCounters, bump};
+use crate::caching::counters::{self, ShardCounters};
 use crate::caching::peaks::{self, Totals};
 use crate::caching::shard::ShardState;
 use crate::stats::DeviceStats;
@@ -69,15 +69,13 @@ impl DeviceAllocator {
             peaks::give_back(&mut st.counters, &self.spare, true);
         }
         if settle {
-            // Unlocked meanwhile: the settle locks every shard it visits, this one included.
+            // Unlocked first: the settle locks each shard it visits, this one included.
             let observed = std::mem::take(&mut st.segment_events);
-            MutexGuard::unlocked(&mut st, || {
-                self.segment_observers.deliver(&observed);
-                bump(&self.counters.num_peak_settles);
-                self.visit(|t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
-            });
+            let own = MutexGuard::mutex(&st);
+            drop(st);
+            self.segment_observers.deliver(&observed);
+            self.settle_for(own);
         }
-        drop(st);
     }
 
     /// Runs `f` with the peak lock held and the shards a settle must visit locked (those on
@@ -123,7 +121,8 @@ impl DeviceAllocator {
         self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
     }
 
-    /// How many times a call had to lock every shard to settle the peaks (a diagnostic).
+    /// How many times a call settled the peaks (a diagnostic; reads of the statistics settle
+    /// uncounted).
     pub fn peak_settles(&self) -> i64 {
         self.counters.num_peak_settles.load(Ordering::Relaxed)
     }

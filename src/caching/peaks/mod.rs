@@ -14,8 +14,8 @@
 //! holding only its own lock, borrows what it needs from the spare credit ([`borrow`], one
 //! compare-and-swap per statistic). Only when the spare credit cannot cover it (the device
 //! may be at a new peak, or the credit sits with other streams) does the call settle the
-//! device ([`settle`]): it recounts `G`, sets `P` to the highest value `G` reached and deals
-//! the credit `P - G` out again.
+//! device ([`Settle`]): it recounts `G`, sets `P` to the highest value `G` reached and deals
+//! the credit out again.
 //!
 //! Where credit stays. A stream the calling thread uses again and again (it is in the
 //! thread's cache of recent shards: *hot*) keeps the most it had to borrow at once, and gives
@@ -33,13 +33,30 @@
 //! `shard_table`). A settle visits those and the shards that still held credit after the last
 //! one; every other shard holds no credit and is as the totals saw it. So a settle, and
 //! `stats()`, cost what moved since the last settle, not the number of streams that exist or
-//! have existed.
+//! have existed. Settles run one at a time, under the device's peak lock.
 //!
-//! Measured on the simulated device: threads each churning 16 blocks of 4 KiB to 1 MiB on
-//! their own stream (`examples/settle_rate.rs`), 1 settle in 2,600 calls at 1 thread and about
-//! 1 in 3,000 at 16; N streams each holding a block, freed and allocated again in rotation with
-//! sizes alternating 512 B and 1 KiB (`benches/streams.rs`), no settle after the first round at
-//! any N (a quarter of the calls settled while credit stayed with the stream that freed it).
+//! A call's settle visits those shards one at a time ([`Settle`], `DeviceAllocator::settle_for`):
+//! each is locked only for its own visit (a few hundred instructions: its cells added to the
+//! totals, its credit taken or dealt), its front cache left as it is, and the streams go on
+//! meanwhile; a stream waits at most for its own shard's visit, and the shards that hold
+//! credit that is needed elsewhere are locked a second time ([`Settle::cover`]). Until
+//! 2026-11-28 a settle locked every shard at once, and every stream of the device waited for
+//! the whole settle: 16 threads on one device of the H100 machine's host ran 25-33 M ops/s,
+//! 75 with settles skipped (docs/performance.md). A call whose settle waited for the peak lock
+//! behind one that visited its shard after it ran short was covered by it, and settles
+//! nothing. `stats()`, `reset_peak_stats()` and `empty_cache` settle over every shard locked
+//! at once ([`settle`], the same steps): PyTorch reads its statistics as one snapshot.
+//!
+//! Measured on the simulated device (2-core development machine, so threads mostly took
+//! turns): threads each churning 16 blocks of 4 KiB to 1 MiB on their own stream
+//! (`examples/settle_rate.rs`, 200,000 calls a thread), 195 settles per million calls at 1
+//! thread (every one a new peak), 114-156 at 4 and 16 (168-219 while a call whose settle
+//! another had covered settled again); shared credit (a compare-and-swap of a borrow, an
+//! addition of a give-back) touched 12,000-17,000 times per million calls, before and after,
+//! only by the calls that borrow or give back. N streams each
+//! holding a block, freed and allocated again in rotation with sizes alternating 512 B and
+//! 1 KiB (`benches/streams.rs`): no settle after the first round at any N (a quarter of the
+//! calls settled while credit stayed with the stream that freed it).
 //!
 //! A call may raise a value and lower it again before it finishes (a malloc whose pending
 //! events return a split block to the pool, `inactive_split` + 1, and which then takes that
@@ -48,12 +65,30 @@
 //! is now. A borrow succeeds only if the spare credit covers `-low`, the whole excursion; a settle
 //! takes `G + max(h_j - low_j)` as the highest value reached.
 //!
+//! Why `P = G + sum(h) + R` holds, whatever runs at once: a call moves `G` and its shard's
+//! `h_j` by opposite amounts under the shard's lock; a borrow or a give-back moves credit
+//! between `h_j` and `R` in one atomic operation; a settle's steps move credit between a
+//! shard's `h_j` (under its lock), the settle's own account and `R`, and its raise adds the
+//! same amount to `P` and to the account. No step makes or loses credit, so the sum holds
+//! with a settle's account counted in `R`, and between settles exactly (the invariant
+//! checker, `DeviceAllocator::check`, holds every cell to it). A settle never computes the
+//! credit as `P - G` of what it saw, which a settle that does not see every shard at once
+//! would get wrong.
+//!
 //! Exactness: every history of calls that do not overlap in time gets PyTorch's peak exactly,
-//! because borrowing and settling happen before the call returns, while no other shard moves.
-//! When calls on different streams of one device overlap, their order is not defined to begin
-//! with; the peak is then exact up to the bytes other streams moved meanwhile.
+//! because borrowing and settling happen before the call returns, while no other shard moves:
+//! a settle that visits the shards one at a time then sees what one visiting them all at once
+//! would, and deals the credit the same way. When calls on different streams of one device
+//! overlap, their order is not defined to begin with; the peak is then exact up to the bytes
+//! other streams moved meanwhile, above or below: a settle adds up values of shards seen at
+//! different moments while calls of other streams run between its visits. Credit stays exact
+//! whatever the overlap (above); a settle that set a peak too low leaves a debt in the spare
+//! credit, against which no call can borrow, and which the next settle pays from the shards'
+//! credit. A read of the statistics settles with every shard locked, so that what it reports
+//! always has every current value at most its peak.
 
 pub(crate) use super::cells::Totals;
+pub(crate) use settle::{Settle, settle};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -134,81 +169,10 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
     }
 }
 
-/// Settles every cell: raises each peak to the highest value reached, keeps the peaks of a
-/// metric consistent with each other, then deals the credit out again: each shard keeps what
-/// it held up to what it keeps, the rest goes to the spare.
-///
-/// `shards` must hold, locked, every shard that changed since a settle last visited it (the
-/// device's dirty list) and every shard that still held credit after the last settle; a
-/// shard in neither has no credit and counts as it was seen, so a settle costs what moved
-/// since the last one, not the number of streams. Sets `holds[j]` to whether shard `j` still
-/// holds credit (and so must be visited by the next settle); `holds` starts all false.
-pub(crate) fn settle(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &SpareCredit, holds: &mut [bool]) {
-    absorb(t, shards);
-    // The credit dealt out: the spare credit, what the visited shards hold, and what the peak
-    // rises by; so `P = G + sum(h) + R` of the true values is kept by every settle, whatever
-    // other shards do meanwhile. (A shard that is not visited, because it joined the dirty
-    // list after this settle took it, may have borrowed from the spare credit or given credit
-    // back to it: computing the credit as `P - G` of what the settle sees would then deal that
-    // credit out twice, or not at all. Closing the spare credit during a settle would avoid
-    // that too, but makes every call that needs to borrow meanwhile settle after it: 4 threads
-    // settled 4 times as often.)
-    let mut credit = take_credit(t, shards, spare);
-    let before = t.peak;
-    for (i, peak) in t.peak.iter_mut().enumerate() {
-        let current = t.current[i];
-        // Only a shard that went past its credit can have taken G above P; calls settle before
-        // they return, so while it did, no other shard moved.
-        let excursion =
-            shards.iter().map(|s| &s.cells[i]).filter(|c| c.low < 0).map(|c| c.headroom - c.low).max().unwrap_or(0);
-        *peak = (*peak).max(current + excursion);
-    }
-    consistent_pools(&mut t.peak, &t.current);
-    for (i, peak) in t.peak.iter().enumerate() {
-        // Below zero when shards this settle does not visit hold more than all the credit
-        // (they freed since they were last seen): the spare credit then holds a debt, no call
-        // can borrow, and the settle that visits them pays it.
-        credit[i] += peak - before[i];
-    }
-    for (s, holds) in shards.iter_mut().zip(holds.iter_mut()) {
-        let ShardCounters { cells, seen, .. } = &mut **s;
-        for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
-            let moved = c.allocated + c.freed;
-            if c.low < 0 {
-                c.keep = c.keep.max(-c.low);
-            } else if moved == seen.allocated + seen.freed {
-                // A shard whose value did not move since the last settle (a quiet stream)
-                // keeps no credit: what it held goes to the spare credit, where the stream that
-                // ran short can borrow it. Active shards keep theirs, or they would all come
-                // back to the spare credit at once.
-                c.keep = 0;
-            }
-            seen.allocated = c.allocated;
-            seen.freed = c.freed;
-            let kept = c.headroom.clamp(0, c.keep.min(credit[i]).max(0));
-            c.headroom = kept;
-            seen.headroom = kept;
-            c.low = kept;
-            credit[i] -= kept;
-            *holds |= kept != 0;
-        }
-        s.needs_settle = false;
-        s.has_surplus = false;
-    }
-    for (s, &holds) in shards.iter().zip(holds.iter()) {
-        if holds {
-            for (i, c) in s.cells.iter().enumerate() {
-                t.held[i] += c.headroom;
-            }
-        }
-    }
-    return_credit(spare, &credit);
-}
-
-/// The credit a settle or a reset deals out, per cell: the spare credit (taken, leaving 0)
-/// and what the visited `shards` hold (taken off the totals' `held`). Credit that shards off
-/// the list give back or borrow meanwhile moves the spare credit after this swap, and
-/// [`return_credit`] adds to it rather than storing, so none is dealt twice or lost.
+/// The credit a reset deals out, per cell: the spare credit (taken, leaving 0) and what the
+/// visited `shards` hold (taken off the totals' `held`). Credit that shards off the list give
+/// back or borrow meanwhile moves the spare credit after this swap, and [`return_credit`] adds
+/// to it rather than storing, so none is dealt twice or lost.
 fn take_credit(t: &mut Totals, shards: &[&mut ShardCounters], spare: &SpareCredit) -> [i64; CELLS] {
     std::array::from_fn(|i| {
         let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
@@ -228,25 +192,11 @@ fn return_credit(spare: &SpareCredit, credit: &[i64; CELLS]) {
     }
 }
 
-/// Keeps each metric's peaks as true peaks relate: the peak over all pools is at most the
-/// small pool's plus the large pool's, and at least either. Exact peaks already are; when
-/// calls on several streams overlap, each cell's peak can be overstated by what other streams
-/// moved meanwhile, by a different amount per cell, and this bounds the aggregate by the
-/// pools. `current` is at most each bound, so every peak stays at or above its current value.
-fn consistent_pools(peak: &mut [i64; CELLS], current: &[i64; CELLS]) {
-    for m in METRICS {
-        let all = cell(m, StatType::All);
-        let small = peak[cell(m, StatType::Pool(PoolKind::Small))];
-        let large = peak[cell(m, StatType::Pool(PoolKind::Large))];
-        peak[all] = peak[all].min(small + large).max(small).max(large).max(current[all]);
-    }
-}
-
 /// PyTorch `reset_peak_stats`: every peak becomes the current value, and no credit is left.
-/// `shards` as for [`settle`]; afterwards no shard holds credit.
+/// `shards` as for [`settle`], all locked; afterwards no shard holds credit.
 ///
-/// The credit is dealt as a settle deals it ([`take_credit`], the peak's change,
-/// [`return_credit`]), with every peak lowered to the current value and no shard keeping any.
+/// The credit moves as in a settle ([`take_credit`], the peak's change, [`return_credit`]),
+/// with every peak lowered to the current value and no shard keeping any.
 /// A shard this reset does not visit (it joined the dirty list after the reset took it) may
 /// meanwhile have borrowed from the spare credit for an allocation the reset does not see:
 /// storing 0 in the spare credit, as the reset once did, lost that borrow (a peak below
@@ -280,5 +230,6 @@ pub(crate) fn spare_credit(spare: &SpareCredit, cell: usize) -> i64 {
     spare[cell].load(Ordering::Relaxed)
 }
 
+mod settle;
 #[cfg(test)]
 mod tests;

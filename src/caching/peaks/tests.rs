@@ -160,3 +160,176 @@ fn a_borrow_by_a_shard_the_reset_does_not_visit_keeps_the_credit_exact() {
     assert_eq!(peaks.peak[BYTES], 301);
     assert!(balanced(&peaks, &s, &r, BYTES));
 }
+
+/// A settle in steps, visiting `shards` one at a time (every one: a superset of the dirty list
+/// and the holders), running `between(shards, j)` before the visit of shard `j`: calls of other
+/// streams that run while the settle has visited some shards and not others.
+fn settle_in_steps(
+    peaks: &mut Totals,
+    shards: &mut [ShardCounters],
+    r: &SpareCredit,
+    mut between: impl FnMut(&mut [ShardCounters], usize),
+) {
+    let mut s = Settle::new(peaks);
+    let mut holds = vec![false; shards.len()];
+    for j in 0..shards.len() {
+        between(shards, j);
+        holds[j] = s.visit(peaks, &mut shards[j]);
+    }
+    s.raise(peaks);
+    if s.pay_from_spare(r) {
+        for j in (0..shards.len()).rev() {
+            if holds[j] && s.cover(peaks, &mut shards[j]) && !s.owes() {
+                break;
+            }
+        }
+    }
+    s.end(r);
+}
+
+#[test]
+fn a_settle_one_shard_at_a_time_keeps_the_credit_balanced_while_other_shards_move() {
+    let (mut peaks, r) = (Totals::default(), spare());
+    let mut s = [ShardCounters::default(), ShardCounters::default(), ShardCounters::default()];
+    // Shards 1 and 2 hold credit: 300 each, freed after a peak of 600.
+    for i in [1, 2] {
+        s[i].increase(Metric::AllocatedBytes, PoolKind::Large, 300);
+        finish(&mut peaks, &mut s, i, &r);
+    }
+    for i in [1, 2] {
+        s[i].decrease(Metric::AllocatedBytes, PoolKind::Large, 300);
+        finish(&mut peaks, &mut s, i, &r);
+    }
+    assert_eq!(peaks.peak[BYTES], 600);
+    // Shard 1, quiet since its peak, gave its 300 back to the spare credit; shard 2 keeps its.
+    assert_eq!((s[1].cells[BYTES].headroom, s[2].cells[BYTES].headroom, spare_credit(&r, BYTES)), (0, 300, 300));
+    // Shard 0 runs short by 400, more than the spare credit holds, and settles. While the
+    // settle has visited shards 0 and 1 but not 2, shard 1 allocates 100 and borrows it from
+    // the spare credit, and shard 2 allocates 50 within what it keeps: the settle sees shard 2
+    // as it is then, and pays shard 0's debt with what is left.
+    s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 400);
+    assert!(s[0].needs_settle && !borrow(&mut s[0], &r));
+    settle_in_steps(&mut peaks, &mut s, &r, |s, j| {
+        if j == 2 {
+            s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 100);
+            assert!(borrow(&mut s[1], &r));
+            s[2].increase(Metric::AllocatedBytes, PoolKind::Large, 50);
+            assert!(!s[2].needs_settle);
+        }
+    });
+    assert_eq!(peaks.peak[BYTES], 600, "550 now: under the peak");
+    for c in [BYTES, cell(Metric::AllocatedBytes, StatType::Pool(PoolKind::Large))] {
+        assert!(balanced(&peaks, &s, &r, c), "cell {c}");
+    }
+    let h: Vec<i64> = s.iter().map(|s| s.cells[BYTES].headroom).collect();
+    assert_eq!((h, spare_credit(&r, BYTES)), (vec![0, 0, 50], 0));
+}
+
+#[test]
+fn a_settle_one_shard_at_a_time_takes_over_a_debt_of_the_spare_credit() {
+    let (mut peaks, r) = (Totals::default(), spare());
+    let mut s = [ShardCounters::default(), ShardCounters::default()];
+    s[0].increase(Metric::AllocatedBytes, PoolKind::Large, 500);
+    finish(&mut peaks, &mut s, 0, &r);
+    s[0].decrease(Metric::AllocatedBytes, PoolKind::Large, 500);
+    finish(&mut peaks, &mut s, 0, &r);
+    // A debt of 200 in the spare credit, as a settle that raced calls can leave one, with
+    // the credit that pays it sitting in shard 0.
+    r[BYTES].fetch_sub(200, Ordering::Relaxed);
+    s[0].cells[BYTES].headroom += 200;
+    s[0].cells[BYTES].low += 200;
+    s[0].cells[BYTES].keep = 700;
+    let seen = s[0].seen[BYTES].headroom;
+    s[0].seen[BYTES].headroom += 200;
+    peaks.held[BYTES] += s[0].seen[BYTES].headroom - seen;
+    assert!(balanced(&peaks, &s, &r, BYTES));
+    s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 1);
+    assert!(!borrow(&mut s[1], &r), "nothing to borrow against a debt");
+    settle_in_steps(&mut peaks, &mut s, &r, |_, _| {});
+    assert_eq!(peaks.peak[BYTES], 500);
+    assert!(balanced(&peaks, &s, &r, BYTES));
+    assert_eq!((s[0].cells[BYTES].headroom, spare_credit(&r, BYTES)), (499, 0), "shard 0 paid the debt");
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// One call on shard `i`: a rise and fall of up to 1,000 in one pool, or a free of part of
+/// what it holds there. Returns the highest device value of the cell of `pool` in the call.
+fn call(s: &mut [ShardCounters], i: usize, rng: &mut u64) -> (usize, i64) {
+    let pool = if xorshift(rng) % 2 == 0 { PoolKind::Small } else { PoolKind::Large };
+    let c = cell(Metric::AllocatedBytes, StatType::Pool(pool));
+    let device = |s: &[ShardCounters]| s.iter().map(|s| s.cells[c].current()).sum::<i64>();
+    let held = s[i].cells[c].current();
+    let n = (xorshift(rng) % 1000) as i64 + 1;
+    let high = if held > 0 && xorshift(rng) % 2 == 0 {
+        s[i].decrease(Metric::AllocatedBytes, pool, n.min(held));
+        device(s)
+    } else {
+        s[i].increase(Metric::AllocatedBytes, pool, n);
+        let high = device(s);
+        let back = (xorshift(rng) % 2 * (xorshift(rng) % n as u64)) as i64;
+        s[i].decrease(Metric::AllocatedBytes, pool, back);
+        high
+    };
+    (c, high)
+}
+
+/// Random calls on four shards, each ending as a device's call does, its settles in steps.
+/// With `overlap`, each settle lets calls of other shards run between its visits (a call that
+/// runs short then settles after it, unless the settle covered it): the credit stays balanced,
+/// and a final settle leaves no debt and every peak at least its current value. Without, the
+/// peak of each pool is the highest value the device reached, exactly.
+#[test]
+fn settles_in_steps_are_exact_alone_and_balanced_among_other_calls() {
+    for overlap in [false, true] {
+        for seed in 1..40u64 {
+            let (mut peaks, r) = (Totals::default(), spare());
+            let mut s: Vec<ShardCounters> = (0..4).map(|_| ShardCounters::default()).collect();
+            let mut rng = seed * 0x9e37_79b9_7f4a_7c15;
+            let mut truth = [0i64; CELLS];
+            for _ in 0..400 {
+                let i = (xorshift(&mut rng) % 4) as usize;
+                let (c, high) = call(&mut s, i, &mut rng);
+                truth[c] = truth[c].max(high);
+                let mut queue = vec![i];
+                while let Some(i) = queue.pop() {
+                    if s[i].has_surplus {
+                        give_back(&mut s[i], &r, false);
+                    }
+                    if !s[i].needs_settle || borrow(&mut s[i], &r) {
+                        continue;
+                    }
+                    let mut rng2 = xorshift(&mut rng);
+                    settle_in_steps(&mut peaks, &mut s, &r, |s, _| {
+                        if overlap && xorshift(&mut rng2) % 2 == 0 {
+                            let k = (xorshift(&mut rng2) % 4) as usize;
+                            call(s, k, &mut rng2);
+                            if s[k].needs_settle && !borrow(&mut s[k], &r) {
+                                queue.push(k);
+                            }
+                        }
+                    });
+                }
+                for c in 0..CELLS {
+                    assert!(balanced(&peaks, &s, &r, c), "seed {seed}, cell {c}");
+                }
+            }
+            let mut all: Vec<&mut ShardCounters> = s.iter_mut().collect();
+            let mut holds = vec![false; 4];
+            settle(&mut peaks, &mut all, &r, &mut holds);
+            for (c, &truth) in truth.iter().enumerate() {
+                let current: i64 = s.iter().map(|s| s.cells[c].current()).sum();
+                assert!(balanced(&peaks, &s, &r, c) && peaks.peak[c] >= current, "seed {seed}, cell {c}");
+                assert!(spare_credit(&r, c) >= 0 && s.iter().all(|s| s.cells[c].headroom >= 0), "seed {seed}");
+                if !overlap && c != BYTES {
+                    assert_eq!(peaks.peak[c], truth, "seed {seed}, cell {c}");
+                }
+            }
+        }
+    }
+}
