@@ -20,7 +20,7 @@
 //! first sleep cached for the next.
 
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::crew::Crew;
 use super::staging::quietly;
@@ -33,30 +33,71 @@ pub(crate) struct Pinned {
     pub size: usize,
 }
 
+/// How many times a stream's live bytes a kept copy may be to serve it: the pinned bytes a
+/// pool keeps stay within this many times its live bytes as of its last sleep.
+pub(crate) const SLACK: usize = 2;
+
 /// A device's kept copies, by pool (0: the default pools). A leaf of the lock order: its lock
 /// is never held across a driver call or another lock.
 #[derive(Default)]
 pub(crate) struct Kept {
-    pools: Mutex<FxHashMap<u64, Vec<Pinned>>>,
+    pools: Mutex<Store>,
+}
+
+#[derive(Default)]
+struct Store {
+    copies: FxHashMap<u64, Vec<Pinned>>,
+    /// Released pools ([`Kept::close`]): a copy given to one afterwards (the wake or failed
+    /// sleep of a pool released meanwhile) is handed back to be unpinned, not kept forever.
+    closed: FxHashSet<u64>,
 }
 
 impl Kept {
-    /// The smallest copy `pool` keeps of at least `need` bytes, taken out of the store.
+    /// The smallest copy `pool` keeps of at least `need` bytes and at most [`SLACK`] times
+    /// `need`, taken out of the store. A larger one is left for a stream that needs it (the
+    /// sleep gives back those it did not use): taken by a small stream, it would make a
+    /// large stream pin anew, and the kept bytes grow with the streams, not the live bytes.
     pub fn take(&self, pool: u64, need: usize) -> Option<Pinned> {
         let mut pools = self.pools.lock();
-        let list = pools.get_mut(&pool)?;
-        let (i, _) = list.iter().enumerate().filter(|(_, c)| c.size >= need).min_by_key(|(_, c)| c.size)?;
+        let list = pools.copies.get_mut(&pool)?;
+        let fits = |c: &Pinned| c.size >= need && c.size / SLACK <= need;
+        let (i, _) = list.iter().enumerate().filter(|(_, c)| fits(c)).min_by_key(|(_, c)| c.size)?;
         Some(list.swap_remove(i))
     }
 
-    /// Gives `copy` to `pool` to keep.
-    pub fn put(&self, pool: u64, copy: Pinned) {
-        self.pools.lock().entry(pool).or_default().push(copy);
+    /// Gives `copy` to `pool` to keep; returns it when `pool` was released ([`Kept::close`]),
+    /// for the caller to [`unpin`].
+    #[must_use]
+    pub fn put(&self, pool: u64, copy: Pinned) -> Option<Pinned> {
+        let mut pools = self.pools.lock();
+        if pools.closed.contains(&pool) {
+            return Some(copy);
+        }
+        pools.copies.entry(pool).or_default().push(copy);
+        None
     }
 
     /// Every copy `pool` keeps, taken out of the store (for the caller to [`unpin`]).
     pub fn drain(&self, pool: u64) -> Vec<Pinned> {
-        self.pools.lock().remove(&pool).unwrap_or_default()
+        self.pools.lock().copies.remove(&pool).unwrap_or_default()
+    }
+
+    /// As [`Kept::drain`], and `pool` (a private pool, released) keeps nothing from now on.
+    pub fn close(&self, pool: u64) -> Vec<Pinned> {
+        let mut pools = self.pools.lock();
+        pools.closed.insert(pool);
+        pools.copies.remove(&pool).unwrap_or_default()
+    }
+
+    /// Every kept copy with its pool, for the consistency check.
+    pub fn all(&self) -> Vec<(u64, Pinned)> {
+        let pools = self.pools.lock();
+        pools.copies.iter().flat_map(|(&p, l)| l.iter().map(move |&c| (p, c))).collect()
+    }
+
+    /// Whether `pool` was closed ([`Kept::close`]).
+    pub fn closed(&self, pool: u64) -> bool {
+        self.pools.lock().closed.contains(&pool)
     }
 
     /// Bytes kept for `pool`, or for every pool of the device with `None`; a copy in use by
@@ -65,8 +106,8 @@ impl Kept {
         let pools = self.pools.lock();
         let sum = |l: &Vec<Pinned>| l.iter().map(|c| c.size).sum::<usize>();
         match pool {
-            Some(p) => pools.get(&p).map_or(0, sum),
-            None => pools.values().map(sum).sum(),
+            Some(p) => pools.copies.get(&p).map_or(0, sum),
+            None => pools.copies.values().map(sum).sum(),
         }
     }
 }
@@ -128,15 +169,21 @@ mod tests {
     #[test]
     fn take_gives_the_smallest_copy_that_fits_and_counts_what_stays() {
         let k = Kept::default();
-        k.put(7, Pinned { ptr: 0x1000, size: 100 });
-        k.put(7, Pinned { ptr: 0x2000, size: 50 });
-        k.put(8, Pinned { ptr: 0x3000, size: 10 });
+        assert!(k.put(7, Pinned { ptr: 0x1000, size: 100 }).is_none());
+        assert!(k.put(7, Pinned { ptr: 0x2000, size: 50 }).is_none());
+        assert!(k.put(8, Pinned { ptr: 0x3000, size: 10 }).is_none());
         assert_eq!(k.bytes(None), 160);
         assert_eq!(k.take(7, 40), Some(Pinned { ptr: 0x2000, size: 50 }));
+        assert_eq!(k.take(7, 49), None, "100 bytes are more than twice 49");
         assert_eq!(k.take(7, 101), None);
         assert_eq!(k.bytes(Some(7)), 100);
         assert_eq!(k.drain(7), vec![Pinned { ptr: 0x1000, size: 100 }]);
         assert_eq!(k.bytes(Some(7)), 0);
         assert_eq!(k.take(9, 0), None);
+        assert_eq!(k.put(7, Pinned { ptr: 0x4000, size: 8 }), None);
+        assert_eq!(k.close(7), vec![Pinned { ptr: 0x4000, size: 8 }]);
+        let late = Pinned { ptr: 0x5000, size: 8 };
+        assert_eq!(k.put(7, late), Some(late), "a released pool keeps nothing");
+        assert_eq!(k.all(), vec![(8, Pinned { ptr: 0x3000, size: 10 })]);
     }
 }

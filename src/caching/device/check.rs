@@ -31,6 +31,7 @@ impl DeviceAllocator {
         let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current()).sum();
         // Reserved bytes count the pages sleeping pools gave back; the limit does not.
         let sleeping = self.check_sleepers(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
+        self.check_kept(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved = reserved - sleeping;
         // The limit counts physical memory: reserved bytes and the pages held unmapped, each
         // of which the driver (where it can tell) has alive and mapped nowhere.

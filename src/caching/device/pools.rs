@@ -228,7 +228,7 @@ impl DeviceAllocator {
             self.after_captures();
         }
         self.prune_released();
-        self.release_kept(pool);
+        self.close_kept(pool);
         Ok(())
     }
 

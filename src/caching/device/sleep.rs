@@ -331,10 +331,18 @@ impl DeviceAllocator {
             };
         }
         charge.settle(mapped(&shards) - before);
-        let copies: Vec<_> = shards.iter().map(|s| s.lock().finish_wake()).collect();
+        let (pinned, pageable): (Vec<_>, Vec<_>) =
+            shards.iter().map(|s| s.lock().finish_wake()).partition(|h| h.pinned != 0);
+        // Pinned copies go back to the pool's kept ones while it still sleeps (no driver
+        // call): a sleep in another mode or a `release_pool` that begins once it is awake finds
+        // them there and gives them back (given back after, one stayed pinned beside a pool
+        // asleep in another mode, or released: tests/sleep_pinned_hostile.rs).
+        for host in pinned {
+            self.give_host(pool, host);
+        }
         self.end_sleep(pool);
-        // The host copies go last, once the pool is awake.
-        for host in copies {
+        // Pageable host copies go last, once the pool is awake (`munmap` takes a while).
+        for host in pageable {
             self.give_host(pool, host);
         }
         Ok(())

@@ -12,7 +12,7 @@ use crate::caching::copy::{Copier, Copies, HostCopy, Way, free_host};
 use crate::caching::copy_direct::Direct;
 use crate::caching::crew::{Crew, crew_size};
 use crate::caching::kept::{self, Pinned};
-use crate::caching::shard::{Shard, ShardSleep, SleepHost};
+use crate::caching::shard::{Shard, ShardSleep, ShardState, SleepHost};
 use crate::caching::sleep::SleepMode;
 use crate::driver::DriverError;
 use crate::error::Error;
@@ -111,7 +111,12 @@ impl DeviceAllocator {
     pub(super) fn give_host(&self, pool: u64, host: SleepHost) {
         match host.pinned {
             0 => free_host(&*self.driver, (host.ptr, host.used)),
-            size => self.kept.put(pool, Pinned { ptr: host.ptr, size }),
+            size => {
+                // A pool released meanwhile keeps nothing: the copy goes back to the system.
+                if let Some(copy) = self.kept.put(pool, Pinned { ptr: host.ptr, size }) {
+                    kept::unpin(&*self.driver, self.device, copy);
+                }
+            }
         }
     }
 
@@ -124,6 +129,15 @@ impl DeviceAllocator {
             kept::unpin(&*self.driver, self.device, c);
         }
         bytes
+    }
+
+    /// As [`DeviceAllocator::release_kept`] for a released pool, which keeps no copy from
+    /// now on: one its wake or failed sleep gives back later (a sleep that began before the
+    /// release marked it) is unpinned then.
+    pub(super) fn close_kept(&self, pool: u64) {
+        for c in self.kept.close(pool) {
+            kept::unpin(&*self.driver, self.device, c);
+        }
     }
 
     /// Bytes of pinned host memory kept for `pool`'s next sleep (`None`: every pool of the
@@ -160,6 +174,36 @@ impl DeviceAllocator {
             }
             copier.finish().map_err(fail)
         })
+    }
+
+    /// The kept copies' part of the device's consistency check: no two of them, nor one and
+    /// a sleeping stream's host copy, share a byte (a copy owned twice would be written by two
+    /// sleeps, or unpinned under one); a pool asleep in a mode other than
+    /// [`SleepMode::OffloadPinned`] keeps none (its sleep gave them back).
+    pub(super) fn check_kept(&self, list: &[Arc<Shard>], states: &[&ShardState]) -> Result<(), String> {
+        let kept = self.kept.all();
+        let mut ranges: Vec<(usize, usize, String)> =
+            kept.iter().map(|(p, c)| (c.ptr, c.size, format!("a pinned copy pool {p:#x} keeps"))).collect();
+        for (shard, st) in list.iter().zip(states) {
+            let Some((mode, host)) = st.sleep_host() else { continue };
+            if mode != SleepMode::OffloadPinned && kept.iter().any(|(p, _)| *p == shard.pool) {
+                return Err(format!("pool {:#x} sleeps in mode {mode:?}, but keeps a pinned copy", shard.pool));
+            }
+            if host.ptr != 0 {
+                let what = format!("the host copy of sleeping stream {:#x}", shard.stream);
+                ranges.push((host.ptr, host.pinned.max(host.used), what));
+            }
+        }
+        if let Some((p, _)) = kept.iter().find(|(p, _)| self.kept.closed(*p)) {
+            return Err(format!("pool {p:#x} was released, but keeps a pinned copy"));
+        }
+        ranges.sort_unstable_by_key(|r| r.0);
+        for w in ranges.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(format!("{} at {:#x} overlaps {} at {:#x}", w[0].2, w[0].0, w[1].2, w[1].0));
+            }
+        }
+        Ok(())
     }
 
     /// The error of a staging ring the driver would not give.

@@ -288,6 +288,11 @@ impl ShardState {
         Ok(())
     }
 
+    /// The mode and host copy of a sleeping shard; `None` awake.
+    pub fn sleep_host(&self) -> Option<(SleepMode, SleepHost)> {
+        self.asleep.as_deref().map(|s| (s.mode, s.host))
+    }
+
     /// Whether the shard sleeps with a pinned host copy (`GPUPOOL_SLEEP_OFFLOAD_PINNED`).
     pub fn pinned_copy(&self) -> bool {
         self.asleep.as_ref().is_some_and(|s| s.host.pinned != 0)
