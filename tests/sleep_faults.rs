@@ -105,7 +105,8 @@ fn a_fault_before_the_memory_goes_leaves_the_pool_awake_and_as_it_was() {
 fn a_fault_while_the_pages_go_leaves_the_pool_asleep_and_wakeable() {
     for op in [SimOp::MemUnmap, SimOp::MemRelease] {
         let (a, drv) = sim_with(1, 1 << 30, config());
-        let (pool, live) = pool_with(&a, &[3 * MIB, 9 * MIB]);
+        // Pages of 20 MiB in a sleepable pool: 45 MiB spans several, so that some go.
+        let (pool, live) = pool_with(&a, &[3 * MIB, 45 * MIB]);
         drv.inject(op, 1, fail());
         match a.sleep(0, pool, SleepMode::Offload) {
             Err(Error::Cuda(m)) => assert!(m.contains("sleeps all the same"), "{m}"),
@@ -281,5 +282,38 @@ fn sleeps_and_wakes_of_one_pool_from_two_threads_never_interleave() {
     let _ = a.wake(0, pool);
     assert!(intact(&live));
     assert_eq!(drv.live_pageable(), (0, 0));
+    check(&a);
+}
+
+/// Found by `tests/invariants.rs` (proptest; its shrunk case, step for step): a wake that
+/// failed gave its spare handles back before it counted the pages asleep again, so a release
+/// that unwound left the sleeping bytes statistic behind the pages (6 MiB slept, 4 MiB counted).
+#[test]
+fn a_failed_wake_whose_handles_unwind_as_they_go_back_counts_the_pages_asleep() {
+    let config = Config { expandable_segments: true, expandable_large_pages: true, ..Config::default() };
+    let (a, drv) = sim_with(1, 160 * MIB, config);
+    a.set_memory_fraction(0.75, 0).unwrap();
+    a.malloc(1, 0, 0x2000).unwrap();
+    a.malloc(1, 0, 0x1000).unwrap();
+    drv.inject(SimOp::EventSynchronize, 3, fail());
+    drv.inject(SimOp::MemcpyHtoD, 0, fail());
+    a.malloc(1, 0, 0).unwrap();
+    a.sleep(0, 0, SleepMode::Discard).unwrap();
+    a.wake(0, 0).unwrap();
+    // The event fault ends the next sleep before the pages go; the unmap fault waits for the
+    // one after, which leaves a page mapped; the copy fault fails the wake after that, whose
+    // spare handles then go back, the third release unwinding.
+    drv.inject(SimOp::MemUnmap, 0, fail());
+    assert!(matches!(a.sleep(0, 0, SleepMode::Offload), Err(Error::Cuda(_))));
+    check(&a);
+    drv.inject(SimOp::MemRelease, 2, SimFault::Panic);
+    a.malloc(1, 0, 0).unwrap();
+    assert!(matches!(a.sleep(0, 0, SleepMode::Offload), Err(Error::Cuda(m)) if m.contains("sleeps all the same")));
+    check(&a);
+    let woke = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.wake(0, 0)));
+    assert!(woke.is_err(), "the injected panic went through");
+    check(&a);
+    drv.clear_faults();
+    a.wake(0, 0).unwrap();
     check(&a);
 }

@@ -322,9 +322,10 @@ impl DeviceAllocator {
             // The handles go back through the page pool, counted until the driver has them.
             let held: usize = spare.iter().map(|s| s.0).sum();
             charge.settle(mapped(&shards) - before + held as isize);
-            self.give_back(&mut spare);
-            // Pages a failed sleep had left mapped may be slept now.
+            // Pages a failed sleep had left mapped may be slept now. Counted before the
+            // handles go back, whose release may unwind.
             self.sleepers.set_bytes(pool, shards.iter().map(|s| s.lock().slept_bytes()).sum());
+            self.give_back(&mut spare);
             return match (result, unwound) {
                 (Err(panic), _) | (Ok(_), Some(panic)) => std::panic::resume_unwind(panic),
                 (Ok(r), None) => r,
