@@ -85,7 +85,22 @@ def main():
           f"the generation allocated from its pool ({s['allocation.all.allocated']} allocations, "
           f"{s['reserved_bytes.all.current'] / mib:.1f} MiB reserved)")
     held = w["reserved_bytes.all.current"] + s["reserved_bytes.all.current"]
+    # The process's first sleep and wake pin the staging ring and make its streams and events,
+    # which may take device memory of CUDA's own (as a first graph or kernel launch does,
+    # ../shared/GPU.md): done once on a pool of 1 MiB, before the count, and what it left said
+    # beside what gpupool holds unmapped for reuse (the pool's page, once it was released).
+    free_cold = torch.cuda.mem_get_info()[0]
+    with gpupool.Pool(sleepable=True) as warm:
+        with gpupool.torch.use_pool(warm):
+            block = torch.ones(1 << 18, device="cuda")
+        gpupool.torch.sleep(warm, offload=True)
+        gpupool.torch.wake(warm)
+        del block
+    torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
+    unmapped = gpupool.stats(torch.cuda.current_device())["unmapped_held_bytes.current"]
+    print(f"the first sleep and wake of the process, on a pool of 1 MiB since released: device free memory "
+          f"{(free_awake - free_cold) / mib:+.2f} MiB, gpupool holding {unmapped / mib:.2f} MiB of pages unmapped")
     gpupool.torch.sleep(weights, offload=True)
     gpupool.torch.sleep(state, offload=False)
     free_asleep = torch.cuda.mem_get_info()[0]
