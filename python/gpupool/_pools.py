@@ -69,14 +69,17 @@ def sleep(pool=0, offload=True, device=-1):
     allocated from it (nor its memory touched) until wake(). `offload="pinned"`
     (GPUPOOL_SLEEP_OFFLOAD_PINNED): the copy is pinned host memory the pool keeps after wake, so
     that its next sleeps and wakes copy at the bus's speed (see release_kept). Raises Error
-    (nothing changed) for a pool that cannot sleep or sleeps already, ValueError for another
-    `offload` string, OutOfMemoryError when the host has no room for the copy."""
-    if isinstance(offload, str):
-        if offload != "pinned":
-            raise ValueError(f"offload must be True, False or 'pinned', not {offload!r}")
+    (nothing changed) for a pool that cannot sleep or sleeps already, ValueError for an
+    `offload` that is none of True, False and "pinned" (None and 0 included), OutOfMemoryError when the host has no room for the copy."""
+    if offload is True:
+        mode = SLEEP_OFFLOAD
+    elif offload is False:
+        mode = SLEEP_DISCARD
+    elif offload == "pinned":
         mode = SLEEP_OFFLOAD_PINNED
     else:
-        mode = SLEEP_OFFLOAD if offload else SLEEP_DISCARD
+        # Not truthiness: None or 0 would drop the contents without a word.
+        raise ValueError(f"offload must be True, False or 'pinned', not {offload!r}")
     check(lib().gpupool_sleep(_device(device), unsigned(pool, "pool"), mode), "gpupool_sleep")
 
 

@@ -155,11 +155,14 @@ fn fault_in(at: usize, len: usize) {
 }
 
 /// Gives a copy from [`pin`] back: unregistered, then unmapped. The caller has made sure no
-/// copy uses it. A failure, or a call that unwinds, leaks it. Never panics.
-pub(crate) fn unpin(driver: &dyn Driver, device: i32, copy: Pinned) {
-    if quietly(|| driver.host_unregister(device, copy.ptr)).is_some() {
-        let _ = quietly(|| driver.host_unmap(copy.ptr, copy.size));
+/// copy uses it. Returns whether the driver unregistered it: a failure, or a call that
+/// unwinds, leaks it (still pinned, or mapped). Never panics.
+pub(crate) fn unpin(driver: &dyn Driver, device: i32, copy: Pinned) -> bool {
+    if quietly(|| driver.host_unregister(device, copy.ptr)).is_none() {
+        return false;
     }
+    let _ = quietly(|| driver.host_unmap(copy.ptr, copy.size));
+    true
 }
 
 #[cfg(test)]

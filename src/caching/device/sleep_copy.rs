@@ -114,21 +114,18 @@ impl DeviceAllocator {
             size => {
                 // A pool released meanwhile keeps nothing: the copy goes back to the system.
                 if let Some(copy) = self.kept.put(pool, Pinned { ptr: host.ptr, size }) {
-                    kept::unpin(&*self.driver, self.device, copy);
+                    let _ = kept::unpin(&*self.driver, self.device, copy);
                 }
             }
         }
     }
 
     /// Unpins and unmaps every pinned copy `pool` keeps (see `kept`): none is in use (a
-    /// sleeping pool's copy is not in the store). Returns the bytes given back.
+    /// sleeping pool's copy is not in the store). Returns the bytes unpinned (a copy the driver
+    /// would not unregister stays pinned, leaked, and is not counted).
     pub(crate) fn release_kept(&self, pool: u64) -> usize {
         let copies = self.kept.drain(pool);
-        let bytes = copies.iter().map(|c| c.size).sum();
-        for c in copies {
-            kept::unpin(&*self.driver, self.device, c);
-        }
-        bytes
+        copies.into_iter().filter(|&c| kept::unpin(&*self.driver, self.device, c)).map(|c| c.size).sum()
     }
 
     /// As [`DeviceAllocator::release_kept`] for a released pool, which keeps no copy from
@@ -136,7 +133,7 @@ impl DeviceAllocator {
     /// release marked it) is unpinned then.
     pub(super) fn close_kept(&self, pool: u64) {
         for c in self.kept.close(pool) {
-            kept::unpin(&*self.driver, self.device, c);
+            let _ = kept::unpin(&*self.driver, self.device, c);
         }
     }
 

@@ -44,8 +44,9 @@ def test_a_pool_routes_this_threads_allocations_and_sleeps_and_wakes():
         assert holds(a, 3 * MIB, 1) and holds(b, 4096 + 17, 2)
         staging, kept = gpupool.sleep_host_bytes(0)
         assert kept >= 3 * MIB + 4096
-        with pytest.raises(ValueError):
-            weights.sleep(offload="pageable")
+        for bad in ("pageable", None, 0, 3):
+            with pytest.raises(ValueError):
+                weights.sleep(offload=bad)  # refused, not taken for discard or offload
         weights.sleep(offload=False)  # another mode: the pinned copy goes
         assert gpupool.sleep_host_bytes(0)[1] == 0
         weights.wake()
