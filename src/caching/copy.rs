@@ -219,14 +219,18 @@ impl<'a> Copier<'a> {
 }
 
 impl Drop for Copier<'_> {
-    /// Never panics (it may run while a panic unwinds): a driver call that fails or unwinds
-    /// here leaks the stream, which holds no memory of the pool.
     fn drop(&mut self) {
-        let (driver, device) = (self.driver, self.device);
-        for s in std::mem::take(&mut self.streams) {
-            let _ = quietly(|| driver.stream_synchronize(device, s));
-            let _ = quietly(|| driver.stream_destroy(device, s));
-        }
+        end_streams(self.driver, self.device, std::mem::take(&mut self.streams));
+    }
+}
+
+/// Waits for each of a copier's `streams` and destroys it, so that no copy outlives the memory
+/// it reads or writes. Never panics (it may run while a panic unwinds): a driver call that fails
+/// or unwinds here leaks the stream, which holds no memory of the pool.
+pub(crate) fn end_streams(driver: &dyn Driver, device: i32, streams: Vec<StreamHandle>) {
+    for s in streams {
+        let _ = quietly(|| driver.stream_synchronize(device, s));
+        let _ = quietly(|| driver.stream_destroy(device, s));
     }
 }
 

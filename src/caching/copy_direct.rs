@@ -4,8 +4,7 @@
 //! pieces of [`PIECE`] bytes dealt in turn to [`COPY_STREAMS`] streams of gpupool's own, as
 //! `test_sleep`'s pinned bandwidth is measured (55 GB/s each way on an H100, 2026-11-27).
 
-use super::copy::{COPY_STREAMS, Copies, Way};
-use super::staging::quietly;
+use super::copy::{COPY_STREAMS, Copies, Way, end_streams};
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, StreamHandle};
 
 /// Bytes of one copy: large enough that the copy engines run at the bus's speed, small
@@ -63,12 +62,7 @@ impl Copies for Direct<'_> {
 }
 
 impl Drop for Direct<'_> {
-    /// Never panics: a driver call that fails or unwinds here leaks the stream.
     fn drop(&mut self) {
-        let (driver, device) = (self.driver, self.device);
-        for s in std::mem::take(&mut self.streams) {
-            let _ = quietly(|| driver.stream_synchronize(device, s));
-            let _ = quietly(|| driver.stream_destroy(device, s));
-        }
+        end_streams(self.driver, self.device, std::mem::take(&mut self.streams));
     }
 }
