@@ -41,7 +41,11 @@ pub const GPUPOOL_SLEEP_OFFLOAD_PINNED: u32 = 3;
 /// `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
 /// same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
 /// `expandable_segments:True`, whatever `GPUPOOL_CONF` says for the default pools), during a
-/// graph capture too, so that `gpupool_sleep` can give its memory back. Wholly free pages of a
+/// graph capture too, so that `gpupool_sleep` can give its memory back. Its segments map pages
+/// of 20 MiB (PyTorch's `kLargeBuffer`) in the small pool too, where the default pools map 2 MiB
+/// (`kSmallBuffer`): a sleep and a wake make one driver call per page, which the driver
+/// serialises, and with 2 MiB pages blocks of 1 MiB spent longer in those calls than in the
+/// copy (docs/sleep.md); a stream's last page in each pool may hold up to 20 MiB. Wholly free pages of a
 /// segment a captured graph uses stay mapped (the graph writes there at every replay); other
 /// free pages go back at `gpupool_empty_cache`. Where the driver cannot map memory, its
 /// allocations fail as the driver's calls do. The id has bit 62 set.
