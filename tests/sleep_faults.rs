@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use common::sleep::{asleep, fail};
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
@@ -45,25 +46,6 @@ fn intact(live: &[(u64, usize)]) -> bool {
         // SAFETY: as in `pool_with`; the pool is awake.
         unsafe { std::slice::from_raw_parts(p as *const u8, n) }.iter().all(|&b| b == i as u8 + 1)
     })
-}
-
-/// Whether `pool` refuses an allocation (it sleeps).
-fn asleep(a: &Allocator, pool: u64) -> bool {
-    a.begin_allocate_to_pool(0, pool, 0x77).unwrap();
-    let r = a.malloc(512, 0, 0x77);
-    a.end_allocate_to_pool(0, pool).unwrap();
-    match r {
-        Err(Error::InvalidValue(_)) => true,
-        Ok(p) => {
-            a.free(p).unwrap();
-            false
-        }
-        Err(e) => panic!("{e:?}"),
-    }
-}
-
-fn fail() -> SimFault {
-    SimFault::Fail(DriverError::Cuda { call: "injected", code: 999, name: "CUDA_ERROR_UNKNOWN".into() })
 }
 
 #[test]

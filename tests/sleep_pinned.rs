@@ -7,60 +7,20 @@
 //! leaves the pool awake (sleep) or asleep with its copy (wake), leaking nothing.
 mod common;
 
+use common::sleep::{S, fail, fill, holds, host, intact, pool_with};
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
-use gpupool::driver::sim::{SimDriver, SimFault, SimOp};
-use gpupool::{Allocator, Error, SleepMode};
-
-const S: usize = 0x10;
-const S2: usize = 0x20;
+use gpupool::driver::sim::{SimFault, SimOp};
+use gpupool::{Error, SleepMode};
 
 fn config() -> Config {
     Config { sleep_threads: 3, ..Config::default() }
 }
 
-fn fill(p: u64, n: usize, seed: u32) {
-    // SAFETY: a live block of at least `n` bytes, mapped by the simulated driver.
-    let b = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) };
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8;
-    }
-}
-
-fn holds(p: u64, n: usize, seed: u32) -> bool {
-    // SAFETY: as in `fill`; the pool is awake.
-    let b = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-    b.iter().enumerate().all(|(i, &x)| x == ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
-}
-
-/// A sleepable pool with `sizes` allocated on streams `S` and `S2` in turn (two shards).
-fn pool_with(a: &Allocator, sizes: &[usize]) -> (u64, Vec<(u64, usize)>) {
-    let pool = a.pool_create_sleepable();
-    let mut live = Vec::new();
-    for (i, &n) in sizes.iter().enumerate() {
-        let stream = if i % 2 == 0 { S } else { S2 };
-        a.begin_allocate_to_pool(0, pool, stream).unwrap();
-        let p = a.malloc(n, 0, stream).unwrap();
-        a.end_allocate_to_pool(0, pool).unwrap();
-        fill(p, n, i as u32);
-        live.push((p, n));
-    }
-    (pool, live)
-}
-
-fn intact(live: &[(u64, usize)]) -> bool {
-    live.iter().enumerate().all(|(i, &(p, n))| holds(p, n, i as u32))
-}
-
 /// Block sizes of both pools, a run of blocks beside each other, one larger than a piece.
 fn sizes() -> Vec<usize> {
     vec![3 * MIB, 512, 70 * MIB + 5, 4096, 700 * 1024, 2 * MIB]
-}
-
-/// (registered host ranges, pageable mappings): what the pinned copies hold.
-fn host(drv: &SimDriver) -> (usize, usize) {
-    (drv.live_host().1, drv.live_pageable().0)
 }
 
 #[test]
@@ -161,10 +121,6 @@ fn the_default_pools_and_blocks_freed_while_asleep() {
     a.empty_cache(0).unwrap();
     assert!(a.sleep_kept_bytes(0, Some(0)).unwrap() >= 5 * MIB, "empty_cache keeps the copy");
     check(&a);
-}
-
-fn fail() -> SimFault {
-    SimFault::Fail(DriverError::Cuda { call: "injected", code: 999, name: "CUDA_ERROR_UNKNOWN".into() })
 }
 
 #[test]

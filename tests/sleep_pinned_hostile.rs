@@ -8,28 +8,15 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use common::sleep::{asleep, fail, fill, holds, host};
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
-use gpupool::driver::sim::{SIM_PANIC_MARK, SimDriver, SimFault, SimOp};
-use gpupool::{Allocator, Error, SleepMode};
+use gpupool::driver::sim::{SIM_PANIC_MARK, SimFault, SimOp};
+use gpupool::{Allocator, SleepMode};
 
 fn config() -> Config {
     Config { sleep_threads: 3, ..Config::default() }
-}
-
-fn fill(p: u64, n: usize, seed: u32) {
-    // SAFETY: a live block of at least `n` bytes, mapped by the simulated driver.
-    let b = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) };
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8;
-    }
-}
-
-fn holds(p: u64, n: usize, seed: u32) -> bool {
-    // SAFETY: as in `fill`; the pool is awake.
-    let b = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-    b.iter().enumerate().all(|(i, &x)| x == ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
 }
 
 /// One block of `n` bytes from `pool` on `stream`, filled with `seed`'s pattern.
@@ -41,32 +28,9 @@ fn block(a: &Allocator, pool: u64, stream: usize, n: usize, seed: u32) -> (u64, 
     (p, n, seed)
 }
 
+/// Whether every block holds the pattern it was filled with.
 fn intact(live: &[(u64, usize, u32)]) -> bool {
     live.iter().all(|&(p, n, s)| holds(p, n, s))
-}
-
-/// (registered host ranges, pageable mappings).
-fn host(drv: &SimDriver) -> (usize, usize) {
-    (drv.live_host().1, drv.live_pageable().0)
-}
-
-/// Whether `pool` refuses an allocation (it sleeps).
-fn asleep(a: &Allocator, pool: u64) -> bool {
-    a.begin_allocate_to_pool(0, pool, 0x77).unwrap();
-    let r = a.malloc(512, 0, 0x77);
-    a.end_allocate_to_pool(0, pool).unwrap();
-    match r {
-        Err(Error::InvalidValue(_)) => true,
-        Ok(p) => {
-            a.free(p).unwrap();
-            false
-        }
-        Err(e) => panic!("{e:?}"),
-    }
-}
-
-fn fail() -> SimFault {
-    SimFault::Fail(DriverError::Cuda { call: "injected", code: 999, name: "CUDA_ERROR_UNKNOWN".into() })
 }
 
 /// Keeps the injected panics out of the test's output.

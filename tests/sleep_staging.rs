@@ -9,14 +9,12 @@ mod common;
 
 use std::sync::Arc;
 
+use common::sleep::{S, S2, fail, fill, holds, intact, pool_with};
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SimFault, SimOp};
-use gpupool::{Allocator, Error, SleepMode};
-
-const S: usize = 0x10;
-const S2: usize = 0x20;
+use gpupool::{Error, SleepMode};
 
 /// A ring of 3 buffers of 100,003 bytes (which divides no block size), `threads` threads.
 fn config(threads: usize) -> Config {
@@ -24,40 +22,6 @@ fn config(threads: usize) -> Config {
 }
 
 /// Fills `n` bytes at `p` with a pattern of `seed` that differs at every byte of a chunk.
-fn fill(p: u64, n: usize, seed: u32) {
-    // SAFETY: a live block of at least `n` bytes, mapped by the simulated driver.
-    let b = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) };
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8;
-    }
-}
-
-fn holds(p: u64, n: usize, seed: u32) -> bool {
-    // SAFETY: as in `fill`; the pool is awake.
-    let b = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-    b.iter().enumerate().all(|(i, &x)| x == ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
-}
-
-/// A sleepable pool with `sizes` allocated on streams `S` and `S2` in turn (two shards),
-/// each block filled with its own pattern.
-fn pool_with(a: &Allocator, sizes: &[usize]) -> (u64, Vec<(u64, usize)>) {
-    let pool = a.pool_create_sleepable();
-    let mut live = Vec::new();
-    for (i, &n) in sizes.iter().enumerate() {
-        let stream = if i % 2 == 0 { S } else { S2 };
-        a.begin_allocate_to_pool(0, pool, stream).unwrap();
-        let p = a.malloc(n, 0, stream).unwrap();
-        a.end_allocate_to_pool(0, pool).unwrap();
-        fill(p, n, i as u32);
-        live.push((p, n));
-    }
-    (pool, live)
-}
-
-fn intact(live: &[(u64, usize)]) -> bool {
-    live.iter().enumerate().all(|(i, &(p, n))| holds(p, n, i as u32))
-}
-
 /// Big blocks (many rings long), odd sizes, and 300 small blocks.
 fn sizes() -> Vec<usize> {
     let mut v = vec![5 * MIB + 17, 512, 2 * MIB - 1, 700_001, 21 * MIB + 3];
@@ -115,10 +79,6 @@ fn the_default_pools_and_blocks_freed_while_asleep_go_through_the_ring_too() {
     check(&a);
     assert!(live.iter().enumerate().skip(1).all(|(i, &(p, n))| holds(p, n, i as u32)));
     assert_eq!((drv.live_pageable(), drv.counts().unpinned_copies), ((0, 0), 0));
-}
-
-fn fail() -> SimFault {
-    SimFault::Fail(DriverError::Cuda { call: "injected", code: 999, name: "CUDA_ERROR_UNKNOWN".into() })
 }
 
 #[test]
