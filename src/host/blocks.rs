@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use super::classes::CLASSES;
+use super::handed_out::HandedOutSet;
 use super::stats::StatExt;
 use super::{HostAllocator, Inner};
-use crate::driver::{EventHandle, HostPtr, StreamHandle};
+use crate::driver::{EventHandle, HostPtr};
 use crate::error::Error;
 use crate::stats::Stat;
 
@@ -40,13 +41,6 @@ pub(super) struct Block {
     pub(super) home: AtomicU32,
 }
 
-/// A block handed out, in its stripe's list, with the streams (and their devices) named by
-/// `record_event` since.
-pub(super) struct HandedOut {
-    pub(super) block: Arc<Block>,
-    pub(super) streams: Vec<(StreamHandle, i32)>,
-}
-
 /// A freed block's event on one stream that has not been seen completed yet.
 pub(super) struct Pending {
     pub(super) event: EventHandle,
@@ -61,7 +55,7 @@ pub(super) struct Stripe {
     /// Blocks this stripe handed out, by address: a free by a thread of the stripe finds its
     /// block here, under the lock it takes anyway, and a block is allocated exactly while it
     /// is listed in its home stripe.
-    pub(super) handed_out: rustc_hash::FxHashMap<usize, HandedOut>,
+    pub(super) handed_out: HandedOutSet<Block>,
     /// Events of freed blocks of this stripe, oldest first.
     pub(super) pending: VecDeque<Pending>,
     /// How many pending events each block still waits for, by block address.
@@ -129,20 +123,20 @@ impl Inner {
     }
 
     /// Pops a free block of `class` from stripe `me` and hands it out.
-    #[inline]
+    #[inline(always)]
     pub(super) fn take(&self, st: &mut Stripe, me: usize, class: usize) -> Option<HostPtr> {
         let b = st.free[class].pop()?;
         Some(self.hand_out(st, me, b))
     }
 
     /// Marks `b` allocated by stripe `me` (whose lock the caller holds) and counts it.
-    #[inline]
+    #[inline(always)]
     pub(super) fn hand_out(&self, st: &mut Stripe, me: usize, b: Arc<Block>) -> HostPtr {
         b.home.store(me as u32, Ordering::Relaxed);
         st.active_requests.increase(1);
         st.active_bytes.increase(b.size as i64);
         let ptr = b.ptr;
-        st.handed_out.insert(ptr, HandedOut { block: b, streams: Vec::new() });
+        st.handed_out.insert(ptr, b);
         ptr
     }
 
@@ -160,6 +154,7 @@ impl Inner {
     }
 
     /// A block becomes free in stripe `st`: it no longer counts as active.
+    #[inline(always)]
     pub(super) fn to_free_list(st: &mut Stripe, block: Arc<Block>) {
         st.active_requests.decrease(1);
         st.active_bytes.decrease(block.size as i64);

@@ -51,9 +51,9 @@ impl HostAllocator {
             for &p in pending_blocks.keys() {
                 place(p, "pending");
             }
-            for (&p, h) in &st.handed_out {
-                assert_eq!(p, h.block.ptr);
-                check_class(&h.block);
+            for (p, b) in st.handed_out.iter() {
+                assert_eq!(p, b.ptr);
+                check_class(b);
                 place(p, "handed out");
             }
         }

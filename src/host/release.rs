@@ -82,7 +82,7 @@ impl HostAllocator {
         fork::check()?;
         let block = {
             let (_, mut st) = self.inner.home_of(ptr, "free")?;
-            st.handed_out.remove(&ptr).ok_or_else(|| freed_already(ptr))?.block
+            st.handed_out.remove(ptr).ok_or_else(|| freed_already(ptr))?.block
         };
         let mut slow = self.inner.slow.lock();
         slow.deferred_bytes += block.size;
