@@ -142,6 +142,35 @@ fn a_cached_block_is_not_allocated_to_any_call() {
     check(&a);
 }
 
+/// The shard remembers the block it handed out last (`ShardState::allocated`'s hint): a
+/// second free of it, or a free after its segment went back to the driver, is still refused.
+#[test]
+fn the_block_handed_out_last_is_freed_once() {
+    let (a, _drv) = sim_with(1, 64 * MIB, expandable());
+    for _ in 0..3 {
+        let p = a.malloc(512, 0, 0x10).unwrap();
+        a.free(p).unwrap();
+        let before = counts(&a);
+        let double = a.free(p).unwrap_err();
+        assert!(matches!(&double, Error::InvalidPointer(m) if m.contains("double free")), "{double}");
+        assert_eq!(counts(&a), before, "nothing changed");
+        check(&a);
+    }
+    let p = a.malloc(512, 0, 0x10).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache(0).unwrap();
+    assert!(matches!(a.free(p), Err(Error::InvalidPointer(_))), "its segment was released");
+    assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, 0);
+    // Another block at the same address is the one freed.
+    let q = a.malloc(512, 0, 0x10).unwrap();
+    let r = a.malloc(512, 0, 0x10).unwrap();
+    a.free(q).unwrap();
+    assert_eq!(counts(&a).3, 1);
+    a.free(r).unwrap();
+    assert_eq!(counts(&a).3, 0);
+    check(&a);
+}
+
 #[test]
 fn frees_from_other_threads_and_streams_and_after_record_stream() {
     let (a, drv) = sim_with(1, 256 * MIB, expandable());

@@ -118,10 +118,19 @@ impl Arena {
         }
     }
 
+    /// The block in slot `id`, if the arena has that slot (vacant or not).
+    #[inline(always)]
+    pub fn get(&self, id: BlockId) -> Option<&Block> {
+        self.slots.get(id as usize)
+    }
+
     /// Marks a slot reusable. The caller has unlinked the block from its segment and pool.
+    /// The slot keeps no allocated state: the shard's hint of the block it handed out last
+    /// (`ShardState::allocated`) may name a slot after its block merged away.
     pub fn remove(&mut self, id: BlockId) {
         let b = &mut self.slots[id as usize];
         b.stream_uses = Box::default();
+        b.state = BlockState::Free;
         self.vacant.push(id);
     }
 }

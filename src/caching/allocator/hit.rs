@@ -33,34 +33,55 @@ thread_local! {
 }
 
 impl Allocator {
-    #[inline]
-    /// Calls `f` with the shard of `stream` and whether this thread used it lately (it was in
-    /// the thread's cache of recent shards: the stream is hot here, see `peaks`). On a hit the
-    /// cache is lent to `f`, read-only, for the whole call, which may come back here (an
-    /// out-of-memory observer runs inside `f`).
-    fn with_shard<R>(&self, dev: &DeviceAllocator, stream: StreamHandle, f: impl FnOnce(&Arc<Shard>, bool) -> R) -> R {
-        let mut f = Some(f);
-        // The hit: this thread used the shard lately; call in place, with no reference count
-        // taken (two atomic operations saved).
-        let hit = SHARD_CACHE.try_with(|cache| {
-            let cache = cache.borrow();
-            let slot = cache
-                .slots
-                .iter()
-                .flatten()
-                .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream)?;
-            // A retired shard (see `shard_table`) is refetched below, and replaces this slot.
-            if slot.shard.is_retired() {
-                return None;
+    /// [`DeviceAllocator::malloc`] on the shard of `stream`, and whether this thread used it
+    /// lately (it was in the thread's cache of recent shards: the stream is hot here, see
+    /// `peaks`). On a hit the cache is lent to the call, read-only, for the whole call, which may
+    /// come back here (an out-of-memory observer runs inside it), and no reference count is
+    /// taken (two atomic operations saved).
+    ///
+    /// The hit's call is the only one inlined here: with a closure called both on the hit and
+    /// on the miss, the compiler kept the closure out of line, which cost the hit pair about 30
+    /// instructions (callgrind, `tests/c/hit_loop.c`).
+    #[inline(always)]
+    fn malloc_on_shard(&self, dev: &DeviceAllocator, stream: StreamHandle, size: usize) -> Result<DevicePtr, Error> {
+        // The cache by address, so that the call below is not a closure of `try_with` (which
+        // the compiler kept out of line: 30 instructions a malloc, callgrind).
+        let Ok(cache) = SHARD_CACHE.try_with(std::ptr::from_ref) else {
+            return self.malloc_on_new_shard(dev, stream, size);
+        };
+        // SAFETY: `try_with` found this thread's cache alive, and a thread-local is destroyed
+        // only by its own thread, after its other code (this call included) has returned or
+        // from a destructor of another thread-local, which then runs instead of it, not
+        // during this call.
+        let cache = unsafe { &*cache }.borrow();
+        let slot = cache
+            .slots
+            .iter()
+            .flatten()
+            .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream);
+        match slot {
+            // A retired shard (see `shard_table`) is refetched, and replaces this slot.
+            Some(slot) if !slot.shard.is_retired() => dev.malloc(&slot.shard, size, true),
+            _ => {
+                drop(cache);
+                self.malloc_on_new_shard(dev, stream, size)
             }
-            Some((f.take().expect("called once"))(&slot.shard, true))
-        });
-        if let Ok(Some(r)) = hit {
-            return r;
         }
+    }
+
+    /// [`Allocator::malloc_on_shard`] when the calling thread did not use the stream's shard
+    /// lately: the shard from the device's table, remembered in the thread's cache.
+    #[cold]
+    #[inline(never)]
+    fn malloc_on_new_shard(
+        &self,
+        dev: &DeviceAllocator,
+        stream: StreamHandle,
+        size: usize,
+    ) -> Result<DevicePtr, Error> {
         let shard = dev.shard_or_create(stream);
         self.remember_shard(dev.device, stream, &shard);
-        (f.take().expect("called once"))(&shard, false)
+        dev.malloc(&shard, size, false)
     }
 
     /// Puts `shard` in the calling thread's cache of recent shards, in place of its stale entry
@@ -97,6 +118,10 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
     /// [`Error::OutOfMemory`] (after releasing the cache and retrying once, and calling the
     /// out-of-memory observers: see [`Allocator::attach_oom_observer`]), [`Error::Cuda`].
+    ///
+    /// Inlined, as the hit path below it: each call between the C ABI's export and the cached
+    /// block cost the hit pair a frame (about 15 instructions) and a copy of the result.
+    #[inline(always)]
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
         let dev = self.device_or_init(device)?;
         if size == 0 {
@@ -107,7 +132,7 @@ impl Allocator {
         {
             return dev.malloc_in_pool(pool, stream, size);
         }
-        self.with_shard(dev, stream, |shard, hot| dev.malloc(shard, size, hot))
+        self.malloc_on_shard(dev, stream, size)
     }
 
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
@@ -116,6 +141,10 @@ impl Allocator {
     /// every pool as it was. If an event for a `record_stream` stream cannot be created or
     /// recorded, the block waits for the next device synchronisation instead (see
     /// [`Allocator::free_after_device_sync`]) and the free succeeds.
+    ///
+    /// Inlined up to the guess of the block's shard, as [`Allocator::malloc`] is; the search of
+    /// the segment index out of line ([`Allocator::free_indexed`]).
+    #[inline(always)]
     pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
         if ptr == 0 {
             return Ok(());
@@ -123,6 +152,12 @@ impl Allocator {
         if let Some(done) = self.free_recent(ptr) {
             return done;
         }
+        self.free_indexed(ptr)
+    }
+
+    /// [`Allocator::free`] of a block found through the segment index.
+    #[inline(never)]
+    fn free_indexed(&self, ptr: DevicePtr) -> Result<(), Error> {
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
@@ -140,15 +175,13 @@ impl Allocator {
         if crate::caching::fork::check().is_err() {
             return None;
         }
-        SHARD_CACHE
-            .try_with(|cache| {
-                let cache = cache.borrow();
-                let slot = cache.slots.iter().flatten().find(|c| c.allocator == self.id)?;
-                let dev = self.devices.get(slot.device as usize)?.get()?;
-                dev.free_if_listed(&slot.shard, ptr)
-            })
-            .ok()
-            .flatten()
+        // By address, as in `malloc_on_shard`.
+        let cache = SHARD_CACHE.try_with(std::ptr::from_ref).ok()?;
+        // SAFETY: as in `malloc_on_shard`: alive for the whole call.
+        let cache = unsafe { &*cache }.borrow();
+        let slot = cache.slots.iter().flatten().find(|c| c.allocator == self.id)?;
+        let dev = self.devices.get(slot.device as usize)?.get()?;
+        dev.free_if_listed(&slot.shard, ptr)
     }
 
     /// Frees like [`Allocator::free`], but the block is handed out again only after gpupool has

@@ -52,7 +52,15 @@ impl DeviceAllocator {
             return Some(self.free_locked(shard, st, ptr, 0, true));
         }
         let ctx = || self.ctx(shard);
-        Some(st.free_block_at(ctx, self.max_split_size, ptr, id).map(|()| self.free_end(st, &ctx)))
+        // A match, not `map`: the compiler kept `map`'s closure out of line (callgrind: 20
+        // instructions a free).
+        Some(match st.free_block_at(ctx, self.max_split_size, ptr, id) {
+            Ok(()) => {
+                self.free_end(st, &ctx);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        })
     }
 
     /// The body of [`DeviceAllocator::free`]; `off`: history was off at the call's start.

@@ -49,6 +49,7 @@ impl DeviceAllocator {
     ///
     /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
     /// keeps no credit past the call).
+    #[inline(always)]
     pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
         let req = Request::new(size, &self.rules)?;
         self.malloc_req(shard, &req, hot, false)
@@ -241,7 +242,10 @@ impl DeviceAllocator {
     /// [`Served::Collect`] rather than growing when `garbage_collection_threshold` is due, and
     /// [`Served::Stranded`] when unused streams' cache should be released first. Its
     /// `alloc` event is the caller's to record (see [`ShardState::record_alloc_at`]).
-    #[inline]
+    ///
+    /// Inlined up to the front cache's hit; the rest out of line
+    /// ([`DeviceAllocator::serve_merged`]).
+    #[inline(always)]
     fn serve<'c>(
         &self,
         st: &mut ShardState,
@@ -252,6 +256,18 @@ impl DeviceAllocator {
         if let Some(id) = st.take_front(req.rounded, req.pool) {
             return Ok(Served::Block(st.hand_out_whole(id, req, self.max_split_size)));
         }
+        self.serve_merged(st, ctx, req, collect)
+    }
+
+    /// [`DeviceAllocator::serve`] of a request the front cache does not hold.
+    #[inline(never)]
+    fn serve_merged<'c>(
+        &self,
+        st: &mut ShardState,
+        ctx: impl FnOnce() -> ShardCtx<'c>,
+        req: &Request,
+        collect: bool,
+    ) -> Result<Served, Error> {
         // Any other request is served as PyTorch serves it, from the merged pools: the best
         // fit over blocks merged at their free (a fit among the unmerged ones split other
         // blocks than PyTorch's, and reserved 2% more on vit_train).

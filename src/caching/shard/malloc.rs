@@ -89,6 +89,7 @@ impl ShardState {
         b.state = BlockState::Allocated;
         b.requested = req.size;
         let (addr, pool) = (b.addr, b.pool);
+        self.last_out = (addr, id);
         let c = &mut self.counters;
         c.increase(Metric::Allocation, pool, 1);
         c.increase(Metric::AllocatedBytes, pool, kept as i64);

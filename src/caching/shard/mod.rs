@@ -183,6 +183,11 @@ pub(crate) struct ShardState {
     /// which stay listed while cached so that a free and a malloc of the same block touch
     /// the map neither time ([`ShardState::allocated`] tells the two apart).
     live: FxHashMap<DevicePtr, BlockId>,
+    /// The address and id of the block handed out last: [`ShardState::allocated`] looks here
+    /// before `live`, because a program that allocates and frees in a loop frees the block it
+    /// took last (the hash probe cost the hit pair about 30 instructions, callgrind). A hint
+    /// only: checked against the block before it is believed.
+    last_out: (DevicePtr, BlockId),
     segments: FxHashMap<DevicePtr, SegmentInfo>,
     /// The bases of the expandable segments among `segments`.
     expandables: Vec<DevicePtr>,
@@ -312,6 +317,14 @@ impl ShardState {
     /// The allocated block at `ptr`, if there is one (not one of the front cache's).
     #[inline(always)]
     pub fn allocated(&self, ptr: DevicePtr) -> Option<BlockId> {
+        let (last, hint) = self.last_out;
+        if last == ptr
+            && let Some(b) = self.blocks.get(hint)
+            && b.addr == ptr
+            && b.state == super::block::BlockState::Allocated
+        {
+            return Some(hint);
+        }
         let &id = self.live.get(&ptr)?;
         (self.blocks[id].state == super::block::BlockState::Allocated).then_some(id)
     }
