@@ -28,7 +28,7 @@ impl DeviceAllocator {
         let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
-        let reserved: i64 = guards.iter().map(|g| g.counters.cells[reserved_cell].current()).sum();
+        let reserved: i64 = guards.iter().map(|g| g.counters.cell(reserved_cell).current()).sum();
         // Reserved bytes count the pages sleeping pools gave back; the limit does not.
         let sleeping = self.check_sleepers(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         self.check_kept(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
@@ -56,7 +56,7 @@ impl DeviceAllocator {
         let t = &ps.totals;
         for i in 0..t.peak.len() {
             let sum = |f: fn(&counters::Cell, &counters::Seen) -> i64| {
-                guards.iter().map(|g| f(&g.counters.cells[i], &g.counters.seen[i])).sum::<i64>()
+                guards.iter().map(|g| f(&g.counters.cell(i), &g.counters.seen[i])).sum::<i64>()
             };
             let (current, headroom) = (sum(|c, _| c.current()), sum(|c, _| c.headroom));
             let credit = headroom + peaks::spare_credit(&self.spare, i);
@@ -70,8 +70,11 @@ impl DeviceAllocator {
         let on_list: Vec<*const Shard> = ps.holders.iter().map(Arc::as_ptr).collect();
         for (shard, g) in list.iter().zip(&guards) {
             let c = &g.counters;
-            let unseen = c.cells.iter().zip(&c.seen).any(|(c, s)| c.current() != s.current || c.headroom != s.headroom);
-            let credit = g.counters.cells.iter().any(|c| c.headroom != 0);
+            let unseen = (0..counters::CELLS)
+                .map(|i| c.cell(i))
+                .zip(&c.seen)
+                .any(|(c, s)| c.current() != s.current || c.headroom != s.headroom);
+            let credit = (0..counters::CELLS).any(|i| c.cell(i).headroom != 0);
             let dirty = g.dirty_epoch == self.shards.epoch();
             // What a shard changed since a settle saw it, and credit it holds, are found by the
             // next settle only through the dirty list or the holders.

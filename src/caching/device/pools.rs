@@ -438,7 +438,7 @@ fn sum_pool(shards: &ShardTable, pool: u64) -> ([i64; CELLS], [i64; CELLS], [i64
     let (mut current, mut allocated, mut freed) = ([0; CELLS], [0; CELLS], [0; CELLS]);
     for shard in shards.of_pool(pool) {
         let st = shard.lock();
-        for (i, c) in st.counters.cells.iter().enumerate() {
+        for (i, c) in (0..CELLS).map(|i| st.counters.cell(i)).enumerate() {
             current[i] += c.current();
             allocated[i] += c.allocated;
             freed[i] += c.freed;

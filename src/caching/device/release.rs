@@ -108,8 +108,8 @@ impl DeviceAllocator {
             // What it changed since the settle above saw it (it may have joined the dirty
             // list since), counted first, so that the totals stay what the shards hold.
             peaks::absorb(totals, &mut [&mut st.counters]);
-            let counters = &mut st.counters;
-            for (i, (c, seen)) in counters.cells.iter_mut().zip(counters.seen.iter_mut()).enumerate() {
+            let (cells, seen) = st.counters.cells_and_seen();
+            for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
                 seen.allocated = c.allocated;
                 seen.freed = c.freed;
                 self.spare[i].fetch_add(c.headroom, Ordering::Relaxed);

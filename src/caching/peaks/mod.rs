@@ -108,7 +108,7 @@ pub(crate) type SpareCredit = [AtomicI64; CELLS];
 /// thread settled at one call in four when a borrow took twice its need).
 pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     let mut all = true;
-    for (c, r) in shard.cells.iter_mut().zip(spare) {
+    for (c, r) in shard.cells_mut().iter_mut().zip(spare) {
         if c.low >= 0 {
             continue;
         }
@@ -140,7 +140,7 @@ pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
 /// Gives credit above what each cell keeps (`all`: all of it) back to the spare. Called with
 /// the shard's lock held.
 pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: bool) {
-    for (c, r) in shard.cells.iter_mut().zip(spare) {
+    for (c, r) in shard.cells_mut().iter_mut().zip(spare) {
         let keep = if all { 0 } else { c.keep };
         if c.headroom > keep && c.low >= 0 {
             let surplus = c.headroom - keep;
@@ -158,7 +158,7 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
         t.device_allocs += s.device_allocs - s.seen_device.0;
         t.device_frees += s.device_frees - s.seen_device.1;
         s.seen_device = (s.device_allocs, s.device_frees);
-        let ShardCounters { cells, seen, .. } = &mut **s;
+        let (cells, seen) = s.cells_and_seen();
         for (i, (c, seen)) in cells.iter().zip(seen.iter_mut()).enumerate() {
             t.current[i] += c.current() - seen.current;
             t.allocated[i] += c.allocated - seen.allocated;
@@ -175,7 +175,7 @@ pub(crate) fn absorb(t: &mut Totals, shards: &mut [&mut ShardCounters]) {
 /// to it rather than storing, so none is dealt twice or lost.
 fn take_credit(t: &mut Totals, shards: &[&mut ShardCounters], spare: &SpareCredit) -> [i64; CELLS] {
     std::array::from_fn(|i| {
-        let held: i64 = shards.iter().map(|s| s.cells[i].headroom).sum();
+        let held: i64 = shards.iter().map(|s| s.cell(i).headroom).sum();
         t.held[i] -= held;
         spare[i].swap(0, Ordering::Relaxed) + held
     })
@@ -209,7 +209,7 @@ pub(crate) fn reset(t: &mut Totals, shards: &mut [&mut ShardCounters], spare: &S
         *c += t.current[i] - t.peak[i];
     }
     for s in shards.iter_mut() {
-        let ShardCounters { cells, seen, .. } = &mut **s;
+        let (cells, seen) = s.cells_and_seen();
         for (c, seen) in cells.iter_mut().zip(seen.iter_mut()) {
             seen.allocated = c.allocated;
             seen.freed = c.freed;

@@ -49,7 +49,7 @@ impl Settle {
     pub fn visit(&mut self, t: &mut Totals, s: &mut ShardCounters) -> bool {
         absorb(t, &mut [&mut *s]);
         let mut holds = false;
-        let ShardCounters { cells, seen, .. } = s;
+        let (cells, seen) = s.cells_and_seen();
         for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
             let moved = c.allocated + c.freed;
             if c.low < 0 {
@@ -123,7 +123,7 @@ impl Settle {
     /// (its call borrows or settles).
     pub fn cover(&mut self, t: &mut Totals, s: &mut ShardCounters) -> bool {
         let mut holds = false;
-        let ShardCounters { cells, seen, .. } = s;
+        let (cells, seen) = s.cells_and_seen();
         for (i, (c, seen)) in cells.iter_mut().zip(seen.iter_mut()).enumerate() {
             if self.credit[i] < 0 && c.low >= 0 && c.headroom > 0 {
                 let take = c.headroom.min(-self.credit[i]);

@@ -85,12 +85,12 @@ fn a_settle_takes_back_what_a_quiet_shard_keeps_but_not_an_active_one() {
     // Shard 1 runs short while shard 0, active since the last settle, holds the credit.
     s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 50);
     assert!(finish(&mut peaks, &mut s, 1, &r));
-    assert_eq!(s[0].cells[BYTES].headroom, 50, "active: keeps what the peak leaves");
+    assert_eq!(s[0].cell(BYTES).headroom, 50, "active: keeps what the peak leaves");
     // Shard 0 has been quiet since: the next settle moves its credit to the spare credit, so
     // shard 1 borrows it afterwards instead of settling again.
     s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 40);
     assert!(finish(&mut peaks, &mut s, 1, &r));
-    assert_eq!((s[0].cells[BYTES].headroom, spare_credit(&r, BYTES)), (0, 10));
+    assert_eq!((s[0].cell(BYTES).headroom, spare_credit(&r, BYTES)), (0, 10));
     s[1].increase(Metric::AllocatedBytes, PoolKind::Large, 10);
     assert!(!finish(&mut peaks, &mut s, 1, &r), "borrowed what shard 0 no longer keeps");
     assert_eq!(peaks.peak[BYTES], 100);
@@ -125,8 +125,8 @@ fn reusing_own_credit_needs_no_settle() {
 
 /// `P = G + sum(h) + R` over every shard, `G` and `h` as they are now.
 fn balanced(peaks: &Totals, shards: &[ShardCounters], r: &SpareCredit, cell: usize) -> bool {
-    let g: i64 = shards.iter().map(|s| s.cells[cell].current()).sum();
-    let h: i64 = shards.iter().map(|s| s.cells[cell].headroom).sum();
+    let g: i64 = shards.iter().map(|s| s.cell(cell).current()).sum();
+    let h: i64 = shards.iter().map(|s| s.cell(cell).headroom).sum();
     peaks.peak[cell] == g + h + spare_credit(r, cell)
 }
 
@@ -202,7 +202,7 @@ fn a_settle_one_shard_at_a_time_keeps_the_credit_balanced_while_other_shards_mov
     }
     assert_eq!(peaks.peak[BYTES], 600);
     // Shard 1, quiet since its peak, gave its 300 back to the spare credit; shard 2 keeps its.
-    assert_eq!((s[1].cells[BYTES].headroom, s[2].cells[BYTES].headroom, spare_credit(&r, BYTES)), (0, 300, 300));
+    assert_eq!((s[1].cell(BYTES).headroom, s[2].cell(BYTES).headroom, spare_credit(&r, BYTES)), (0, 300, 300));
     // Shard 0 runs short by 400, more than the spare credit holds, and settles. While the
     // settle has visited shards 0 and 1 but not 2, shard 1 allocates 100 and borrows it from
     // the spare credit, and shard 2 allocates 50 within what it keeps: the settle sees shard 2
@@ -221,7 +221,7 @@ fn a_settle_one_shard_at_a_time_keeps_the_credit_balanced_while_other_shards_mov
     for c in [BYTES, cell(Metric::AllocatedBytes, StatType::Pool(PoolKind::Large))] {
         assert!(balanced(&peaks, &s, &r, c), "cell {c}");
     }
-    let h: Vec<i64> = s.iter().map(|s| s.cells[BYTES].headroom).collect();
+    let h: Vec<i64> = s.iter().map(|s| s.cell(BYTES).headroom).collect();
     assert_eq!((h, spare_credit(&r, BYTES)), (vec![0, 0, 50], 0));
 }
 
@@ -236,9 +236,9 @@ fn a_settle_one_shard_at_a_time_takes_over_a_debt_of_the_spare_credit() {
     // A debt of 200 in the spare credit, as a settle that raced calls can leave one, with
     // the credit that pays it sitting in shard 0.
     r[BYTES].fetch_sub(200, Ordering::Relaxed);
-    s[0].cells[BYTES].headroom += 200;
-    s[0].cells[BYTES].low += 200;
-    s[0].cells[BYTES].keep = 700;
+    s[0].cells_mut()[BYTES].headroom += 200;
+    s[0].cells_mut()[BYTES].low += 200;
+    s[0].cells_mut()[BYTES].keep = 700;
     let seen = s[0].seen[BYTES].headroom;
     s[0].seen[BYTES].headroom += 200;
     peaks.held[BYTES] += s[0].seen[BYTES].headroom - seen;
@@ -248,7 +248,7 @@ fn a_settle_one_shard_at_a_time_takes_over_a_debt_of_the_spare_credit() {
     settle_in_steps(&mut peaks, &mut s, &r, |_, _| {});
     assert_eq!(peaks.peak[BYTES], 500);
     assert!(balanced(&peaks, &s, &r, BYTES));
-    assert_eq!((s[0].cells[BYTES].headroom, spare_credit(&r, BYTES)), (499, 0), "shard 0 paid the debt");
+    assert_eq!((s[0].cell(BYTES).headroom, spare_credit(&r, BYTES)), (499, 0), "shard 0 paid the debt");
 }
 
 fn xorshift(x: &mut u64) -> u64 {
@@ -263,8 +263,8 @@ fn xorshift(x: &mut u64) -> u64 {
 fn call(s: &mut [ShardCounters], i: usize, rng: &mut u64) -> (usize, i64) {
     let pool = if xorshift(rng) % 2 == 0 { PoolKind::Small } else { PoolKind::Large };
     let c = cell(Metric::AllocatedBytes, StatType::Pool(pool));
-    let device = |s: &[ShardCounters]| s.iter().map(|s| s.cells[c].current()).sum::<i64>();
-    let held = s[i].cells[c].current();
+    let device = |s: &[ShardCounters]| s.iter().map(|s| s.cell(c).current()).sum::<i64>();
+    let held = s[i].cell(c).current();
     let n = (xorshift(rng) % 1000) as i64 + 1;
     let high = if held > 0 && xorshift(rng) % 2 == 0 {
         s[i].decrease(Metric::AllocatedBytes, pool, n.min(held));
@@ -323,9 +323,9 @@ fn settles_in_steps_are_exact_alone_and_balanced_among_other_calls() {
             let mut holds = vec![false; 4];
             settle(&mut peaks, &mut all, &r, &mut holds);
             for (c, &truth) in truth.iter().enumerate() {
-                let current: i64 = s.iter().map(|s| s.cells[c].current()).sum();
+                let current: i64 = s.iter().map(|s| s.cell(c).current()).sum();
                 assert!(balanced(&peaks, &s, &r, c) && peaks.peak[c] >= current, "seed {seed}, cell {c}");
-                assert!(spare_credit(&r, c) >= 0 && s.iter().all(|s| s.cells[c].headroom >= 0), "seed {seed}");
+                assert!(spare_credit(&r, c) >= 0 && s.iter().all(|s| s.cell(c).headroom >= 0), "seed {seed}");
                 if !overlap && c != BYTES {
                     assert_eq!(peaks.peak[c], truth, "seed {seed}, cell {c}");
                 }

@@ -232,7 +232,7 @@ impl ShardState {
             return Err(format!("stream {owner:#x}: pending events do not match the blocks awaiting them"));
         }
         for (i, &want) in recount.iter().enumerate() {
-            let have = self.counters.cells[i].current();
+            let have = self.counters.cell(i).current();
             if have != want {
                 return Err(format!("stream {owner:#x}: statistic cell {i} is {have}, recount {want}"));
             }

@@ -58,8 +58,7 @@ impl ShardState {
         if !self.blocks[id].stream_uses.is_empty() {
             return self.free_used(&ctx(), ptr, id);
         }
-        self.count_free(id, max_split_size);
-        self.count_inactive(id);
+        self.count_free_whole(id, max_split_size);
         // A block the front cache takes stays in the live map (see `live`).
         if !self.cache_freed(id) {
             self.live.remove(&ptr);
@@ -120,6 +119,19 @@ impl ShardState {
             self.events.push(stream, ev, id);
         }
         Ok(())
+    }
+
+    /// The statistics of a block freed with no other stream to wait for: [`ShardState::count_free`]
+    /// and `count_inactive` at once, counted as the hit path counts (see `counters::lazy`).
+    #[inline(always)]
+    fn count_free_whole(&mut self, id: BlockId, max_split_size: usize) {
+        let b = &mut self.blocks[id];
+        let (size, requested, pool) = (b.size, b.requested, b.pool);
+        b.requested = 0;
+        self.counters.hit_decrease(pool, size as i64, requested as i64);
+        if size >= max_split_size {
+            self.counters.decrease_single(OVERSIZE_ALLOCATIONS);
+        }
     }
 
     /// The statistics of a block that stops being allocated (it stays active until

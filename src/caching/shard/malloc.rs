@@ -5,7 +5,7 @@
 
 use super::ShardState;
 use crate::caching::block::{BlockId, BlockState};
-use crate::caching::counters::{Metric, OVERSIZE_ALLOCATIONS};
+use crate::caching::counters::OVERSIZE_ALLOCATIONS;
 use crate::caching::rules::{self, PoolKind, SizeRules};
 use crate::driver::DevicePtr;
 use crate::error::Error;
@@ -90,12 +90,10 @@ impl ShardState {
         b.requested = req.size;
         let (addr, pool) = (b.addr, b.pool);
         self.last_out = (addr, id);
+        // allocation, allocated_bytes, active, active_bytes and requested_bytes (see
+        // `counters::lazy`).
         let c = &mut self.counters;
-        c.increase(Metric::Allocation, pool, 1);
-        c.increase(Metric::AllocatedBytes, pool, kept as i64);
-        c.increase(Metric::Active, pool, 1);
-        c.increase(Metric::ActiveBytes, pool, kept as i64);
-        c.increase(Metric::RequestedBytes, pool, req.size as i64);
+        c.hit_increase(pool, kept as i64, req.size as i64);
         if kept >= max_split_size {
             c.increase_single(OVERSIZE_ALLOCATIONS);
         }

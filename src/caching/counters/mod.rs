@@ -7,6 +7,8 @@
 
 pub(crate) use super::cells::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 
+mod lazy;
+
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use super::cells::Totals;
@@ -63,7 +65,10 @@ const SURPLUS_FACTOR: i64 = 8;
 /// The statistics of one shard. Not synchronised: the shard's lock guards it.
 #[derive(Debug)]
 pub(crate) struct ShardCounters {
-    pub cells: [Cell; CELLS],
+    /// Read and changed through [`ShardCounters::cell`], [`ShardCounters::cells_mut`] and
+    /// the counting methods, which add the hit path's pending sums first (see `lazy`).
+    cells: [Cell; CELLS],
+    lazy: lazy::Lazy,
     pub seen: [Seen; CELLS],
     /// Some cell went past its headroom: the device peak must be settled before the call
     /// that did it returns.
@@ -87,6 +92,7 @@ impl Default for ShardCounters {
     fn default() -> Self {
         ShardCounters {
             cells: [Cell::default(); CELLS],
+            lazy: lazy::Lazy::default(),
             seen: [Seen::default(); CELLS],
             needs_settle: false,
             has_surplus: false,
@@ -98,8 +104,30 @@ impl Default for ShardCounters {
 }
 
 impl ShardCounters {
+    /// The cells, the hit path's pending sums added first, for a caller that may change them
+    /// (the hit path then takes its minimums of headroom again: see `lazy`).
+    #[inline]
+    pub fn cells_mut(&mut self) -> &mut [Cell; CELLS] {
+        self.touch();
+        &mut self.cells
+    }
+
+    /// [`ShardCounters::cells_mut`] with the cells as a settle last saw them.
+    pub fn cells_and_seen(&mut self) -> (&mut [Cell; CELLS], &mut [Seen; CELLS]) {
+        self.touch();
+        (&mut self.cells, &mut self.seen)
+    }
+
+    /// Before any change to the cells other than the hit path's.
+    #[inline(always)]
+    fn touch(&mut self) {
+        self.flush();
+        self.lazy_stale();
+    }
+
     #[inline(always)]
     fn up(&mut self, cell: usize, n: i64) {
+        self.touch();
         let c = &mut self.cells[cell];
         c.allocated += n;
         c.headroom -= n;
@@ -121,6 +149,7 @@ impl ShardCounters {
 
     #[inline(always)]
     fn down(&mut self, cell: usize, n: i64) {
+        self.touch();
         let c = &mut self.cells[cell];
         c.freed += n;
         c.headroom += n;
