@@ -69,7 +69,9 @@
 #               an earlier one); BENCH_ONLY=main or frag passes through to it
 #   host        pinned host memory: tests/gpu/test_host (a copy in flight keeps its block), then
 #               examples/c/bench_host (gpupool against cudaHostAlloc, PyTorch's
-#               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log
+#               CachingHostAllocator and pageable memory), its table in OUT/bench-host.log;
+#               with DIR/base/libgpupool.so there, its hit pairs with base and this library
+#               alternating (base, new, base, new) into OUT/bench-host-ab.log
 #   threads     examples/c/thread_scaling on the simulated device (this host's CPUs and gpupool
 #               alone): 1, 4, 8 and 16 threads on one device and on a device each, M ops/s and
 #               peak settles per million calls; with DIR/base/libgpupool.so there, base and this
@@ -542,6 +544,16 @@ if want host; then
   fi
   if [ -x $hb/bench_host ]; then
     ./$hb/bench_host 2>&1 | tee "$out/bench-host.log" || status=1
+    # With DIR/base/libgpupool.so, the hit pairs of the library before a change against this
+    # one, alternating, each run's library named by ldd (as `ab` does for the device).
+    if [ -e "$dir/base/libgpupool.so" ]; then
+      base=$(cd "$dir/base" && pwd)
+      for run in base new base new; do
+        libs=$([ "$run" = base ] && echo "$base" || echo "$prefix/lib")
+        { echo "-- $run: $(LD_LIBRARY_PATH="$libs" ldd ./$hb/bench_host | grep gpupool)"
+          LD_LIBRARY_PATH="$libs" ./$hb/bench_host 2>&1 | grep -E "^\| (workload|allocate)"; } | tee -a "$out/bench-host-ab.log" || status=1
+      done
+    fi
   fi
 fi
 # The Python package and the frameworks' allocator plug-ins, each against the framework's own
