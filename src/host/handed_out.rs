@@ -47,9 +47,11 @@ impl<B> HandedOutSet<B> {
         if self.len == RECENT {
             self.spill(0);
         }
-        self.ptrs[self.len] = ptr;
-        self.recent[self.len] = Some(block);
-        self.len += 1;
+        // `len` read once: a store to `ptrs` may alias it (see the front cache's `push`).
+        let i = self.len;
+        self.ptrs[i] = ptr;
+        self.recent[i] = Some(block);
+        self.len = i + 1;
     }
 
     /// Moves the stack's block `i` to the map, and returns its entry there.

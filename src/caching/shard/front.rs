@@ -103,10 +103,13 @@ impl FrontCache {
     #[inline(always)]
     pub fn push(&mut self, size: usize, addr: DevicePtr, id: BlockId) {
         debug_assert!(self.has_room(size));
-        self.sizes[self.len] = size;
-        self.addrs[self.len] = addr;
-        self.ids[self.len] = id;
-        self.len += 1;
+        // `len` read once: each store to `sizes` may alias it, and reading it again cost a
+        // bounds check each (callgrind).
+        let i = self.len;
+        self.sizes[i] = size;
+        self.addrs[i] = addr;
+        self.ids[i] = id;
+        self.len = i + 1;
         self.bytes += size;
     }
 
