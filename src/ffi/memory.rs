@@ -3,7 +3,7 @@
 use std::ffi::{c_int, c_void};
 
 use super::status::{boundary, gpupool_status, out_ptr};
-use super::{gpupool_stream_t, runtime};
+use super::{gpupool_stream_t, runtime, started_runtime};
 use crate::error::Error;
 
 /// Allocates at least `size` bytes of device memory on `device` for use on `stream`, from
@@ -267,7 +267,7 @@ pub unsafe extern "C" fn gpupool_largest_allocatable(
 // `tests/c/hit_loop.c`).
 #[inline(always)]
 pub(super) fn malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> Result<*mut c_void, Error> {
-    Ok(runtime()?.allocator.malloc(size, device, stream as usize)? as *mut c_void)
+    Ok(started_runtime()?.allocator.malloc(size, device, stream as usize)? as *mut c_void)
 }
 
 #[inline(always)]
@@ -275,7 +275,7 @@ pub(super) fn free(ptr: *mut c_void) -> Result<(), Error> {
     if ptr.is_null() {
         return Ok(());
     }
-    runtime()?.allocator.free(ptr as u64)
+    started_runtime()?.allocator.free(ptr as u64)
 }
 
 pub(super) fn record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> Result<(), Error> {

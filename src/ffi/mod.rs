@@ -95,6 +95,17 @@ pub fn process_host_allocator() -> Result<&'static crate::host::HostAllocator, E
     runtime().map(|rt| crate::host::process_host(&rt.allocator))
 }
 
+/// [`runtime`] for the hit path's exports (malloc and free, device and pinned): once the
+/// runtime started, one load, without the fork check, which the allocators they call make
+/// themselves before any lock (a check fewer a call; callgrind, `tests/c/hit_loop.c`).
+#[inline(always)]
+pub(crate) fn started_runtime() -> Result<&'static Runtime, Error> {
+    match RUNTIME.get() {
+        Some(Ok(rt)) => Ok(rt),
+        _ => runtime(),
+    }
+}
+
 /// The process-wide allocator, started on first use from the `GPUPOOL_*` variables.
 pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
     // Before the first lock: in a forked child, the parent's start may be half done.

@@ -158,6 +158,8 @@ impl Allocator {
     /// [`Allocator::free`] of a block found through the segment index.
     #[inline(never)]
     fn free_indexed(&self, ptr: DevicePtr) -> Result<(), Error> {
+        // Before the index: the C export checks for a fork no more (`started_runtime`).
+        crate::caching::fork::check()?;
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
