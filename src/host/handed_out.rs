@@ -150,7 +150,7 @@ mod tests {
         for p in 1..=n {
             s.insert(p * 4096, block(p * 4096));
         }
-        assert_eq!(s.len(), n as usize);
+        assert_eq!(s.len(), n);
         assert!(s.in_older(4096), "the oldest went to the map");
         assert!(!s.in_older(n * 4096), "the newest is in the stack");
         // Out of order: the middle of the stack, the map, then the rest.
