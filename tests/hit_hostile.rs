@@ -230,3 +230,34 @@ fn thread_local_destructors_free_and_allocate_at_thread_exit() {
     check(&a);
     assert_eq!(a.stats(0).unwrap().allocation.all.current, 0);
 }
+
+#[test]
+fn a_block_freed_while_its_pool_sleeps_is_freed_once() {
+    for mode in [gpupool::SleepMode::Offload, gpupool::SleepMode::Discard, gpupool::SleepMode::OffloadPinned] {
+        let (a, _drv) = sim_with(1, 256 * MIB, expandable());
+        let pool = a.pool_create_sleepable();
+        a.begin_allocate_to_pool(0, pool, 0x10).unwrap();
+        let keep = a.malloc(4096, 0, 0x10).unwrap();
+        let p = a.malloc(512, 0, 0x10).unwrap();
+        a.end_allocate_to_pool(0, pool).unwrap();
+        // This thread's cache names the default pool's shard of the same stream.
+        let q = a.malloc(512, 0, 0x10).unwrap();
+        a.sleep(0, pool, mode).unwrap();
+        a.free(p).unwrap();
+        device_refuses_freed(&a, p);
+        a.free(q).unwrap();
+        device_refuses_freed(&a, q);
+        a.wake(0, pool).unwrap();
+        device_refuses_freed(&a, p);
+        a.begin_allocate_to_pool(0, pool, 0x10).unwrap();
+        let r = a.malloc(512, 0, 0x10).unwrap();
+        a.end_allocate_to_pool(0, pool).unwrap();
+        a.free(r).unwrap();
+        device_refuses_freed(&a, r);
+        a.free(keep).unwrap();
+        a.release_pool(0, pool).unwrap();
+        a.empty_cache(0).unwrap();
+        check(&a);
+        assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, 0, "{mode:?}");
+    }
+}
