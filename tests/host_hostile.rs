@@ -17,8 +17,12 @@ const RECENT: usize = 8;
 const COPY: usize = 0x7000;
 
 fn host() -> (HostAllocator, Arc<SimDriver>) {
+    host_with(Config::default())
+}
+
+fn host_with(config: Config) -> (HostAllocator, Arc<SimDriver>) {
     let sim = Arc::new(SimDriver::new(2, 1 << 30));
-    (HostAllocator::new(sim.clone() as Arc<dyn Driver>, &Config::default()), sim)
+    (HostAllocator::new(sim.clone() as Arc<dyn Driver>, &config), sim)
 }
 
 /// Every way to touch a freed pinned block is refused, from this thread and another, and
@@ -152,7 +156,16 @@ fn free_after_device_sync_takes_a_block_from_the_stack_or_the_map_once() {
 
 #[test]
 fn more_threads_than_stripes_churn_and_free_each_others_blocks() {
-    let (h, sim) = host();
+    churn(Config::default());
+}
+
+#[test]
+fn more_threads_than_stripes_churn_with_the_background_thread_polling() {
+    churn(Config { pinned_use_background_threads: true, ..Config::default() });
+}
+
+fn churn(config: Config) {
+    let (h, sim) = host_with(config);
     // Blocks handed between threads: each thread frees some of the others'.
     let mailbox: Mutex<Vec<usize>> = Mutex::new(Vec::new());
     let threads = 72; // more than the 64 stripes of the largest machine
@@ -162,7 +175,7 @@ fn more_threads_than_stripes_churn_and_free_each_others_blocks() {
             s.spawn(move || {
                 let mut x = 0x9e37_79b9_u64.wrapping_mul(t as u64 + 1);
                 let mut mine: Vec<(usize, usize)> = Vec::new();
-                for _ in 0..300 {
+                for _ in 0..2000 {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
