@@ -133,6 +133,12 @@ impl Arena {
         b.state = BlockState::Free;
         self.vacant.push(id);
     }
+
+    /// Whether every vacant slot is marked free (for the consistency check: see
+    /// [`Arena::remove`]).
+    pub fn vacant_are_free(&self) -> bool {
+        self.vacant.iter().all(|&id| self.slots[id as usize].state == BlockState::Free)
+    }
 }
 
 impl std::ops::Index<BlockId> for Arena {

@@ -32,7 +32,7 @@ impl HostAllocator {
             }
         };
         let (mut free_blocks, mut free_bytes) = (0i64, 0i64);
-        for st in &stripes {
+        for (s, st) in stripes.iter().enumerate() {
             for (class, list) in st.free.iter().enumerate() {
                 for b in list {
                     assert_eq!(b.class, class, "block {:#x} in the wrong free list", b.ptr);
@@ -55,6 +55,10 @@ impl HostAllocator {
                 assert_eq!(p, b.ptr);
                 check_class(b);
                 place(p, "handed out");
+                // A free finds a block in its home stripe only (the hit path's stack, or
+                // `home_of`).
+                let home = b.home.load(std::sync::atomic::Ordering::Relaxed) as usize;
+                assert_eq!(home, s, "block {p:#x} is listed in stripe {s}, but its home is {home}");
             }
         }
         for (_, b) in slow.deferred.iter().chain(&slow.stranded) {

@@ -334,8 +334,11 @@ impl HostAllocator {
 
     /// The size (bytes, its class's) of the allocated block at `ptr`, if `ptr` is the start of
     /// one: [`rounded_size`] of the request, or up to 5% more than the request when a cached
-    /// block of a larger class served it.
+    /// block of a larger class served it. `None` in a forked child, before any lock (as
+    /// [`crate::Allocator::block_info`]: another thread may have held the stripe's lock at the
+    /// fork).
     pub fn block_size(&self, ptr: HostPtr) -> Option<usize> {
+        fork::check().ok()?;
         let (_, st) = self.inner.home_of(ptr, "look up").ok()?;
         st.handed_out.get(ptr).map(|b| b.size)
     }

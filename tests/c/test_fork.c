@@ -32,9 +32,16 @@ static void *churn(void *arg) {
   return NULL;
 }
 
+static void *warm, *warm_host;
+
 /* In the child: every call must fail at once with the fork message. Exit 0 if so. */
 static int child(void) {
   alarm(10); /* a hang is killed by SIGALRM, which the parent sees */
+  /* The parent's blocks, the last each hit path handed out on this thread: never freed here. */
+  if (gpupool_free(warm) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) return 6;
+  if (gpupool_host_free(warm_host) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) return 7;
+  void *h = NULL;
+  if (gpupool_host_malloc(&h, 4096) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE || h != NULL) return 8;
   void *p = NULL;
   if (gpupool_malloc(&p, 1024, 0, NULL) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE || p != NULL) return 2;
   if (strstr(gpupool_last_error_message(), "fork") == NULL) return 3;
@@ -45,8 +52,8 @@ static int child(void) {
 }
 
 int main(void) {
-  void *warm;
   CHECK(gpupool_malloc(&warm, 4096, 0, NULL) == GPUPOOL_SUCCESS);
+  CHECK(gpupool_host_malloc(&warm_host, 4096) == GPUPOOL_SUCCESS);
   pthread_t threads[4];
   /* The simulated device takes any stream handle; a real driver takes only live streams, and
    * CU_STREAM_PER_THREAD (2) is each thread's own. */
@@ -73,6 +80,7 @@ int main(void) {
   CHECK(wrong == 0);
   /* The parent is unaffected. */
   CHECK(gpupool_free(warm) == GPUPOOL_SUCCESS);
+  CHECK(gpupool_host_free(warm_host) == GPUPOOL_SUCCESS);
   void *p;
   CHECK(gpupool_malloc(&p, 1 << 20, 0, NULL) == GPUPOOL_SUCCESS);
   CHECK(gpupool_free(p) == GPUPOOL_SUCCESS);

@@ -219,6 +219,16 @@ impl ShardState {
         if self.live.len() != recount[cell(Metric::Allocation, StatType::All)] as usize + cached.len() {
             return Err(format!("stream {owner:#x}: the live map holds blocks that are not allocated"));
         }
+        // The hint of the block handed out last (`last_out`) is believed only for an allocated
+        // block at its address, which must then be the live map's; a vacant slot is never
+        // allocated, so that a hint naming a block that merged away is not believed.
+        if !self.blocks.vacant_are_free() {
+            return Err(format!("stream {owner:#x}: a vacant slot of the arena is not free"));
+        }
+        let (last, hint) = self.last_out;
+        if self.allocated(last) == Some(hint) && self.live.get(&last) != Some(&hint) {
+            return Err(format!("stream {owner:#x}: the hint names block {last:#x}, which the live map does not"));
+        }
         // Blocks freed during a capture await its end with no event yet.
         for &id in &self.capture_deferred {
             if awaiting.remove(&id) != Some(0) {
