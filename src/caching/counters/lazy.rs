@@ -184,6 +184,33 @@ impl ShardCounters {
         self.lazy.stale = false;
     }
 
+    /// The invariant checker's rule: unless marked stale, each minimum is the least headroom of
+    /// its group's cells as they stand (pending sums included), and nothing is pending with
+    /// the flag down.
+    pub fn check_lazy(&self) -> Result<(), String> {
+        let l = &self.lazy;
+        if !l.pending && (l.up != [[0; GROUPS]; 2] || l.down != [[0; GROUPS]; 2]) {
+            return Err("hit-path sums pending with the pending flag down".into());
+        }
+        if l.stale {
+            return Ok(());
+        }
+        let least = |g: usize, t: StatType| MEMBERS[g].iter().map(|&m| self.cell(cell(m, t)).headroom).min();
+        for g in 0..GROUPS {
+            if least(g, StatType::All) != Some(l.head_all[g]) {
+                return Err(format!("the hit path's least headroom of group {g} (all pools) is not its cells'"));
+            }
+            for (p, pool) in POOLS.into_iter().enumerate() {
+                if least(g, StatType::Pool(pool)) != Some(l.head_pool[p][g]) {
+                    return Err(format!(
+                        "the hit path's least headroom of group {g} ({pool:?} pool) is not its cells'"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Cell `c` as it stands, the pending sums included.
     pub fn cell(&self, c: usize) -> Cell {
         let mut v = self.cells[c];
@@ -254,6 +281,7 @@ mod tests {
             eager(&mut eager_c, pool, kept, requested, sign);
             assert_eq!(view(&lazy), view(&eager_c), "after {pool:?} {kept} {sign}");
             assert_eq!(lazy.needs_settle, eager_c.needs_settle);
+            assert_eq!(lazy.check_lazy(), Ok(()));
         }
         lazy.flush();
         assert!(!lazy.lazy.pending);
@@ -280,5 +308,22 @@ mod tests {
         c.hit_increase(PoolKind::Small, 512, 512);
         assert!(c.needs_settle, "and its withdrawal too");
         assert_eq!(c.cell(bytes).low, -512);
+    }
+
+    #[test]
+    fn the_checker_sees_a_wrong_minimum_or_a_lost_sum() {
+        let mut c = ShardCounters::default();
+        c.hit_increase(PoolKind::Large, 4096, 4000);
+        c.hit_decrease(PoolKind::Large, 4096, 4000);
+        assert_eq!(c.check_lazy(), Ok(()));
+        c.lazy.head_pool[1][KEPT] += 1;
+        assert!(c.check_lazy().is_err(), "a minimum above its cells'");
+        for i in 0..CELLS {
+            c.cells_mut()[i].headroom = 1 << 20;
+        }
+        c.hit_increase(PoolKind::Small, 512, 512);
+        assert_eq!(c.check_lazy(), Ok(()), "within credit: pending, not flushed");
+        c.lazy.pending = false;
+        assert!(c.check_lazy().is_err(), "sums pending unflagged");
     }
 }

@@ -225,6 +225,7 @@ impl ShardState {
         if !self.blocks.vacant_are_free() {
             return Err(format!("stream {owner:#x}: a vacant slot of the arena is not free"));
         }
+        self.counters.check_lazy().map_err(|e| format!("stream {owner:#x}: {e}"))?;
         let (last, hint) = self.last_out;
         if self.allocated(last) == Some(hint) && self.live.get(&last) != Some(&hint) {
             return Err(format!("stream {owner:#x}: the hint names block {last:#x}, which the live map does not"));

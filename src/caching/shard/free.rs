@@ -58,12 +58,19 @@ impl ShardState {
         if !self.blocks[id].stream_uses.is_empty() {
             return self.free_used(&ctx(), ptr, id);
         }
+        self.free_whole(ptr, id, max_split_size);
+        Ok(())
+    }
+
+    /// Frees the allocated block `id` at `ptr` that no other stream used: counted, and to the
+    /// front cache or its pool.
+    #[inline(always)]
+    fn free_whole(&mut self, ptr: DevicePtr, id: BlockId, max_split_size: usize) {
         self.count_free_whole(id, max_split_size);
         // A block the front cache takes stays in the live map (see `live`).
         if !self.cache_freed(id) {
             self.live.remove(&ptr);
         }
-        Ok(())
     }
 
     /// [`ShardState::free`] of a block that other streams used: one event per stream, or, while
@@ -79,11 +86,7 @@ impl ShardState {
             return Ok(());
         }
         if self.blocks[id].stream_uses.is_empty() {
-            self.count_free(id, ctx.max_split_size);
-            self.count_inactive(id);
-            if !self.cache_freed(id) {
-                self.live.remove(&ptr);
-            }
+            self.free_whole(ptr, id, ctx.max_split_size);
             return Ok(());
         }
         if ctx.capture.underway(self.blocks[id].stream_uses.iter().copied()) {
