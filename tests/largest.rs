@@ -308,8 +308,9 @@ const CONFS: [&str; 9] = [
 
 /// An allocator of `capacity` bytes under `conf` after `ops` (failures ignored). Stream 7,
 /// which `RecordStream` names, is held and released by `Hold` and `Release`.
-fn replay(conf: &str, reclaim: bool, large_pages: bool, capacity: usize, ops: &[Op]) -> (Allocator, Arc<SimDriver>) {
-    let config = Config { expandable_reclaim: reclaim, expandable_large_pages: large_pages, ..config(conf) };
+fn replay(conf: &str, pages: (bool, bool, usize), capacity: usize, ops: &[Op]) -> (Allocator, Arc<SimDriver>) {
+    let (expandable_reclaim, expandable_large_pages, expandable_pages_per_request) = pages;
+    let config = Config { expandable_reclaim, expandable_large_pages, expandable_pages_per_request, ..config(conf) };
     let (a, sim) = sim_with(1, capacity, config);
     let mut live: Vec<DevicePtr> = Vec::new();
     for op in ops {
@@ -338,9 +339,11 @@ proptest! {
         conf in 0..CONFS.len(),
         reclaim in any::<bool>(),
         large_pages in any::<bool>(),
+        // 2 pages a request: the ladder's larger pages from 40 MiB on.
+        per_request in prop_oneof![Just(0usize), Just(2), Just(16)],
         capacity in prop_oneof![Just(64 * MIB), Just(200 * MIB), Just(512 * MIB)],
         stream in 0usize..4,
     ) {
-        exact(&|| replay(CONFS[conf], reclaim, large_pages, capacity, &ops), stream);
+        exact(&|| replay(CONFS[conf], (reclaim, large_pages, per_request), capacity, &ops), stream);
     }
 }

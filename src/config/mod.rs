@@ -46,6 +46,7 @@
 //! | `GPUPOOL_PRELOAD_STATS` | boolean | `off` | LD_PRELOAD shim: at exit, print what was intercepted, these options and the memory summary of each device used (stderr) |
 //! | `GPUPOOL_EXPANDABLE_RECLAIM` | boolean | `off` | With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md) |
 //! | `GPUPOOL_EXPANDABLE_LARGE_PAGES` | boolean | `on` | With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md) |
+//! | `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` | count, 0 to 1048576 | `16` | With `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more maps at most this many pages; its address range's page is 20 MiB doubled until it does (a 4 GiB request maps 13 pages of 320 MiB rather than 205 of 20 MiB: each page is a `cuMemCreate` and a `cuMemMap`, tens of microseconds whatever its size). 0: 20 MiB pages at any size, as PyTorch maps them (see docs/fragmentation.md) |
 //! | `GPUPOOL_RELEASE_UNUSED_STREAMS` | boolean | `off` | Before a stream's growth takes the device's physical memory past its high-water mark, the cache of every other stream that holds no block (nothing allocated, nothing awaiting an event) is released as `empty_cache` releases it, so that a program creating a stream per request or step keeps reserved memory flat (gpupool's; PyTorch keeps each stream's cache until the device runs out of memory). Off (the default): PyTorch's behaviour; `gpupool_largest_allocatable` does not count what this would release (see docs/fragmentation.md) |
 //! | `GPUPOOL_SLEEP_CHUNK` | size, at least 1 | `32MiB` | `gpupool_sleep` and `gpupool_wake` with offload: bytes of each pinned staging buffer, the most one copy between the device and the host copy carries (blocks are cut into, and small blocks packed into, pieces of this size; see docs/sleep.md) |
 //! | `GPUPOOL_SLEEP_BUFFERS` | count, 2 to 64 | `4` | `gpupool_sleep` and `gpupool_wake` with offload: pinned staging buffers per device (the ring), allocated at the first offload and kept until `gpupool_empty_cache`; buffers times `GPUPOOL_SLEEP_CHUNK` bytes of pinned host memory |
@@ -207,6 +208,10 @@ pub struct Config {
     /// 20 MiB and more grow address ranges of their own mapped in 20 MiB pages (PyTorch's page
     /// in its large pool), the rest 2 MiB pages (see `caching::shard::expand`).
     pub expandable_large_pages: bool,
+    /// `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` (16 by default): with large pages, a request of
+    /// 20 MiB or more maps at most this many pages, its range's page doubled until it does;
+    /// 0: 20 MiB pages at any size (see `caching::shard::expand::ExpandablePolicy::page_for`).
+    pub expandable_pages_per_request: usize,
     /// `GPUPOOL_RELEASE_UNUSED_STREAMS` (see `caching::device::stranded`).
     pub release_unused_streams: bool,
     /// The allocation history an allocator records from its start
@@ -253,6 +258,7 @@ impl Default for Config {
             preload_stats: false,
             expandable_reclaim: false,
             expandable_large_pages: true,
+            expandable_pages_per_request: 16,
             release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,

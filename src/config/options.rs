@@ -55,7 +55,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 16] = [
+pub static OPTIONS: [Opt; 17] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -138,6 +138,14 @@ pub static OPTIONS: [Opt; 16] = [
         doc: "With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off): a tenth of the driver calls for large blocks, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass, for a little more reserved memory (see docs/fragmentation.md)",
         set: |c, v| c.expandable_large_pages = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_large_pages),
+    },
+    Opt {
+        name: "GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST",
+        kind: Kind::Count { min: 0, max: 1 << 20 },
+        default: Value::Count(16),
+        doc: "With `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more maps at most this many pages; its address range's page is 20 MiB doubled until it does (a 4 GiB request maps 13 pages of 320 MiB rather than 205 of 20 MiB: each page is a `cuMemCreate` and a `cuMemMap`, tens of microseconds whatever its size). 0: 20 MiB pages at any size, as PyTorch maps them (see docs/fragmentation.md)",
+        set: |c, v| c.expandable_pages_per_request = v.count() as usize,
+        get: |c| Value::Count(c.expandable_pages_per_request as i64),
     },
     Opt {
         name: "GPUPOOL_RELEASE_UNUSED_STREAMS",

@@ -196,6 +196,7 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
         ("GPUPOOL_PRELOAD_STATS", "maybe", "a boolean"),
         ("GPUPOOL_EXPANDABLE_RECLAIM", "sometimes", "a boolean"),
         ("GPUPOOL_EXPANDABLE_LARGE_PAGES", "20MB", "a boolean"),
+        ("GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST", "-3", "from 0 to 1048576"),
         ("GPUPOOL_RELEASE_UNUSED_STREAMS", "often", "a boolean"),
         ("GPUPOOL_SLEEP_CHUNK", "big", "a size"),
         ("GPUPOOL_SLEEP_BUFFERS", "1", "from 2 to 64"),
@@ -265,6 +266,7 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_PRELOAD_STATS=on\n\
          GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
          GPUPOOL_EXPANDABLE_LARGE_PAGES=on (default)\n\
+         GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=16 (default)\n\
          GPUPOOL_RELEASE_UNUSED_STREAMS=off (default)\n\
          GPUPOOL_SLEEP_CHUNK=32MiB (default)\n\
          GPUPOOL_SLEEP_BUFFERS=4 (default)\n\

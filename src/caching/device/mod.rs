@@ -159,8 +159,11 @@ impl DeviceAllocator {
         let rules = SizeRules::from_config(config);
         let (expandable, reclaim, gc_threshold) =
             (config.expandable_segments, config.expandable_reclaim, config.garbage_collection_threshold);
-        let expandable =
-            expandable.then(|| expandable_policy(&*driver, device, config.expandable_large_pages)).flatten();
+        let expandable = expandable
+            .then(|| {
+                expandable_policy(&*driver, device, config.expandable_large_pages, config.expandable_pages_per_request)
+            })
+            .flatten();
         DeviceAllocator {
             gc_threshold,
             release_unused_streams: config.release_unused_streams,
@@ -245,16 +248,22 @@ impl DeviceAllocator {
 }
 
 /// The layout of `device`'s expandable segments, or `None` when the driver cannot map memory
-/// there (or fails to say). `large_pages`: `GPUPOOL_EXPANDABLE_LARGE_PAGES`, requests of
-/// [`HUGE_PAGE`] bytes and more in ranges of pages of that size.
-fn expandable_policy(driver: &dyn Driver, device: i32, large_pages: bool) -> Option<ExpandablePolicy> {
+/// there (or fails to say). With `large_pages` (`GPUPOOL_EXPANDABLE_LARGE_PAGES`), requests of
+/// [`HUGE_PAGE`] bytes and more grow ranges of pages of that size, or of its doubles past
+/// `pages_per_request` pages (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`).
+fn expandable_policy(
+    driver: &dyn Driver,
+    device: i32,
+    large_pages: bool,
+    pages_per_request: usize,
+) -> Option<ExpandablePolicy> {
     let granularity = driver.vmm_granularity(device).ok()??;
     let total = driver.mem_info(device).ok()?.total;
     let small_page = SMALL_BUFFER.next_multiple_of(granularity);
     let large_page = LARGE_PAGE.next_multiple_of(granularity);
     let huge_page = HUGE_PAGE.next_multiple_of(granularity);
     let huge_from = if large_pages { HUGE_PAGE } else { usize::MAX };
-    Some(ExpandablePolicy { small_page, large_page, huge_from, huge_page, device_total: total })
+    Some(ExpandablePolicy { small_page, large_page, huge_from, huge_page, pages_per_request, device_total: total })
 }
 
 impl Drop for DeviceAllocator {

@@ -47,7 +47,7 @@ impl DeviceAllocator {
     pub(super) fn sleep_policy(&self) -> Option<&ExpandablePolicy> {
         self.sleep_policy
             .get_or_init(|| {
-                let base = self.expandable.or_else(|| expandable_policy(&*self.driver, self.device, true))?;
+                let base = self.expandable.or_else(|| expandable_policy(&*self.driver, self.device, true, 0))?;
                 Some(sleepable_layout(base))
             })
             .as_ref()

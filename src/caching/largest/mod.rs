@@ -342,14 +342,15 @@ pub(crate) fn largest(s: &Situation) -> usize {
     }
     // Each bound, and the edges where the rules change (the small pool's largest size, the
     // last size of `large_segment_size` segments, the last under `max_split_size`, the last
-    // that grows ranges of small pages) below the
+    // before each change of a growth's page) below the
     // largest bound: a bound cut to an edge is the edge. `largest_rounded_within` never
     // decreases, so the sizes stay in order.
     let top = bounds.iter().copied().max().unwrap_or(0);
-    // With large pages, requests from `huge_from` on grow other ranges than those below it.
-    let huge = s.pages.map_or(usize::MAX, |p| p.huge_from);
-    let edges = [SMALL_SIZE, MIN_LARGE_ALLOC - 1, s.rules.max_split_size - 1, huge - 1];
-    bounds.extend(edges.into_iter().filter(|&e| e <= top));
+    // With large pages, requests from each of the page edges on grow other ranges than those
+    // below it.
+    let pages = s.pages.iter().flat_map(|p| p.page_edges()).map(|e| e - 1);
+    let edges = [SMALL_SIZE, MIN_LARGE_ALLOC - 1, s.rules.max_split_size - 1].into_iter().chain(pages);
+    bounds.extend(edges.filter(|&e| e <= top));
     bounds.sort_unstable_by(|a, b| b.cmp(a));
     bounds.dedup();
     let mut sizes: Vec<usize> = bounds.into_iter().filter_map(|x| largest_rounded_within(x, &s.rules)).collect();

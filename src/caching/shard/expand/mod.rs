@@ -60,6 +60,10 @@ pub(crate) struct ExpandablePolicy {
     pub huge_from: usize,
     /// Page size of those ranges (PyTorch's `kLargeBuffer`, 20 MiB).
     pub huge_page: usize,
+    /// A request from `huge_from` on maps at most this many pages
+    /// (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`): its ranges' page is `huge_page` doubled until
+    /// it does; 0: `huge_page` at any size (see [`ExpandablePolicy::page_for`]).
+    pub pages_per_request: usize,
     /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
     /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
     /// (and page size) twice the largest it has, or the request if that is larger.
@@ -68,20 +72,55 @@ pub(crate) struct ExpandablePolicy {
 
 impl ExpandablePolicy {
     /// Every (pool, page size in bytes) that ranges may have: the small pool's, the large
-    /// pool's, and with large pages the large pool's ranges of large pages.
+    /// pool's, and with large pages the large pool's ranges of large pages, each step of the
+    /// ladder (see [`ExpandablePolicy::page_for`]) up to the device's memory.
     pub(crate) fn page_sizes(&self) -> impl Iterator<Item = (PoolKind, usize)> {
-        let huge = (self.huge_from != usize::MAX).then_some((PoolKind::Large, self.huge_page));
+        let huge = self.ladder().map(|(page, _)| (PoolKind::Large, page));
         [(PoolKind::Small, self.small_page), (PoolKind::Large, self.large_page)].into_iter().chain(huge)
+    }
+
+    /// The sizes of the large pool at which [`ExpandablePolicy::page_for`] changes: requests of
+    /// each size and more grow ranges of other pages than those below it.
+    pub(crate) fn page_edges(&self) -> impl Iterator<Item = usize> {
+        self.ladder().map(|(_, from)| from)
+    }
+
+    /// The large pages, each with the smallest request that maps it: `huge_page` from
+    /// `huge_from`, then with `pages_per_request` each double of it from `pages_per_request`
+    /// times the page before, while the page is at most the device's memory. Empty without
+    /// large pages.
+    fn ladder(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let first = (self.huge_from != usize::MAX).then_some((self.huge_page, self.huge_from));
+        std::iter::successors(first, move |&(page, _)| {
+            let n = self.pages_per_request;
+            let next = page.checked_mul(2).filter(|&p| n > 0 && p <= self.device_total)?;
+            Some((next, page.checked_mul(n)?.max(self.huge_from)))
+        })
     }
 
     /// The page size in bytes of the ranges a request of `rounded` bytes of `pool` grows: each range
     /// has one page size, and a request looks only at ranges of its own (so that blocks of
     /// 20 MiB and more, laid out in their own ranges, are moved by the high-water rule in large
     /// pages, and the small ones in small pages).
+    ///
+    /// From `huge_from` on, the page is `huge_page` (PyTorch's 20 MiB) doubled until the
+    /// request maps at most `pages_per_request` pages (gpupool's, not in PyTorch, which maps
+    /// 20 MiB pages at any size). A page costs a `cuMemCreate` and a `cuMemMap` whatever its
+    /// size (tens of microseconds on an H100, GPU.md), so a 4 GiB request mapped 205 driver
+    /// pages; at most 16 it maps no more than an eighth of its size past what it asked for,
+    /// and what it maps past it serves any request.
     pub(crate) fn page_for(&self, pool: PoolKind, rounded: usize) -> usize {
         match pool {
             PoolKind::Small => self.small_page,
-            PoolKind::Large if rounded >= self.huge_from => self.huge_page,
+            PoolKind::Large if rounded >= self.huge_from => {
+                let mut page = self.huge_page;
+                let n = self.pages_per_request;
+                // Doubling stops below the request, so it never overflows.
+                while n > 0 && rounded / n >= page && page <= self.device_total / 2 {
+                    page *= 2;
+                }
+                page
+            }
             PoolKind::Large => self.large_page,
         }
     }

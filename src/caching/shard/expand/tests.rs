@@ -9,6 +9,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         large_page: 20 << 20,
         huge_from: usize::MAX,
         huge_page: 20 << 20,
+        pages_per_request: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.range_size(PoolKind::Large, 1 << 20, 0), Some(10 << 30));
@@ -22,6 +23,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         large_page: 20 << 20,
         huge_from: usize::MAX,
         huge_page: 20 << 20,
+        pages_per_request: 0,
         device_total: 64 << 20,
     };
     assert_eq!(tiny.range_size(PoolKind::Large, 512, 0), Some(20 << 20));
@@ -34,6 +36,7 @@ fn large_requests_take_large_pages_only_when_asked() {
         large_page: 2 << 20,
         huge_from: usize::MAX,
         huge_page: 20 << 20,
+        pages_per_request: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.page_for(PoolKind::Large, 64 << 20), 2 << 20, "off: one page size");
@@ -44,4 +47,51 @@ fn large_requests_take_large_pages_only_when_asked() {
     // A range for a large request is a whole number of its pages.
     assert_eq!(p.range_size(PoolKind::Large, (30 << 30) + 1, 0), Some((30 << 30) + (20 << 20)));
     assert_eq!(p.range_size(PoolKind::Large, (2 << 20) + 1, 0), Some(10 << 30));
+}
+
+#[test]
+fn very_large_requests_map_few_pages() {
+    const MIB: usize = 1 << 20;
+    let mut p = ExpandablePolicy {
+        small_page: 2 * MIB,
+        large_page: 2 * MIB,
+        huge_from: 20 * MIB,
+        huge_page: 20 * MIB,
+        pages_per_request: 16,
+        device_total: 80 << 30,
+    };
+    // 20 MiB pages up to 16 of them, then each double from 16 of the page before.
+    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB - 512), 20 * MIB);
+    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB), 40 * MIB);
+    assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 320 * MIB, "a 4 GiB request: 13 pages, not 205");
+    assert_eq!(p.page_for(PoolKind::Small, 4 << 30), 2 * MIB, "the small pool keeps its page");
+    assert_eq!(p.page_for(PoolKind::Large, 19 * MIB), 2 * MIB);
+    // Whatever the size, at most 16 pages, and no page past the device's memory.
+    let mut edges: Vec<usize> = p.page_edges().collect();
+    let sizes: Vec<usize> = p.page_sizes().filter(|s| s.0 == PoolKind::Large).map(|s| s.1).skip(1).collect();
+    assert_eq!(sizes.len(), edges.len());
+    for (k, (&page, &from)) in sizes.iter().zip(&edges).enumerate() {
+        assert_eq!(page, (20 * MIB) << k);
+        assert_eq!(p.page_for(PoolKind::Large, from), page, "the edge starts its page");
+        assert!(from == 20 * MIB || p.page_for(PoolKind::Large, from - 1) == page / 2);
+    }
+    assert_eq!(*sizes.last().unwrap(), 80 << 30, "the last page is the device's memory");
+    for r in [20 * MIB, 333 * MIB, 1 << 30, (5 << 30) + 7, 80 << 30, usize::MAX / 2, usize::MAX - 4095] {
+        let page = p.page_for(PoolKind::Large, r);
+        assert!(page <= 80 << 30 && page % (20 * MIB) == 0);
+        assert!(page == 80 << 30 || r.div_ceil(page) <= 16, "{r}: {page}");
+    }
+    // 0: PyTorch's 20 MiB at any size; one edge only.
+    p.pages_per_request = 0;
+    assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 20 * MIB);
+    edges = p.page_edges().collect();
+    assert_eq!(edges, [20 * MIB]);
+    // One page a request: the page is the request's next power-of-two multiple of 20 MiB.
+    p.pages_per_request = 1;
+    assert_eq!(p.page_for(PoolKind::Large, 100 * MIB), 160 * MIB);
+    // Without large pages, no ladder at all.
+    p.huge_from = usize::MAX;
+    p.pages_per_request = 16;
+    assert_eq!(p.page_edges().count(), 0);
+    assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 2 * MIB);
 }
