@@ -118,3 +118,16 @@ fn out_of_memory_on_a_large_page_is_refused_cleanly_and_smaller_pages_still_serv
     }
     all_given_back(&a, &drv);
 }
+
+#[test]
+fn the_high_water_rule_keeps_20_mib_pages() {
+    // The rule's point is the least reserved memory, which larger pages would raise.
+    let config = Config { expandable_reclaim: true, ..ladder(16) };
+    let (a, drv) = sim_with(1, 8 << 30, config);
+    let c0 = drv.counts();
+    let big = a.malloc(1 << 30, 0, 0x10).unwrap();
+    assert_eq!(drv.counts().mem_create - c0.mem_create, 52, "pages of 20 MiB");
+    check(&a);
+    a.free(big).unwrap();
+    all_given_back(&a, &drv);
+}

@@ -13,8 +13,9 @@
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
 //!
-//! With `GPUPOOL_EXPANDABLE_LARGE_PAGES=1` in the environment, requests of 20 MiB and more map
-//! 20 MiB pages in ranges of their own.
+//! `GPUPOOL_EXPANDABLE_LARGE_PAGES` and `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` are read from
+//! the environment (gpupool's defaults otherwise: requests of 20 MiB and more map 20 MiB
+//! pages, or larger ones past 16 a request, in ranges of their own).
 //!
 //! CAPACITY_GIB: the simulated device's memory (default 80, an H100's), which sizes the
 //! expandable segments' address ranges. With `--cuda`, the same replays on device 0 of this
@@ -103,8 +104,12 @@ fn on_gpu(args: &[String]) {
 /// Expandable segments, with the high-water rule or not, and `GPUPOOL_EXPANDABLE_LARGE_PAGES`
 /// from the environment, read by gpupool's own parser.
 fn expandable(reclaim: bool) -> gpupool::config::Config {
-    let large = std::env::var("GPUPOOL_EXPANDABLE_LARGE_PAGES").unwrap_or_default();
-    let row = format!("GPUPOOL_CONF=expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES={large}");
+    let mut row = "GPUPOOL_CONF=expandable_segments:True".to_string();
+    for name in ["GPUPOOL_EXPANDABLE_LARGE_PAGES", "GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST"] {
+        if let Ok(v) = std::env::var(name) {
+            row += &format!(";{name}={v}");
+        }
+    }
     let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
     config.expandable_reclaim = reclaim;
     config
