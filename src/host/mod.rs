@@ -173,7 +173,7 @@ impl HostAllocator {
             return Ok(0);
         }
         if size <= classes::SMALL_MAX {
-            return self.malloc_class(size, classes::small_class(size));
+            return self.malloc_class(size, classes::small_class(size)).map_err(|e| *e);
         }
         self.malloc_large(size)
     }
@@ -186,15 +186,16 @@ impl HostAllocator {
                 "size {size} bytes is too large: the largest pinned block is 2^63 bytes"
             )));
         };
-        self.malloc_class(size, class)
+        self.malloc_class(size, class).map_err(|e| *e)
     }
 
     /// [`HostAllocator::malloc`] of `size` bytes, of `class`: a free block of the class in this
     /// thread's stripe, else the miss path. Inlined in both callers, so that neither pays a
     /// call: a small request's rounding is one bit scan (cheaper than PyTorch's
-    /// `PowerOf2Ceil`), a large one's a dozen instructions more.
+    /// `PowerOf2Ceil`), a large one's a dozen instructions more. The error is boxed so that
+    /// the answer fits two registers (as the device's hit path's, `DeviceAllocator::malloc`).
     #[inline(always)]
-    fn malloc_class(&self, size: usize, class: usize) -> Result<HostPtr, Error> {
+    fn malloc_class(&self, size: usize, class: usize) -> Result<HostPtr, Box<Error>> {
         let me = self.stripe_index();
         let inner = &*self.inner;
         {
@@ -206,7 +207,7 @@ impl HostAllocator {
                 return Ok(p);
             }
         }
-        self.malloc_miss(me, size, class)
+        self.malloc_miss(me, size, class).map_err(Box::new)
     }
 
     #[cold]
@@ -277,15 +278,16 @@ impl HostAllocator {
                 return Ok(());
             }
         }
-        self.free_listed(ptr)
+        self.free_listed(ptr).map_err(|e| *e)
     }
 
     /// [`HostAllocator::free`] of a block that is not among the few the calling thread's
     /// stripe handed out last with no stream named: found through the pinned segments' index,
     /// in its home stripe.
+    /// Boxed error: see [`HostAllocator::malloc_class`].
     #[cold]
     #[inline(never)]
-    fn free_listed(&self, ptr: HostPtr) -> Result<(), Error> {
+    fn free_listed(&self, ptr: HostPtr) -> Result<(), Box<Error>> {
         let inner = &*self.inner;
         let (_, mut st) = inner.home_of(ptr, "free")?;
         let h = st.handed_out.remove(ptr).ok_or_else(|| freed_already(ptr))?;

@@ -43,7 +43,12 @@ impl Allocator {
     /// on the miss, the compiler kept the closure out of line, which cost the hit pair about 30
     /// instructions (callgrind, `tests/c/hit_loop.c`).
     #[inline(always)]
-    fn malloc_on_shard(&self, dev: &DeviceAllocator, stream: StreamHandle, size: usize) -> Result<DevicePtr, Error> {
+    fn malloc_on_shard(
+        &self,
+        dev: &DeviceAllocator,
+        stream: StreamHandle,
+        size: usize,
+    ) -> Result<DevicePtr, Box<Error>> {
         // The cache by address, so that the call below is not a closure of `try_with` (which
         // the compiler kept out of line: 30 instructions a malloc, callgrind).
         let Ok(cache) = SHARD_CACHE.try_with(std::ptr::from_ref) else {
@@ -78,7 +83,7 @@ impl Allocator {
         dev: &DeviceAllocator,
         stream: StreamHandle,
         size: usize,
-    ) -> Result<DevicePtr, Error> {
+    ) -> Result<DevicePtr, Box<Error>> {
         let shard = dev.shard_or_create(stream);
         self.remember_shard(dev.device, stream, &shard);
         dev.malloc(&shard, size, false)
@@ -132,7 +137,7 @@ impl Allocator {
         {
             return dev.malloc_in_pool(pool, stream, size);
         }
-        self.malloc_on_shard(dev, stream, size)
+        self.malloc_on_shard(dev, stream, size).map_err(|e| *e)
     }
 
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
@@ -149,10 +154,11 @@ impl Allocator {
         if ptr == 0 {
             return Ok(());
         }
-        if let Some(done) = self.free_recent(ptr) {
-            return done;
+        match self.free_recent(ptr) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(*e),
+            None => self.free_indexed(ptr),
         }
-        self.free_indexed(ptr)
     }
 
     /// [`Allocator::free`] of a block found through the segment index.
@@ -173,7 +179,7 @@ impl Allocator {
     /// (callgrind, `examples/hit_loop`: 130 of 530 instructions), is searched only when it is
     /// not. A wrong guess costs a lock and a hash probe. `None`: not freed here.
     #[inline(always)]
-    fn free_recent(&self, ptr: DevicePtr) -> Option<Result<(), Error>> {
+    fn free_recent(&self, ptr: DevicePtr) -> Option<Result<(), Box<Error>>> {
         if crate::caching::fork::check().is_err() {
             return None;
         }

@@ -309,7 +309,7 @@ impl DeviceAllocator {
         if shard.lock().released {
             return Err(Error::InvalidValue(format!("pool {pool} was released on device {}", self.device)));
         }
-        let ptr = self.malloc_req(&shard, &req, false, capturing)?;
+        let ptr = self.malloc_req(&shard, &req, false, capturing).map_err(|e| *e)?;
         self.note_pool_peak(pool);
         Ok(ptr)
     }

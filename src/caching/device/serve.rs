@@ -49,9 +49,14 @@ impl DeviceAllocator {
     ///
     /// `hot`: the calling thread used this shard lately (see `peaks`: a stream that is not hot
     /// keeps no credit past the call).
+    ///
+    /// The error is boxed so that the answer fits two registers (see `free_if_listed`): a
+    /// `Result<DevicePtr, Error>` went through the stack at the hit path's joins.
     #[inline(always)]
-    pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Error> {
-        let req = Request::new(size, &self.rules)?;
+    pub fn malloc(&self, shard: &Arc<Shard>, size: usize, hot: bool) -> Result<DevicePtr, Box<Error>> {
+        let Some(req) = Request::fits(size, &self.rules) else {
+            return Err(Box::new(Request::overflow(size)));
+        };
         self.malloc_req(shard, &req, hot, false)
     }
 
@@ -67,7 +72,7 @@ impl DeviceAllocator {
         req: &Request,
         hot: bool,
         graph: bool,
-    ) -> Result<DevicePtr, Error> {
+    ) -> Result<DevicePtr, Box<Error>> {
         if self.history.on() {
             return self.malloc_recorded(shard, req, hot, graph);
         }
@@ -79,7 +84,13 @@ impl DeviceAllocator {
     /// call captures.
     #[cold]
     #[inline(never)]
-    fn malloc_recorded(&self, shard: &Arc<Shard>, req: &Request, hot: bool, graph: bool) -> Result<DevicePtr, Error> {
+    fn malloc_recorded(
+        &self,
+        shard: &Arc<Shard>,
+        req: &Request,
+        hot: bool,
+        graph: bool,
+    ) -> Result<DevicePtr, Box<Error>> {
         let _python = self.history.python_scope(HistoryContext::State);
         self.malloc_body(shard, req, hot, graph, false)
     }
@@ -94,7 +105,7 @@ impl DeviceAllocator {
         hot: bool,
         graph: bool,
         off: bool,
-    ) -> Result<DevicePtr, Error> {
+    ) -> Result<DevicePtr, Box<Error>> {
         let mut st = self.shards.lock_hot_for_change(shard);
         let detour = if !shard.is_retired() {
             // Made only where a slow path needs it: built on the hit path, it cost 15
@@ -117,7 +128,7 @@ impl DeviceAllocator {
             None
         };
         drop(st);
-        self.malloc_detour(shard, req, detour)
+        self.malloc_detour(shard, req, detour).map_err(Box::new)
     }
 
     /// The rest of [`DeviceAllocator::malloc_body`] when the cache did not serve the request,
