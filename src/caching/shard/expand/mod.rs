@@ -125,16 +125,37 @@ impl ExpandablePolicy {
         }
     }
 
-    /// Bytes of address space for a new range of `pool` that must hold `need` bytes, when the
-    /// shard's largest range of that pool is `largest` bytes (0: none).
-    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
-        let page = self.page_for(pool, need);
+    /// The page sizes a growth for `rounded` bytes of `pool` tries, in order, each after the
+    /// one before found the device (or the memory fraction) out of memory: [`page_for`]'s,
+    /// then each rung of the ladder below it down to `huge_page`. What a larger page maps past
+    /// the request may not fit where the request would (1,000 MiB on a 1 GiB device: 13 pages
+    /// of 80 MiB do not fit, 50 of 20 MiB do), and PyTorch, which maps 20 MiB pages at any
+    /// size, serves it: so does gpupool, in smaller pages.
+    ///
+    /// [`page_for`]: ExpandablePolicy::page_for
+    pub(crate) fn pages_tried(&self, pool: PoolKind, rounded: usize) -> impl Iterator<Item = usize> + '_ {
+        let ladder = pool == PoolKind::Large && rounded >= self.huge_from;
+        std::iter::successors(Some(self.page_for(pool, rounded)), move |&page| {
+            (ladder && page > self.huge_page).then_some(page / 2)
+        })
+    }
+
+    /// Bytes of address space for a new range of `pool` in `page`-byte pages that must hold
+    /// `need` bytes, when the shard's largest range of that pool and page is `largest` bytes
+    /// (0: none).
+    fn range_size_in(&self, pool: PoolKind, need: usize, largest: usize, page: usize) -> Option<usize> {
         let share = match pool {
             PoolKind::Small => self.device_total / 64,
             PoolKind::Large => self.device_total / 8,
         };
         let want = need.max(share).max(largest.saturating_mul(2)).max(page);
         want.checked_next_multiple_of(page)
+    }
+
+    /// [`ExpandablePolicy::range_size_in`] in the pages of [`ExpandablePolicy::page_for`].
+    #[cfg(test)]
+    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
+        self.range_size_in(pool, need, largest, self.page_for(pool, need))
     }
 }
 

@@ -95,3 +95,22 @@ fn very_large_requests_map_few_pages() {
     assert_eq!(p.page_edges().count(), 0);
     assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 2 * MIB);
 }
+
+#[test]
+fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
+    const MIB: usize = 1 << 20;
+    let p = ExpandablePolicy {
+        small_page: 2 * MIB,
+        large_page: 2 * MIB,
+        huge_from: 20 * MIB,
+        huge_page: 20 * MIB,
+        pages_per_request: 16,
+        device_total: 80 << 30,
+    };
+    let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
+    assert_eq!(tried(PoolKind::Large, 1000 * MIB), [80 * MIB, 40 * MIB, 20 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 300 * MIB), [20 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 19 * MIB), [2 * MIB], "below the ladder: one page");
+    assert_eq!(tried(PoolKind::Small, MIB), [2 * MIB]);
+    assert_eq!(tried(PoolKind::Large, usize::MAX).len(), 13, "from the device's 80 GiB down");
+}
