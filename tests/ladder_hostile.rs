@@ -289,3 +289,20 @@ proptest::proptest! {
         exact(&config, capacity, &sizes);
     }
 }
+
+#[test]
+fn a_request_of_exactly_its_pages_maps_no_page_more() {
+    // n pages of a rung hold a request of n times its page: it maps those, no larger page.
+    for per_request in [1, 3, 5, 7, 16] {
+        for rung in [20 * MIB, 40 * MIB, 80 * MIB] {
+            let size = rung * per_request;
+            let (a, drv) = sim_with(1, 8 << 30, ladder(per_request));
+            let p = a.malloc(size, 0, 0).unwrap();
+            touch_ends(p, size, 4);
+            let reserved = a.stats(0).unwrap().reserved_bytes.all.current as usize;
+            assert_eq!(reserved, size, "{per_request} pages of {rung}: reserved {reserved}");
+            a.free(p).unwrap();
+            all_given_back(&a, &drv);
+        }
+    }
+}

@@ -86,15 +86,15 @@ impl ExpandablePolicy {
     }
 
     /// The large pages, each with the smallest request that maps it: `huge_page` from
-    /// `huge_from`, then with `pages_per_request` each double of it from `pages_per_request`
-    /// times the page before, while the page is at most the device's memory. Empty without
-    /// large pages.
+    /// `huge_from`, then with `pages_per_request` each double of it from one byte past
+    /// `pages_per_request` times the page before (a request of exactly that many pages maps
+    /// them), while the page is at most the device's memory. Empty without large pages.
     fn ladder(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         let first = (self.huge_from != usize::MAX).then_some((self.huge_page, self.huge_from));
         std::iter::successors(first, move |&(page, _)| {
             let n = self.pages_per_request;
             let next = page.checked_mul(2).filter(|&p| n > 0 && p <= self.device_total)?;
-            Some((next, page.checked_mul(n)?.max(self.huge_from)))
+            Some((next, page.checked_mul(n)?.checked_add(1)?.max(self.huge_from)))
         })
     }
 
@@ -115,8 +115,9 @@ impl ExpandablePolicy {
             PoolKind::Large if rounded >= self.huge_from => {
                 let mut page = self.huge_page;
                 let n = self.pages_per_request;
-                // Doubling stops below the request, so it never overflows.
-                while n > 0 && rounded / n >= page && page <= self.device_total / 2 {
+                // While the request spans more than `n` pages (`rounded > n * page`); doubling
+                // stops below the request, so it never overflows.
+                while n > 0 && (rounded - 1) / n >= page && page <= self.device_total / 2 {
                     page *= 2;
                 }
                 page
