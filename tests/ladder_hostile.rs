@@ -3,6 +3,8 @@
 //! `usize::MAX`, release-and-retry across page sizes, the high-water rule, faults in every
 //! call of a large growth and of `empty_cache`, segment events, IPC and sleep.
 mod common;
+#[path = "common/ipc.rs"]
+mod ipc;
 
 use std::sync::{Arc, Mutex};
 
@@ -305,4 +307,36 @@ fn a_request_of_exactly_its_pages_maps_no_page_more() {
             all_given_back(&a, &drv);
         }
     }
+}
+
+/// The IPC consumer process's entry point: nothing unless run as one (`common/ipc.rs`).
+#[test]
+fn consumer() {
+    if std::env::var_os(ipc::ENV).is_some() {
+        ipc::serve();
+    }
+}
+
+#[test]
+fn a_block_in_a_range_of_ladder_pages_crosses_to_another_process() {
+    // SAFETY: a plain prctl (see tests/ipc.rs); it fails harmlessly where Yama is absent.
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let (a, drv) = sim_with(1, 1 << 30, ladder(2));
+    let mut c = ipc::Consumer::start();
+    // 100 MiB: two pages of 80 MiB; 3 MiB in the 60 MiB past it, on the second page.
+    let (big, small) = (a.malloc(100 * MIB, 0, 0).unwrap(), a.malloc(3 * MIB, 0, 0).unwrap());
+    assert_eq!(small, big + 100 * MIB as u64, "the tail of the large pages");
+    for (p, n, seed) in [(big, 100 * MIB, 5), (small, 3 * MIB, 6)] {
+        ipc::fill(p, n, seed);
+        let h = a.ipc_export(p).unwrap();
+        let answer = c.ask(&format!("import {} 0", ipc::hex(&h)));
+        let q = answer.strip_prefix("ok ").unwrap_or_else(|| panic!("consumer: {answer}"));
+        assert_eq!(c.ask(&format!("check {q} {n} {seed}")), "ok", "{n} bytes");
+        assert!(c.ask(&format!("close {q}")).starts_with("ok"));
+        a.free(p).unwrap();
+        check(&a);
+    }
+    c.end();
+    assert!(a.ipc_exports().is_empty());
+    all_given_back(&a, &drv);
 }
