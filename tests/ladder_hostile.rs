@@ -193,6 +193,10 @@ fn segment_events_add_up_to_the_pages_mapped_and_unmapped() {
         }
         let s = a.stats(0).unwrap();
         assert_eq!(mapped, s.reserved_bytes.all.current, "{per_request}: events against reserved bytes");
+        let snap = a.snapshot().unwrap();
+        let shown: usize = snap.segments.iter().map(|g| g.total_size).sum();
+        assert_eq!(shown as i64, mapped, "{per_request}: the snapshot's segments against the pages mapped");
+        assert_eq!(snap.unmapped_held_bytes[0] as i64, s.unmapped_held_bytes.current);
         a.empty_cache(0).unwrap();
         let unmapped: i64 = events
             .lock()
@@ -339,4 +343,56 @@ fn a_block_in_a_range_of_ladder_pages_crosses_to_another_process() {
     c.end();
     assert!(a.ipc_exports().is_empty());
     all_given_back(&a, &drv);
+}
+
+#[test]
+fn random_work_on_several_streams_keeps_the_invariants_and_gives_everything_back() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    for round in 0..48 {
+        let per_request = [1, 2, 3, 16][round % 4];
+        let config = Config {
+            expandable_reclaim: round % 3 != 0,
+            per_process_memory_fraction: if round % 5 == 0 { 0.8 } else { 1.0 },
+            garbage_collection_threshold: if round % 5 == 0 && round % 2 == 0 { 0.6 } else { 0.0 },
+            ..ladder(per_request)
+        };
+        let (a, drv) = sim_with(1, 1542 * MIB, config);
+        let mut live: Vec<u64> = Vec::new();
+        for _ in 0..60 {
+            match next(10) {
+                0..=4 => {
+                    // Log-uniform from 512 bytes to 1 GiB.
+                    let size = (512u64 << next(22)) + next(512 << 10);
+                    live.extend(a.malloc(size as usize, 0, next(3) as usize));
+                }
+                5 | 6 if !live.is_empty() => a.free(live.swap_remove(next(live.len() as u64) as usize)).unwrap(),
+                7 if !live.is_empty() => {
+                    a.free_after_device_sync(live.swap_remove(next(live.len() as u64) as usize)).unwrap();
+                }
+                8 if !live.is_empty() => {
+                    drv.hold_stream(7);
+                    a.record_stream(live[next(live.len() as u64) as usize], 7).unwrap();
+                }
+                9 => {
+                    drv.release_stream(7);
+                    if next(4) == 0 {
+                        a.empty_cache(0).unwrap();
+                    }
+                }
+                _ => {}
+            }
+            check(&a);
+        }
+        for p in live {
+            a.free(p).unwrap();
+        }
+        drv.release_stream(7);
+        all_given_back(&a, &drv);
+    }
 }
