@@ -108,7 +108,8 @@ impl PagePool {
     }
 
     /// Releases held handles (`cuMemRelease`) until at most `keep` bytes are held, the newest
-    /// of each size first, each uncharged from `limit` once the driver has it back. Returns the
+    /// of each size first, the handles of `first` bytes (if given) before the other sizes,
+    /// each uncharged from `limit` once the driver has it back. Returns the
     /// bytes released and the first failure: a handle the driver refuses stays held and
     /// counted, to be released at the next chance; the ones after it are still tried.
     pub fn release(
@@ -117,10 +118,13 @@ impl PagePool {
         device: i32,
         limit: &MemoryLimit,
         keep: usize,
+        first: Option<usize>,
     ) -> (usize, Option<DriverError>) {
         let mut st = self.state.lock();
         let (mut released, mut failure) = (0, None);
-        for l in 0..st.free.len() {
+        let mut order: Vec<usize> = (0..st.free.len()).collect();
+        order.sort_by_key(|&l| Some(st.free[l].0) != first);
+        for l in order {
             let page = st.free[l].0;
             // From the end, each handle taken off the list only once the driver has it (a call
             // that unwinds leaves it held).
@@ -156,7 +160,7 @@ impl PagePool {
         let keep = (limit.reserved().max(0) as usize).saturating_sub(held) / TRIM_SHARE;
         if held > keep {
             // A failure leaves the handle held, for the next trim or release.
-            let _ = self.release(driver, device, limit, keep);
+            let _ = self.release(driver, device, limit, keep, None);
         }
     }
 
@@ -206,11 +210,11 @@ mod tests {
         pool.check(&sim).unwrap();
         // A release the driver refuses leaves that handle held and counted; the rest go.
         sim.inject(SimOp::MemRelease, 1, SimFault::Fail(DriverError::OutOfMemory));
-        let (bytes, err) = pool.release(&sim, 0, &limit, 0);
+        let (bytes, err) = pool.release(&sim, 0, &limit, 0, None);
         assert_eq!((bytes, err), (3 * P, Some(DriverError::OutOfMemory)));
         assert_eq!((pool.held(), limit.reserved(), sim.used(0)), (P, P as i64, P));
         pool.check(&sim).unwrap();
-        assert_eq!(pool.release(&sim, 0, &limit, 0), (P, None), "tried again later");
+        assert_eq!(pool.release(&sim, 0, &limit, 0, None), (P, None), "tried again later");
         assert_eq!((pool.held(), limit.reserved(), sim.live_vmm()), (0, 0, (0, 0)));
         let s = pool.stat();
         assert_eq!((s.allocated, s.freed, s.peak), (7 * P as i64, 7 * P as i64, 4 * P as i64));

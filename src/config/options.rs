@@ -143,7 +143,7 @@ pub static OPTIONS: [Opt; 17] = [
         name: "GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST",
         kind: Kind::Count { min: 0, max: 1 << 20 },
         default: Value::Count(16),
-        doc: "With `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more maps at most this many pages; its address range's page is 20 MiB doubled until it does (a 4 GiB request maps 13 pages of 320 MiB rather than 205 of 20 MiB: each page is a `cuMemCreate` and a `cuMemMap`, tens of microseconds whatever its size). 0, or with `GPUPOOL_EXPANDABLE_RECLAIM` (whose point is the least reserved memory): 20 MiB pages at any size, as PyTorch maps them (see docs/fragmentation.md)",
+        doc: "With `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more maps at most this many pages; its address range's page is 20 MiB doubled until it does (a 4 GiB request maps 13 pages of 320 MiB rather than 205 of 20 MiB: each page is a `cuMemCreate` and a `cuMemMap`, tens of microseconds whatever its size); where the device has no room for what the larger pages map past the request, it is grown in smaller ones, down to 20 MiB. 0, or with `GPUPOOL_EXPANDABLE_RECLAIM` (whose point is the least reserved memory): 20 MiB pages at any size, as PyTorch maps them (see docs/fragmentation.md)",
         set: |c, v| c.expandable_pages_per_request = v.count() as usize,
         get: |c| Value::Count(c.expandable_pages_per_request as i64),
     },

@@ -33,7 +33,7 @@ impl DeviceAllocator {
         // Held pages first: they count against the limit and hold nothing a stream cached.
         let held = self.pages.held();
         let (mut released, failure) =
-            self.pages.release(&*self.driver, self.device, &self.limit, held.saturating_sub(target));
+            self.pages.release(&*self.driver, self.device, &self.limit, held.saturating_sub(target), None);
         if failure.is_some() || released >= target {
             return released;
         }

@@ -83,7 +83,7 @@ impl DeviceAllocator {
             self.finish(st, ());
         }
         // The handles the shards unmapped, and any held before, go back to the driver.
-        let (_, failure) = self.pages.release(&*self.driver, self.device, &self.limit, 0);
+        let (_, failure) = self.pages.release(&*self.driver, self.device, &self.limit, 0, None);
         self.retire_idle_shards();
         self.prune_released();
         self.limit.reset_mark();

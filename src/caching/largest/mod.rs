@@ -235,9 +235,9 @@ impl Attempt {
             return false;
         }
         match s.pages {
+            // A growth the device has no room for tries the ladder's smaller pages.
             Some(p) => {
-                let page = p.page_for(pool, rounded);
-                self.pages_to_map(pool, page, rounded) <= self.room_for(page)
+                p.pages_tried(pool, rounded).any(|page| self.pages_to_map(pool, page, rounded) <= self.room_for(page))
             }
             None => rules::segment_size(rounded, &s.rules).is_some_and(|seg| seg <= self.room),
         }

@@ -55,14 +55,36 @@ impl ShardState {
     /// released down to what it held before; the shard is as it was, but for a new range that
     /// could not be given back (it stays, empty, until the cache is released).
     ///
+    /// A request of the ladder's larger pages that the device has no room for is grown again
+    /// in smaller ones, down to 20 MiB ([`ExpandablePolicy::pages_tried`]), each try leaving
+    /// the shard as it found it; the error is the last one's.
+    ///
     /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
     /// failed call that the driver would not unmap included), with the call's stack, which is
     /// left for the `alloc` event of the block handed out.
     pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<Growth, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
+        let mut grown = Err(DriverError::OutOfMemory);
+        for page in policy.pages_tried(pool, rounded) {
+            grown = self.grow_in_pages(ctx, rounded, pool, page);
+            if !matches!(grown, Err(DriverError::OutOfMemory)) {
+                break;
+            }
+        }
+        grown
+    }
+
+    /// [`ShardState::grow_expandable`] in ranges of `page`-byte pages.
+    fn grow_in_pages(
+        &mut self,
+        ctx: &ShardCtx,
+        rounded: usize,
+        pool: PoolKind,
+        page: usize,
+    ) -> Result<Growth, DriverError> {
+        let policy = ctx.expandable.expect("only called with expandable segments on");
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
-        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, c)?;
-        let page = policy.page_for(pool, rounded);
+        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, page, c)?;
         let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
         // Held handles first: they are device memory counted already, so only the pages
         // still wanted count towards the high-water mark and the memory limit. Whatever
@@ -114,7 +136,8 @@ impl ShardState {
             // A failed growth leaves the pool no fuller than it found it: the handles it
             // created go back to the driver (a device out of memory needs them; a refusal
             // leaves them held, for the next release).
-            let _ = ctx.pages.release(ctx.driver, ctx.device, ctx.limit, held_before);
+            // Its own page size first: the other sizes' held handles are the next try's room.
+            let _ = ctx.pages.release(ctx.driver, ctx.device, ctx.limit, held_before, Some(page));
             self.free_range_if_empty(ctx, base);
             return Err(e);
         }
@@ -129,7 +152,7 @@ impl ShardState {
         Ok(Growth::Block(start))
     }
 
-    /// Where to grow for a request of `rounded` bytes of `pool`: the first block of a run of
+    /// Where to grow for a request of `rounded` bytes of `pool` in `page`-byte pages: the first block of a run of
     /// free and unmapped blocks that holds it (in a new range if no range has one), and the
     /// pages to map, as (block, offset in its range, bytes): free and unmapped blocks from the
     /// start on, until `rounded` bytes are reached (PyTorch maps the same, block by block).
@@ -140,11 +163,12 @@ impl ShardState {
         policy: &ExpandablePolicy,
         pool: PoolKind,
         rounded: usize,
+        page: usize,
         c: u32,
     ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
-        let start = match self.find_expandable(pool, rounded, policy.page_for(pool, rounded)) {
+        let start = match self.find_expandable(pool, rounded, page) {
             Some(id) => id,
-            None => self.reserve_range(ctx, policy, pool, rounded, c)?,
+            None => self.reserve_range(ctx, policy, pool, rounded, page, c)?,
         };
         let (base, page) = {
             let (base, e) = self.expandable_of(self.blocks[start].addr);
@@ -190,18 +214,17 @@ impl ShardState {
         None
     }
 
-    /// A new expandable segment of `pool` for a request of `size` bytes, in pages of the size
-    /// the request grows ([`ExpandablePolicy::page_for`]), wholly unmapped: its one block is
-    /// returned.
+    /// A new expandable segment of `pool` for a request of `size` bytes, in `page`-byte pages
+    /// (one of [`ExpandablePolicy::pages_tried`]), wholly unmapped: its one block is returned.
     fn reserve_range(
         &mut self,
         ctx: &ShardCtx,
         policy: &ExpandablePolicy,
         pool: PoolKind,
         size: usize,
+        page: usize,
         c: u32,
     ) -> Result<BlockId, DriverError> {
-        let page = policy.page_for(pool, size);
         let largest = self
             .expandables
             .iter()
@@ -212,7 +235,7 @@ impl ShardState {
             .map(|b| self.segments[b].size)
             .max()
             .unwrap_or(0);
-        let va = policy.range_size(pool, size, largest).ok_or(DriverError::OutOfMemory)?;
+        let va = policy.range_size_in(pool, size, largest, page).ok_or(DriverError::OutOfMemory)?;
         let exp = Expandable::reserve(ctx.driver, ctx.device, va, page)?;
         let base = exp.base;
         let id = self.blocks.insert(Block::new(base, va, BlockState::Unmapped, pool, true));

@@ -86,15 +86,15 @@ impl ExpandablePolicy {
     }
 
     /// The large pages, each with the smallest request that maps it: `huge_page` from
-    /// `huge_from`, then with `pages_per_request` each double of it from `pages_per_request`
-    /// times the page before, while the page is at most the device's memory. Empty without
-    /// large pages.
+    /// `huge_from`, then with `pages_per_request` each double of it from one byte past
+    /// `pages_per_request` times the page before (a request of exactly that many pages maps
+    /// them), while the page is at most the device's memory. Empty without large pages.
     fn ladder(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         let first = (self.huge_from != usize::MAX).then_some((self.huge_page, self.huge_from));
         std::iter::successors(first, move |&(page, _)| {
             let n = self.pages_per_request;
             let next = page.checked_mul(2).filter(|&p| n > 0 && p <= self.device_total)?;
-            Some((next, page.checked_mul(n)?.max(self.huge_from)))
+            Some((next, page.checked_mul(n)?.checked_add(1)?.max(self.huge_from)))
         })
     }
 
@@ -115,8 +115,9 @@ impl ExpandablePolicy {
             PoolKind::Large if rounded >= self.huge_from => {
                 let mut page = self.huge_page;
                 let n = self.pages_per_request;
-                // Doubling stops below the request, so it never overflows.
-                while n > 0 && rounded / n >= page && page <= self.device_total / 2 {
+                // While the request spans more than `n` pages (`rounded > n * page`); doubling
+                // stops below the request, so it never overflows.
+                while n > 0 && (rounded - 1) / n >= page && page <= self.device_total / 2 {
                     page *= 2;
                 }
                 page
@@ -125,16 +126,37 @@ impl ExpandablePolicy {
         }
     }
 
-    /// Bytes of address space for a new range of `pool` that must hold `need` bytes, when the
-    /// shard's largest range of that pool is `largest` bytes (0: none).
-    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
-        let page = self.page_for(pool, need);
+    /// The page sizes a growth for `rounded` bytes of `pool` tries, in order, each after the
+    /// one before found the device (or the memory fraction) out of memory: [`page_for`]'s,
+    /// then each rung of the ladder below it down to `huge_page`. What a larger page maps past
+    /// the request may not fit where the request would (1,000 MiB on a 1 GiB device: 13 pages
+    /// of 80 MiB do not fit, 50 of 20 MiB do), and PyTorch, which maps 20 MiB pages at any
+    /// size, serves it: so does gpupool, in smaller pages.
+    ///
+    /// [`page_for`]: ExpandablePolicy::page_for
+    pub(crate) fn pages_tried(&self, pool: PoolKind, rounded: usize) -> impl Iterator<Item = usize> + '_ {
+        let ladder = pool == PoolKind::Large && rounded >= self.huge_from;
+        std::iter::successors(Some(self.page_for(pool, rounded)), move |&page| {
+            (ladder && page > self.huge_page).then_some(page / 2)
+        })
+    }
+
+    /// Bytes of address space for a new range of `pool` in `page`-byte pages that must hold
+    /// `need` bytes, when the shard's largest range of that pool and page is `largest` bytes
+    /// (0: none).
+    fn range_size_in(&self, pool: PoolKind, need: usize, largest: usize, page: usize) -> Option<usize> {
         let share = match pool {
             PoolKind::Small => self.device_total / 64,
             PoolKind::Large => self.device_total / 8,
         };
         let want = need.max(share).max(largest.saturating_mul(2)).max(page);
         want.checked_next_multiple_of(page)
+    }
+
+    /// [`ExpandablePolicy::range_size_in`] in the pages of [`ExpandablePolicy::page_for`].
+    #[cfg(test)]
+    fn range_size(&self, pool: PoolKind, need: usize, largest: usize) -> Option<usize> {
+        self.range_size_in(pool, need, largest, self.page_for(pool, need))
     }
 }
 

@@ -60,9 +60,9 @@ fn very_large_requests_map_few_pages() {
         pages_per_request: 16,
         device_total: 80 << 30,
     };
-    // 20 MiB pages up to 16 of them, then each double from 16 of the page before.
-    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB - 512), 20 * MIB);
-    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB), 40 * MIB);
+    // 20 MiB pages up to 16 of them, then each double past 16 of the page before.
+    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB), 20 * MIB, "16 pages exactly");
+    assert_eq!(p.page_for(PoolKind::Large, 320 * MIB + 512), 40 * MIB);
     assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 320 * MIB, "a 4 GiB request: 13 pages, not 205");
     assert_eq!(p.page_for(PoolKind::Small, 4 << 30), 2 * MIB, "the small pool keeps its page");
     assert_eq!(p.page_for(PoolKind::Large, 19 * MIB), 2 * MIB);
@@ -89,9 +89,30 @@ fn very_large_requests_map_few_pages() {
     // One page a request: the page is the request's next power-of-two multiple of 20 MiB.
     p.pages_per_request = 1;
     assert_eq!(p.page_for(PoolKind::Large, 100 * MIB), 160 * MIB);
+    assert_eq!(p.page_for(PoolKind::Large, 160 * MIB), 160 * MIB, "one page exactly");
+    assert_eq!(p.page_for(PoolKind::Large, 20 * MIB), 20 * MIB);
     // Without large pages, no ladder at all.
     p.huge_from = usize::MAX;
     p.pages_per_request = 16;
     assert_eq!(p.page_edges().count(), 0);
     assert_eq!(p.page_for(PoolKind::Large, 4 << 30), 2 * MIB);
+}
+
+#[test]
+fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
+    const MIB: usize = 1 << 20;
+    let p = ExpandablePolicy {
+        small_page: 2 * MIB,
+        large_page: 2 * MIB,
+        huge_from: 20 * MIB,
+        huge_page: 20 * MIB,
+        pages_per_request: 16,
+        device_total: 80 << 30,
+    };
+    let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
+    assert_eq!(tried(PoolKind::Large, 1000 * MIB), [80 * MIB, 40 * MIB, 20 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 300 * MIB), [20 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 19 * MIB), [2 * MIB], "below the ladder: one page");
+    assert_eq!(tried(PoolKind::Small, MIB), [2 * MIB]);
+    assert_eq!(tried(PoolKind::Large, usize::MAX).len(), 13, "from the device's 80 GiB down");
 }
