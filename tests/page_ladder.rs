@@ -4,31 +4,11 @@
 //! requests.
 mod common;
 
+use common::ladder::{ladder, touch_ends};
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SimDriver, SimFault, SimOp};
-
-fn ladder(per_request: usize) -> Config {
-    Config {
-        expandable_segments: true,
-        expandable_large_pages: true,
-        expandable_pages_per_request: per_request,
-        ..Config::default()
-    }
-}
-
-/// Writes a byte at each end of `size` bytes at `ptr` and reads them back (the simulated
-/// device's memory is host memory: an unmapped page would fault).
-fn touch_ends(ptr: u64, size: usize, byte: u8) {
-    // SAFETY: `ptr` is a live block of at least `size` bytes handed out by the allocator.
-    unsafe {
-        let p = ptr as *mut u8;
-        p.write(byte);
-        p.add(size - 1).write(byte);
-        assert_eq!((*p, *p.add(size - 1)), (byte, byte));
-    }
-}
 
 fn all_given_back(a: &gpupool::Allocator, drv: &SimDriver) {
     a.empty_cache(0).unwrap();

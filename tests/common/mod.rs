@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod history;
+pub mod ladder;
 pub mod sleep;
 
 use std::sync::Arc;
