@@ -13,6 +13,10 @@
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
 //!
+//! TRACE `random`: `bench`'s random working set (`random_trace` in `examples/c/bench.c`: the
+//! same generator, seed and sizes, 100,000 events, sizes log-uniform from 256 B to 4 GiB, up to
+//! 1,000 live), made here rather than read.
+//!
 //! `GPUPOOL_EXPANDABLE_LARGE_PAGES` and `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` are read from
 //! the environment (gpupool's defaults otherwise: requests of 20 MiB and more map 20 MiB
 //! pages, or larger ones past 16 a request, in ranges of their own).
@@ -25,7 +29,7 @@ use std::sync::Arc;
 
 use gpupool::Allocator;
 use gpupool::driver::sim::{SimCounts, SimDriver};
-use gpupool_replay::{cuda, input, run, setting};
+use gpupool_replay::{Event, Trace, cuda, input, run, setting};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -36,7 +40,7 @@ fn main() {
         eprintln!("usage: driver_calls TRACE [CAPACITY_GIB] | driver_calls --cuda TRACE [REPEATS]");
         std::process::exit(2);
     }
-    let traces = input::load(std::path::Path::new(&args[1]), None).expect("trace");
+    let traces = load(&args[1]);
     let capacity = args.get(2).map_or(80usize << 30, |g| g.parse::<usize>().unwrap() << 30);
     let t = &traces[0];
     println!("{}: {} events, peak live {:.1} MiB", args[1], t.events.len(), t.peak_live() as f64 / 1048576.0);
@@ -76,7 +80,7 @@ fn main() {
 
 /// The replays of `main` on the GPU, timed.
 fn on_gpu(args: &[String]) {
-    let traces = input::load(std::path::Path::new(&args[0]), None).expect("trace");
+    let traces = load(&args[0]);
     let repeats = args.get(1).map_or(3, |r| r.parse::<usize>().unwrap());
     let gpu = cuda::Gpu::open().expect("a GPU");
     let t = &traces[0];
@@ -113,4 +117,43 @@ fn expandable(reclaim: bool) -> gpupool::config::Config {
     let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
     config.expandable_reclaim = reclaim;
     config
+}
+
+/// The traces of `arg`: a file's, or `bench`'s random working set for `random`.
+fn load(arg: &str) -> Vec<Trace> {
+    if arg == "random" {
+        return vec![random_working_set()];
+    }
+    input::load(std::path::Path::new(arg), None).expect("trace")
+}
+
+/// `random_trace` of `examples/c/bench.c`, event for event: xorshift64 (13, 7, 17) from its seed,
+/// an allocation when nothing is live or (below 1,000 live) on an odd draw, of
+/// `256 * e^(u * ln 2^30)` bytes for `u` uniform in [0, 1) from the draw's top 53 bits, else
+/// the free of a live block drawn uniformly, the last one moved into its place.
+fn random_working_set() -> Trace {
+    const LIVE: usize = 1000;
+    const OPS: usize = 100_000;
+    let mut rng: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut events, mut live, mut id) = (Vec::with_capacity(OPS), Vec::<u32>::with_capacity(LIVE), 0u32);
+    for _ in 0..OPS {
+        let alloc = live.is_empty() || (live.len() < LIVE && next() & 1 == 1);
+        if alloc {
+            let u = (next() >> 11) as f64 / 9_007_199_254_740_992.0;
+            let size = (256.0 * (u * (65536.0f64 * 4.0 * 64.0).ln()).exp()) as usize;
+            events.push(Event::Alloc { id, size, stream: 0 });
+            live.push(id);
+            id += 1;
+        } else {
+            let k = (next() % live.len() as u64) as usize;
+            events.push(Event::Free { id: live.swap_remove(k) });
+        }
+    }
+    Trace { name: "random working set".into(), events, streams: vec![0], blocks: id, ..Trace::default() }
 }
