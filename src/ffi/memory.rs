@@ -2,7 +2,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::status::{boundary, gpupool_status, out_ptr};
+use super::status::{boundary, boundary_boxed, gpupool_status, out_ptr};
 use super::{gpupool_stream_t, runtime, started_runtime};
 use crate::error::Error;
 
@@ -56,7 +56,7 @@ pub unsafe extern "C" fn gpupool_malloc(
     device: c_int,
     stream: gpupool_stream_t,
 ) -> gpupool_status {
-    boundary("gpupool_malloc", || {
+    boundary_boxed("gpupool_malloc", || {
         let ptr = out_ptr(ptr, "ptr")?;
         let p = malloc(size, device, stream)?;
         // SAFETY: the caller passes storage for one `void *`.
@@ -93,7 +93,7 @@ pub unsafe extern "C" fn gpupool_malloc(
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
-    boundary("gpupool_free", || free(ptr))
+    boundary_boxed("gpupool_free", || free(ptr))
 }
 
 /// Says that the block at `ptr` is also used by work on `stream`, so that after
@@ -266,16 +266,16 @@ pub unsafe extern "C" fn gpupool_largest_allocatable(
 // Inlined into the exports: a call between them cost 14 instructions each way (callgrind,
 // `tests/c/hit_loop.c`).
 #[inline(always)]
-pub(super) fn malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> Result<*mut c_void, Error> {
-    Ok(started_runtime()?.allocator.malloc(size, device, stream as usize)? as *mut c_void)
+pub(super) fn malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> Result<*mut c_void, Box<Error>> {
+    Ok(started_runtime()?.allocator.malloc_in_parent(size, device, stream as usize)? as *mut c_void)
 }
 
 #[inline(always)]
-pub(super) fn free(ptr: *mut c_void) -> Result<(), Error> {
+pub(super) fn free(ptr: *mut c_void) -> Result<(), Box<Error>> {
     if ptr.is_null() {
         return Ok(());
     }
-    started_runtime()?.allocator.free(ptr as u64)
+    started_runtime()?.allocator.free_in_parent(ptr as u64)
 }
 
 pub(super) fn record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> Result<(), Error> {

@@ -48,7 +48,8 @@ pub mod tags;
 /// cbindgen:ignore
 pub mod torch;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Once, OnceLock};
 
 use crate::Allocator;
 use crate::config::Config;
@@ -95,15 +96,28 @@ pub fn process_host_allocator() -> Result<&'static crate::host::HostAllocator, E
     runtime().map(|rt| crate::host::process_host(&rt.allocator))
 }
 
+/// The started runtime, for the hit path's exports; null until [`runtime`] started it, and
+/// again in a forked child (see [`forget_in_child`]).
+static STARTED: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Child handler of `pthread_atfork`: a forked child's hit path goes to [`runtime`], which
+/// refuses (see `caching::fork`). Async-signal-safe: one atomic store.
+extern "C" fn forget_in_child() {
+    STARTED.store(std::ptr::null_mut(), Ordering::Relaxed);
+}
+
 /// [`runtime`] for the hit path's exports (malloc and free, device and pinned): once the
-/// runtime started, one load, without the fork check, which the allocators they call make
-/// themselves before any lock (a check fewer a call; callgrind, `tests/c/hit_loop.c`).
+/// runtime started and unless this process is a forked child, one load, which also stands for
+/// the fork check, so that the allocators' `*_in_parent` calls make none (two checks fewer a
+/// call; callgrind, `tests/c/hit_loop.c`).
 #[inline(always)]
 pub(crate) fn started_runtime() -> Result<&'static Runtime, Error> {
-    match RUNTIME.get() {
-        Some(Ok(rt)) => Ok(rt),
-        _ => runtime(),
+    let rt = STARTED.load(Ordering::Acquire);
+    if rt.is_null() {
+        return runtime();
     }
+    // SAFETY: set from the `RUNTIME` static's value, which is never dropped or moved.
+    Ok(unsafe { &*rt })
 }
 
 /// The process-wide allocator, started on first use from the `GPUPOOL_*` variables.
@@ -121,5 +135,14 @@ pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
         }
         Ok(Runtime { allocator, sim })
     });
-    rt.as_ref().map_err(Clone::clone)
+    let rt = rt.as_ref().map_err(Clone::clone)?;
+    if STARTED.load(Ordering::Relaxed).is_null() {
+        static WATCH: Once = Once::new();
+        // SAFETY: registers a handler that only stores to an atomic.
+        WATCH.call_once(|| unsafe {
+            libc::pthread_atfork(None, None, Some(forget_in_child));
+        });
+        STARTED.store(std::ptr::from_ref(rt).cast_mut(), Ordering::Release);
+    }
+    Ok(rt)
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::gpupool_stream_t;
 use super::memory::{empty_cache, free, malloc};
-use super::status::{boundary, gpupool_status};
+use super::status::{boundary, boundary_boxed, gpupool_status};
 use super::torch::report;
 
 /// CuPy's `CFunctionAllocator` malloc, `void *malloc(void *param, size_t size, int
@@ -61,7 +61,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device_id: c_int) {
     let _ = (param, device_id);
-    report(boundary("gpupool_cupy_free", || free(ptr)));
+    report(boundary_boxed("gpupool_cupy_free", || free(ptr)));
 }
 
 /// The stream that [`gpupool_ort_alloc`] files its blocks under; NULL, the legacy default
@@ -116,7 +116,7 @@ pub extern "C" fn gpupool_ort_alloc(size: usize) -> *mut c_void {
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_ort_free(ptr: *mut c_void) {
-    report(boundary("gpupool_ort_free", || free(ptr)));
+    report(boundary_boxed("gpupool_ort_free", || free(ptr)));
 }
 
 /// ONNX Runtime's `gpu_external_empty_cache`, `void empty_cache(void)`, which ONNX Runtime

@@ -138,22 +138,44 @@ fn set_last_error(parts: &[&str]) {
 /// message, `"{call}: {what went wrong}"`; a panic becomes `GPUPOOL_ERROR_INTERNAL`. No panic
 /// leaves this function, so none crosses into C.
 pub(crate) fn boundary(call: &str, body: impl FnOnce() -> Result<(), Error>) -> gpupool_status {
+    guarded(call, body)
+}
+
+/// [`boundary`] for the hit path's bodies, whose errors are boxed (see
+/// `Allocator::malloc_in_parent`).
+#[inline(always)]
+pub(crate) fn boundary_boxed(call: &str, body: impl FnOnce() -> Result<(), Box<Error>>) -> gpupool_status {
+    guarded(call, body)
+}
+
+#[inline(always)]
+fn guarded<E: std::borrow::Borrow<Error>>(call: &str, body: impl FnOnce() -> Result<(), E>) -> gpupool_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => gpupool_status::GPUPOOL_SUCCESS,
-        Ok(Err(e)) => {
-            set_last_error(&[call, ": ", e.message()]);
-            gpupool_status::of(&e)
-        }
-        Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("no message");
-            set_last_error(&[call, ": internal error: gpupool panicked (", what, "); please report this"]);
-            gpupool_status::GPUPOOL_ERROR_INTERNAL
-        }
+        Ok(Err(e)) => failed(call, e.borrow()),
+        Err(payload) => panicked(call, payload),
     }
+}
+
+/// The status of an export that failed with `e`, its message this thread's last.
+#[cold]
+#[inline(never)]
+fn failed(call: &str, e: &Error) -> gpupool_status {
+    set_last_error(&[call, ": ", e.message()]);
+    gpupool_status::of(e)
+}
+
+/// The status of an export that panicked.
+#[cold]
+#[inline(never)]
+fn panicked(call: &str, payload: Box<dyn std::any::Any + Send>) -> gpupool_status {
+    let what = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    set_last_error(&[call, ": internal error: gpupool panicked (", what, "); please report this"]);
+    gpupool_status::GPUPOOL_ERROR_INTERNAL
 }
 
 /// A caller's out-pointer that [`out_ptr`] found non-NULL.

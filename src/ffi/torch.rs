@@ -11,7 +11,7 @@ use std::ffi::{CStr, c_int, c_void};
 use std::io::Write;
 
 use super::memory::{empty_cache, free, malloc, record_stream, set_memory_fraction};
-use super::status::{boundary, gpupool_last_error_message, gpupool_status};
+use super::status::{boundary, boundary_boxed, gpupool_last_error_message, gpupool_status};
 use super::{gpupool_stream_t, runtime};
 
 /// Writes a failure to stderr as `gpupool: <status>: <function>: <what went wrong>`; also
@@ -58,7 +58,7 @@ pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupo
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: gpupool_stream_t) {
     let _ = (size, device, stream);
-    report(boundary("gpupool_torch_free", || free(ptr)));
+    report(boundary_boxed("gpupool_torch_free", || free(ptr)));
 }
 
 /// PyTorch's `record_stream_fn` (`set_record_stream_fn`): `void record_stream(void *ptr,

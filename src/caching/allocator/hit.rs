@@ -2,7 +2,8 @@
 //! through the segment index, and each thread's cache of the shards it used last, which finds
 //! a stream's shard without a lock.
 
-use std::cell::RefCell;
+use std::cell::{Cell, UnsafeCell};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use super::Allocator;
@@ -11,89 +12,189 @@ use crate::caching::shard::Shard;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
 
+/// One entry of a thread's cache of recent shards.
 struct CachedShard {
+    /// The id of the allocator the entry is of; 0 (no allocator's): an empty entry.
     allocator: u64,
     device: i32,
     stream: StreamHandle,
-    shard: Arc<Shard>,
+    /// The allocator's device `device`. Read only by a call on the allocator of id
+    /// `allocator`, which is then alive, and so is its table of devices (never resized).
+    dev: *const DeviceAllocator,
+    /// One strong count of the stream's shard, owned by the entry: given back by
+    /// [`ShardCache::clear`] when the entry is replaced or its thread exits.
+    shard: Option<ManuallyDrop<Arc<Shard>>>,
 }
+
+const EMPTY: CachedShard = CachedShard { allocator: 0, device: 0, stream: 0, dev: std::ptr::null(), shard: None };
 
 const SHARD_CACHE_SLOTS: usize = 4;
 
 /// Each thread remembers the shards it used last, so the hit path finds its stream's shard
 /// without a lock.
+///
+/// It has no destructor, so that reaching it costs the hit path only its address (a
+/// thread-local with one is checked for life at each access: 3 instructions a call, callgrind,
+/// `tests/c/hit_loop.c`); its strong counts are given back at the thread's exit by
+/// [`CacheOwner`]. Its cells are lent to a call of the hit path for the whole call (`lent`),
+/// which may come back here (an out-of-memory observer that allocates): while lent, entries
+/// are neither replaced nor given back. A counter, not a `RefCell`: one increment and one
+/// decrement a call, where the `RefCell`'s borrow also checked for overflow (8 instructions a
+/// pair, callgrind).
 struct ShardCache {
-    slots: [Option<CachedShard>; SHARD_CACHE_SLOTS],
-    next: usize,
+    slots: UnsafeCell<[CachedShard; SHARD_CACHE_SLOTS]>,
+    next: Cell<usize>,
+    lent: Cell<usize>,
 }
 
 thread_local! {
-    static SHARD_CACHE: RefCell<ShardCache> =
-        const { RefCell::new(ShardCache { slots: [const { None }; SHARD_CACHE_SLOTS], next: 0 }) };
+    static SHARD_CACHE: ShardCache = const {
+        ShardCache { slots: UnsafeCell::new([EMPTY; SHARD_CACHE_SLOTS]), next: Cell::new(0), lent: Cell::new(0) }
+    };
+    static CACHE_OWNER: CacheOwner = const { CacheOwner };
 }
 
-impl Allocator {
-    /// [`DeviceAllocator::malloc`] on the shard of `stream`, and whether this thread used it
-    /// lately (it was in the thread's cache of recent shards: the stream is hot here, see
-    /// `peaks`). On a hit the cache is lent to the call, read-only, for the whole call, which may
-    /// come back here (an out-of-memory observer runs inside it), and no reference count is
-    /// taken (two atomic operations saved).
-    ///
-    /// The hit's call is the only one inlined here: with a closure called both on the hit and
-    /// on the miss, the compiler kept the closure out of line, which cost the hit pair about 30
-    /// instructions (callgrind, `tests/c/hit_loop.c`).
-    #[inline(always)]
-    fn malloc_on_shard(
-        &self,
-        dev: &DeviceAllocator,
-        stream: StreamHandle,
-        size: usize,
-    ) -> Result<DevicePtr, Box<Error>> {
-        // The cache by address, so that the call below is not a closure of `try_with` (which
-        // the compiler kept out of line: 30 instructions a malloc, callgrind).
-        let Ok(cache) = SHARD_CACHE.try_with(std::ptr::from_ref) else {
-            return self.malloc_on_new_shard(dev, stream, size);
-        };
-        // SAFETY: `try_with` found this thread's cache alive, and a thread-local is destroyed
-        // only by its own thread, after its other code (this call included) has returned or
-        // from a destructor of another thread-local, which then runs instead of it, not
-        // during this call.
-        let cache = unsafe { &*cache }.borrow();
-        let slot = cache
-            .slots
-            .iter()
-            .flatten()
-            .find(|c| c.allocator == self.id && c.device == dev.device && c.stream == stream);
-        match slot {
-            // A retired shard (see `shard_table`) is refetched, and replaces this slot.
-            Some(slot) if !slot.shard.is_retired() => dev.malloc(&slot.shard, size, true),
-            _ => {
-                drop(cache);
-                self.malloc_on_new_shard(dev, stream, size)
+/// Gives back the strong counts of the thread's [`ShardCache`] at the thread's exit. Reached
+/// only when an entry is stored, so its life is checked there, not on the hit path.
+struct CacheOwner;
+
+impl Drop for CacheOwner {
+    fn drop(&mut self) {
+        // A thread-local without a destructor is never destroyed: reachable here.
+        SHARD_CACHE.with(|c| {
+            for i in 0..SHARD_CACHE_SLOTS {
+                c.clear(i);
             }
+        });
+    }
+}
+
+/// The calling thread's cache lent for one call: the lend ends when this drops, unwinding
+/// included.
+struct Lent<'a>(&'a ShardCache);
+
+impl Drop for Lent<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        self.0.lent.set(self.0.lent.get() - 1);
+    }
+}
+
+impl ShardCache {
+    /// The calling thread's cache. Never fails: it has no destructor, so it is never destroyed.
+    #[inline(always)]
+    fn get() -> &'static ShardCache {
+        // SAFETY: a thread-local without a destructor lives as long as its thread, and the
+        // reference does not leave the thread (`ShardCache` is not `Sync`): every use of it
+        // ends before the thread does.
+        SHARD_CACHE.with(|c| unsafe { &*std::ptr::from_ref(c) })
+    }
+
+    /// Lends the cache to a call (see the type's doc) and returns the first entry that `pick`
+    /// takes, with the lend.
+    #[inline(always)]
+    fn lend(&self, pick: impl Fn(&CachedShard) -> bool) -> Option<(&CachedShard, Lent<'_>)> {
+        // SAFETY: entries change only in `store` and `clear`, which leave them alone while any
+        // call holds a lend; the lend is taken before the reference is handed out.
+        let slots = unsafe { &*self.slots.get() };
+        let slot = slots.iter().find(|c| pick(c))?;
+        self.lent.set(self.lent.get() + 1);
+        Some((slot, Lent(self)))
+    }
+
+    /// Empties entry `i`, giving back its strong count. Not while lent (see the type's doc).
+    fn clear(&self, i: usize) {
+        if self.lent.get() != 0 {
+            return;
+        }
+        // SAFETY: not lent, so no reference into the entries is alive (`lend`); the thread's
+        // own code is the only one that reaches them.
+        let slot = unsafe { &mut (*self.slots.get())[i] };
+        slot.allocator = 0;
+        if let Some(shard) = slot.shard.take() {
+            drop(ManuallyDrop::into_inner(shard));
         }
     }
 
-    /// [`Allocator::malloc_on_shard`] when the calling thread did not use the stream's shard
-    /// lately: the shard from the device's table, remembered in the thread's cache.
+    /// Stores `entry` in place of the entry of its allocator, device and stream, or of the
+    /// oldest. Does nothing while lent, or once the thread's owner is gone (its exit), when
+    /// nothing would give the strong count back.
+    fn store(&self, entry: CachedShard) {
+        if self.lent.get() != 0 || CACHE_OWNER.try_with(|_| ()).is_err() {
+            return;
+        }
+        // SAFETY: as in `clear`; the reference ends before `clear` below.
+        let slots = unsafe { &*self.slots.get() };
+        let stale = slots
+            .iter()
+            .position(|c| c.allocator == entry.allocator && c.device == entry.device && c.stream == entry.stream);
+        let i = stale.unwrap_or_else(|| {
+            let next = self.next.get();
+            self.next.set((next + 1) % SHARD_CACHE_SLOTS);
+            next
+        });
+        self.clear(i);
+        // SAFETY: as in `clear`.
+        unsafe { (*self.slots.get())[i] = entry };
+    }
+}
+
+impl Allocator {
+    /// [`Allocator::malloc`] on the shard the calling thread's cache holds for `device` (as
+    /// named: -1 never matches) and `stream`, if it holds one that is not retired (see
+    /// `shard_table`); `None` when it does not, having done nothing. The stream is then hot
+    /// for this thread (see `peaks`). `routes_seen`: the caller found no route to a private
+    /// pool for the stream.
+    ///
+    /// The device comes from the entry: a hit looks up no device (13 instructions a malloc,
+    /// callgrind, `tests/c/hit_loop.c`).
+    #[inline(always)]
+    fn malloc_cached(
+        &self,
+        size: usize,
+        device: i32,
+        stream: StreamHandle,
+        routes_seen: bool,
+    ) -> Option<Result<DevicePtr, Box<Error>>> {
+        let cache = ShardCache::get();
+        let (slot, _lent) = cache.lend(|c| c.allocator == self.id && c.device == device && c.stream == stream)?;
+        let shard = slot.shard.as_deref()?;
+        if shard.is_retired() {
+            return None;
+        }
+        // SAFETY: the entry is this allocator's, which is alive (see `CachedShard::dev`).
+        let dev = unsafe { &*slot.dev };
+        if size == 0 || (!routes_seen && dev.routes_active()) {
+            return None;
+        }
+        Some(dev.malloc(shard, size, true))
+    }
+
+    /// [`Allocator::malloc`] when the calling thread's cache does not hold the stream's shard:
+    /// the device, then the shard from the device's table, remembered in the thread's cache.
     #[cold]
     #[inline(never)]
-    fn malloc_on_new_shard(
-        &self,
-        dev: &DeviceAllocator,
-        stream: StreamHandle,
-        size: usize,
-    ) -> Result<DevicePtr, Box<Error>> {
+    fn malloc_uncached(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Box<Error>> {
+        let dev = self.device_or_init(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        if dev.routes_active()
+            && let Some(pool) = dev.route_for(stream)
+        {
+            return Ok(dev.malloc_in_pool(pool, stream, size)?);
+        }
+        if let Some(r) = self.malloc_cached(size, dev.device, stream, true) {
+            return r;
+        }
         let shard = dev.shard_or_create(stream);
-        self.remember_shard(dev.device, stream, &shard);
+        self.remember_shard(dev, stream, &shard);
         dev.malloc(&shard, size, false)
     }
 
     /// Puts `shard` in the calling thread's cache of recent shards, in place of its stale entry
-    /// or the oldest. Out of line: inlined, it costs the hit path an instruction per call
-    /// (callgrind, `examples/hit_loop`).
-    #[inline(never)]
-    fn remember_shard(&self, device: i32, stream: StreamHandle, shard: &Arc<Shard>) {
+    /// or the oldest.
+    fn remember_shard(&self, dev: &DeviceAllocator, stream: StreamHandle, shard: &Arc<Shard>) {
         // The segment index's lock-free read keeps a node per thread (`arc-swap`'s debt list)
         // made at the thread's first read. The hit path's frees rarely read it
         // (`free_recent`), so a thread's first read could come at its exit, from a
@@ -101,19 +202,12 @@ impl Allocator {
         // made then is never freed (`tests/c/test_thread_exit.c` under valgrind). Read once
         // here, while the thread runs.
         self.index.with_segment(0, |_| ());
-        let _ = SHARD_CACHE.try_with(|cache| {
-            // Lent already when `f` of an outer call on this thread calls back into the
-            // allocator (an out-of-memory observer that allocates): the cache then stays as it is.
-            let Ok(mut cache) = cache.try_borrow_mut() else { return };
-            let stale = cache.slots.iter().position(|c| {
-                c.as_ref().is_some_and(|c| c.allocator == self.id && c.device == device && c.stream == stream)
-            });
-            let slot = stale.unwrap_or_else(|| {
-                let next = cache.next;
-                cache.next = (next + 1) % SHARD_CACHE_SLOTS;
-                next
-            });
-            cache.slots[slot] = Some(CachedShard { allocator: self.id, device, stream, shard: shard.clone() });
+        ShardCache::get().store(CachedShard {
+            allocator: self.id,
+            device: dev.device,
+            stream,
+            dev,
+            shard: Some(ManuallyDrop::new(shard.clone())),
         });
     }
 
@@ -122,50 +216,66 @@ impl Allocator {
     ///
     /// Errors: [`Error::InvalidValue`] (device out of range, size overflow),
     /// [`Error::OutOfMemory`] (after releasing the cache and retrying once, and calling the
-    /// out-of-memory observers: see [`Allocator::attach_oom_observer`]), [`Error::Cuda`].
-    ///
-    /// Inlined, as the hit path below it: each call between the C ABI's export and the cached
-    /// block cost the hit pair a frame (about 15 instructions) and a copy of the result.
+    /// out-of-memory observers: see [`Allocator::attach_oom_observer`]), [`Error::Cuda`],
+    /// [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
     #[inline(always)]
     pub fn malloc(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Error> {
-        let dev = self.device_or_init(device)?;
-        if size == 0 {
-            return Ok(0);
+        crate::caching::fork::check()?;
+        Ok(self.malloc_in_parent(size, device, stream)?)
+    }
+
+    /// [`Allocator::malloc`] for a caller that checked the process is not a forked child (the
+    /// C export's start check does: `ffi::started_runtime`), a check fewer a call.
+    ///
+    /// Inlined, as the hit path below it: each call between the C ABI's export and the cached
+    /// block cost the hit pair a frame (about 15 instructions) and a copy of the result. The
+    /// error boxed, as the hit path's (unboxed here, the result went through the stack: 6
+    /// instructions a malloc, callgrind, `tests/c/hit_loop.c`).
+    #[inline(always)]
+    pub(crate) fn malloc_in_parent(
+        &self,
+        size: usize,
+        device: i32,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, Box<Error>> {
+        match self.malloc_cached(size, device, stream, false) {
+            Some(r) => r,
+            None => self.malloc_uncached(size, device, stream),
         }
-        if dev.routes_active()
-            && let Some(pool) = dev.route_for(stream)
-        {
-            return dev.malloc_in_pool(pool, stream, size);
-        }
-        self.malloc_on_shard(dev, stream, size).map_err(|e| *e)
     }
 
     /// Frees a pointer from [`Allocator::malloc`] (PyTorch `raw_delete`). 0 is a no-op.
     ///
     /// Errors: [`Error::InvalidPointer`] (not from gpupool, interior, double free), leaving
-    /// every pool as it was. If an event for a `record_stream` stream cannot be created or
-    /// recorded, the block waits for the next device synchronisation instead (see
+    /// every pool as it was; [`Error::DriverUnavailable`] in a process forked from one that
+    /// used gpupool. If an event for a `record_stream` stream cannot be created or recorded,
+    /// the block waits for the next device synchronisation instead (see
     /// [`Allocator::free_after_device_sync`]) and the free succeeds.
+    #[inline(always)]
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
+        crate::caching::fork::check()?;
+        Ok(self.free_in_parent(ptr)?)
+    }
+
+    /// [`Allocator::free`] for a caller that checked the process is not a forked child, as
+    /// [`Allocator::malloc_in_parent`].
     ///
     /// Inlined up to the guess of the block's shard, as [`Allocator::malloc`] is; the search of
     /// the segment index out of line ([`Allocator::free_indexed`]).
     #[inline(always)]
-    pub fn free(&self, ptr: DevicePtr) -> Result<(), Error> {
+    pub(crate) fn free_in_parent(&self, ptr: DevicePtr) -> Result<(), Box<Error>> {
         if ptr == 0 {
             return Ok(());
         }
         match self.free_recent(ptr) {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(*e),
-            None => self.free_indexed(ptr),
+            Some(r) => r,
+            None => self.free_indexed(ptr).map_err(Box::new),
         }
     }
 
     /// [`Allocator::free`] of a block found through the segment index.
     #[inline(never)]
     fn free_indexed(&self, ptr: DevicePtr) -> Result<(), Error> {
-        // Before the index: the C export checks for a fork no more (`started_runtime`).
-        crate::caching::fork::check()?;
         self.index.with_segment(ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => self.used_device(e.device)?.free(&e.owner, ptr, e.base),
@@ -180,16 +290,10 @@ impl Allocator {
     /// not. A wrong guess costs a lock and a hash probe. `None`: not freed here.
     #[inline(always)]
     fn free_recent(&self, ptr: DevicePtr) -> Option<Result<(), Box<Error>>> {
-        if crate::caching::fork::check().is_err() {
-            return None;
-        }
-        // By address, as in `malloc_on_shard`.
-        let cache = SHARD_CACHE.try_with(std::ptr::from_ref).ok()?;
-        // SAFETY: as in `malloc_on_shard`: alive for the whole call.
-        let cache = unsafe { &*cache }.borrow();
-        let slot = cache.slots.iter().flatten().find(|c| c.allocator == self.id)?;
-        let dev = self.devices.get(slot.device as usize)?.get()?;
-        dev.free_if_listed(&slot.shard, ptr)
+        let (slot, _lent) = ShardCache::get().lend(|c| c.allocator == self.id)?;
+        // SAFETY: as in `malloc_cached`.
+        let dev = unsafe { &*slot.dev };
+        dev.free_if_listed(slot.shard.as_deref()?, ptr)
     }
 
     /// Frees like [`Allocator::free`], but the block is handed out again only after gpupool has

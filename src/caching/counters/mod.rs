@@ -104,6 +104,14 @@ impl Default for ShardCounters {
 }
 
 impl ShardCounters {
+    /// `needs_settle || has_surplus`, as one test of both bytes (LLVM loads them as one 16-bit
+    /// word when they lie side by side, as they do: 4 instructions fewer a pair on the hit
+    /// path's call ends, callgrind, `tests/c/hit_loop.c`).
+    #[inline(always)]
+    pub fn settle_or_surplus(&self) -> bool {
+        (u16::from(self.needs_settle) | (u16::from(self.has_surplus) << 8)) != 0
+    }
+
     /// The cells, the hit path's pending sums added first, for a caller that may change them
     /// (the hit path then takes its minimums of headroom again: see `lazy`).
     #[inline]

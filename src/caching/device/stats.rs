@@ -41,7 +41,7 @@ impl DeviceAllocator {
     #[inline(always)]
     pub(super) fn finish_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T, hot: bool) -> T {
         let c = &st.counters;
-        if !hot || c.needs_settle || c.has_surplus {
+        if !hot || c.settle_or_surplus() {
             self.finish_slow(st, hot);
         } else {
             drop(st);
