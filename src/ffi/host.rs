@@ -4,8 +4,8 @@
 use std::ffi::c_void;
 
 use super::stats::{gpupool_stat_t, stat};
-use super::status::{boundary, gpupool_status, out_ptr};
-use super::{gpupool_stream_t, process_host_allocator, started_runtime};
+use super::status::{boundary, boundary_boxed, gpupool_status, out_ptr};
+use super::{gpupool_stream_t, process_host_allocator, started_host};
 use crate::error::Error;
 use crate::host::{DurationStat, HostStats};
 
@@ -129,9 +129,9 @@ impl From<&HostStats> for gpupool_host_stats_t {
 /// `ptr` must be NULL or point to writable storage for one `void *`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize) -> gpupool_status {
-    boundary("gpupool_host_malloc", || {
+    boundary_boxed("gpupool_host_malloc", || {
         let ptr = out_ptr(ptr, "ptr")?;
-        let p = started_host_allocator()?.malloc(size)?;
+        let p = started_host()?.malloc_in_parent(size)?;
         // SAFETY: the caller passes storage for one `void *`.
         unsafe { ptr.write(p as *mut c_void) };
         Ok(())
@@ -162,7 +162,7 @@ pub unsafe extern "C" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize)
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_host_free(ptr: *mut c_void) -> gpupool_status {
-    boundary("gpupool_host_free", || started_host_allocator()?.free(ptr as usize))
+    boundary_boxed("gpupool_host_free", || started_host()?.free_in_parent(ptr as usize))
 }
 
 /// Says that the pinned block at `ptr` is used by work queued on `stream` (a copy from or to
@@ -255,10 +255,4 @@ pub extern "C" fn gpupool_host_reset_peak_stats() -> gpupool_status {
         process_host_allocator()?.reset_peak_stats();
         Ok(())
     })
-}
-
-/// [`process_host_allocator`] for the hit path's two exports (see `started_runtime`).
-#[inline(always)]
-fn started_host_allocator() -> Result<&'static crate::host::HostAllocator, crate::error::Error> {
-    started_runtime().map(|rt| crate::host::process_host(&rt.allocator))
 }

@@ -104,6 +104,33 @@ static STARTED: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 /// refuses (see `caching::fork`). Async-signal-safe: one atomic store.
 extern "C" fn forget_in_child() {
     STARTED.store(std::ptr::null_mut(), Ordering::Relaxed);
+    STARTED_HOST.store(std::ptr::null_mut(), Ordering::Relaxed);
+}
+
+/// The process-wide pinned host allocator, for the hit path's exports as [`STARTED`]: null
+/// until [`started_host`] found it started, and again in a forked child.
+static STARTED_HOST: AtomicPtr<crate::host::HostAllocator> = AtomicPtr::new(std::ptr::null_mut());
+
+/// [`process_host_allocator`] for the hit path's pinned exports: one load once started, which
+/// stands for the fork check as in [`started_runtime`] (the host allocator's `*_in_parent`
+/// calls make none), and for the start check of the host allocator's own `OnceLock`.
+#[inline(always)]
+pub(crate) fn started_host() -> Result<&'static crate::host::HostAllocator, Error> {
+    let host = STARTED_HOST.load(Ordering::Acquire);
+    if host.is_null() {
+        return start_host();
+    }
+    // SAFETY: set from `process_host`'s static, which is never dropped or moved.
+    Ok(unsafe { &*host })
+}
+
+#[cold]
+#[inline(never)]
+fn start_host() -> Result<&'static crate::host::HostAllocator, Error> {
+    // `runtime` checks for a fork, and registers `forget_in_child` before it returns.
+    let host = crate::host::process_host(&runtime()?.allocator);
+    STARTED_HOST.store(std::ptr::from_ref(host).cast_mut(), Ordering::Release);
+    Ok(host)
 }
 
 /// [`runtime`] for the hit path's exports (malloc and free, device and pinned): once the

@@ -4,10 +4,9 @@
 //! `classes`) serve the hit path without a lock shared between threads, and handing a block out
 //! of a free list and back.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::classes::CLASSES;
 use super::handed_out::HandedOutSet;
@@ -85,25 +84,12 @@ impl Default for Stripe {
 #[derive(Default)]
 pub(super) struct Padded<T>(pub(super) T);
 
-thread_local! {
-    /// This thread's stripe, given at its first call (`usize::MAX` until then).
-    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
-}
-static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
-
 impl HostAllocator {
-    /// The calling thread's stripe.
-    #[inline]
+    /// The calling thread's stripe: its number (`thread_number`) modulo the stripes, a power
+    /// of two.
+    #[inline(always)]
     pub(super) fn stripe_index(&self) -> usize {
-        let n = self.inner.stripes.len();
-        STRIPE.with(|s| {
-            let mut i = s.get();
-            if i == usize::MAX {
-                i = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed);
-                s.set(i);
-            }
-            i & (n - 1)
-        })
+        super::thread_number::current() & (self.inner.stripes.len() - 1)
     }
 }
 

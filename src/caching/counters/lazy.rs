@@ -339,7 +339,11 @@ mod tests {
         for i in 0..CELLS {
             c.cells_mut()[i].headroom = 1 << 20;
         }
+        // The first hit after the change takes the minimums again (and flushes); the second
+        // stays pending.
         c.hit_increase(PoolKind::Small, 512, 512);
+        c.hit_increase(PoolKind::Small, 512, 512);
+        assert!(c.lazy.pending());
         assert_eq!(c.check_lazy(), Ok(()), "within credit: pending, not flushed");
         c.lazy.up[0][0] = 0;
         assert!(c.check_lazy().is_err(), "bytes pending without their block");
