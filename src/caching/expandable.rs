@@ -117,6 +117,11 @@ impl Expandable {
         self.pages.get(offset / self.page).is_some_and(Option::is_some)
     }
 
+    /// The page table, a slot per page up to the highest mapped (those past it are unmapped).
+    pub fn page_table(&self) -> &[Option<PhysHandle>] {
+        &self.pages
+    }
+
     /// Maps `len` bytes at `offset` (both whole pages, all unmapped): per page a handle of
     /// `spare` (taken from its end) or, once `spare` is empty, a new one (`cuMemCreate`),
     /// mapped (`cuMemMap`); then access to the whole run in one `cuMemSetAccess`, as PyTorch

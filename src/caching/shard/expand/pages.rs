@@ -36,16 +36,14 @@ impl ShardState {
         let e = self.segments[&base].exp.as_deref().expect("expandable");
         let b = &self.blocks[id];
         let (addr, size, pool, state) = (b.addr, b.size, b.pool, b.state);
-        let page = e.page as u64;
-        // Stretches of the block over which the page table does not change: (start, mapped).
+        // Stretches of the block over which the page table does not change: (start, mapped),
+        // each the opposite of the one before.
         let mut cuts: Vec<(DevicePtr, bool)> = Vec::new();
-        let mut at = addr;
-        while at < addr + size as u64 {
-            let mapped = e.is_mapped((at - base) as usize);
-            if cuts.last().is_none_or(|&(_, m)| m != mapped) {
-                cuts.push((at, mapped));
-            }
-            at = base + ((at - base) / page + 1) * page;
+        let (mut at, end) = ((addr - base) as usize, (addr - base) as usize + size);
+        while at < end {
+            let (mapped, next) = page_run(e.page_table(), e.page, at, end);
+            cuts.push((base + at as u64, mapped));
+            at = next;
         }
         let unchanged = cuts.len() == 1 && (cuts[0].1 == (state == BlockState::Free));
         if unchanged {
@@ -123,5 +121,48 @@ impl ShardState {
         }
         let addr = self.blocks[id].addr;
         self.unmapped_set(pool).insert((addr, id));
+    }
+}
+
+/// Whether the page at `offset` bytes into an expandable segment of page table `table` and
+/// pages of `page` bytes is mapped, and where (bytes, at most `end`) the run of pages like it
+/// from there ends. A run of unmapped pages that reaches the table's end runs to `end` at once:
+/// a growth's block over the rest of its range (thousands of pages) was walked a page at a time,
+/// with two divisions each (about 100,000 instructions a growth replaying vit_train on the
+/// simulated device, 11% of the replay's, callgrind).
+fn page_run<T>(table: &[Option<T>], page: usize, offset: usize, end: usize) -> (bool, usize) {
+    let first = offset / page;
+    let last = end.div_ceil(page).min(table.len());
+    let mapped = table.get(first).is_some_and(Option::is_some);
+    let mut i = first + 1;
+    while i < last && table[i].is_some() == mapped {
+        i += 1;
+    }
+    if !mapped && i >= table.len() {
+        return (false, end);
+    }
+    (mapped, (i * page).min(end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::page_run;
+
+    /// [`page_run`] against a page at a time, over every offset and end of a small table.
+    #[test]
+    fn runs_match_a_walk_of_each_page() {
+        let table: Vec<Option<u64>> = [1, 1, 0, 1, 0, 0, 1, 1, 1, 0].iter().map(|&m| (m == 1).then_some(7)).collect();
+        let page = 4;
+        let mapped = |off: usize| table.get(off / page).is_some_and(Option::is_some);
+        for offset in (0..60).step_by(page) {
+            for end in offset + 1..64 {
+                let want = mapped(offset);
+                let mut stop = offset;
+                while stop < end && mapped(stop) == want {
+                    stop = (stop / page + 1) * page;
+                }
+                assert_eq!(page_run(&table, page, offset, end), (want, stop.min(end)), "offset {offset}, end {end}");
+            }
+        }
     }
 }
