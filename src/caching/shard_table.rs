@@ -12,7 +12,7 @@
 //! of recent shards holds it; a later call on its stream gets a new shard.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
@@ -26,11 +26,18 @@ pub(crate) struct ShardTable {
     /// Starts at 1: a new shard's `dirty_epoch` is 0, so its first call puts it on the list.
     epoch: AtomicU64,
     dirty: Mutex<Vec<Arc<Shard>>>,
+    /// Shards in `by_stream`, kept with it under its lock, read without it (see [`ShardTable::count`]).
+    count: AtomicUsize,
 }
 
 impl Default for ShardTable {
     fn default() -> Self {
-        ShardTable { by_stream: Mutex::default(), epoch: AtomicU64::new(1), dirty: Mutex::default() }
+        ShardTable {
+            by_stream: Mutex::default(),
+            epoch: AtomicU64::new(1),
+            dirty: Mutex::default(),
+            count: AtomicUsize::new(0),
+        }
     }
 }
 
@@ -38,7 +45,17 @@ impl ShardTable {
     /// The shard of `stream` in `pool` (0: the default pools), created on first use (or after
     /// its last one was retired).
     pub fn get_or_create(&self, pool: u64, stream: StreamHandle) -> Arc<Shard> {
-        self.by_stream.lock().entry((pool, stream)).or_insert_with(|| Arc::new(Shard::new(pool, stream))).clone()
+        let mut table = self.by_stream.lock();
+        let shard = table.entry((pool, stream)).or_insert_with(|| Arc::new(Shard::new(pool, stream))).clone();
+        self.count.store(table.len(), Ordering::Relaxed);
+        shard
+    }
+
+    /// Shards in the table, without its lock: a moment's count, for a borrow's share of the
+    /// spare credit (`peaks::borrow`), where the table's lock would be shared by every stream's
+    /// borrows.
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
     }
 
     /// The shards of private pool `pool`.
@@ -120,6 +137,7 @@ impl ShardTable {
             shard.retire(&mut st);
             false
         });
+        self.count.store(table.len(), Ordering::Relaxed);
         // The table's memory follows the streams it holds, not the most it ever held.
         if table.len() * 4 < table.capacity() {
             table.shrink_to_fit();

@@ -57,10 +57,13 @@ pub(crate) struct Seen {
 
 /// A shard gives credit back to the device's spare credit only once it holds this many times
 /// what it keeps, so that a stream whose blocks vary in size does not trade credit through the
-/// shared atomics at every call. Measured on the simulated device, 16 threads on their own
-/// streams (`examples/settle_rate.rs`): shared credit touched in 0.8% of calls at 8, 8% at 4,
-/// 38% at 1, for about the same number of settles.
-const SURPLUS_FACTOR: i64 = 8;
+/// shared atomics at every call, and gives it back before other streams run short for lack of
+/// it. On the H100 machine's host (16 cores, `thread_scaling` on the simulated device, 16
+/// threads on one device, three runs each, 2026-11-27): at 8, 40-41 M ops/s and 148-172 settles
+/// per million calls; at 4, 72-77 and 2.7-2.8 (with the borrow's share of the spare credit,
+/// [`crate::caching::peaks::borrow`], 76-85 and 6-9); at 2, 47-51 and 1.4-1.9, the give-backs'
+/// shared atomics now the cost.
+const SURPLUS_FACTOR: i64 = 4;
 
 /// The statistics of one shard. Not synchronised: the shard's lock guards it.
 #[derive(Debug)]

@@ -61,7 +61,8 @@ impl DeviceAllocator {
         // Segment events queued under the lock flag a settle (`ShardState::observe_later`),
         // and are delivered with the lock dropped for it: the hit path, which makes no
         // segment, pays no look at the queue.
-        let settle = c.needs_settle && (!st.segment_events.is_empty() || !peaks::borrow(&mut st.counters, &self.spare));
+        let settle = c.needs_settle
+            && (!st.segment_events.is_empty() || !peaks::borrow(&mut st.counters, &self.spare, self.shards.count()));
         // Before the settle, which this shard may not be visited by (another settle may have
         // taken the dirty list it is on, and visited it, while it waited): a change after
         // that would go unseen by the next settle.
