@@ -36,20 +36,36 @@ const SHARD_CACHE_SLOTS: usize = 4;
 /// It has no destructor, so that reaching it costs the hit path only its address (a
 /// thread-local with one is checked for life at each access: 3 instructions a call, callgrind,
 /// `tests/c/hit_loop.c`); its strong counts are given back at the thread's exit by
-/// [`CacheOwner`]. Its cells are lent to a call of the hit path for the whole call (`lent`),
-/// which may come back here (an out-of-memory observer that allocates): while lent, entries
-/// are neither replaced nor given back. A counter, not a `RefCell`: one increment and one
-/// decrement a call, where the `RefCell`'s borrow also checked for overflow (8 instructions a
-/// pair, callgrind).
+/// [`CacheOwner`], or by [`give_back_at_exit`] where that cannot run (see `owner`). Its cells
+/// are lent to a call of the hit path for the whole call (`lent`), which may come back here
+/// (an out-of-memory observer that allocates): while lent, entries are neither replaced nor
+/// given back. A counter, not a `RefCell`: one increment and one decrement a call, where the
+/// `RefCell`'s borrow also checked for overflow (8 instructions a pair, callgrind).
 struct ShardCache {
     slots: UnsafeCell<[CachedShard; SHARD_CACHE_SLOTS]>,
     next: Cell<usize>,
     lent: Cell<usize>,
+    /// Who gives the strong counts back at the thread's exit: [`UNOWNED`], [`OWNED`] or
+    /// [`GONE`]. Read only by [`ShardCache::store`].
+    owner: Cell<u8>,
 }
+
+/// Nothing stored yet on this thread: nothing to give back, no owner registered.
+const UNOWNED: u8 = 0;
+/// [`CacheOwner`] registered, and the thread's exit key set (see [`give_back_at_exit`]).
+const OWNED: u8 = 1;
+/// The counts were given back at the thread's exit: nothing is stored again, since nothing
+/// would give it back (the thread's later calls find their shards in the device's table).
+const GONE: u8 = 2;
 
 thread_local! {
     static SHARD_CACHE: ShardCache = const {
-        ShardCache { slots: UnsafeCell::new([EMPTY; SHARD_CACHE_SLOTS]), next: Cell::new(0), lent: Cell::new(0) }
+        ShardCache {
+            slots: UnsafeCell::new([EMPTY; SHARD_CACHE_SLOTS]),
+            next: Cell::new(0),
+            lent: Cell::new(0),
+            owner: Cell::new(UNOWNED),
+        }
     };
     static CACHE_OWNER: CacheOwner = const { CacheOwner };
 }
@@ -61,12 +77,37 @@ struct CacheOwner;
 impl Drop for CacheOwner {
     fn drop(&mut self) {
         // A thread-local without a destructor is never destroyed: reachable here.
-        SHARD_CACHE.with(|c| {
-            for i in 0..SHARD_CACHE_SLOTS {
-                c.clear(i);
-            }
-        });
+        SHARD_CACHE.with(ShardCache::give_back);
+        if let Some(key) = exit_key() {
+            // SAFETY: the key exists. Unset, its destructor is not called for this thread.
+            unsafe { libc::pthread_setspecific(key, std::ptr::null()) };
+        }
     }
+}
+
+/// The pthread key whose destructor, [`give_back_at_exit`], gives the counts back where
+/// [`CacheOwner`] cannot: a thread-local destructor registered once the thread's thread-local
+/// destructors have run (a thread whose first store is made from a pthread-key destructor,
+/// which glibc runs after them) is never called (`tests/hit_cache_hostile.rs`). The key is set
+/// with the owner's registration and unset by the owner's destructor, so its destructor runs
+/// only for a thread whose owner never will: one whose registration counts against unloading
+/// the library for good (glibc's `__cxa_thread_atexit_impl`), so that the destructor stays
+/// mapped. `None` if no key could be made (the process used up its keys): the owner alone.
+fn exit_key() -> Option<libc::pthread_key_t> {
+    static KEY: std::sync::OnceLock<Option<libc::pthread_key_t>> = std::sync::OnceLock::new();
+    *KEY.get_or_init(|| {
+        let mut key = 0;
+        // SAFETY: creates a key with a destructor of the signature it takes.
+        (unsafe { libc::pthread_key_create(&mut key, Some(give_back_at_exit)) } == 0).then_some(key)
+    })
+}
+
+/// The destructor of [`exit_key`]: the thread's counts given back. glibc calls a key's
+/// destructor in up to four rounds while destructors set keys again; a first store made in the
+/// last round is still lost.
+extern "C" fn give_back_at_exit(_: *mut std::ffi::c_void) {
+    // No panic leaves a C callback; dropping a shard does not panic.
+    let _ = std::panic::catch_unwind(|| SHARD_CACHE.with(ShardCache::give_back));
 }
 
 /// The calling thread's cache lent for one call: the lend ends when this drops, unwinding
@@ -116,24 +157,54 @@ impl ShardCache {
         }
     }
 
-    /// Stores `entry` in place of the entry of its allocator, device and stream, or of the
-    /// oldest. Does nothing while lent, or once the thread's owner is gone (its exit), when
-    /// nothing would give the strong count back.
-    fn store(&self, entry: CachedShard) {
-        if self.lent.get() != 0 || CACHE_OWNER.try_with(|_| ()).is_err() {
+    /// At the thread's exit: every entry emptied, and none stored again.
+    fn give_back(&self) {
+        self.owner.set(GONE);
+        for i in 0..SHARD_CACHE_SLOTS {
+            self.clear(i);
+        }
+    }
+
+    /// Whether the thread's exit will give back what is stored now: registers the owners at
+    /// the thread's first store.
+    fn owned(&self) -> bool {
+        match self.owner.get() {
+            OWNED => true,
+            GONE => false,
+            _ => {
+                if CACHE_OWNER.try_with(|_| ()).is_err() {
+                    self.owner.set(GONE);
+                    return false;
+                }
+                if let Some(key) = exit_key() {
+                    // SAFETY: the key exists; its value is only tested for null.
+                    unsafe { libc::pthread_setspecific(key, std::ptr::from_ref(self).cast()) };
+                }
+                self.owner.set(OWNED);
+                true
+            }
+        }
+    }
+
+    /// Stores a strong count of `shard` in place of the entry of its allocator, device and
+    /// stream, or of the oldest. Does nothing while lent, or once the thread's counts were
+    /// given back (its exit), when nothing would give the count back: the count is taken
+    /// only once the entry is stored.
+    fn store(&self, allocator: u64, dev: &DeviceAllocator, stream: StreamHandle, shard: &Arc<Shard>) {
+        if self.lent.get() != 0 || !self.owned() {
             return;
         }
+        let device = dev.device;
         // SAFETY: as in `clear`; the reference ends before `clear` below.
         let slots = unsafe { &*self.slots.get() };
-        let stale = slots
-            .iter()
-            .position(|c| c.allocator == entry.allocator && c.device == entry.device && c.stream == entry.stream);
+        let stale = slots.iter().position(|c| c.allocator == allocator && c.device == device && c.stream == stream);
         let i = stale.unwrap_or_else(|| {
             let next = self.next.get();
             self.next.set((next + 1) % SHARD_CACHE_SLOTS);
             next
         });
         self.clear(i);
+        let entry = CachedShard { allocator, device, stream, dev, shard: Some(ManuallyDrop::new(shard.clone())) };
         // SAFETY: as in `clear`.
         unsafe { (*self.slots.get())[i] = entry };
     }
@@ -202,13 +273,7 @@ impl Allocator {
         // made then is never freed (`tests/c/test_thread_exit.c` under valgrind). Read once
         // here, while the thread runs.
         self.index.with_segment(0, |_| ());
-        ShardCache::get().store(CachedShard {
-            allocator: self.id,
-            device: dev.device,
-            stream,
-            dev,
-            shard: Some(ManuallyDrop::new(shard.clone())),
-        });
+        ShardCache::get().store(self.id, dev, stream, shard);
     }
 
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)

@@ -1,0 +1,249 @@
+//! The thread's shard cache of commit 5af75ca attacked from outside (`src/caching/allocator/
+//! hit.rs`): entries that hold raw strong counts, given back at the thread's exit by a second
+//! thread-local; a lend counter that keeps them while a call re-enters. Each attack is measured
+//! by the heap this binary's allocator counts: a shard whose count is lost stays on the heap
+//! after `empty_cache` took it out of its device's table. Out-of-memory and segment observers
+//! that allocate on more streams than the cache holds, while it is lent; frees and mallocs from
+//! pthread-key and thread-local destructors after the cache's owner is gone, or as the
+//! thread's first call; thousands of short threads; a panic through the lend; several
+//! allocators in one thread; streams retired while cached; device -1; size 0; routes.
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use common::{MIB, check, sim_with};
+use gpupool::config::Config;
+use gpupool::{Allocator, Error};
+
+/// The system allocator, counting the bytes live.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: the system allocator's calls, passed through; only a counter is added.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The tests of this binary one at a time, so that the heap one measures is its own.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bytes left on the heap per round of `round`, after as many rounds again to warm up (tables
+/// grown, arc-swap's nodes made).
+fn leak_per_round(rounds: usize, mut round: impl FnMut()) -> isize {
+    for _ in 0..rounds {
+        round();
+    }
+    let before = LIVE.load(Ordering::SeqCst);
+    for _ in 0..rounds {
+        round();
+    }
+    (LIVE.load(Ordering::SeqCst) - before) / rounds as isize
+}
+
+/// Streams beyond the four entries of a thread's cache, reused from round to round (the
+/// simulated driver keeps a little state per stream handle).
+const STREAMS: [usize; 6] = [0x1000, 0x1100, 0x1200, 0x1300, 0x1400, 0x1500];
+
+fn touch(a: &Allocator, streams: &[usize]) {
+    for &s in streams {
+        let p = a.malloc(512, 0, s).unwrap();
+        a.free(p).unwrap();
+    }
+}
+
+/// `empty_cache`, which takes the shards of streams that hold nothing out of the table: only
+/// `holding` streams' are left.
+fn retired(a: &Allocator, holding: usize) {
+    a.empty_cache(0).unwrap();
+    check(a);
+    assert_eq!(a.stream_count(0).unwrap(), holding, "a stream's shard stayed in the table");
+}
+
+#[test]
+fn an_oom_observer_allocating_on_new_streams_loses_no_shard() {
+    let _serial = serial();
+    let (a, _drv) = sim_with(1, 64 * MIB, Config::pytorch());
+    let a = Arc::new(a);
+    let weak = Arc::downgrade(&a);
+    a.attach_oom_observer(move |_| {
+        let a = weak.upgrade().unwrap();
+        // While the outer call holds the cache lent: new streams are neither stored nor lost.
+        touch(&a, &STREAMS);
+        let q = a.malloc(512, 0, 0x10).unwrap();
+        a.free(q).unwrap();
+        false
+    });
+    let keep = a.malloc(40 * MIB, 0, 0x10).unwrap();
+    let leak = leak_per_round(100, || {
+        assert!(matches!(a.malloc(40 * MIB, 0, 0x10), Err(Error::OutOfMemory(_))));
+        retired(&a, 1);
+    });
+    assert!(leak < 64, "{leak} bytes a round stay on the heap: the nested calls' strong counts are lost");
+    a.free(keep).unwrap();
+    check(&a);
+}
+
+#[test]
+fn a_segment_observer_allocating_on_new_streams_loses_no_shard() {
+    let _serial = serial();
+    let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
+    let a = Arc::new(a);
+    let weak = Arc::downgrade(&a);
+    a.attach_segment_observer(move |e| {
+        // The large segment's, made while the outer call holds the cache lent.
+        if e.kind != gpupool::SegmentEventKind::Alloc || e.bytes < 8 * MIB {
+            return;
+        }
+        let a = weak.upgrade().unwrap();
+        for &s in &STREAMS {
+            // A new segment from inside a segment observer is refused, after the stream's
+            // shard was made: the shard must not outlive its table entry.
+            assert!(matches!(a.malloc(512, 0, s), Err(Error::InvalidValue(_))));
+        }
+    });
+    let leak = leak_per_round(100, || {
+        // The first malloc caches the stream, the second takes a new segment on the hit path.
+        let p = a.malloc(4096, 0, 0x10).unwrap();
+        let q = a.malloc(8 * MIB, 0, 0x10).unwrap();
+        a.free(p).unwrap();
+        a.free(q).unwrap();
+        retired(&a, 0);
+    });
+    assert!(leak < 64, "{leak} bytes a round stay on the heap");
+    check(&a);
+}
+
+/// What a pthread-key destructor does at its thread's exit: a malloc and free on each stream.
+struct AtExit {
+    a: Arc<Allocator>,
+    streams: &'static [usize],
+}
+
+extern "C" fn at_thread_exit(arg: *mut c_void) {
+    // SAFETY: the value `exit_key`'s users set: a leaked `Box<AtExit>`.
+    let job = unsafe { Box::from_raw(arg.cast::<AtExit>()) };
+    touch(&job.a, job.streams);
+}
+
+fn exit_key() -> libc::pthread_key_t {
+    static KEY: OnceLock<libc::pthread_key_t> = OnceLock::new();
+    *KEY.get_or_init(|| {
+        let mut key = 0;
+        // SAFETY: creates a key whose destructor takes what `on_exit` sets.
+        assert_eq!(unsafe { libc::pthread_key_create(&mut key, Some(at_thread_exit)) }, 0);
+        key
+    })
+}
+
+/// Has the calling thread run `streams`' malloc and free from a pthread-key destructor at its
+/// exit, which glibc runs after every thread-local destructor.
+fn on_exit(a: &Arc<Allocator>, streams: &'static [usize]) {
+    let job = Box::into_raw(Box::new(AtExit { a: a.clone(), streams }));
+    // SAFETY: the key exists; the destructor takes the box back.
+    assert_eq!(unsafe { libc::pthread_setspecific(exit_key(), job.cast()) }, 0);
+}
+
+#[test]
+fn pthread_key_destructors_allocating_at_thread_exit_lose_no_shard() {
+    let _serial = serial();
+    let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
+    let a = Arc::new(a);
+    // The thread used gpupool while it ran (its cache's owner is gone when the destructor
+    // runs), or not at all (the destructor's call is its first).
+    for used_before in [true, false] {
+        let leak = leak_per_round(50, || {
+            let a2 = a.clone();
+            std::thread::spawn(move || {
+                if used_before {
+                    touch(&a2, &[0x10, 0x20]);
+                }
+                on_exit(&a2, &STREAMS);
+            })
+            .join()
+            .unwrap();
+            retired(&a, 0);
+        });
+        // A thread whose first read of arc-swap is made at its exit keeps its debt node (128
+        // bytes) for good: arc-swap's thread-local is registered too late to give it back.
+        let arc_swap_node = if used_before { 0 } else { 128 };
+        assert!(leak <= arc_swap_node, "used before: {used_before}: {leak} bytes a thread stay on the heap");
+    }
+    check(&a);
+}
+
+/// Mallocs and frees on [`STREAMS`] when its thread exits.
+struct TouchAtExit(Option<Arc<Allocator>>);
+
+impl Drop for TouchAtExit {
+    fn drop(&mut self) {
+        if let Some(a) = self.0.take() {
+            touch(&a, &STREAMS);
+        }
+    }
+}
+
+thread_local! {
+    static BEFORE_OWNER: std::cell::RefCell<TouchAtExit> = const { std::cell::RefCell::new(TouchAtExit(None)) };
+    static AFTER_OWNER: std::cell::RefCell<TouchAtExit> = const { std::cell::RefCell::new(TouchAtExit(None)) };
+}
+
+#[test]
+fn thread_local_destructors_on_both_sides_of_the_owner_lose_no_shard() {
+    let _serial = serial();
+    let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
+    let a = Arc::new(a);
+    let leak = leak_per_round(50, || {
+        let a2 = a.clone();
+        std::thread::spawn(move || {
+            // Registered before the cache's owner: destroyed after it, and the reverse.
+            BEFORE_OWNER.with(|t| t.borrow_mut().0 = Some(a2.clone()));
+            touch(&a2, &[0x10]);
+            AFTER_OWNER.with(|t| t.borrow_mut().0 = Some(a2.clone()));
+        })
+        .join()
+        .unwrap();
+        retired(&a, 0);
+    });
+    assert!(leak < 64, "{leak} bytes a thread stay on the heap");
+    check(&a);
+}
+
+#[test]
+fn thousands_of_short_threads_on_many_streams_give_every_count_back() {
+    let _serial = serial();
+    let (a, _drv) = sim_with(2, 256 * MIB, Config::pytorch());
+    let leak = leak_per_round(1000, || {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                touch(&a, &STREAMS);
+                let p = a.malloc(4096, 1, 0x1000).unwrap();
+                a.free(p).unwrap();
+            });
+        });
+        retired(&a, 0);
+        a.empty_cache(1).unwrap();
+    });
+    assert!(leak < 16, "{leak} bytes a thread stay on the heap");
+    assert_eq!(a.stats(0).unwrap().allocation.all.current, 0);
+}
