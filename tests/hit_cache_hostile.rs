@@ -335,6 +335,13 @@ fn a_panic_through_the_lend_ends_it() {
                 drv.inject_panic(gpupool::driver::sim::SimOp::MemAlloc, 0);
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.malloc(8 * MIB, 0, 0x10)));
                 assert!(r.is_err(), "the driver's panic reaches the caller");
+                // A free on the hit path whose event for another stream panics.
+                let p = a.malloc(512, 0, 0x10).unwrap();
+                a.record_stream(p, 0x30).unwrap();
+                drv.inject_panic(gpupool::driver::sim::SimOp::EventCreate, 0);
+                assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.free(p))).is_err());
+                let _ = a.free(p);
+                check(&a);
                 // Then an observer that panics (caught by gpupool) under a lent cache.
                 let keep = a.malloc(40 * MIB, 0, 0x10).unwrap();
                 assert!(matches!(a.malloc(40 * MIB, 0, 0x10), Err(Error::OutOfMemory(_))));
