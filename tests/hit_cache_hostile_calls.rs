@@ -184,18 +184,19 @@ fn every_hit_path_call_is_refused_as_a_forked_childs_first() {
     a.free(rust_freed).unwrap();
     let (warm_u, warm_host_u) = (warm as usize, warm_host as usize);
     let refused = |e: Error| matches!(e, Error::DriverUnavailable(ref m) if m.contains("fork"));
-    let firsts: Vec<(&str, Box<dyn Fn() -> bool>)> = vec![
+    type First<'a> = (&'static str, Box<dyn Fn() -> bool + 'a>);
+    let firsts: Vec<First> = vec![
         (
             "gpupool_malloc",
             Box::new(|| {
-                let mut p = 0x1 as *mut c_void;
+                let mut p = std::ptr::dangling_mut::<c_void>();
                 // SAFETY: an out-pointer to local storage.
-                unsafe { gpupool_malloc(&mut p, 4096, 0, null) == REFUSED && p as usize == 1 }
+                unsafe { gpupool_malloc(&mut p, 4096, 0, null) == REFUSED && p == std::ptr::dangling_mut() }
             }),
         ),
         // SAFETY (each): a pointer the parent had from gpupool; nothing is dereferenced.
         ("gpupool_free", Box::new(|| unsafe { gpupool_free(warm_u as *mut c_void) == REFUSED })),
-        ("gpupool_free of a freed block", Box::new(|| unsafe { gpupool_free(cached as *mut c_void) == REFUSED })),
+        ("gpupool_free of a freed block", Box::new(|| unsafe { gpupool_free(cached) == REFUSED })),
         (
             "gpupool_host_malloc",
             Box::new(|| {
