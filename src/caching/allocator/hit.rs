@@ -35,38 +35,72 @@ const SHARD_CACHE_SLOTS: usize = 4;
 ///
 /// It has no destructor, so that reaching it costs the hit path only its address (a
 /// thread-local with one is checked for life at each access: 3 instructions a call, callgrind,
-/// `tests/c/hit_loop.c`); its strong counts are given back at the thread's exit by
-/// [`CacheOwner`]. Its cells are lent to a call of the hit path for the whole call (`lent`),
-/// which may come back here (an out-of-memory observer that allocates): while lent, entries
-/// are neither replaced nor given back. A counter, not a `RefCell`: one increment and one
-/// decrement a call, where the `RefCell`'s borrow also checked for overflow (8 instructions a
-/// pair, callgrind).
+/// `tests/c/hit_loop.c`); its strong counts are given back at the thread's exit by the
+/// destructor of a pthread key ([`exit_key`]). Its cells are lent to a call of the hit path
+/// for the whole call (`lent`), which may come back here (an out-of-memory observer that
+/// allocates): while lent, entries are neither replaced nor given back. A counter, not a
+/// `RefCell`: one increment and one decrement a call, where the `RefCell`'s borrow also
+/// checked for overflow (8 instructions a pair, callgrind).
 struct ShardCache {
     slots: UnsafeCell<[CachedShard; SHARD_CACHE_SLOTS]>,
     next: Cell<usize>,
     lent: Cell<usize>,
 }
 
+/// Nothing stored yet on this thread: nothing to give back.
+const UNOWNED: u8 = 0;
+/// The thread's [`exit_key`] is set: its exit gives the counts back.
+const OWNED: u8 = 1;
+/// The counts were given back at the thread's exit, or the process has no key for it: nothing
+/// is stored (the thread's calls find their shards in the device's table).
+const GONE: u8 = 2;
+
 thread_local! {
     static SHARD_CACHE: ShardCache = const {
         ShardCache { slots: UnsafeCell::new([EMPTY; SHARD_CACHE_SLOTS]), next: Cell::new(0), lent: Cell::new(0) }
     };
-    static CACHE_OWNER: CacheOwner = const { CacheOwner };
+    /// Whether the thread's exit gives the cache's strong counts back: [`UNOWNED`], [`OWNED`]
+    /// or [`GONE`]. Read only by [`ShardCache::store`]; apart from the cache, whose layout the
+    /// hit path's instructions depend on (a field more cost the pair one, callgrind,
+    /// `tests/c/hit_loop.c`).
+    static OWNER: Cell<u8> = const { Cell::new(UNOWNED) };
 }
 
-/// Gives back the strong counts of the thread's [`ShardCache`] at the thread's exit. Reached
-/// only when an entry is stored, so its life is checked there, not on the hit path.
-struct CacheOwner;
-
-impl Drop for CacheOwner {
-    fn drop(&mut self) {
-        // A thread-local without a destructor is never destroyed: reachable here.
-        SHARD_CACHE.with(|c| {
-            for i in 0..SHARD_CACHE_SLOTS {
-                c.clear(i);
+/// The pthread key whose destructor, [`give_back_at_exit`], gives the thread's counts back;
+/// set at the thread's first store. Not a thread-local with a destructor: glibc runs those
+/// before the pthread keys' destructors, and one first reached from a key's destructor (a
+/// program's that allocates, as the thread's first call) is registered too late to run at
+/// all; its registration is lost too (`tests/hit_cache_hostile.rs`, `tests/c/test_thread_exit.c`
+/// under valgrind). A key's destructor set from another key's runs in the next round (glibc
+/// makes four; a first store in the fourth is lost). The thread-locals' destructors, C++'s
+/// included, find the cache as it was. `None` when the process has used up its keys: nothing
+/// is then cached. Made once; the library is then never unloaded (`RTLD_NODELETE`), so that
+/// the destructor stays mapped while any thread may still run it.
+fn exit_key() -> Option<libc::pthread_key_t> {
+    static KEY: std::sync::OnceLock<Option<libc::pthread_key_t>> = std::sync::OnceLock::new();
+    *KEY.get_or_init(|| {
+        let mut key = 0;
+        // SAFETY: creates a key with a destructor of the signature it takes.
+        if unsafe { libc::pthread_key_create(&mut key, Some(give_back_at_exit)) } != 0 {
+            return None;
+        }
+        let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+        // SAFETY: `dladdr` fills `info` for an address of this library; `dlopen` with
+        // `RTLD_NOLOAD` only marks the object already loaded, and its handle is kept for good.
+        unsafe {
+            if libc::dladdr(give_back_at_exit as *const std::ffi::c_void, info.as_mut_ptr()) != 0 {
+                let name = info.assume_init().dli_fname;
+                libc::dlopen(name, libc::RTLD_LAZY | libc::RTLD_NOLOAD | libc::RTLD_NODELETE);
             }
-        });
-    }
+        }
+        Some(key)
+    })
+}
+
+/// The destructor of [`exit_key`]: the thread's counts given back.
+extern "C" fn give_back_at_exit(_: *mut std::ffi::c_void) {
+    // No panic leaves a C callback; dropping a shard does not panic.
+    let _ = std::panic::catch_unwind(|| SHARD_CACHE.with(ShardCache::give_back));
 }
 
 /// The calling thread's cache lent for one call: the lend ends when this drops, unwinding
@@ -116,24 +150,49 @@ impl ShardCache {
         }
     }
 
-    /// Stores `entry` in place of the entry of its allocator, device and stream, or of the
-    /// oldest. Does nothing while lent, or once the thread's owner is gone (its exit), when
-    /// nothing would give the strong count back.
-    fn store(&self, entry: CachedShard) {
-        if self.lent.get() != 0 || CACHE_OWNER.try_with(|_| ()).is_err() {
+    /// At the thread's exit: every entry emptied, and none stored again.
+    fn give_back(&self) {
+        OWNER.set(GONE);
+        for i in 0..SHARD_CACHE_SLOTS {
+            self.clear(i);
+        }
+    }
+
+    /// Whether the thread's exit will give back what is stored now: sets the thread's
+    /// [`exit_key`] at its first store.
+    fn owned(&self) -> bool {
+        match OWNER.get() {
+            OWNED => true,
+            GONE => false,
+            _ => {
+                // SAFETY: the key exists; its value is only tested for null.
+                let set = exit_key()
+                    .is_some_and(|key| unsafe { libc::pthread_setspecific(key, std::ptr::from_ref(self).cast()) == 0 });
+                OWNER.set(if set { OWNED } else { GONE });
+                set
+            }
+        }
+    }
+
+    /// Stores a strong count of `shard` in place of the entry of its allocator, device and
+    /// stream, or of the oldest. Does nothing while lent, or once the thread's counts were
+    /// given back (its exit), when nothing would give the count back: the count is taken
+    /// only once the entry is stored.
+    fn store(&self, allocator: u64, dev: &DeviceAllocator, stream: StreamHandle, shard: &Arc<Shard>) {
+        if self.lent.get() != 0 || !self.owned() {
             return;
         }
+        let device = dev.device;
         // SAFETY: as in `clear`; the reference ends before `clear` below.
         let slots = unsafe { &*self.slots.get() };
-        let stale = slots
-            .iter()
-            .position(|c| c.allocator == entry.allocator && c.device == entry.device && c.stream == entry.stream);
+        let stale = slots.iter().position(|c| c.allocator == allocator && c.device == device && c.stream == stream);
         let i = stale.unwrap_or_else(|| {
             let next = self.next.get();
             self.next.set((next + 1) % SHARD_CACHE_SLOTS);
             next
         });
         self.clear(i);
+        let entry = CachedShard { allocator, device, stream, dev, shard: Some(ManuallyDrop::new(shard.clone())) };
         // SAFETY: as in `clear`.
         unsafe { (*self.slots.get())[i] = entry };
     }
@@ -202,13 +261,7 @@ impl Allocator {
         // made then is never freed (`tests/c/test_thread_exit.c` under valgrind). Read once
         // here, while the thread runs.
         self.index.with_segment(0, |_| ());
-        ShardCache::get().store(CachedShard {
-            allocator: self.id,
-            device: dev.device,
-            stream,
-            dev,
-            shard: Some(ManuallyDrop::new(shard.clone())),
-        });
+        ShardCache::get().store(self.id, dev, stream, shard);
     }
 
     /// Allocates at least `size` bytes on `device` (-1: the calling thread's current device)

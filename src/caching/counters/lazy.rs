@@ -339,9 +339,10 @@ mod tests {
         for i in 0..CELLS {
             c.cells_mut()[i].headroom = 1 << 20;
         }
-        // The first hit after the change takes the minimums again (and flushes); the second
-        // stays pending.
+        // The first hit after the cells changed takes the minimums again (its sums flushed);
+        // the second, within credit, stays pending.
         c.hit_increase(PoolKind::Small, 512, 512);
+        assert!(!c.lazy.pending() && !c.lazy.stale(), "the minimums taken again");
         c.hit_increase(PoolKind::Small, 512, 512);
         assert!(c.lazy.pending());
         assert_eq!(c.check_lazy(), Ok(()), "within credit: pending, not flushed");
