@@ -306,9 +306,7 @@ fn lazy_statistics_equal_an_eager_count_with_stale_marks_between_calls() {
         let mut model = Model::default();
         let (mut live, mut deferred) = (Vec::new(), Vec::new());
         for step in 0..3000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            common::xorshift(&mut x);
             let pick = (x >> 20) as usize;
             match x % 16 {
                 0..=5 if live.len() < 24 => {

@@ -73,6 +73,16 @@ impl ShardTable {
         self.by_stream.lock().len()
     }
 
+    /// The invariant checker's rule: the lock-free count is the table's.
+    pub fn check(&self) -> Result<(), String> {
+        let table = self.by_stream.lock();
+        let count = self.count.load(Ordering::Relaxed);
+        if count != table.len() {
+            return Err(format!("the shard table counts {count} shards and holds {}", table.len()));
+        }
+        Ok(())
+    }
+
     /// Locks `shard` for a call that may change its counters, and puts it on the dirty list
     /// if it is not on it yet. Its front cache is merged into its pools (see [`Shard::lock`]).
     #[inline]
@@ -147,5 +157,21 @@ impl ShardTable {
             dirty.shrink_to_fit();
         }
         before - table.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_checker_sees_a_count_that_is_not_the_tables() {
+        let t = ShardTable::default();
+        t.get_or_create(0, 0x10);
+        t.get_or_create(0, 0x20);
+        t.get_or_create(0, 0x10);
+        assert_eq!((t.count(), t.check()), (2, Ok(())));
+        t.count.store(3, Ordering::Relaxed);
+        assert!(t.check().is_err());
     }
 }

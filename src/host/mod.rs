@@ -274,6 +274,7 @@ impl HostAllocator {
     ///
     /// Errors: [`Error::InvalidPointer`] for a pointer that is not the start of a block
     /// gpupool pinned, or of a block already freed; nothing changes.
+    /// [`Error::DriverUnavailable`] in a forked child, before any lock.
     ///
     /// Inlined, as [`HostAllocator::malloc`] is.
     #[inline(always)]

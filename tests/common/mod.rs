@@ -13,6 +13,15 @@ use gpupool::driver::sim::SimDriver;
 
 pub const MIB: usize = 1 << 20;
 
+/// The next number of a xorshift64 generator (Marsaglia), for the tests' reproducible random
+/// calls: `state` must not be 0.
+pub fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 /// An allocator under PyTorch's defaults ([`Config::pytorch`]: ordinary segments), whose
 /// rules most tests check one for one against PyTorch's.
 pub fn sim(devices: i32, capacity: usize) -> (Allocator, Arc<SimDriver>) {

@@ -15,6 +15,7 @@ impl DeviceAllocator {
     /// The consistency check of every shard, of the device's totals and of the peak credit.
     pub fn check(&self) -> Result<(), String> {
         let ps = self.peaks.lock();
+        self.shards.check().map_err(|e| format!("device {}: {e}", self.device))?;
         let list = self.shards.all();
         // The front caches as they are: the check checks them too.
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock_hot()).collect();
