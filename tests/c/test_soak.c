@@ -631,14 +631,26 @@ static void *stats_thread(void *arg) {
                     GPUPOOL_SUCCESS);
       if (bytes == SIZE_MAX) fail("gpupool_largest_allocatable left its answer unset");
     } else if (r < 40) {
+      /* The summary may grow between the size query and the call (other threads add streams,
+       * pools and rows meanwhile): as a caller would, ask again with the size it reports, a
+       * few times; each refusal must say how much it needs. */
       size_t need = 0;
       EXPECT_STATUS(gpupool_memory_summary(device, NULL, 0, &need), GPUPOOL_SUCCESS);
-      size_t len = need + 256; /* the table may grow by a digit or two meanwhile */
-      char *text = malloc(len);
-      if (text) {
-        EXPECT_STATUS(gpupool_memory_summary(device, text, len, &need), GPUPOOL_SUCCESS);
-        if (!strstr(text, "gpupool memory summary")) fail("the memory summary has no title");
+      for (int tries = 0; tries < 8; tries++) {
+        size_t len = need + 256;
+        char *text = malloc(len);
+        if (!text) break;
+        gpupool_status st = gpupool_memory_summary(device, text, len, &need);
+        if (st == GPUPOOL_SUCCESS) {
+          if (!strstr(text, "gpupool memory summary")) fail("the memory summary has no title");
+          free(text);
+          break;
+        }
         free(text);
+        if (st != GPUPOOL_ERROR_INVALID_VALUE || need <= len) {
+          fail("gpupool_memory_summary refused a buffer without asking for a larger one");
+          break;
+        }
       }
     }
     pause_us(50);
