@@ -5,9 +5,9 @@ use std::ffi::c_void;
 
 use super::stats::{gpupool_stat_t, stat};
 use super::status::{boundary, boundary_boxed, gpupool_status, out_ptr};
-use super::{gpupool_stream_t, process_host_allocator, started_host};
+use super::{gpupool_stream_t, process_host_allocator, started_host, started_host_hit};
 use crate::error::Error;
-use crate::host::{DurationStat, HostStats};
+use crate::host::{DurationStat, HostStats, StripeLock};
 
 /// The layout version of `gpupool_host_stats_t` this library writes.
 pub const GPUPOOL_HOST_STATS_VERSION: u32 = 1;
@@ -129,6 +129,31 @@ impl From<&HostStats> for gpupool_host_stats_t {
 /// `ptr` must be NULL or point to writable storage for one `void *`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize) -> gpupool_status {
+    let Some(host) = started_host_hit() else {
+        // SAFETY: the caller's promise, passed on.
+        return unsafe { host_malloc(ptr, size, None) };
+    };
+    if ptr.is_null() {
+        // SAFETY: as above.
+        return unsafe { host_malloc(ptr, size, None) };
+    }
+    // SAFETY: the caller passes storage for one `void *`.
+    match host.malloc_hit(size, |p| unsafe { ptr.write(p as *mut c_void) }) {
+        Ok(_stripe) => gpupool_status::GPUPOOL_SUCCESS,
+        // SAFETY: as above.
+        Err(stripe) => unsafe { host_malloc(ptr, size, stripe) },
+    }
+}
+
+/// [`gpupool_host_malloc`] past its hit path (`host::hit`), which hands over its stripe's lock
+/// if it took it: released first. Out of line, so that the hit path has no stack frame, and
+/// `extern "C"` (it never unwinds: `boundary_boxed` catches), so that the call is a jump: a
+/// call that may unwind out of an export is wrapped in an abort, and then the caller has a
+/// frame.
+#[inline(never)]
+#[allow(improper_ctypes_definitions)] // Called only from Rust, as a tail call.
+unsafe extern "C" fn host_malloc(ptr: *mut *mut c_void, size: usize, stripe: Option<StripeLock<'_>>) -> gpupool_status {
+    drop(stripe);
     boundary_boxed("gpupool_host_malloc", || {
         let ptr = out_ptr(ptr, "ptr")?;
         let p = started_host()?.malloc_in_parent(size)?;
@@ -162,6 +187,20 @@ pub unsafe extern "C" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize)
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpupool_host_free(ptr: *mut c_void) -> gpupool_status {
+    let Some(host) = started_host_hit() else {
+        return host_free(ptr, None);
+    };
+    match host.free_hit(ptr as usize) {
+        Ok(_stripe) => gpupool_status::GPUPOOL_SUCCESS,
+        Err(stripe) => host_free(ptr, stripe),
+    }
+}
+
+/// [`gpupool_host_free`] past its hit path, as [`host_malloc`].
+#[inline(never)]
+#[allow(improper_ctypes_definitions)] // Called only from Rust, as a tail call.
+extern "C" fn host_free(ptr: *mut c_void, stripe: Option<StripeLock<'_>>) -> gpupool_status {
+    drop(stripe);
     boundary_boxed("gpupool_host_free", || started_host()?.free_in_parent(ptr as usize))
 }
 

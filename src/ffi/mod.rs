@@ -124,6 +124,14 @@ pub(crate) fn started_host() -> Result<&'static crate::host::HostAllocator, Erro
     Ok(unsafe { &*host })
 }
 
+/// The pinned host allocator if [`started_host`] found it started and this process is not a
+/// forked child: the hit path's check, with no call.
+#[inline(always)]
+pub(crate) fn started_host_hit() -> Option<&'static crate::host::HostAllocator> {
+    // SAFETY: as in `started_host`.
+    unsafe { STARTED_HOST.load(Ordering::Acquire).as_ref() }
+}
+
 #[cold]
 #[inline(never)]
 fn start_host() -> Result<&'static crate::host::HostAllocator, Error> {

@@ -6,15 +6,15 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
 use super::classes::CLASSES;
+use super::free_list::FreeList;
 use super::handed_out::HandedOutSet;
-use super::stats::StatExt;
+use super::stats::StripeStat;
 use super::{HostAllocator, Inner};
 use crate::driver::{EventHandle, HostPtr};
 use crate::error::Error;
-use crate::stats::Stat;
 
 /// Where a block's memory came from, so that it goes back the same way (PyTorch keeps
 /// `use_host_register` per pointer for the same reason: the configuration may differ between
@@ -38,6 +38,17 @@ pub(super) struct Block {
     /// The stripe that handed the block out last: where it goes back to, and where it is
     /// listed while handed out.
     pub(super) home: AtomicU32,
+    /// The next block of the free list that lists this one (`free_list`): read and written
+    /// only under that list's stripe lock.
+    pub(super) next: AtomicPtr<Block>,
+}
+
+impl Block {
+    /// A block of `size` bytes at `ptr`, of `class`, from `origin`; its home stripe 0 until it
+    /// is handed out.
+    pub(super) fn new(ptr: HostPtr, size: usize, class: usize, origin: Origin) -> Block {
+        Block { ptr, size, class, origin, home: AtomicU32::new(0), next: AtomicPtr::new(std::ptr::null_mut()) }
+    }
 }
 
 /// A freed block's event on one stream that has not been seen completed yet.
@@ -50,7 +61,7 @@ pub(super) struct Pending {
 /// One stripe: what its threads use on the hit path, under one lock.
 pub(super) struct Stripe {
     /// Free blocks per size class, most recently freed last (PyTorch pops the back too).
-    pub(super) free: [Vec<Arc<Block>>; CLASSES],
+    pub(super) free: [FreeList; CLASSES],
     /// Blocks this stripe handed out, by address: a free by a thread of the stripe finds its
     /// block here, under the lock it takes anyway, and a block is allocated exactly while it
     /// is listed in its home stripe.
@@ -61,20 +72,20 @@ pub(super) struct Stripe {
     pub(super) waiting: rustc_hash::FxHashMap<usize, u32>,
     /// Created events kept for reuse, with their device (PyTorch's `EventPool`, per stripe).
     pub(super) idle_events: Vec<(i32, EventHandle)>,
-    pub(super) active_requests: Stat,
-    pub(super) active_bytes: Stat,
+    pub(super) active_requests: StripeStat,
+    pub(super) active_bytes: StripeStat,
 }
 
 impl Default for Stripe {
     fn default() -> Self {
         Stripe {
-            free: std::array::from_fn(|_| Vec::new()),
+            free: std::array::from_fn(|_| FreeList::default()),
             handed_out: Default::default(),
             pending: VecDeque::new(),
             waiting: Default::default(),
             idle_events: Vec::new(),
-            active_requests: Stat::default(),
-            active_bytes: Stat::default(),
+            active_requests: StripeStat::default(),
+            active_bytes: StripeStat::default(),
         }
     }
 }
@@ -89,7 +100,7 @@ impl HostAllocator {
     /// of two.
     #[inline(always)]
     pub(super) fn stripe_index(&self) -> usize {
-        super::thread_number::current() & (self.inner.stripes.len() - 1)
+        super::thread_number::current() & self.inner.stripe_mask
     }
 }
 
@@ -118,12 +129,30 @@ impl Inner {
     /// Marks `b` allocated by stripe `me` (whose lock the caller holds) and counts it.
     #[inline(always)]
     pub(super) fn hand_out(&self, st: &mut Stripe, me: usize, b: Arc<Block>) -> HostPtr {
+        let ptr = Self::count_out(st, me, &b);
+        st.handed_out.insert(ptr, b);
+        ptr
+    }
+
+    /// What [`Inner::hand_out`] does but listing the block: its home set to stripe `me`, and
+    /// counted active. Returns its address.
+    #[inline(always)]
+    pub(super) fn count_out(st: &mut Stripe, me: usize, b: &Block) -> HostPtr {
         b.home.store(me as u32, Ordering::Relaxed);
         st.active_requests.increase(1);
         st.active_bytes.increase(b.size as i64);
-        let ptr = b.ptr;
-        st.handed_out.insert(ptr, b);
-        ptr
+        b.ptr
+    }
+
+    /// Stripe `n` modulo the stripes (a power of two), without a bound check (its panic is a
+    /// call, which gave the hit path a stack frame).
+    #[inline(always)]
+    pub(super) fn stripe(&self, n: usize) -> (usize, &parking_lot::Mutex<Stripe>) {
+        let me = n & self.stripe_mask;
+        debug_assert!(self.stripes.len().is_power_of_two() && self.stripe_mask == self.stripes.len() - 1);
+        // SAFETY: the stripes are a power of two, at least 8 (`HostAllocator::new`): `me` is
+        // below their count.
+        (me, unsafe { &self.stripes.get_unchecked(me).0 })
     }
 
     /// The stripe that handed out (or last handed out) the block at `ptr`, locked.
@@ -145,6 +174,9 @@ impl Inner {
         st.active_requests.decrease(1);
         st.active_bytes.decrease(block.size as i64);
         let class = block.class;
-        st.free[class].push(block);
+        debug_assert!(class < CLASSES);
+        // SAFETY: a block's class is one of `classes`' (`classes::round`), below `CLASSES`;
+        // checked, the bound's panic is a call that gave the hit path's free a stack frame.
+        unsafe { st.free.get_unchecked_mut(class) }.push(block);
     }
 }

@@ -5,9 +5,10 @@
 //! (`blocks_`). A program that pins, copies and frees a buffer in a loop frees the block it
 //! took last: looked up in a hash map, that pair cost about 100 of its 457 instructions
 //! (callgrind, `tests/c/hit_loop.c host`, 2026-11-27), an insert and a remove. The stack holds
-//! [`RECENT`] blocks; a block handed out while it is full moves the oldest of them to the map,
+//! [`RECENT`] blocks; a block handed out while it is full moves the oldest of them (about: see `take_at`) to the map,
 //! where it stays until it is freed. Every block is in exactly one of the two.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use crate::driver::{HostPtr, StreamHandle};
@@ -26,16 +27,33 @@ pub(super) struct HandedOut<B> {
 /// `record_event` lives in the map, with its streams: the stack holds only blocks with none,
 /// so that the hit path moves one pointer, not a block and its list of streams.
 pub(super) struct HandedOutSet<B> {
-    /// Addresses of `recent`'s blocks, `len` of them, oldest first.
+    /// Addresses of `recent`'s blocks, `len` of them, about oldest first (see `take_at`).
     ptrs: [HostPtr; RECENT],
-    recent: [Option<Arc<B>>; RECENT],
+    /// The blocks, each holding its strong count; slots from `len` on are uninitialised (a
+    /// slot kept as an `Option` was cleared at each take and tested at each free, 4
+    /// instructions a pair, callgrind).
+    recent: [MaybeUninit<Arc<B>>; RECENT],
     len: usize,
     older: rustc_hash::FxHashMap<HostPtr, HandedOut<B>>,
 }
 
 impl<B> Default for HandedOutSet<B> {
     fn default() -> Self {
-        HandedOutSet { ptrs: [0; RECENT], recent: [const { None }; RECENT], len: 0, older: Default::default() }
+        HandedOutSet {
+            ptrs: [0; RECENT],
+            recent: [const { MaybeUninit::uninit() }; RECENT],
+            len: 0,
+            older: Default::default(),
+        }
+    }
+}
+
+impl<B> Drop for HandedOutSet<B> {
+    fn drop(&mut self) {
+        for slot in &mut self.recent[..self.len] {
+            // SAFETY: the first `len` slots hold blocks, each dropped once here.
+            unsafe { slot.assume_init_drop() };
+        }
     }
 }
 
@@ -44,16 +62,34 @@ impl<B> HandedOutSet<B> {
     /// set.
     #[inline(always)]
     pub(super) fn insert(&mut self, ptr: HostPtr, block: Arc<B>) {
-        if self.len == RECENT {
+        if !self.has_room() {
             self.spill(0);
         }
+        // SAFETY: room made above.
+        unsafe { self.push(ptr, block) };
+    }
+
+    /// Whether the stack has a free slot, for [`HandedOutSet::push`].
+    #[inline(always)]
+    pub(super) fn has_room(&self) -> bool {
+        self.len < RECENT
+    }
+
+    /// [`HandedOutSet::insert`] with no spill: the hit path's, with no call (a spill, or a
+    /// bound's panic) that would give it a stack frame.
+    ///
+    /// # Safety
+    /// The stack has room ([`HandedOutSet::has_room`]).
+    #[inline(always)]
+    pub(super) unsafe fn push(&mut self, ptr: HostPtr, block: Arc<B>) {
+        debug_assert!(self.has_room());
         // `len` read once: a store to `ptrs` may alias it (see the front cache's `push`).
         let i = self.len;
-        self.ptrs[i] = ptr;
-        // The slots from `len` on are empty: nothing to drop (an assignment tested the old
-        // value for a drop, 3 instructions a malloc, callgrind, `tests/c/hit_loop.c host`).
-        debug_assert!(self.recent[i].is_none());
-        std::mem::forget(self.recent[i].replace(block));
+        // SAFETY: `i < RECENT`, the caller's promise. The slots from `len` on hold nothing.
+        unsafe {
+            *self.ptrs.get_unchecked_mut(i) = ptr;
+            self.recent.get_unchecked_mut(i).write(block);
+        }
         self.len = i + 1;
     }
 
@@ -66,15 +102,24 @@ impl<B> HandedOutSet<B> {
         self.older.entry(ptr).or_insert(HandedOut { block, streams: Vec::new() })
     }
 
-    /// Takes the stack's block `i` out, keeping the rest oldest first.
+    /// Takes the stack's block `i` (below `len`) out; the last block takes its slot. Slot 0 is
+    /// then no longer always the oldest, which only makes a spill's choice less apt: shifting
+    /// the rest down called `memmove`.
     #[inline(always)]
     fn take_at(&mut self, i: usize) -> Arc<B> {
-        let block = self.recent[i].take().expect("the stack's first len slots are full");
+        debug_assert!(i < self.len && self.len <= RECENT);
         let last = self.len - 1;
-        if i != last {
-            self.ptrs.copy_within(i + 1..self.len, i);
-            self.recent[i..self.len].rotate_left(1);
-        }
+        // SAFETY: `i` and `last` are below `len`, which is at most `RECENT` (`push` and
+        // `spill` keep it so), so both slots hold a block: `i`'s is moved out, `last`'s moved
+        // to `i` (the same when `i == last`), and slot `last` is then past `len`. Unchecked,
+        // as in `push`: the bounds' panics are calls.
+        let block = unsafe {
+            let block = self.recent.get_unchecked(i).assume_init_read();
+            *self.ptrs.get_unchecked_mut(i) = *self.ptrs.get_unchecked(last);
+            let moved = self.recent.get_unchecked(last).assume_init_read();
+            self.recent.get_unchecked_mut(i).write(moved);
+            block
+        };
         self.len = last;
         block
     }
@@ -82,7 +127,9 @@ impl<B> HandedOutSet<B> {
     /// Where `ptr` is in the stack, newest first.
     #[inline(always)]
     fn position(&self, ptr: HostPtr) -> Option<usize> {
-        (0..self.len).rev().find(|&i| self.ptrs[i] == ptr)
+        debug_assert!(self.len <= RECENT);
+        // SAFETY: `i < len <= RECENT` (see `take_at`).
+        (0..self.len).rev().find(|&i| unsafe { *self.ptrs.get_unchecked(i) } == ptr)
     }
 
     /// Takes out the block at `ptr` if it is in the stack: handed out lately, and no stream
@@ -113,7 +160,8 @@ impl<B> HandedOutSet<B> {
     /// The block at `ptr`, if the set holds it.
     pub(super) fn get(&self, ptr: HostPtr) -> Option<&Arc<B>> {
         match self.position(ptr) {
-            Some(i) => self.recent[i].as_ref(),
+            // SAFETY: `i < len`: the slot holds a block.
+            Some(i) => Some(unsafe { self.recent[i].assume_init_ref() }),
             None => self.older.get(&ptr).map(|h| &h.block),
         }
     }
@@ -122,7 +170,8 @@ impl<B> HandedOutSet<B> {
     pub(super) fn iter(&self) -> impl Iterator<Item = (HostPtr, &Arc<B>)> + '_ {
         let recent = self.ptrs[..self.len].iter().zip(&self.recent[..self.len]);
         recent
-            .map(|(&p, b)| (p, b.as_ref().expect("the stack's first len slots are full")))
+            // SAFETY: the first `len` slots hold blocks.
+            .map(|(&p, b)| (p, unsafe { b.assume_init_ref() }))
             .chain(self.older.iter().map(|(&p, h)| (p, &h.block)))
     }
 

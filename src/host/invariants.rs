@@ -34,7 +34,7 @@ impl HostAllocator {
         let (mut free_blocks, mut free_bytes) = (0i64, 0i64);
         for (s, st) in stripes.iter().enumerate() {
             for (class, list) in st.free.iter().enumerate() {
-                for b in list {
+                for b in list.iter() {
                     assert_eq!(b.class, class, "block {:#x} in the wrong free list", b.ptr);
                     check_class(b);
                     place(b.ptr, "free");
@@ -78,8 +78,8 @@ impl HostAllocator {
         }
         assert_eq!(slow.allocations.current, segments.len() as i64, "allocations against blocks");
         assert_eq!(slow.allocated_bytes.current, bytes, "allocated_bytes against blocks");
-        let active: i64 = stripes.iter().map(|s| s.active_requests.current).sum();
-        let active_bytes: i64 = stripes.iter().map(|s| s.active_bytes.current).sum();
+        let active: i64 = stripes.iter().map(|s| s.active_requests.current()).sum();
+        let active_bytes: i64 = stripes.iter().map(|s| s.active_bytes.current()).sum();
         assert_eq!(active, segments.len() as i64 - free_blocks, "active_requests against free blocks");
         assert_eq!(active_bytes, bytes - free_bytes, "active_bytes against free blocks");
     }

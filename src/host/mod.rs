@@ -55,7 +55,9 @@
 mod blocks;
 mod classes;
 mod events;
+mod free_list;
 mod handed_out;
+mod hit;
 mod invariants;
 mod pinning;
 mod release;
@@ -69,6 +71,7 @@ use parking_lot::Mutex;
 
 use self::blocks::{Block, Padded, Stripe};
 use self::events::start_background;
+pub(crate) use self::hit::StripeLock;
 pub use self::release::HostDeferredStats;
 pub use self::stats::{DurationStat, HostStats};
 use crate::caching::fork;
@@ -115,6 +118,9 @@ struct Inner {
     driver: Arc<dyn Driver>,
     backing: Backing,
     stripes: Box<[Padded<Mutex<Stripe>>]>,
+    /// The stripes' count less one (a power of two): a thread number's stripe is
+    /// `number & stripe_mask`.
+    stripe_mask: usize,
     index: SegmentIndex<Arc<Block>>,
     slow: Mutex<Slow>,
     /// Whether a block was ever deferred: until then a miss skips looking at `slow.deferred`.
@@ -149,6 +155,7 @@ impl HostAllocator {
                 driver,
                 backing,
                 stripes: (0..n).map(|_| Padded::default()).collect(),
+                stripe_mask: n - 1,
                 index: SegmentIndex::default(),
                 slow: Mutex::new(Slow::default()),
                 any_deferred: AtomicBool::new(false),

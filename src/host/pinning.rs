@@ -5,7 +5,6 @@
 //! was pinned, timed for the statistics.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU32;
 use std::time::Instant;
 
 use super::Inner;
@@ -109,7 +108,7 @@ impl Inner {
             Some(p) => (p, Origin::Reserve),
             None => self.pin(rounded)?,
         };
-        let block = Arc::new(Block { ptr, size: rounded, class, origin, home: AtomicU32::new(0) });
+        let block = Arc::new(Block::new(ptr, rounded, class, origin));
         self.index.insert(SegmentEntry { base: ptr as u64, size: rounded, device: -1, owner: block.clone() });
         let mut slow = self.slow.lock();
         slow.allocations.increase(1);

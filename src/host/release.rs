@@ -52,13 +52,7 @@ impl HostAllocator {
             let mut st = stripe.0.lock();
             note(inner.process_events(&mut st, false));
             for list in st.free.iter_mut() {
-                list.retain(|b| {
-                    let keep = b.origin == Origin::Reserve;
-                    if !keep {
-                        to_release.push(b.clone());
-                    }
-                    keep
-                });
+                to_release.append(&mut list.take_unless(|b| b.origin == Origin::Reserve));
             }
             to_destroy.append(&mut st.idle_events);
         }
@@ -211,7 +205,7 @@ impl Drop for Inner {
         for stripe in self.stripes.iter() {
             let mut st = stripe.0.lock();
             for list in st.free.iter_mut() {
-                blocks.append(list);
+                blocks.extend(std::iter::from_fn(|| list.pop()));
             }
             for (device, ev) in st.idle_events.drain(..) {
                 self.driver.event_destroy(device, ev);

@@ -86,6 +86,61 @@ impl StatExt for Stat {
     }
 }
 
+/// A statistic of one stripe (`active_requests` or `active_bytes`), kept so that the hit path
+/// updates it in a few instructions: what was added and taken away since the start, and how far
+/// the peak is above the current value. PyTorch's `Stat` (current, peak, allocated, freed)
+/// follows at reading ([`StripeStat::stat`]), exactly: its `increase` sets
+/// `peak = max(peak, current + n)`, so the distance becomes `max(distance - n, 0)`; its
+/// `decrease` leaves the peak, so the distance grows by `n`; `reset_peak` makes it 0. Kept as
+/// PyTorch's four fields, a malloc and a free cost 26 instructions; this way about 15
+/// (callgrind, `tests/c/hit_loop.c host`, 2026-11-27).
+///
+/// Laid out so that no two fields that a free adds to are side by side, in one statistic or
+/// between two: the compiler joined such adds into vector operations of more instructions
+/// (9 instead of 5 for the free's two statistics).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+pub(super) struct StripeStat {
+    freed: i64,
+    allocated: i64,
+    /// The peak less the current value.
+    below_peak: u64,
+}
+
+impl StripeStat {
+    /// PyTorch `Stat::increase`.
+    #[inline(always)]
+    pub(super) fn increase(&mut self, n: i64) {
+        debug_assert!(n >= 0);
+        self.allocated += n;
+        self.below_peak = self.below_peak.saturating_sub(n as u64);
+    }
+
+    /// PyTorch `Stat::decrease`.
+    #[inline(always)]
+    pub(super) fn decrease(&mut self, n: i64) {
+        debug_assert!(n >= 0);
+        self.freed += n;
+        self.below_peak += n as u64;
+    }
+
+    /// PyTorch `Stat::reset_peak`.
+    pub(super) fn reset_peak(&mut self) {
+        self.below_peak = 0;
+    }
+
+    /// The current value.
+    pub(super) fn current(&self) -> i64 {
+        self.allocated - self.freed
+    }
+
+    /// As PyTorch's `Stat`.
+    pub(super) fn stat(&self) -> Stat {
+        let current = self.current();
+        Stat { current, peak: current + self.below_peak as i64, allocated: self.allocated, freed: self.freed }
+    }
+}
+
 impl HostAllocator {
     /// The statistics (PyTorch `getStats`, `torch.cuda.host_memory_stats()`). The peaks of
     /// `active_requests` and `active_bytes` are the sums of the stripes' peaks: exact while one
@@ -101,8 +156,8 @@ impl HostAllocator {
         let mut out = HostStats::default();
         let stripes: Vec<_> = inner.stripes.iter().map(|s| s.0.lock()).collect();
         for st in &stripes {
-            out.active_requests.merge(&st.active_requests);
-            out.active_bytes.merge(&st.active_bytes);
+            out.active_requests.merge(&st.active_requests.stat());
+            out.active_bytes.merge(&st.active_bytes.stat());
         }
         let slow = inner.slow.lock();
         out.allocations = slow.allocations;
@@ -130,6 +185,40 @@ impl HostAllocator {
         for d in [&mut slow.host_alloc_time, &mut slow.host_free_time] {
             d.max = 0;
             d.min = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A stripe's statistic reads as PyTorch's `Stat` updated call by call: increases,
+        /// decreases (never below zero, as a free follows its malloc) and peak resets in any
+        /// order.
+        #[test]
+        fn stripe_stat_is_pytorch_stat(ops in proptest::collection::vec((0u8..3, 0i64..1 << 40), 0..200)) {
+            let (mut lazy, mut eager) = (StripeStat::default(), Stat::default());
+            for (op, n) in ops {
+                match op {
+                    0 => {
+                        lazy.increase(n);
+                        eager.increase(n);
+                    }
+                    1 => {
+                        let n = n.min(eager.current);
+                        lazy.decrease(n);
+                        eager.decrease(n);
+                    }
+                    _ => {
+                        lazy.reset_peak();
+                        eager.reset_peak();
+                    }
+                }
+                prop_assert_eq!(lazy.stat(), eager);
+            }
         }
     }
 }

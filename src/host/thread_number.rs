@@ -73,13 +73,21 @@ fn slot_of(tp: usize) -> &'static AtomicUsize {
 /// The calling thread's number (see the module's doc).
 #[inline(always)]
 pub(super) fn current() -> usize {
-    if let Some(tp) = thread_pointer() {
-        let w = slot_of(tp).load(Ordering::Relaxed);
-        if w & !NUMBER_BITS == tp {
-            return w & NUMBER_BITS;
-        }
+    match claimed() {
+        Some(n) => n,
+        None => current_slow(),
     }
-    current_slow()
+}
+
+/// The calling thread's number if it holds its slot: [`current`] without the thread-local, for
+/// a caller that makes no call on its fast path (`host::hit`).
+#[inline(always)]
+pub(super) fn claimed() -> Option<usize> {
+    let tp = thread_pointer()?;
+    // The slot is `tp | number` where this thread holds it: then the exclusive or leaves the
+    // number, and otherwise a value above `NUMBER_BITS`.
+    let n = slot_of(tp).load(Ordering::Relaxed) ^ tp;
+    (n <= NUMBER_BITS).then_some(n)
 }
 
 /// [`current`] from the thread-local: the number given at the thread's first call, and the
