@@ -5,8 +5,9 @@
 //! (`blocks_`). A program that pins, copies and frees a buffer in a loop frees the block it
 //! took last: looked up in a hash map, that pair cost about 100 of its 457 instructions
 //! (callgrind, `tests/c/hit_loop.c host`, 2026-11-27), an insert and a remove. The stack holds
-//! [`RECENT`] blocks; a block handed out while it is full moves the oldest of them (about: see `take_at`) to the map,
-//! where it stays until it is freed. Every block is in exactly one of the two.
+//! [`RECENT`] blocks; a block handed out while it is full moves the oldest of them (about: see
+//! `take_at`) to the map, where it stays until it is freed. Every block is in exactly one of
+//! the two.
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;

@@ -47,10 +47,13 @@
 //!   path; one thread, started at the first miss, polls every stripe's events every 100 µs.
 //!
 //! The files, one mechanism each: `classes` (the size classes, which blocks serve which
-//! requests), `blocks` (blocks, stripes and their free lists), `events` (blocks held back by events, their polling, the background thread),
-//! `pinning` (new memory from the driver, the reserve segment, and unpinning), `release`
-//! (`empty_cache`, deferred and stranded blocks, the drop), `stats` and `invariants`; this file
-//! keeps the shared state and the hit path (`malloc`, `free`, `record_event`).
+//! requests), `blocks` (blocks and stripes), `free_list` (a class's free blocks in a stripe),
+//! `hit` (the C exports' hit path, which makes no call), `handed_out` (a stripe's blocks in
+//! use), `thread_number` (a thread's stripe), `events` (blocks held back by events, their
+//! polling, the background thread), `pinning` (new memory from the driver, the reserve
+//! segment, and unpinning), `release` (`empty_cache`, deferred and stranded blocks, the drop),
+//! `stats` and `invariants`; this file keeps the shared state and the full path (`malloc`,
+//! `free`, `record_event`).
 
 mod blocks;
 mod classes;
@@ -174,8 +177,9 @@ impl HostAllocator {
     /// [`Error::OutOfMemory`] when the host cannot pin more; [`Error::Cuda`] when a driver
     /// call fails otherwise; [`Error::DriverUnavailable`] in a forked child.
     ///
-    /// Inlined, with what a cache hit of a small class does not need out of line: called, it
-    /// cost the C ABI's hit pair about 40 instructions (callgrind, `tests/c/hit_loop.c host`).
+    /// Inlined, with what a cache hit of a small class does not need out of line, so that a
+    /// Rust caller's hit makes no call into it. (The C exports try `hit`'s call-free path
+    /// first, and come here past it.)
     #[inline(always)]
     pub fn malloc(&self, size: usize) -> Result<HostPtr, Error> {
         fork::check()?;
