@@ -40,6 +40,7 @@
 //! | `GPUPOOL_DRIVER` | `cuda` or `sim` | `cuda` | `cuda`: the CUDA driver API (libcuda.so.1, loaded at run time); `sim`: the simulated device (no GPU needed). Never chosen silently: without a driver, calls return `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` and print nothing. |
 //! | `GPUPOOL_SIM_CAPACITY` | size, at least 1 | `16GiB` | bytes per simulated device |
 //! | `GPUPOOL_SIM_DEVICES` | count, 1 to 64 | `1` | number of simulated devices |
+//! | `GPUPOOL_SIM_START_DELAY_MS` | count, 0 to 60000 | `0` | milliseconds the simulated driver's start takes, for tests of what other threads and fork() do while gpupool starts (a real driver's start takes about this long) |
 //! | `GPUPOOL_MAX_SPLIT_SIZE_MB` | size (a bare number counts MiB), at least 20MiB | unlimited | Deprecated: use `GPUPOOL_CONF=max_split_size_mb:N`. PyTorch's `max_split_size_mb`: cached blocks of at least this size are never split, and serve only requests of about their size. Set in both with different values: an error naming both |
 //! | `GPUPOOL_PRELOAD_MODE` | `safe` or `stream` | `safe` | LD_PRELOAD shim: `safe` (a `cudaFree`d block waits for a device synchronisation) or `stream` (reused at once, in stream order) |
 //! | `GPUPOOL_PRELOAD_SYNC_BYTES` | size | `256MiB` | LD_PRELOAD shim, safe mode: deferred bytes on a device that trigger the synchronisation (0: at every free) |
@@ -143,6 +144,9 @@ pub struct Config {
     pub sim_devices: i32,
     /// Bytes per simulated device.
     pub sim_capacity: usize,
+    /// Milliseconds the simulated driver's start takes (`GPUPOOL_SIM_START_DELAY_MS`), for tests
+    /// of what happens meanwhile.
+    pub sim_start_delay_ms: u64,
     /// PyTorch's `max_split_size`, in bytes; `usize::MAX` (PyTorch's default) for none
     /// (`max_split_size_mb`, or the deprecated `GPUPOOL_MAX_SPLIT_SIZE_MB`).
     pub max_split_size: usize,
@@ -241,6 +245,7 @@ impl Default for Config {
             driver: DriverKind::Cuda,
             sim_devices: 1,
             sim_capacity: 16 << 30,
+            sim_start_delay_ms: 0,
             max_split_size: usize::MAX,
             max_non_split_rounding: LARGE_SEGMENT,
             large_segment_size: LARGE_SEGMENT,

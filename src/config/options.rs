@@ -55,7 +55,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 17] = [
+pub static OPTIONS: [Opt; 18] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -82,6 +82,15 @@ pub static OPTIONS: [Opt; 17] = [
         // The range check makes the count fit an i32.
         set: |c, v| c.sim_devices = v.count() as i32,
         get: |c| Value::Count(c.sim_devices.into()),
+    },
+    Opt {
+        name: "GPUPOOL_SIM_START_DELAY_MS",
+        kind: Kind::Count { min: 0, max: 60_000 },
+        default: Value::Count(0),
+        doc: "milliseconds the simulated driver's start takes, for tests of what other threads and fork() do \
+              while gpupool starts (a real driver's start takes about this long)",
+        set: |c, v| c.sim_start_delay_ms = v.count() as u64,
+        get: |c| Value::Count(c.sim_start_delay_ms as i64),
     },
     Opt {
         name: "GPUPOOL_MAX_SPLIT_SIZE_MB",

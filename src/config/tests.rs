@@ -190,6 +190,7 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
         ("GPUPOOL_DRIVER", "opencl", "cuda or sim"),
         ("GPUPOOL_SIM_CAPACITY", "16Q", "a size"),
         ("GPUPOOL_SIM_DEVICES", "0", "from 1 to 64"),
+        ("GPUPOOL_SIM_START_DELAY_MS", "60001", "from 0 to 60000"),
         ("GPUPOOL_MAX_SPLIT_SIZE_MB", "4", "at least 20MiB"),
         ("GPUPOOL_PRELOAD_MODE", "fast", "safe or stream"),
         ("GPUPOOL_PRELOAD_SYNC_BYTES", "lots", "a size"),
@@ -260,6 +261,7 @@ fn options_text_shows_every_option_with_its_value() {
         "GPUPOOL_DRIVER=sim\n\
          GPUPOOL_SIM_CAPACITY=64MiB\n\
          GPUPOOL_SIM_DEVICES=1 (default)\n\
+         GPUPOOL_SIM_START_DELAY_MS=0 (default)\n\
          GPUPOOL_MAX_SPLIT_SIZE_MB=unlimited (default)\n\
          GPUPOOL_PRELOAD_MODE=safe (default)\n\
          GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\

@@ -159,6 +159,8 @@ pub(crate) fn started_runtime() -> Result<&'static Runtime, Error> {
 pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
     // Before the first lock: in a forked child, the parent's start may be half done.
     crate::caching::fork::check()?;
+    // Before the start's lock: a child forked from here on refuses (see `fork::watch`).
+    crate::caching::fork::watch();
     let rt = RUNTIME.get_or_init(|| {
         let config = Config::from_env()?;
         let report_at_exit = config.live_report_at_exit;

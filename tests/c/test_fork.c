@@ -1,7 +1,7 @@
 /* fork() while other threads are inside gpupool: the child must get an error that says CUDA
  * does not survive fork (never hang on a lock another thread held at the fork, never get the
  * parent's cached memory), and the parent goes on as before. */
-#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -51,7 +51,53 @@ static int child(void) {
   return 0;
 }
 
-int main(void) {
+/* The first call of a thread, which starts gpupool, and in the parent alone. */
+static void *first_call(void *arg) {
+  (void)arg;
+  void *p = NULL;
+  CHECK(gpupool_malloc(&p, 4096, 0, NULL) == GPUPOOL_SUCCESS);
+  CHECK(gpupool_free(p) == GPUPOOL_SUCCESS);
+  return NULL;
+}
+
+/* fork() while another thread is inside gpupool's start (GPUPOOL_SIM_START_DELAY_MS holds the
+ * simulated driver's start open): the child must be refused at once, its device and pinned
+ * calls alike, not wait for a start that no thread of the child will finish. */
+static int during_start(void) {
+  /* A child forked from a process that has not used gpupool yet is a process like any other. */
+  pid_t before = fork();
+  if (before == 0) {
+    alarm(10);
+    void *p = NULL;
+    if (gpupool_malloc(&p, 4096, 0, NULL) != GPUPOOL_SUCCESS || gpupool_free(p) != GPUPOOL_SUCCESS) _exit(2);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(before, &status, 0);
+  printf("fork before any use: the child %s %d\n", WIFSIGNALED(status) ? "was killed by signal" : "exited with",
+         WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  pthread_t t;
+  pthread_create(&t, NULL, first_call, NULL);
+  usleep(200 * 1000); /* well inside the start's delay */
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10);
+    void *p = NULL;
+    if (gpupool_malloc(&p, 4096, 0, NULL) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) _exit(2);
+    if (gpupool_host_malloc(&p, 4096) != GPUPOOL_ERROR_DRIVER_UNAVAILABLE) _exit(3);
+    _exit(0);
+  }
+  waitpid(pid, &status, 0);
+  printf("fork during the start: the child %s %d\n", WIFSIGNALED(status) ? "was killed by signal" : "exited with",
+         WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  pthread_join(t, NULL);
+  return checks_report("fork during the start");
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "during-start") == 0) return during_start();
   CHECK(gpupool_malloc(&warm, 4096, 0, NULL) == GPUPOOL_SUCCESS);
   CHECK(gpupool_host_malloc(&warm_host, 4096) == GPUPOOL_SUCCESS);
   pthread_t threads[4];

@@ -122,6 +122,7 @@ impl Allocator {
     pub fn from_config(config: Config) -> Result<(Allocator, Option<Arc<SimDriver>>), Error> {
         match config.driver {
             DriverKind::Sim => {
+                std::thread::sleep(std::time::Duration::from_millis(config.sim_start_delay_ms));
                 let sim = Arc::new(SimDriver::new(config.sim_devices, config.sim_capacity));
                 Ok((Allocator::new(sim.clone(), config), Some(sim)))
             }
