@@ -7,9 +7,10 @@
 //! call (taking a contended lock, polling events, a thread without its slot, a spill of the
 //! handed-out stack, a class above 1 MiB, an error) is left to the full path instead:
 //! [`HostAllocator::malloc_hit`] and [`HostAllocator::free_hit`] answer `Err`, having
-//! changed nothing, and the caller goes on with [`HostAllocator::malloc`] or
-//! [`HostAllocator::free`]. The only call left is the lock's release when another thread waits
-//! (parking_lot's `unlock_slow`), which the caller makes where it holds no value ([`StripeLock`]).
+//! changed nothing, and the caller (the C exports, [`HostAllocator::malloc`] and
+//! [`HostAllocator::free`]) goes on with the full path (`malloc_in_parent`, `free_in_parent`).
+//! The only call left is the lock's release when another thread waits (parking_lot's
+//! `unlock_slow`), which the caller makes where it holds no value ([`StripeLock`]).
 //!
 //! The rules are the full path's (see the module's doc): the same stripe, free list, handed-out
 //! stack and statistics, under the same lock, so that whatever either path does the other

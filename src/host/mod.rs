@@ -177,13 +177,18 @@ impl HostAllocator {
     /// [`Error::OutOfMemory`] when the host cannot pin more; [`Error::Cuda`] when a driver
     /// call fails otherwise; [`Error::DriverUnavailable`] in a forked child.
     ///
-    /// Inlined, with what a cache hit of a small class does not need out of line, so that a
-    /// Rust caller's hit makes no call into it. (The C exports try `hit`'s call-free path
-    /// first, and come here past it.)
+    /// A hit takes `hit`'s path, as the C export's does; the rest is out of line.
     #[inline(always)]
     pub fn malloc(&self, size: usize) -> Result<HostPtr, Error> {
         fork::check()?;
-        Ok(self.malloc_in_parent(size)?)
+        let mut ptr = 0;
+        match self.malloc_hit(size, |p| ptr = p) {
+            Ok(_stripe) => Ok(ptr),
+            Err(stripe) => {
+                drop(stripe);
+                Ok(self.malloc_in_parent(size)?)
+            }
+        }
     }
 
     /// [`HostAllocator::malloc`] for a caller that checked the process is not a forked child
@@ -287,11 +292,17 @@ impl HostAllocator {
     /// gpupool pinned, or of a block already freed; nothing changes.
     /// [`Error::DriverUnavailable`] in a forked child, before any lock.
     ///
-    /// Inlined, as [`HostAllocator::malloc`] is.
+    /// A hit takes `hit`'s path, as [`HostAllocator::malloc`]'s.
     #[inline(always)]
     pub fn free(&self, ptr: HostPtr) -> Result<(), Error> {
         fork::check()?;
-        Ok(self.free_in_parent(ptr)?)
+        match self.free_hit(ptr) {
+            Ok(_stripe) => Ok(()),
+            Err(stripe) => {
+                drop(stripe);
+                Ok(self.free_in_parent(ptr)?)
+            }
+        }
     }
 
     /// [`HostAllocator::free`] for a caller that checked the process is not a forked child, as
