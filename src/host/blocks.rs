@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
 use super::classes::CLASSES;
-use super::free_list::FreeList;
+use super::free_list::{FreeList, Linked};
 use super::handed_out::HandedOutSet;
 use super::stats::StripeStat;
 use super::{HostAllocator, Inner};
@@ -43,6 +43,13 @@ pub(super) struct Block {
     pub(super) next: AtomicPtr<Block>,
 }
 
+impl Linked for Block {
+    #[inline(always)]
+    fn link(&self) -> &AtomicPtr<Block> {
+        &self.next
+    }
+}
+
 impl Block {
     /// A block of `size` bytes at `ptr`, of `class`, from `origin`; its home stripe 0 until it
     /// is handed out.
@@ -61,7 +68,7 @@ pub(super) struct Pending {
 /// One stripe: what its threads use on the hit path, under one lock.
 pub(super) struct Stripe {
     /// Free blocks per size class, most recently freed last (PyTorch pops the back too).
-    pub(super) free: [FreeList; CLASSES],
+    pub(super) free: [FreeList<Block>; CLASSES],
     /// Blocks this stripe handed out, by address: a free by a thread of the stripe finds its
     /// block here, under the lock it takes anyway, and a block is allocated exactly while it
     /// is listed in its home stripe.

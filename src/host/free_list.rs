@@ -12,40 +12,47 @@
 //! threads read the block's other fields through their own `Arc`s).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
-use super::blocks::Block;
+/// What a free list links through: a word of each listed value that holds the next one
+/// (`blocks::Block::next`). Read and written only by the list, under its stripe's lock. The list
+/// names no block type, so that `blocks`, which keeps the lists, and this file do not import
+/// each other (`tests/house.rs`).
+pub(super) trait Linked: Sized {
+    /// The value's link word.
+    fn link(&self) -> &AtomicPtr<Self>;
+}
 
 /// The free blocks of one class, most recently freed first. Each listed block holds one
 /// strong count of its `Arc`, taken by [`FreeList::push`] and given back by
 /// [`FreeList::pop`] (or at the list's drop).
-pub(super) struct FreeList {
-    head: *const Block,
+pub(super) struct FreeList<B: Linked> {
+    head: *const B,
 }
 
-// SAFETY: the list owns `Arc<Block>`s (raw), which are `Send` and `Sync`; links are only
-// touched through `&mut FreeList`, under its stripe's lock.
-unsafe impl Send for FreeList {}
+// SAFETY: the list owns `Arc<B>`s (raw), which are `Send` when `B` is `Send` and `Sync`; links
+// are only touched through `&mut FreeList`, under its stripe's lock.
+unsafe impl<B: Linked + Send + Sync> Send for FreeList<B> {}
 
-impl Default for FreeList {
+impl<B: Linked> Default for FreeList<B> {
     fn default() -> Self {
         FreeList { head: std::ptr::null() }
     }
 }
 
-impl FreeList {
+impl<B: Linked> FreeList<B> {
     /// Adds `block` in front (it is reused first).
     #[inline(always)]
-    pub(super) fn push(&mut self, block: Arc<Block>) {
+    pub(super) fn push(&mut self, block: Arc<B>) {
         let raw = Arc::into_raw(block);
         // SAFETY: `raw` is a live block: this list now holds its strong count.
-        unsafe { (*raw).next.store(self.head.cast_mut(), Ordering::Relaxed) };
+        unsafe { (*raw).link().store(self.head.cast_mut(), Ordering::Relaxed) };
         self.head = raw;
     }
 
     /// Takes the block freed last out, if any.
     #[inline(always)]
-    pub(super) fn pop(&mut self) -> Option<Arc<Block>> {
+    pub(super) fn pop(&mut self) -> Option<Arc<B>> {
         let raw = self.head;
         if raw.is_null() {
             return None;
@@ -53,21 +60,21 @@ impl FreeList {
         // SAFETY: a listed block is alive (the list holds a strong count) and was pushed with
         // `Arc::into_raw`, whose count is handed back to the caller here.
         unsafe {
-            self.head = (*raw).next.load(Ordering::Relaxed);
+            self.head = (*raw).link().load(Ordering::Relaxed);
             Some(Arc::from_raw(raw))
         }
     }
 
     /// The blocks, freed last first.
-    pub(super) fn iter(&self) -> impl Iterator<Item = &Block> + '_ {
+    pub(super) fn iter(&self) -> impl Iterator<Item = &B> + '_ {
         // SAFETY: listed blocks live while the list is borrowed: only `&mut self` unlists.
         std::iter::successors(unsafe { self.head.as_ref() }, |b| unsafe {
-            b.next.load(Ordering::Relaxed).cast_const().as_ref()
+            b.link().load(Ordering::Relaxed).cast_const().as_ref()
         })
     }
 
     /// Keeps the blocks for which `keep` says true, in their order, and returns the others.
-    pub(super) fn take_unless(&mut self, mut keep: impl FnMut(&Block) -> bool) -> Vec<Arc<Block>> {
+    pub(super) fn take_unless(&mut self, mut keep: impl FnMut(&B) -> bool) -> Vec<Arc<B>> {
         let mut kept = Vec::new();
         let mut taken = Vec::new();
         while let Some(b) = self.pop() {
@@ -80,7 +87,7 @@ impl FreeList {
     }
 }
 
-impl Drop for FreeList {
+impl<B: Linked> Drop for FreeList<B> {
     fn drop(&mut self) {
         while self.pop().is_some() {}
     }
@@ -89,10 +96,21 @@ impl Drop for FreeList {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::blocks::Origin;
+
+    /// A listed value: its address, and its link.
+    struct Block {
+        ptr: usize,
+        next: AtomicPtr<Block>,
+    }
+
+    impl Linked for Block {
+        fn link(&self) -> &AtomicPtr<Block> {
+            &self.next
+        }
+    }
 
     fn block(ptr: usize) -> Arc<Block> {
-        Arc::new(Block::new(ptr, 4096, 12, Origin::Reserve))
+        Arc::new(Block { ptr, next: AtomicPtr::new(std::ptr::null_mut()) })
     }
 
     #[test]
