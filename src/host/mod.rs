@@ -47,7 +47,9 @@
 //!   path; one thread, started at the first miss, polls every stripe's events every 100 µs.
 //!
 //! The files, one mechanism each: `classes` (the size classes, which blocks serve which
-//! requests), `blocks` (blocks, stripes and their free lists), `events` (blocks held back by events, their polling, the background thread),
+//! requests), `blocks` (blocks, stripes), `free_list` (a class's free blocks in a stripe),
+//! `handed_out` (a stripe's handed-out blocks), `thread_number` (a thread's stripe), `hit` (the
+//! C exports' call-free hit path), `events` (blocks held back by events, their polling, the background thread),
 //! `pinning` (new memory from the driver, the reserve segment, and unpinning), `release`
 //! (`empty_cache`, deferred and stranded blocks, the drop), `stats` and `invariants`; this file
 //! keeps the shared state and the hit path (`malloc`, `free`, `record_event`).
