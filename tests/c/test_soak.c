@@ -15,6 +15,11 @@
  * and freed pointers and of a stack address, which must all return
  * GPUPOOL_ERROR_INVALID_POINTER and change nothing.
  *
+ * Workers also allocate and free pinned host memory (gpupool_host_*): cookies checked at each
+ * free, blocks freed by other threads, events named, frees inside a block refused; the pinned
+ * statistics are checked with the device's, and at the end every pinned block is free and,
+ * after gpupool_host_empty_cache, given back.
+ *
  * A shared index of address ranges (a sorted array under a mutex) holds every live block and
  * every freed block whose record_stream events cannot have completed (used on a held side
  * stream, not yet released): a block handed out that overlaps either is an error.
@@ -385,6 +390,114 @@ static int hand_to(int t, const block_t *b) {
 
 static gpupool_stats_t check_snapshot(int device);
 
+/* ---- pinned host memory ------------------------------------------------------------------ */
+
+/* Each worker keeps up to PINNED_CAP pinned blocks (more than the 8 a stripe's stack of
+ * handed-out blocks holds, so that frees also find blocks in its map), with a cookie at both
+ * ends checked at the free (a block handed out twice is overwritten by its second owner);
+ * names one of its streams for some (gpupool_host_record_event: the free then waits for the
+ * event, and the stripe's hit path gives way to the full one); passes blocks to other threads
+ * through a shared box, to be freed there; and frees inside a block, which is refused. */
+#define PINNED_CAP 12
+#define PINNED_BOX_CAP 64
+
+typedef struct {
+  void *p;
+  size_t size;
+  uint64_t cookie;
+} pinned_t;
+
+static pthread_mutex_t pinned_box_lock = PTHREAD_MUTEX_INITIALIZER;
+static pinned_t pinned_box[PINNED_BOX_CAP];
+static int npinned_box;
+static atomic_long n_pinned, n_pinned_handed, n_pinned_events;
+
+/* Mostly up to 64 KiB, some up to 1 MiB, a few of the classes above 1 MiB. */
+static size_t draw_pinned_size(uint64_t *rng) {
+  uint64_t r = below(rng, 100);
+  if (r < 70) return 16 + below(rng, 64 << 10);
+  if (r < 95) return 16 + below(rng, MIB);
+  return MIB + below(rng, 2 * MIB);
+}
+
+static void pinned_free(const pinned_t *b) {
+  uint64_t first, last;
+  memcpy(&first, b->p, 8);
+  memcpy(&last, (char *)b->p + b->size - 8, 8);
+  if (first != b->cookie || last != b->cookie)
+    fail("pinned block %p (%zu bytes): cookies %#" PRIx64 " and %#" PRIx64 " where %#" PRIx64
+         " was written: handed out twice?",
+         b->p, b->size, first, last, b->cookie);
+  gpupool_status st = gpupool_host_free(b->p);
+  if (st != GPUPOOL_SUCCESS)
+    fail("gpupool_host_free(%p) returned %s: %s", b->p, gpupool_status_string(st), gpupool_last_error_message());
+}
+
+static void pinned_op(int t, uint64_t *rng, pinned_t *mine, int *n, uint64_t *counter) {
+  uint64_t r = below(rng, 100);
+  if (*n < 2 || (r < 50 && *n < PINNED_CAP)) {
+    pinned_t b = {NULL, draw_pinned_size(rng), 0};
+    gpupool_status st = gpupool_host_malloc(&b.p, b.size);
+    atomic_fetch_add(&n_pinned, 1);
+    if (st != GPUPOOL_SUCCESS || !b.p) {
+      fail("gpupool_host_malloc(%zu bytes) returned %s: %s", b.size, gpupool_status_string(st),
+           gpupool_last_error_message());
+      return;
+    }
+    b.cookie = ((uint64_t)(t + 1) << 48) | (UINT64_C(1) << 47) | ++*counter;
+    memcpy(b.p, &b.cookie, 8);
+    memcpy((char *)b.p + b.size - 8, &b.cookie, 8);
+    if (below(rng, 8) == 0) {
+      EXPECT_STATUS(gpupool_host_record_event(b.p, own_stream(t, (int)below(rng, OWN_STREAMS))), GPUPOOL_SUCCESS);
+      atomic_fetch_add(&n_pinned_events, 1);
+    }
+    mine[(*n)++] = b;
+    return;
+  }
+  if (r < 53) {
+    const pinned_t *b = &mine[below(rng, (uint64_t)*n)];
+    EXPECT_STATUS(gpupool_host_free((char *)b->p + 8), GPUPOOL_ERROR_INVALID_POINTER);
+    atomic_fetch_add(&n_bad, 1);
+    return;
+  }
+  int k = (int)below(rng, (uint64_t)*n);
+  pinned_t b = mine[k];
+  mine[k] = mine[--*n];
+  if (r < 70) {
+    /* Through the box: leave this one there, and free one another thread left. */
+    pinned_t other = {NULL, 0, 0};
+    pthread_mutex_lock(&pinned_box_lock);
+    if (npinned_box > 0 && below(rng, 2)) other = pinned_box[--npinned_box];
+    if (npinned_box < PINNED_BOX_CAP) {
+      pinned_box[npinned_box++] = b;
+      b.p = NULL;
+    }
+    pthread_mutex_unlock(&pinned_box_lock);
+    if (other.p) {
+      pinned_free(&other);
+      atomic_fetch_add(&n_pinned_handed, 1);
+    }
+    if (!b.p) return;
+  }
+  pinned_free(&b);
+}
+
+/* The pinned statistics, read while the workers run: each of one moment (the call holds
+ * every lock of the host allocator), so the blocks in use are among those held. */
+static void check_stat(const char *what, int device, const gpupool_stat_t *s);
+
+static void check_host_snapshot(void) {
+  gpupool_host_stats_t h = GPUPOOL_HOST_STATS_INIT;
+  EXPECT_STATUS(gpupool_host_stats(&h), GPUPOOL_SUCCESS);
+  check_stat("host active_requests", -1, &h.active_requests);
+  check_stat("host active_bytes", -1, &h.active_bytes);
+  check_stat("host allocations", -1, &h.allocations);
+  check_stat("host allocated_bytes", -1, &h.allocated_bytes);
+  if (h.active_requests.current > h.allocations.current || h.active_bytes.current > h.allocated_bytes.current)
+    fail("host: %" PRId64 " blocks (%" PRId64 " bytes) in use, more than the %" PRId64 " (%" PRId64 " bytes) held",
+         h.active_requests.current, h.active_bytes.current, h.allocations.current, h.allocated_bytes.current);
+}
+
 static void *worker(void *arg) {
   int t = (int)(intptr_t)arg;
   uint64_t rng = seed ^ (UINT64_C(0x9e3779b97f4a7c15) * (uint64_t)(t + 1));
@@ -395,9 +508,13 @@ static void *worker(void *arg) {
   uint64_t pool = 0;
   EXPECT_STATUS(gpupool_pool_create(&pool), GPUPOOL_SUCCESS);
   int routed = -1; /* the device whose allocations this thread routes to `pool`, or -1 */
+  pinned_t pinned[PINNED_CAP];
+  int npinned = 0;
+  uint64_t pinned_counter = 0;
   for (long i = 0; i < ops_per_thread; i++) {
     uint64_t r = below(&rng, 1000);
     if (below(&rng, 8) == 0) drain_mailbox(t);
+    if (below(&rng, 10) == 0) pinned_op(t, &rng, pinned, &npinned, &pinned_counter);
     if (below(&rng, 64) == 0) {
       /* Begin or end the route to the thread's pool; now and then release the pool. */
       if (routed >= 0) {
@@ -500,6 +617,7 @@ static void *worker(void *arg) {
   if (routed >= 0) EXPECT_STATUS(gpupool_end_allocate_to_pool(routed, pool), GPUPOOL_SUCCESS);
   release_pool_everywhere(pool);
   for (int i = 0; i < nlive; i++) free_block(&live[i], 0);
+  for (int i = 0; i < npinned; i++) pinned_free(&pinned[i]);
   atomic_fetch_add(&workers_done, 1);
   return NULL;
 }
@@ -618,11 +736,13 @@ static void *stats_thread(void *arg) {
   while (atomic_load(&workers_done) < nthreads) {
     int device = (int)below(&rng, (uint64_t)ndevices);
     check_snapshot(device);
+    check_host_snapshot();
     uint64_t r = below(&rng, 1000);
     if (r < 20) {
       EXPECT_STATUS(gpupool_reset_peak_stats(device), GPUPOOL_SUCCESS);
     } else if (r < 25) {
       empty_cache(below(&rng, 2) ? device : -1);
+      EXPECT_STATUS(gpupool_host_empty_cache(), GPUPOOL_SUCCESS);
     } else if (r < 35) {
       /* The answer may be stale by the time it returns (other threads allocate meanwhile);
        * what must hold is that the call succeeds and changes nothing the snapshots see. */
@@ -716,6 +836,8 @@ int main(int argc, char **argv) {
   if (sleeps) pthread_join(sleep_thread, NULL);
   for (int t = 0; t < nthreads; t++) drain_mailbox(t);
   for (int k = 0; k < SIDE_STREAMS; k++) release_side(k);
+  for (int i = 0; i < npinned_box; i++) pinned_free(&pinned_box[i]);
+  npinned_box = 0;
   clock_gettime(CLOCK_MONOTONIC, &t1);
 
   /* Everything is freed: after empty_cache nothing may be left. */
@@ -758,12 +880,26 @@ int main(int argc, char **argv) {
       fail("device %d: %" PRId64 " segments allocated but %" PRId64 " freed", d, s.num_device_alloc,
            s.num_device_free);
   }
+  /* Every pinned block freed: after the host's empty_cache (which polls the events of those a
+   * stream was named for) none is in use, and none is held but the reserve segment's. */
+  EXPECT_STATUS(gpupool_host_empty_cache(), GPUPOOL_SUCCESS);
+  gpupool_host_stats_t h = GPUPOOL_HOST_STATS_INIT;
+  EXPECT_STATUS(gpupool_host_stats(&h), GPUPOOL_SUCCESS);
+  if (h.active_requests.current != 0 || h.active_bytes.current != 0)
+    fail("host: %" PRId64 " blocks (%" PRId64 " bytes) still in use after everything was freed",
+         h.active_requests.current, h.active_bytes.current);
+  if (!strstr(conf, "pinned_reserve_segment_size_mb") && (h.allocations.current != 0 || h.allocated_bytes.current != 0))
+    fail("host: %" PRId64 " blocks (%" PRId64 " bytes) still pinned after gpupool_host_empty_cache",
+         h.allocations.current, h.allocated_bytes.current);
   double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
   printf("soak: %ld mallocs (%ld from private pools, %ld pools released), %ld frees (%ld by another thread), "
          "%ld record_stream, %ld holds/releases, %ld refused bad pointers, %ld statistics snapshots, %.2f s\n",
          atomic_load(&n_malloc), atomic_load(&n_pooled), atomic_load(&n_pool_releases), atomic_load(&n_free),
          atomic_load(&n_handed), atomic_load(&n_record), atomic_load(&n_hold), atomic_load(&n_bad),
          atomic_load(&snapshots), secs);
+  printf("soak: %ld pinned mallocs (%ld freed by another thread, %ld with an event)\n", atomic_load(&n_pinned),
+         atomic_load(&n_pinned_handed), atomic_load(&n_pinned_events));
+  if (atomic_load(&n_pinned) == 0) fail("no pinned block was allocated");
   printf("soak: %ld sleeps and wakes of a pool (%ld wakes retried for memory)\n", atomic_load(&n_sleeps),
          atomic_load(&n_wake_retries));
   if (sleeps && atomic_load(&n_sleeps) == 0) fail("the sleeper never slept its pool");
