@@ -107,7 +107,7 @@ impl HostAllocator {
     /// of two.
     #[inline(always)]
     pub(super) fn stripe_index(&self) -> usize {
-        super::thread_number::current() & self.inner.stripe_mask
+        self.inner.stripe(super::thread_number::current()).0
     }
 }
 

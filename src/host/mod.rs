@@ -177,7 +177,8 @@ impl HostAllocator {
     /// [`Error::OutOfMemory`] when the host cannot pin more; [`Error::Cuda`] when a driver
     /// call fails otherwise; [`Error::DriverUnavailable`] in a forked child.
     ///
-    /// A hit takes `hit`'s path, as the C export's does; the rest is out of line.
+    /// A hit takes `hit`'s call-free path, as the C export's does; anything else the full path
+    /// (`malloc_in_parent`), whose misses are out of line.
     #[inline(always)]
     pub fn malloc(&self, size: usize) -> Result<HostPtr, Error> {
         fork::check()?;
