@@ -153,7 +153,8 @@ impl DeviceAllocator {
         let mut prepared: Vec<(Arc<Shard>, ShardSleep)> = Vec::with_capacity(shards.len());
         // The host copies made so far are unmapped if a later step fails.
         let mut copies = scopeguard::guard(&mut prepared, |p| {
-            for (_, s) in p.drain(..) {
+            for (shard, s) in p.drain(..) {
+                shard.lock().abandon_sleep();
                 self.give_host(pool, s.discard());
             }
         });
@@ -386,6 +387,13 @@ impl DeviceAllocator {
                 return Err(format!("pool {p} may not sleep, but holds expandable segments"));
             }
             let asleep = self.sleepers.is_asleep(p);
+            if st.keeps_pages() && !st.is_asleep() && !asleep {
+                return Err(format!(
+                    "{}: stream {:#x} keeps its pages for a sleep, but its pool is not going to sleep",
+                    self.pool_name(p),
+                    shard.stream
+                ));
+            }
             if st.is_asleep() != asleep && (st.is_asleep() || st.segment_count() != 0) {
                 return Err(format!(
                     "{}: stream {:#x} says it sleeps: {}, its pool: {asleep}",

@@ -79,8 +79,23 @@ impl ShardState {
         self.asleep.as_ref().is_some_and(|s| s.mode.offloads())
     }
 
+    /// Whether the shard's pages must stay as they are: its pool sleeps, or a sleep has
+    /// prepared it and not yet unmapped them (`empty_cache`, the out-of-memory path, the
+    /// high-water rule and gc release nothing of it then: PyTorch has no sleep; vLLM's
+    /// `CuMemAllocator` and torch_memory_saver hold their own lock over a whole sleep).
+    pub fn keeps_pages(&self) -> bool {
+        self.asleep.is_some() || self.sleep_begun
+    }
+
+    /// Undoes the first half of a sleep that will not go on (a later step failed): the shard's
+    /// pages may be released again.
+    pub fn abandon_sleep(&mut self) {
+        self.sleep_begun = false;
+    }
+
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
-    pub fn prepare_discard(&self) -> ShardSleep {
+    pub fn prepare_discard(&mut self) -> ShardSleep {
+        self.sleep_begun = true;
         ShardSleep {
             mode: SleepMode::Discard,
             copies: Vec::new(),
@@ -141,14 +156,15 @@ impl ShardState {
         self.live.values().map(|&id| self.blocks[id].size).sum()
     }
 
-    /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard:
+    /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard
+    /// but marking its pages kept ([`ShardState::keeps_pages`]):
     /// the copies of every live block into `host` (at least [`ShardState::live_bytes`] bytes,
     /// pinned for a [`crate::caching::copy_direct::Direct`] `copies`) added to `copies` (the
     /// caller finishes them). Returns what the shard will keep asleep.
     ///
     /// Errors: [`Error::Cuda`] when a copy cannot be queued; the caller gives `host` back.
     pub fn prepare_sleep(
-        &self,
+        &mut self,
         copies: &mut dyn Copies,
         mode: SleepMode,
         host: SleepHost,
@@ -174,6 +190,10 @@ impl ShardState {
                 .add(host.ptr + off, addr, size)
                 .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
         }
+        // From here a free of one of these blocks leaves its pages mapped until the sleep
+        // unmaps them: a concurrent release unmapping them lost the blocks beside it at wake,
+        // whose copy spans them (the runs above), for good.
+        self.sleep_begun = true;
         Ok(sleep)
     }
 
@@ -194,6 +214,7 @@ impl ShardState {
         // Asleep from the first page on; `partial` until every page is unmapped.
         sleep.partial = true;
         self.asleep = Some(Box::new(sleep));
+        self.sleep_begun = false;
         let mut failure = Ok(());
         for base in self.expandables.clone() {
             failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep));
@@ -346,6 +367,19 @@ impl ShardState {
             }
             if end != at {
                 return Err(format!("a sleeping pool's runs hold {end} bytes, its copies {at}"));
+            }
+            // The wake maps the slept pages and copies every run back: each page a run spans
+            // is slept (or still mapped), or the wake fails and the copy is lost.
+            for &(addr, size, _) in &s.runs {
+                let (base, e) = self.expandable_of(addr);
+                let (lo, hi) = ((addr - base) as usize, (addr - base) as usize + size);
+                if let Some(off) = (lo / e.page * e.page..hi).step_by(e.page).find(|&o| !e.is_held(o)) {
+                    return Err(format!(
+                        "the copy of {addr:#x} ({size} bytes) of a sleeping pool spans page {:#x}, which is \
+                         neither slept nor mapped: the wake cannot put it back",
+                        base + off as u64
+                    ));
+                }
             }
             for &id in self.live.values() {
                 let b = &self.blocks[id];
