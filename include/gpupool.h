@@ -1044,7 +1044,10 @@ gpupool_status gpupool_set_memory_fraction(double fraction, int device);
  * itself). Answered for the device's default pools: a route to a private pool
  * (`gpupool_begin_allocate_to_pool`) is not followed. While `stream` captures a CUDA graph,
  * only its cached blocks count (a miss needs the driver); while a capture may be under way
- * on the device, release-and-retry does not count (it would break the capture).
+ * on the device, release-and-retry does not count (it would break the capture). While the
+ * default pools sleep (`gpupool_sleep` with pool 0, from its start to the end of the wake)
+ * every unrouted malloc is refused, and the answer is 0; a sleeping private pool's free pages
+ * count as nothing the release-and-retry could give back.
  *
  * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, device out of range);
  * `GPUPOOL_ERROR_CUDA` when `cuMemGetInfo`, `cuStreamGetCaptureInfo` or `cuEventQuery`
@@ -1417,11 +1420,17 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  *
  * While the pool sleeps: allocating from it fails with `GPUPOOL_ERROR_INVALID_VALUE` (for
  * pool 0, every allocation on the device that no route sends to a private pool); its blocks
- * may be freed (`gpupool_free`), and come back as cache at wake; `gpupool_empty_cache`, the
- * out-of-memory path and `garbage_collection_threshold` leave it and its host copy alone;
- * `gpupool_release_pool` refuses it; other pools allocate and free as usual, never waiting
- * for it. The program must not touch the pool's memory (kernels, copies) until
- * `gpupool_wake` returns, nor allocate from the pool while this call runs.
+ * may be freed (`gpupool_free`, `gpupool_record_stream` first if need be), from any thread
+ * and at any moment, this call's copies included, and come back as cache at wake;
+ * `gpupool_empty_cache`, the out-of-memory path, `garbage_collection_threshold` and the
+ * high-water rule leave its pages and its host copy alone from the moment this call copies a
+ * stream to the end of the wake; `gpupool_release_pool` and `gpupool_ipc_export` refuse it;
+ * segment observers are told `GPUPOOL_SEGMENT_UNMAP` of every page before it goes (and
+ * `GPUPOOL_SEGMENT_MAP` at wake); `gpupool_largest_allocatable` answers 0 while the default
+ * pools sleep; statistics and snapshots may be read throughout. Other pools allocate and free
+ * as usual, never waiting for it (docs/sleep.md, "Calls while a pool sleeps or wakes"). The
+ * program must not touch the pool's memory (kernels, copies) until `gpupool_wake` returns,
+ * nor allocate from the pool while this call runs.
  *
  * Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a mode that
  * is neither, a pool never created, a device out of range, a pool whose memory is not on the

@@ -233,7 +233,10 @@ pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> g
 /// itself). Answered for the device's default pools: a route to a private pool
 /// (`gpupool_begin_allocate_to_pool`) is not followed. While `stream` captures a CUDA graph,
 /// only its cached blocks count (a miss needs the driver); while a capture may be under way
-/// on the device, release-and-retry does not count (it would break the capture).
+/// on the device, release-and-retry does not count (it would break the capture). While the
+/// default pools sleep (`gpupool_sleep` with pool 0, from its start to the end of the wake)
+/// every unrouted malloc is refused, and the answer is 0; a sleeping private pool's free pages
+/// count as nothing the release-and-retry could give back.
 ///
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, device out of range);
 /// `GPUPOOL_ERROR_CUDA` when `cuMemGetInfo`, `cuStreamGetCaptureInfo` or `cuEventQuery`

@@ -90,11 +90,17 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 ///
 /// While the pool sleeps: allocating from it fails with `GPUPOOL_ERROR_INVALID_VALUE` (for
 /// pool 0, every allocation on the device that no route sends to a private pool); its blocks
-/// may be freed (`gpupool_free`), and come back as cache at wake; `gpupool_empty_cache`, the
-/// out-of-memory path and `garbage_collection_threshold` leave it and its host copy alone;
-/// `gpupool_release_pool` refuses it; other pools allocate and free as usual, never waiting
-/// for it. The program must not touch the pool's memory (kernels, copies) until
-/// `gpupool_wake` returns, nor allocate from the pool while this call runs.
+/// may be freed (`gpupool_free`, `gpupool_record_stream` first if need be), from any thread
+/// and at any moment, this call's copies included, and come back as cache at wake;
+/// `gpupool_empty_cache`, the out-of-memory path, `garbage_collection_threshold` and the
+/// high-water rule leave its pages and its host copy alone from the moment this call copies a
+/// stream to the end of the wake; `gpupool_release_pool` and `gpupool_ipc_export` refuse it;
+/// segment observers are told `GPUPOOL_SEGMENT_UNMAP` of every page before it goes (and
+/// `GPUPOOL_SEGMENT_MAP` at wake); `gpupool_largest_allocatable` answers 0 while the default
+/// pools sleep; statistics and snapshots may be read throughout. Other pools allocate and free
+/// as usual, never waiting for it (docs/sleep.md, "Calls while a pool sleeps or wakes"). The
+/// program must not touch the pool's memory (kernels, copies) until `gpupool_wake` returns,
+/// nor allocate from the pool while this call runs.
 ///
 /// Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a mode that
 /// is neither, a pool never created, a device out of range, a pool whose memory is not on the

@@ -9,6 +9,7 @@ use super::{ShardCtx, ShardState};
 use crate::caching::block::{BlockId, BlockState};
 use crate::caching::copy::Copies;
 use crate::caching::expandable::Expandable;
+use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::sleep::SleepMode;
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;
@@ -47,6 +48,19 @@ pub(crate) struct SleepHost {
     pub ptr: HostPtr,
     pub used: usize,
     pub pinned: usize,
+}
+
+/// The stretches of neighbouring pages `i` of `flags` for which `pick(i, flags[i])` holds, as
+/// (first page, pages).
+fn runs(flags: &[bool], pick: impl Fn(usize, bool) -> bool) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, _) in flags.iter().enumerate().filter(|&(i, &f)| pick(i, f)) {
+        match out.last_mut() {
+            Some((first, n)) if *first + *n == i => *n += 1,
+            _ => out.push((i, 1)),
+        }
+    }
+    out
 }
 
 impl ShardSleep {
@@ -217,7 +231,7 @@ impl ShardState {
         self.sleep_begun = false;
         let mut failure = Ok(());
         for base in self.expandables.clone() {
-            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep));
+            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep, true));
         }
         if failure.is_ok()
             && let Some(s) = self.asleep.as_deref_mut()
@@ -227,33 +241,53 @@ impl ShardState {
         failure
     }
 
-    /// Runs `change` (a sleep or a wake of its pages) on the expandable segment at `base`,
-    /// with its handles unmapped or left over appended to `handles` with their page's bytes,
-    /// and, while history is on, each page whose mapping changed recorded as a `segment_map`
-    /// or `segment_unmap`: whatever happens, a driver call that unwinds included.
+    /// Runs `change` (a sleep of its pages, `unmaps`, or a wake) on the expandable segment at
+    /// `base`, with its handles unmapped or left over appended to `handles` with their page's
+    /// bytes, and each page whose mapping changed recorded as a `segment_map` or
+    /// `segment_unmap` while history is on, whatever happens, a driver call that unwinds
+    /// included. Segment observers are told as for any other mapping (`segment_observers`):
+    /// the pages a sleep unmaps before the driver call, with the lock held (an NCCL
+    /// registration is taken off memory still there), those a wake maps once the lock is
+    /// dropped, and pages the driver would not unmap told mapped again.
     fn change_pages(
         &mut self,
         ctx: &ShardCtx,
         base: DevicePtr,
         handles: &mut Vec<(usize, PhysHandle)>,
         change: PageChange,
+        unmaps: bool,
     ) -> Result<(), DriverError> {
+        let observe = ctx.segments.on();
         let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
         let (page, pages) = (e.page, e.size / e.page);
         let before: Vec<bool> =
-            if ctx.history.on() { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+            if ctx.history.on() || observe { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+        if observe && unmaps {
+            for (first, n) in runs(&before, |_, was| was) {
+                self.observe_now(ctx, SegmentEventKind::Unmap, base + (first * page) as u64, n * page);
+            }
+        }
+        let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
         let mut out = Vec::new();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, ctx.driver, ctx.device, &mut out)));
         handles.extend(out.into_iter().map(|h| (page, h)));
         if !before.is_empty() {
             let seg = &self.segments[&base];
             let e = seg.exp.as_deref().expect("expandable");
-            for (i, &was) in before.iter().enumerate() {
-                let now = e.is_mapped(i * page);
-                if now != was {
-                    let action = if now { Action::SegmentMap } else { Action::SegmentUnmap };
-                    let at = base + (i * page) as u64;
-                    ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
+            let now: Vec<bool> = (0..pages).map(|i| e.is_mapped(i * page)).collect();
+            if ctx.history.on() {
+                for (i, (&was, &is)) in before.iter().zip(&now).enumerate() {
+                    if is != was {
+                        let action = if is { Action::SegmentMap } else { Action::SegmentUnmap };
+                        let at = base + (i * page) as u64;
+                        ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
+                    }
+                }
+            }
+            if observe {
+                // Mapped now, and either told unmapped above or not mapped before.
+                for (first, n) in runs(&now, |i, is| is && (unmaps || !before[i])) {
+                    self.observe_later(ctx, SegmentEventKind::Map, base + (first * page) as u64, n * page);
                 }
             }
         }
@@ -269,9 +303,9 @@ impl ShardState {
     pub fn map_slept(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
         let bases = self.expandables.clone();
         for (k, &base) in bases.iter().enumerate() {
-            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake) {
+            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake, false) {
                 for &b in bases[..k].iter().rev() {
-                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep);
+                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep, true);
                 }
                 return Err(err);
             }
@@ -293,7 +327,7 @@ impl ShardState {
         });
         let mut failure = Ok(());
         for base in st.expandables.clone() {
-            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep));
+            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep, true));
         }
         failure
     }
