@@ -26,6 +26,73 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/*
+ * --------------------------------------------------------------------------------------------
+ * Constants and types
+ * --------------------------------------------------------------------------------------------
+ *
+ * What the functions of the sections below take and return, declared here first as C needs
+ * them, in the order the sections first use them: the constants of gpupool_stats,
+ * gpupool_sleep, the segment observers, gpupool_record_history and gpupool_host_stats;
+ * gpupool_status; the stream handle; the statistics structs; the callbacks' types. Each
+ * function's comment says which it takes.
+ */
+
+/**
+ * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
+ * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
+ */
+#define GPUPOOL_STATS_VERSION 3
+
+/**
+ * `gpupool_sleep`'s mode: the live blocks' contents are copied to host memory first,
+ * and back at `gpupool_wake`, bit for bit (weights).
+ */
+#define GPUPOOL_SLEEP_OFFLOAD 1
+
+/**
+ * `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
+ * hold whatever the new memory holds (KV cache, activations).
+ */
+#define GPUPOOL_SLEEP_DISCARD 2
+
+/**
+ * `gpupool_sleep`'s mode: as `GPUPOOL_SLEEP_OFFLOAD`, into pinned host memory that the copy
+ * engines write and read directly, with no staging and no CPU copy, and that the pool keeps
+ * after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
+ * wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
+ * memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
+ * three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+ * awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
+ * `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
+ * keeps them. For engines that sleep and wake the same weights again and again (vLLM's
+ * sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
+ */
+#define GPUPOOL_SLEEP_OFFLOAD_PINNED 3
+
+/**
+ * A segment came from the driver (`cuMemAlloc`), told after the call (PyTorch
+ * `SEGMENT_ALLOC`).
+ */
+#define GPUPOOL_SEGMENT_ALLOC 0
+
+/**
+ * A segment is about to go back to the driver (`cuMemFree`), told before the call, while its
+ * memory is still valid (`SEGMENT_FREE`).
+ */
+#define GPUPOOL_SEGMENT_FREE 1
+
+/**
+ * Pages of an expandable segment were mapped (`cuMemMap`), told after (`SEGMENT_MAP`).
+ */
+#define GPUPOOL_SEGMENT_MAP 2
+
+/**
+ * Pages of an expandable segment are about to be unmapped (`cuMemUnmap`), told before
+ * (`SEGMENT_UNMAP`).
+ */
+#define GPUPOOL_SEGMENT_UNMAP 3
+
 /**
  * `context` for `gpupool_record_history`: no call stacks (PyTorch `context=None`).
  */
@@ -71,61 +138,6 @@
  * The layout version of `gpupool_host_stats_t` this library writes.
  */
 #define GPUPOOL_HOST_STATS_VERSION 1
-
-/**
- * A segment came from the driver (`cuMemAlloc`), told after the call (PyTorch
- * `SEGMENT_ALLOC`).
- */
-#define GPUPOOL_SEGMENT_ALLOC 0
-
-/**
- * A segment is about to go back to the driver (`cuMemFree`), told before the call, while its
- * memory is still valid (`SEGMENT_FREE`).
- */
-#define GPUPOOL_SEGMENT_FREE 1
-
-/**
- * Pages of an expandable segment were mapped (`cuMemMap`), told after (`SEGMENT_MAP`).
- */
-#define GPUPOOL_SEGMENT_MAP 2
-
-/**
- * Pages of an expandable segment are about to be unmapped (`cuMemUnmap`), told before
- * (`SEGMENT_UNMAP`).
- */
-#define GPUPOOL_SEGMENT_UNMAP 3
-
-/**
- * `gpupool_sleep`'s mode: the live blocks' contents are copied to host memory first,
- * and back at `gpupool_wake`, bit for bit (weights).
- */
-#define GPUPOOL_SLEEP_OFFLOAD 1
-
-/**
- * `gpupool_sleep`'s mode: the live blocks' contents are dropped; after `gpupool_wake` they
- * hold whatever the new memory holds (KV cache, activations).
- */
-#define GPUPOOL_SLEEP_DISCARD 2
-
-/**
- * `gpupool_sleep`'s mode: as `GPUPOOL_SLEEP_OFFLOAD`, into pinned host memory that the copy
- * engines write and read directly, with no staging and no CPU copy, and that the pool keeps
- * after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
- * wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
- * memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
- * three times the copy's time. The pool's live bytes stay pinned in host memory while it is
- * awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
- * `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
- * keeps them. For engines that sleep and wake the same weights again and again (vLLM's
- * sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
- */
-#define GPUPOOL_SLEEP_OFFLOAD_PINNED 3
-
-/**
- * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
- * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
- */
-#define GPUPOOL_STATS_VERSION 3
 
 /**
  * What a gpupool call did. `GPUPOOL_SUCCESS` is 0; on any other value
@@ -214,76 +226,6 @@ typedef struct gpupool_stat_t {
   int64_t allocated;
   int64_t freed;
 } gpupool_stat_t;
-
-/**
- * A duration statistic in microseconds (PyTorch `DurationStat`): `count` calls, their
- * `total`, the longest (`max`) and the shortest (`min`, 0 before the first call).
- */
-typedef struct gpupool_duration_stat_t {
-  int64_t count;
-  int64_t total;
-  int64_t max;
-  int64_t min;
-} gpupool_duration_stat_t;
-
-/**
- * The statistics of pinned host memory: PyTorch 2.11's `HostStats`, the keys of
- * `torch.cuda.host_memory_stats()`.
- *
- * Extensible as `gpupool_stats_t`: set `size` to `sizeof(gpupool_host_stats_t)` before the
- * call (`GPUPOOL_HOST_STATS_INIT` does); the library writes the first `min(size, its own
- * sizeof)` bytes and sets `size` to that count. Fields are only ever added at the end.
- */
-typedef struct gpupool_host_stats_t {
-  /**
-   * In: `sizeof(gpupool_host_stats_t)` as the caller compiled it. Out: bytes written.
-   */
-  uint32_t size;
-  /**
-   * Out: `GPUPOOL_HOST_STATS_VERSION` of the library.
-   */
-  uint32_t version;
-  /**
-   * Blocks handed out by `gpupool_host_malloc`, or freed and not yet seen free: their
-   * events (`gpupool_host_record_event`) not yet polled complete, or (under the LD_PRELOAD
-   * shim) waiting for a device synchronisation (PyTorch `active_requests`). Its peak, and that of
-   * `active_bytes`, is exact while one thread allocates; with several, an upper bound
-   * (gpupool keeps these counts per thread group and sums the peaks, as PyTorch sums its
-   * per-size peaks).
-   */
-  struct gpupool_stat_t active_requests;
-  /**
-   * Bytes of those blocks, each its size class's (the request rounded up, see
-   * `gpupool_host_malloc`; PyTorch `active_bytes`).
-   */
-  struct gpupool_stat_t active_bytes;
-  /**
-   * Blocks gpupool holds pinned, in use or cached (PyTorch `allocations`).
-   */
-  struct gpupool_stat_t allocations;
-  /**
-   * Bytes of those blocks (PyTorch `allocated_bytes`).
-   */
-  struct gpupool_stat_t allocated_bytes;
-  /**
-   * Each `cuMemHostAlloc` (or page touching and `cuMemHostRegister`), in microseconds
-   * (PyTorch `host_alloc_time`).
-   */
-  struct gpupool_duration_stat_t host_alloc_time;
-  /**
-   * Each `cuMemFreeHost` (or `cuMemHostUnregister` and `free`), in microseconds (PyTorch
-   * `host_free_time`).
-   */
-  struct gpupool_duration_stat_t host_free_time;
-  /**
-   * Calls that pinned new memory because no cached block fitted (PyTorch `num_host_alloc`).
-   */
-  int64_t num_host_alloc;
-  /**
-   * Calls that gave pinned memory back (PyTorch `num_host_free`).
-   */
-  int64_t num_host_free;
-} gpupool_host_stats_t;
 
 /**
  * A statistic for all blocks and per pool (PyTorch's `StatArray`; the keys `all`,
@@ -411,29 +353,10 @@ typedef struct gpupool_stats_t {
 } gpupool_stats_t;
 
 /**
- * An out-of-memory observer, attached with `gpupool_attach_oom_observer`.
- *
- * - `device`: the device ordinal of the failed request (never -1).
- * - `requested`: the bytes the caller asked `gpupool_malloc` for, before rounding (PyTorch's
- *   observers get the size of the segment it failed to allocate; the error message names
- *   both).
- * - `stats`: the device's statistics once the request had failed (`num_ooms` counts it,
- *   `num_alloc_retries` the cache release before it), the same snapshot for every observer.
- *   Owned by gpupool and valid during the call only; `stats->size` bytes of it are valid
- *   (this library's `sizeof(gpupool_stats_t)`; a program built against an older header reads
- *   the fields it knows).
- * - `user`: the pointer given to `gpupool_attach_oom_observer`, passed back as it is.
- *
- * It runs on the thread whose request failed, with no lock of gpupool's held: it may call any
- * gpupool function (`gpupool_free`, `gpupool_stats`, `gpupool_empty_cache`,
- * `gpupool_memory_summary`, `gpupool_malloc`...), and `gpupool_oom_retry` to ask for one
- * more attempt. It must return (no `longjmp` out of it), and a C++ observer must catch its
- * exceptions: one that escapes into gpupool is undefined behaviour, as for any C callback.
+ * A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
+ * allocations on `stream` go to the pool. `user` is the pointer given with it.
  */
-typedef void (*gpupool_oom_observer_fn)(int device,
-                                        size_t requested,
-                                        const struct gpupool_stats_t *stats,
-                                        void *user);
+typedef int (*gpupool_stream_filter_t)(void *user, gpupool_stream_t stream);
 
 /**
  * Allocates a segment of `bytes` bytes on `device` for `stream` and writes its address to
@@ -457,10 +380,29 @@ typedef void (*gpupool_segment_free_fn)(void *user,
                                         gpupool_stream_t stream);
 
 /**
- * A route's test of a stream for `gpupool_begin_allocate_to_pool_filter`: returns nonzero when
- * allocations on `stream` go to the pool. `user` is the pointer given with it.
+ * An out-of-memory observer, attached with `gpupool_attach_oom_observer`.
+ *
+ * - `device`: the device ordinal of the failed request (never -1).
+ * - `requested`: the bytes the caller asked `gpupool_malloc` for, before rounding (PyTorch's
+ *   observers get the size of the segment it failed to allocate; the error message names
+ *   both).
+ * - `stats`: the device's statistics once the request had failed (`num_ooms` counts it,
+ *   `num_alloc_retries` the cache release before it), the same snapshot for every observer.
+ *   Owned by gpupool and valid during the call only; `stats->size` bytes of it are valid
+ *   (this library's `sizeof(gpupool_stats_t)`; a program built against an older header reads
+ *   the fields it knows).
+ * - `user`: the pointer given to `gpupool_attach_oom_observer`, passed back as it is.
+ *
+ * It runs on the thread whose request failed, with no lock of gpupool's held: it may call any
+ * gpupool function (`gpupool_free`, `gpupool_stats`, `gpupool_empty_cache`,
+ * `gpupool_memory_summary`, `gpupool_malloc`...), and `gpupool_oom_retry` to ask for one
+ * more attempt. It must return (no `longjmp` out of it), and a C++ observer must catch its
+ * exceptions: one that escapes into gpupool is undefined behaviour, as for any C callback.
  */
-typedef int (*gpupool_stream_filter_t)(void *user, gpupool_stream_t stream);
+typedef void (*gpupool_oom_observer_fn)(int device,
+                                        size_t requested,
+                                        const struct gpupool_stats_t *stats,
+                                        void *user);
 
 /**
  * One segment event, owned by gpupool and valid during the observer's call only.
@@ -531,315 +473,95 @@ typedef void (*gpupool_tag_fn)(const char *name, const struct gpupool_tag_stats_
  */
 typedef void (*gpupool_output_fn)(const char *text, void *user);
 
+/**
+ * A duration statistic in microseconds (PyTorch `DurationStat`): `count` calls, their
+ * `total`, the longest (`max`) and the shortest (`min`, 0 before the first call).
+ */
+typedef struct gpupool_duration_stat_t {
+  int64_t count;
+  int64_t total;
+  int64_t max;
+  int64_t min;
+} gpupool_duration_stat_t;
+
+/**
+ * The statistics of pinned host memory: PyTorch 2.11's `HostStats`, the keys of
+ * `torch.cuda.host_memory_stats()`.
+ *
+ * Extensible as `gpupool_stats_t`: set `size` to `sizeof(gpupool_host_stats_t)` before the
+ * call (`GPUPOOL_HOST_STATS_INIT` does); the library writes the first `min(size, its own
+ * sizeof)` bytes and sets `size` to that count. Fields are only ever added at the end.
+ */
+typedef struct gpupool_host_stats_t {
+  /**
+   * In: `sizeof(gpupool_host_stats_t)` as the caller compiled it. Out: bytes written.
+   */
+  uint32_t size;
+  /**
+   * Out: `GPUPOOL_HOST_STATS_VERSION` of the library.
+   */
+  uint32_t version;
+  /**
+   * Blocks handed out by `gpupool_host_malloc`, or freed and not yet seen free: their
+   * events (`gpupool_host_record_event`) not yet polled complete, or (under the LD_PRELOAD
+   * shim) waiting for a device synchronisation (PyTorch `active_requests`). Its peak, and that of
+   * `active_bytes`, is exact while one thread allocates; with several, an upper bound
+   * (gpupool keeps these counts per thread group and sums the peaks, as PyTorch sums its
+   * per-size peaks).
+   */
+  struct gpupool_stat_t active_requests;
+  /**
+   * Bytes of those blocks, each its size class's (the request rounded up, see
+   * `gpupool_host_malloc`; PyTorch `active_bytes`).
+   */
+  struct gpupool_stat_t active_bytes;
+  /**
+   * Blocks gpupool holds pinned, in use or cached (PyTorch `allocations`).
+   */
+  struct gpupool_stat_t allocations;
+  /**
+   * Bytes of those blocks (PyTorch `allocated_bytes`).
+   */
+  struct gpupool_stat_t allocated_bytes;
+  /**
+   * Each `cuMemHostAlloc` (or page touching and `cuMemHostRegister`), in microseconds
+   * (PyTorch `host_alloc_time`).
+   */
+  struct gpupool_duration_stat_t host_alloc_time;
+  /**
+   * Each `cuMemFreeHost` (or `cuMemHostUnregister` and `free`), in microseconds (PyTorch
+   * `host_free_time`).
+   */
+  struct gpupool_duration_stat_t host_free_time;
+  /**
+   * Calls that pinned new memory because no cached block fitted (PyTorch `num_host_alloc`).
+   */
+  int64_t num_host_alloc;
+  /**
+   * Calls that gave pinned memory back (PyTorch `num_host_free`).
+   */
+  int64_t num_host_free;
+} gpupool_host_stats_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
 
 /**
- * Sets the process-wide allocator's configuration from `conf`, a string in the syntax of
- * PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (PyTorch 2.11, native backend), as the `GPUPOOL_CONF`
- * environment variable takes it: `key:value` entries separated by commas, ASCII spaces
- * ignored (any other white space or control character is an error naming it and its byte
- * offset), a list value as `[256:1,512:2,>:4]`, booleans `True`/`False`, sizes in whole MiB up
- * to 17592186044415 (past it, an error; PyTorch clamps). For example
- * `"max_split_size_mb:128,roundup_power2_divisions:4"`. The keys are PyTorch's, with its
- * meanings, defaults and limits but one default (`expandable_segments` is `True` in
- * gpupool, `False` in PyTorch; docs/fragmentation.md, "The default"): `backend` (`native`
- * only), `large_segment_size_mb`, `max_split_size_mb`, `max_non_split_rounding_mb`,
- * `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`,
- * `release_lock_on_cudamalloc`, `per_process_memory_fraction`,
- * `graph_capture_record_stream_reuse` and the `pinned_*` keys (docs/configuration.md, section
- * "GPUPOOL_CONF").
+ * --------------------------------------------------------------------------------------------
+ * Device memory
+ * --------------------------------------------------------------------------------------------
  *
- * The string replaces the whole configuration that `GPUPOOL_CONF` (and the deprecated
- * `GPUPOOL_MAX_SPLIT_SIZE_MB`) set: a key it does not name takes its default. The other
- * `GPUPOOL_*` variables keep their effect. Starts the process-wide allocator if no call did
- * yet (reading the environment, as any call does).
+ * `gpupool_malloc` and `gpupool_free` are PyTorch's `raw_alloc_with_stream` and `raw_delete`: a
+ * block belongs to the stream it was allocated on, and once freed it serves that stream's next
+ * allocations at once, with no synchronisation. `gpupool_record_stream` names the other streams
+ * that use a block; `gpupool_empty_cache` gives the cached memory that no block uses back to the
+ * driver. Blocks are carved from segments that the cache keeps: expandable segments by default,
+ * PyTorch's ordinary segments with `expandable_segments:False` (see "Expandable segments" below).
+ * A cache hit takes one uncontended lock and makes no driver call.
  *
- * Must come before the first allocation: it succeeds only while no device has started. A
- * device starts at the first call that names it (or names -1 while it is current): not only
- * `gpupool_malloc` but also `gpupool_stats`, `gpupool_memory_summary`, `gpupool_empty_cache`
- * with a device ordinal, `gpupool_set_memory_fraction` and `gpupool_reset_peak_stats`.
- * `gpupool_device_count`, `gpupool_config_string` and this function start none. Each device
- * then starts with these settings, `per_process_memory_fraction` applied to it as
- * `gpupool_set_memory_fraction` would.
+ * --------------------------------------------------------------------------------------------
  *
- * - `conf`: a NUL-terminated UTF-8 string, read during the call only. "" resets every key to
- *   its default.
- *
- * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for NULL, a string that is not
- * UTF-8, an unknown key, `backend:cudaMallocAsync` (gpupool is the native backend), or a bad
- * value: the message names the key, the value and what is expected. Also
- * `GPUPOOL_ERROR_INVALID_VALUE` once a device has started: the message says the configuration
- * must be set before the first allocation (there is no status for a call made too late; the
- * argument may be valid). `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start
- * (its message, every time), `GPUPOOL_ERROR_INVALID_VALUE` when a `GPUPOOL_*` variable is bad.
- *
- * Thread-safe: a device that starts on another thread at the same time starts with either the
- * old configuration (and this call fails) or the new one.
- *
- * # Safety
- * `conf` must be NULL or point to a NUL-terminated string.
- */
-gpupool_status gpupool_set_config(const char *conf);
-
-/**
- * Writes the process-wide allocator's configuration in PyTorch's syntax, every key with its
- * value in force: `backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,...`
- * (`max_split_size_mb`'s largest value means unlimited; `garbage_collection_threshold` and
- * `pinned_reserve_segment_size_mb` are left out while off, since PyTorch refuses their default,
- * 0, as a value). `gpupool_set_config` reads the string back to the same configuration, and
- * so does `GPUPOOL_CONF`. Starts the allocator if no call did yet, but no device.
- *
- * - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
- * - `needed`: if not NULL, receives the bytes the text needs, NUL included.
- *
- * The buffer convention of `gpupool_memory_summary`: with a buffer of at least `*needed`
- * bytes, writes the NUL-terminated text and `*needed`, and succeeds. With a buffer too small:
- * writes `*needed`, leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
- * message gives the size needed); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`, or
- * `GPUPOOL_ERROR_INVALID_VALUE` for a bad `GPUPOOL_*` variable, when the allocator cannot
- * start. Thread-safe.
- *
- * # Safety
- * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
- */
-gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
-
-/**
- * Starts, changes or stops recording the allocation history of every device of the
- * process-wide allocator (PyTorch `torch.cuda.memory._record_memory_history`), for
- * `gpupool_dump_snapshot`.
- *
- * - `enabled`: non-zero to record, 0 to stop and forget every trace recorded (`max_entries`
- *   and `context` are then not read).
- * - `max_entries`: events kept per device, the newest ones (PyTorch `max_entries`); 0 keeps
- *   no event, only the stacks of live blocks (PyTorch `enabled="state"`). The events, with
- *   PyTorch's names: `alloc`, `free_requested` (the caller freed the block), `free_completed`
- *   (it went back to its pool: at once, or after the events of `gpupool_record_stream` or a
- *   device synchronisation), `segment_alloc`, `segment_free` (`cuMemAlloc`, `cuMemFree`),
- *   `segment_map`, `segment_unmap` (pages of expandable segments), `oom` (a request failed
- *   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
- *   address, the bytes (those asked for, for a block), the stream, and the time in
- *   microseconds since the Unix epoch. About 48 bytes of host memory each.
- * - `context`: which call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
- *   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
- *   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
- *   microsecond or two of unwinding) and symbolised only by `gpupool_dump_snapshot`; each
- *   distinct stack is kept once, for the life of the process. Frames of gpupool itself are
- *   left out. Plus, optionally, which frames a stack holds (PyTorch's `stacks`):
- *   `GPUPOOL_HISTORY_STACKS_PYTHON` or `GPUPOOL_HISTORY_STACKS_NATIVE`; by default the native
- *   frames and, when the process runs CPython (3.10 or later; found at run time, gpupool does
- *   not link it) and the calling thread has a Python thread state, its Python frames (file,
- *   line, function; at most 128, the innermost) in place of the interpreter's evaluation
- *   loops, as PyTorch's `stacks="all"` shows them. For those, gpupool takes the GIL
- *   (`PyGILState_Ensure`) before any lock of its own when the thread released it, as PyTorch
- *   does; names are read by `gpupool_dump_snapshot`, which takes the GIL too. A thread Python
- *   never saw (a C++ engine's) gets none and Python is not called.
- *
- * Calling it again changes the settings: a trace keeps its newest events up to the new
- * `max_entries`. When stacks stop being kept (`enabled` 0, or `context` below
- * `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too; with `enabled` 0, the
- * references to Python code objects that stacks hold are given back (under the GIL; left when
- * Python is finalised), the frames keeping their names. The environment variable
- * `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>[:<stacks>]]` (`none`, `state`, `alloc`,
- * `all`, default `all`; `all`, `python`, `native`, default `all`) turns recording on from the
- * start, when the process-wide allocator starts.
- *
- * Cost: off, one relaxed atomic load on each allocation and free. On, see docs/history.md (the
- * table of what it costs): an event without a stack costs tens of nanoseconds, a stack
- * microseconds.
- *
- * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` other than a
- * level (0 to 3) plus at most one `GPUPOOL_HISTORY_STACKS_` value (the message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
- * a process forked from one that used gpupool).
- *
- * Thread-safe; allocations made on other threads during the call are recorded with the old
- * settings or the new ones. Starts the process-wide allocator if no call did yet, but no
- * device.
- */
-gpupool_status gpupool_record_history(int enabled,
-                                      size_t max_entries,
-                                      uint32_t context);
-
-/**
- * Writes a snapshot of the process-wide allocator to the file at `path`, in the format of
- * PyTorch's `torch.cuda.memory._dump_snapshot` (the pickle of `torch.cuda.memory._snapshot()`),
- * which PyTorch's viewer renders: `python3 -m torch.cuda._memory_viz trace_plot FILE -o
- * trace.html` (memory over time, from the trace) or `segment_plot` (segments and blocks at each
- * event), or the file dropped on the memory_viz page.
- *
- * The file holds a dict: `segments`, every segment of every device in use (`device`,
- * `address`, `total_size`, `stream`, `segment_type` `"large"`/`"small"`, `segment_pool_id`
- * (0, 0), `allocated_size`, `active_size`, `requested_size`, `is_expandable`, `frames`, and
- * `blocks`, which tile it in address order: `address`, `size`, `requested_size`, `state`
- * (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
- * synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
- * run of mapped pages, as PyTorch shows it; a segment of a sleeping pool (`gpupool_sleep`) shows
- * as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
- * (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
- * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
- * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
- * `allocator_settings`, the configuration (PyTorch's
- * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
- *
- * With history on, each device's trace ends with the `snapshot` event this call records.
- * Each device is read with all its streams locked, as one consistent state (allocations on
- * it wait meanwhile); stacks are symbolised afterwards, reading the debug information of the
- * libraries they pass through (seconds, the first time). Works with history off too: the
- * segments, no events, no stacks. Pickle protocol 4, as `_dump_snapshot`'s `pickle.dump`
- * writes it, with the opcodes CPython's pickler uses; each distinct string, frame and stack's
- * list of frames is written once and referred back to through the pickle's memo, so that the
- * events and blocks of one stack share one list (as objects, once CPython's `pickle` loads it),
- * and the file is about 40 bytes an event whatever the stacks' depth. Written 64 KiB at a time
- * (a pickle frame).
- *
- * - `path`: a NUL-terminated path, read during the call only; the file is created or
- *   replaced.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL `path`, or when the file cannot be
- * created (no snapshot is taken then) or written (what was written stays); the message has
- * the path and the system's error. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator
- * cannot start.
- *
- * Thread-safe.
- *
- * # Safety
- * `path` must be NULL or point to a NUL-terminated string.
- */
-gpupool_status gpupool_dump_snapshot(const char *path);
-
-/**
- * Allocates at least `size` bytes of pinned (page-locked) host memory from gpupool's cache
- * (PyTorch `CachingHostAllocator`'s `allocate`, what `pin_memory()` uses): copies between it
- * and the device are asynchronous DMA. Use it to stage inputs and outputs.
- *
- * - `ptr`: out-pointer, written only on success. Must not be NULL.
- * - `size`: bytes, rounded up to its size class: up to 1 MiB a power of two (PyTorch's
- *   rule); above, a multiple of a 32nd of the power of two below it, so that a block holds
- *   less than 1/32 more than asked for (PyTorch pins up to twice: 20.4 GiB pins 32 GiB, here
- *   20.5 GiB). Each class has its own cache and a block is never split; when its class has no
- *   free block, a cached block of a larger class at most 5% over `size` is taken before new
- *   memory is pinned. 0 gives `*ptr = NULL` and success, as PyTorch.
- *
- * A cached block of the class is taken if one is free (its events, if any, completed);
- * otherwise new memory is pinned with `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)`, or with
- * `malloc` and `cuMemHostRegister` under `GPUPOOL_CONF=pinned_use_cuda_host_register:True`,
- * which takes milliseconds. The memory is portable: usable with every device and context.
- * It is not initialised. The caller owns the block until `gpupool_host_free`.
- *
- * A cache hit takes one lock that only the calling thread's group uses and makes no driver
- * call, unless freed blocks' events are pending (then it polls them, never blocking).
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `ptr`; `size` over 2^63 bytes);
- * `GPUPOOL_ERROR_OUT_OF_MEMORY` (the host cannot pin more; gpupool does not release its cache
- * and retry, as PyTorch does not: call `gpupool_host_empty_cache`); `GPUPOOL_ERROR_CUDA`;
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe.
- *
- * # Safety
- * `ptr` must be NULL or point to writable storage for one `void *`.
- */
-gpupool_status gpupool_host_malloc(void **ptr, size_t size);
-
-/**
- * Gives a block from `gpupool_host_malloc` back to gpupool's cache (PyTorch
- * `CachingHostAllocator`'s `free`). Without `gpupool_host_record_event` it is reused by the
- * next allocation of its size at once; otherwise gpupool records an event on each stream
- * named and reuses the block only once all have completed (polled at later allocations,
- * never waited for). Never blocks; the memory stays pinned until `gpupool_host_empty_cache`.
- *
- * - `ptr`: as returned by `gpupool_host_malloc`. NULL is a no-op.
- *
- * Copies queued on a stream that was not named by `gpupool_host_record_event` are not waited
- * for: name every stream that reads or writes the block before freeing it.
- *
- * If an event cannot be created or recorded, gpupool synchronises that stream's device
- * instead (PyTorch's free fails there); if even that fails, the free still succeeds and the
- * block waits for `gpupool_host_empty_cache`, which synchronises that device first.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_POINTER` for a pointer gpupool did not pin, a pointer inside
- * a block, or a block already freed; nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe: a block may be freed by another thread than the one that allocated it.
- *
- * # Safety
- * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
- */
-gpupool_status gpupool_host_free(void *ptr);
-
-/**
- * Says that the pinned block at `ptr` is used by work queued on `stream` (a copy from or to
- * it), so that after `gpupool_host_free` it is not reused until that work, as queued at the
- * time of the free, has completed (PyTorch `CachingHostAllocator_recordEvent`, which
- * `Tensor.copy_(non_blocking=True)` calls). Naming a stream twice counts once.
- *
- * - `ptr`: as returned by `gpupool_host_malloc` and not yet freed. NULL is a no-op.
- * - `stream`: any stream (`cudaStream_t`/`CUstream`; NULL is the legacy default stream).
- *   Its device is found now, from the stream's context (`cuStreamGetCtx`); NULL,
- *   `cudaStreamLegacy` and `cudaStreamPerThread` belong to the calling thread's current
- *   device, as the runtime resolves them. The event is created in that device's primary
- *   context: a stream of a context the program created itself (`cuCtxCreate`) makes the free
- *   fall back to a device synchronisation.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_POINTER` when `ptr` is not the start of an allocated block;
- * `GPUPOOL_ERROR_CUDA` when the stream's context cannot be found (a destroyed stream);
- * nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe; calling it for a block while another thread frees that block is the caller's
- * error (PyTorch asserts): the event may then be missed.
- *
- * # Safety
- * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
- */
-gpupool_status gpupool_host_record_event(void *ptr, gpupool_stream_t stream);
-
-/**
- * Releases every cached free pinned block (`cuMemFreeHost`, or `cuMemHostUnregister` and
- * `free`), after polling the events of freed blocks (PyTorch
- * `torch._C._host_emptyCache`), and destroys the events kept for reuse. Blocks in use, or
- * whose events have not completed, stay; so do the blocks of
- * `pinned_reserve_segment_size_mb`'s segment, which is never released.
- *
- * Errors: `GPUPOOL_ERROR_CUDA` when a release or an event query fails (what was released
- * before stays released; a block that could not be released stays cached);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe; may block while it synchronises a device for blocks that wait for one.
- */
-gpupool_status gpupool_host_empty_cache(void);
-
-/**
- * Reads the pinned host memory statistics into `*out` (PyTorch
- * `torch.cuda.host_memory_stats()`).
- *
- * - `out`: caller-owned; set `out->size = sizeof(gpupool_host_stats_t)` first
- *   (`gpupool_host_stats_t s = GPUPOOL_HOST_STATS_INIT;`). Written only on success, and only
- *   its first `out->size` bytes.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe; the figures are of one moment: it holds every lock of the host allocator at
- * once, briefly (pinned allocations on other threads wait for the copy).
- *
- * # Safety
- * `out` must be NULL or point to writable storage of at least `out->size` bytes.
- */
-gpupool_status gpupool_host_stats(struct gpupool_host_stats_t *out);
-
-/**
- * Sets the peaks of the pinned host memory statistics to their current values, and clears
- * the longest and shortest durations (PyTorch `torch.cuda.reset_peak_host_memory_stats()`).
- *
- * Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
- */
-gpupool_status gpupool_host_reset_peak_stats(void);
-
-/**
  * Allocates at least `size` bytes of device memory on `device` for use on `stream`, from
  * gpupool's cache when a cached block fits (PyTorch `raw_alloc_with_stream`).
  *
@@ -1000,189 +722,247 @@ gpupool_status gpupool_device_count(int *count);
 gpupool_status gpupool_set_memory_fraction(double fraction, int device);
 
 /**
- * Writes to `*bytes` the largest single request that `gpupool_malloc(ptr, size, device,
- * stream)` would serve now, in bytes: 0 when every request (but one of 0 bytes) would fail.
- * For sizing a KV cache or a workspace from what is left, as RMM users do with
- * `available_device_memory` (rapidsai/rmm#813). RMM answers with `cudaMemGetInfo` alone, which
- * counts neither the memory gpupool caches nor the memory fraction; PyTorch has no
- * equivalent (`torch.cuda.mem_get_info` is `cudaMemGetInfo` too).
+ * --------------------------------------------------------------------------------------------
+ * Statistics and the memory summary
+ * --------------------------------------------------------------------------------------------
  *
- * - `device`: a device ordinal, or -1 for the calling thread's current device.
- * - `stream`: the stream the request would be made on: a cached block is reused only on the
- *   stream it was allocated on, so the answer counts this stream's cached free blocks, and
- *   other streams' only as what release-and-retry would give back to the driver.
- * - `bytes`: out-pointer, written only on success. Must not be NULL.
+ * What the cache holds, in PyTorch's terms: `gpupool_stats` fills a `gpupool_stats_t` with the
+ * figures of `torch.cuda.memory_stats()` (set its `size` first: `GPUPOOL_STATS_INIT` does),
+ * `gpupool_reset_peak_stats` starts the peaks afresh, and `gpupool_memory_summary` writes the
+ * table of `torch.cuda.memory_summary()`. One private pool's figures: `gpupool_pool_stats`; pinned
+ * host memory's: `gpupool_host_stats`; one tag's: `gpupool_tag_stats`.
  *
- * The answer replays `gpupool_malloc`'s rules on a copy of the stream's blocks: the best
- * cached fit under PyTorch's rounding and `max_split_size` rules; a new segment of
- * PyTorch's size for the request (`get_allocation_size`: 2 MiB up to 1 MiB, 20 MiB up to 10
- * MiB, then the request rounded up to 2 MiB), or the pages an expandable segment must map
- * (its free pages and unmapped address space used first); what the driver has free
- * (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`); and the same
- * again after release-and-retry, which waits for pending `gpupool_record_stream` events and
- * blocks freed with `free_after_device_sync`, gives back every stream's wholly free cached
- * segments and unmaps every wholly free page. Not counted: what an out-of-memory observer
- * would free (`gpupool_attach_oom_observer`).
+ * --------------------------------------------------------------------------------------------
  *
- * The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
- * more than the device's memory. Success is not monotone in the size: with ordinary segments
- * (`expandable_segments:False`), 15 MiB free on the driver and nothing cached, 14 MiB
- * succeeds (a 14 MiB segment) but 5 MiB fails (it needs a 20 MiB segment); with
- * `max_split_size`, a cached oversize block serves requests
- * near its size only. So the answer is an upper bound on what one request gets, not a
- * promise that every smaller request succeeds.
+ * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as
+ * one consistent snapshot (PyTorch `torch.cuda.memory_stats`).
  *
- * Changes nothing: no allocation, release, synchronisation, and no statistic counts it. The
- * device's streams are read one at a time, each under its own lock for as long as a copy of
- * its blocks (or the sum of what it would release) takes, never two at once, so the answer
- * can be stale as soon as it returns.
- * Too high when, meanwhile, another thread allocates or another process or context takes
- * device memory, or a block freed with `gpupool_record_stream` merges on its return into one
- * at least `max_split_size` large; too low when another thread frees or releases memory,
- * events complete after the call, or an out-of-memory observer would free memory. On a GPU
- * the driver may also refuse a `cuMemAlloc` of all its free memory (it keeps some for
- * itself). Answered for the device's default pools: a route to a private pool
- * (`gpupool_begin_allocate_to_pool`) is not followed. While `stream` captures a CUDA graph,
- * only its cached blocks count (a miss needs the driver); while a capture may be under way
- * on the device, release-and-retry does not count (it would break the capture).
+ * - `out`: caller-owned; set `out->size = sizeof(gpupool_stats_t)` first. Written only on
+ *   success, and only its first `out->size` bytes.
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, device out of range);
- * `GPUPOOL_ERROR_CUDA` when `cuMemGetInfo`, `cuStreamGetCaptureInfo` or `cuEventQuery`
- * fails; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` (no driver, or in a forked child). `*bytes` is
- * then left as it was, and so is everything else.
+ * Peaks are exact for any sequence of calls that do not overlap in time; while several
+ * threads allocate on different streams of one device at the same moment, a peak can be off,
+ * above or below, by what those streams moved while it was settled (a settle visits the
+ * streams one at a time, and they go on meanwhile). What a reader may
+ * always rely on, concurrent or not: `current <= peak` for every statistic, and for each one
+ * with pools, `max(small_pool.peak, large_pool.peak) <= all.peak <= small_pool.peak +
+ * large_pool.peak`; without expandable segments, `num_device_alloc - num_device_free ==
+ * segment.all.current` (each growth of an expandable segment counts as a device allocation,
+ * and each address range as one segment); `allocated_bytes.all.current` and
+ * `active_bytes.all.current` at most `reserved_bytes.all.current`. A stream whose first call
+ * runs during the read is in the snapshot wholly or not at all. The time taken follows the
+ * streams that allocated or freed since the last snapshot, not the number of streams.
  *
- * Thread-safe; costs a driver call or two and a copy of the stream's blocks: not for the hit
- * path.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
+ * range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; briefly takes every lock of the device.
  *
  * # Safety
- * `bytes` must be NULL or point to a writable `size_t`.
+ * `out` must be NULL or point to writable storage of at least `out->size` bytes.
  */
-gpupool_status gpupool_largest_allocatable(int device, gpupool_stream_t stream, size_t *bytes);
+gpupool_status gpupool_stats(int device, struct gpupool_stats_t *out);
 
 /**
- * Attaches an out-of-memory observer: `observer(device, requested, stats, user)` is called
- * when a `gpupool_malloc` (or PyTorch hook) fails for lack of memory on any device, after
- * gpupool released its cache and retried, before `GPUPOOL_ERROR_OUT_OF_MEMORY` returns
- * (PyTorch `attachOutOfMemoryObserver`, which calls its observers at the same point).
+ * Writes to `*settles` how many calls on `device` (-1: the calling thread's current device)
+ * settled its peak statistics since the library started: a diagnostic of what exact peaks
+ * cost, gpupool's own (PyTorch keeps its statistics under one device lock and needs none).
  *
- * - Several observers may be attached; they are called in the order attached, each once
- *   per failed request.
- * - An observer may free memory and call `gpupool_oom_retry` to ask for one more attempt:
- *   once every observer has run, if any asked, the allocation is tried once more (from the
- *   cache, a new segment, release-and-retry); if that fails too, the observers are not
- *   called again and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns, its message read after the last
- *   attempt. A request made from inside an observer that fails calls no observer.
- * - `num_ooms` counts the request once, before the observers run (as PyTorch counts), even
- *   when a retry then serves it.
- * - `user`: any pointer, passed back to `observer`; gpupool never reads it. It must stay
- *   usable by `observer`, from any thread, until `gpupool_detach_oom_observer` returns.
+ * Each stream keeps credit towards the device's peaks; a call that goes past its stream's
+ * credit borrows from the device's spare credit, and only when that cannot cover it (a new
+ * peak, or the credit held by other streams) settles: it visits, one at a time, the streams
+ * that moved since the last settle, each for a moment under its lock. A steady workload
+ * settles a few times per 10,000 calls or less; `examples/c/thread_scaling.c` prints the
+ * rate. `gpupool_stats`, `gpupool_reset_peak_stats` and `gpupool_empty_cache` settle too and
+ * are not counted.
  *
- * Nothing of this runs unless a request failed: an attached observer costs the hit path
- * nothing.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `settles`, device out of range; nothing
+ * written); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this `observer` with this
- * `user` attached already: the pair names the observer for the detach);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
- *
- * Thread-safe: attach and detach from any thread while others allocate.
+ * Thread-safe; takes no lock (the count is one atomic, read as it is).
  *
  * # Safety
- * `observer` must be NULL or a function of the signature of `gpupool_oom_observer_fn`, safe
- * to call with `user` from any thread until it is detached.
+ * `settles` must be NULL or point to a writable `int64_t`.
  */
-gpupool_status gpupool_attach_oom_observer(gpupool_oom_observer_fn observer, void *user);
+gpupool_status gpupool_peak_settles(int device, int64_t *settles);
 
 /**
- * Detaches the observer attached with this `observer` and `user`. Called from outside any
- * observer, it returns once no call of it is under way on any thread, and none starts after:
- * `user` may then be freed. Called from inside an observer (its own or another's), it
- * returns at once, and a call on another thread may still be running. While it waits it holds
- * no lock of gpupool's; the caller must not hold one that the observer takes either (a mutex
- * of its own), or the two would wait for each other.
+ * Sets every peak of `device` (-1: current) to its current value (PyTorch
+ * `torch.cuda.reset_peak_memory_stats`).
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no observer is attached with this pair (NULL
- * `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+ */
+gpupool_status gpupool_reset_peak_stats(int device);
+
+/**
+ * Writes a text table of `device`'s statistics (-1: current), with the rows and columns of
+ * `torch.cuda.memory_summary()`: allocated, active, requested, reserved and non-releasable
+ * memory, and the counts, each per pool, with current, peak, total allocated and total freed.
  *
- * Thread-safe.
+ * - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
+ * - `needed`: if not NULL, receives the bytes the text needs, NUL included.
+ *
+ * snprintf's two-call idiom: call with `buf` NULL (or a buffer that may be too small), allocate
+ * `*needed` bytes, call again. With a buffer of at least `*needed` bytes: writes the
+ * NUL-terminated text and `*needed`, and succeeds. With a buffer too small: writes `*needed`,
+ * leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this (and the same in
+ * `gpupool_config_string`) is the exception to "outputs are written only on success". The table can grow between two calls
+ * (a new digit); allocate a little more than asked, or call again while the error persists.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
+ * message gives the size needed; device out of range, nothing written);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
  *
  * # Safety
- * Any values are safe: they are only compared with those attached.
+ * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
  */
-gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, void *user);
+gpupool_status gpupool_memory_summary(int device,
+                                      char *buf,
+                                      size_t len,
+                                      size_t *needed);
 
 /**
- * Called from inside an out-of-memory observer, asks for one more attempt at the allocation
- * that failed, once every observer has run (RMM's `failure_callback_resource_adaptor` asks
- * the same by its callback's return value). Call it after freeing memory the request may use:
- * the attempt is made once, whatever the number of observers that asked.
+ * --------------------------------------------------------------------------------------------
+ * Errors
+ * --------------------------------------------------------------------------------------------
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the calling thread is not running an
- * out-of-memory observer (the request belongs to the thread that failed); nothing changes.
+ * Every function of this header returns a `gpupool_status` but the three below, which return
+ * strings. On failure, `gpupool_last_error_message()` of the calling thread says why, starting
+ * with the function's name, and no output was written (except `*needed` of
+ * `gpupool_memory_summary` and `gpupool_config_string`). No panic crosses into C: a bug in gpupool
+ * is `GPUPOOL_ERROR_INTERNAL`.
  *
- * Thread-safe: it reads and writes the calling thread's state only.
+ * --------------------------------------------------------------------------------------------
+ *
+ * The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
+ * `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
+ * was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends
+ * with "...".
+ *
+ * Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
+ * call on the same thread, or the thread's exit; copy it to keep it. Thread-safe: each
+ * thread has its own, which costs no allocation and no exit handler, so gpupool may be
+ * called from any thread at any time, including from pthread-key destructors.
  */
-gpupool_status gpupool_oom_retry(void);
+const char *gpupool_last_error_message(void);
 
 /**
- * Creates a private pool whose segments come from `alloc` and go back through `free` instead
- * of `cuMemAlloc` and `cuMemFree`, and writes its id to `*pool` (the C equivalent of
- * `torch.cuda.MemPool(allocator)`; with `ncclMemAlloc`/`ncclMemFree`, the pool's buffers can
- * be registered for NVLink SHARP). Everything else is a private pool's
- * (`gpupool_pool_create`): allocations reach it through the routes
- * (`gpupool_begin_allocate_to_pool` and its variants), are cached, split and reused as any,
- * count in the statistics (reserved bytes and the memory fraction included), and
- * `gpupool_release_pool` gives its segments back through `free`.
+ * A short description of a status ("success", "out of memory", ...), for any value:
+ * an unknown value gives "unknown gpupool_status". Takes a plain `uint32_t`, so a value
+ * outside the enum is not undefined behaviour.
  *
- * - `alloc(user, bytes, device, stream, &ptr)` is called for each new segment (2 MiB, 20 MiB
- *   or a large request rounded to 2 MiB, as PyTorch sizes segments); nonzero means out of
- *   memory: the cache of that stream's pool is released and the allocation retried, then the
- *   out-of-memory observers run and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns.
- * - `free(user, ptr, bytes, device, stream)` is called once for each segment `alloc` gave, when
- *   gpupool gives it back (`gpupool_empty_cache`, `gpupool_release_pool`).
- * - Both run on the calling thread with the stream's pool locked: they must not call gpupool
- *   (they may call CUDA and NCCL), and must return. Segment observers see these segments too.
- * - `user`: passed back as it is; it must stay usable for as long as the pool holds memory.
+ * Ownership: a static string; never free it. Thread-safe.
+ */
+const char *gpupool_status_string(uint32_t status);
+
+/**
+ * The library's version, "MAJOR.MINOR.PATCH".
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ * Ownership: a static string; never free it. Thread-safe.
+ */
+const char *gpupool_version(void);
+
+/**
+ * --------------------------------------------------------------------------------------------
+ * Configuration
+ * --------------------------------------------------------------------------------------------
  *
- * Thread-safe.
+ * The allocator's settings, with the syntax, keys, meanings and defaults of PyTorch's
+ * `PYTORCH_CUDA_ALLOC_CONF` (but `expandable_segments`, `True` here): read from `GPUPOOL_CONF` at
+ * the first call, or set by `gpupool_set_config` before the first allocation;
+ * `gpupool_config_string` writes every key back. The other `GPUPOOL_*` variables are listed at the
+ * top of this header; docs/configuration.md describes every key.
+ *
+ * --------------------------------------------------------------------------------------------
+ *
+ * Sets the process-wide allocator's configuration from `conf`, a string in the syntax of
+ * PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (PyTorch 2.11, native backend), as the `GPUPOOL_CONF`
+ * environment variable takes it: `key:value` entries separated by commas, ASCII spaces
+ * ignored (any other white space or control character is an error naming it and its byte
+ * offset), a list value as `[256:1,512:2,>:4]`, booleans `True`/`False`, sizes in whole MiB up
+ * to 17592186044415 (past it, an error; PyTorch clamps). For example
+ * `"max_split_size_mb:128,roundup_power2_divisions:4"`. The keys are PyTorch's, with its
+ * meanings, defaults and limits but one default (`expandable_segments` is `True` in
+ * gpupool, `False` in PyTorch; docs/fragmentation.md, "The default"): `backend` (`native`
+ * only), `large_segment_size_mb`, `max_split_size_mb`, `max_non_split_rounding_mb`,
+ * `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`,
+ * `release_lock_on_cudamalloc`, `per_process_memory_fraction`,
+ * `graph_capture_record_stream_reuse` and the `pinned_*` keys (docs/configuration.md, section
+ * "GPUPOOL_CONF").
+ *
+ * The string replaces the whole configuration that `GPUPOOL_CONF` (and the deprecated
+ * `GPUPOOL_MAX_SPLIT_SIZE_MB`) set: a key it does not name takes its default. The other
+ * `GPUPOOL_*` variables keep their effect. Starts the process-wide allocator if no call did
+ * yet (reading the environment, as any call does).
+ *
+ * Must come before the first allocation: it succeeds only while no device has started. A
+ * device starts at the first call that names it (or names -1 while it is current): not only
+ * `gpupool_malloc` but also `gpupool_stats`, `gpupool_memory_summary`, `gpupool_empty_cache`
+ * with a device ordinal, `gpupool_set_memory_fraction` and `gpupool_reset_peak_stats`.
+ * `gpupool_device_count`, `gpupool_config_string` and this function start none. Each device
+ * then starts with these settings, `per_process_memory_fraction` applied to it as
+ * `gpupool_set_memory_fraction` would.
+ *
+ * - `conf`: a NUL-terminated UTF-8 string, read during the call only. "" resets every key to
+ *   its default.
+ *
+ * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for NULL, a string that is not
+ * UTF-8, an unknown key, `backend:cudaMallocAsync` (gpupool is the native backend), or a bad
+ * value: the message names the key, the value and what is expected. Also
+ * `GPUPOOL_ERROR_INVALID_VALUE` once a device has started: the message says the configuration
+ * must be set before the first allocation (there is no status for a call made too late; the
+ * argument may be valid). `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start
+ * (its message, every time), `GPUPOOL_ERROR_INVALID_VALUE` when a `GPUPOOL_*` variable is bad.
+ *
+ * Thread-safe: a device that starts on another thread at the same time starts with either the
+ * old configuration (and this call fails) or the new one.
  *
  * # Safety
- * `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
- * be NULL or functions of those signatures, safe to call with `user` from any thread.
+ * `conf` must be NULL or point to a NUL-terminated string.
  */
-gpupool_status gpupool_pool_create_with_allocator(uint64_t *pool,
-                                                  gpupool_segment_alloc_fn alloc,
-                                                  gpupool_segment_free_fn free,
-                                                  void *user);
+gpupool_status gpupool_set_config(const char *conf);
 
 /**
- * `gpupool_pool_create_with_allocator` whose blocks are never split below `split_alignment`
- * bytes: every request routed to the pool is rounded up to a multiple of it, and so is every
- * segment asked of `alloc`, so that each block starts at a multiple of it from the start of
- * its segment. For NVLink SHARP, pass the multicast granularity
- * (`cuMulticastGetGranularity`) and an `alloc` over `ncclMemAlloc`, whose segments start at
- * such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. gpupool's own:
- * `torch.cuda.MemPool(allocator)` takes no alignment. The bytes a request is rounded up by
- * count as allocated (as PyTorch counts its own rounding), not as requested.
+ * Writes the process-wide allocator's configuration in PyTorch's syntax, every key with its
+ * value in force: `backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,...`
+ * (`max_split_size_mb`'s largest value means unlimited; `garbage_collection_threshold` and
+ * `pinned_reserve_segment_size_mb` are left out while off, since PyTorch refuses their default,
+ * 0, as a value). `gpupool_set_config` reads the string back to the same configuration, and
+ * so does `GPUPOOL_CONF`. Starts the allocator if no call did yet, but no device.
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`; an alignment that is
- * not a multiple of 512 bytes, or is over 1 TiB; a request that overflows when rounded, at
- * malloc); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ * - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
+ * - `needed`: if not NULL, receives the bytes the text needs, NUL included.
  *
- * Thread-safe.
+ * The buffer convention of `gpupool_memory_summary`: with a buffer of at least `*needed`
+ * bytes, writes the NUL-terminated text and `*needed`, and succeeds. With a buffer too small:
+ * writes `*needed`, leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
+ * message gives the size needed); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`, or
+ * `GPUPOOL_ERROR_INVALID_VALUE` for a bad `GPUPOOL_*` variable, when the allocator cannot
+ * start. Thread-safe.
  *
  * # Safety
- * As for `gpupool_pool_create_with_allocator`.
+ * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
  */
-gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
-                                                          gpupool_segment_alloc_fn alloc,
-                                                          gpupool_segment_free_fn free,
-                                                          void *user,
-                                                          size_t split_alignment);
+gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
 
 /**
+ * --------------------------------------------------------------------------------------------
+ * Private pools and CUDA graphs
+ * --------------------------------------------------------------------------------------------
+ *
+ * A private pool holds memory that nothing else shares, as a CUDA graph's buffers need (PyTorch
+ * `torch.cuda.graph`, `graph_pool_handle`, `MemPool` and `use_mem_pool`): create one, route a
+ * stream's, a thread's or a filter's allocations to it between `gpupool_begin_allocate_to_pool*`
+ * and `gpupool_end_allocate_to_pool`, capture, and release it with `gpupool_release_pool` once its
+ * graphs are gone. While a stream captures, gpupool makes no call that CUDA forbids then.
+ * `gpupool_pool_create_with_allocator` takes a pool's segments from the program's own allocator
+ * (PyTorch `MemPool(allocator)`, for `ncclMemAlloc`).
+ *
+ * --------------------------------------------------------------------------------------------
+ *
  * Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
  * `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
  * process-wide, and a pool's memory is per device: made on the devices whose allocations are
@@ -1316,61 +1096,152 @@ gpupool_status gpupool_release_pool(int device, uint64_t pool);
 gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stats_t *out);
 
 /**
- * Attaches a segment observer: `observer(user, event)` is told of every segment of any device
- * that gpupool takes from the driver or gives back, and of every page range of an expandable
- * segment it maps or unmaps (PyTorch `attachAllocatorTraceTracker`; `ProcessGroupNCCL`
- * registers each segment with `ncclCommRegister` on `GPUPOOL_SEGMENT_ALLOC`/`MAP` and
- * deregisters it with `ncclCommDeregister` on `GPUPOOL_SEGMENT_FREE`/`UNMAP`).
+ * Creates a private pool whose segments come from `alloc` and go back through `free` instead
+ * of `cuMemAlloc` and `cuMemFree`, and writes its id to `*pool` (the C equivalent of
+ * `torch.cuda.MemPool(allocator)`; with `ncclMemAlloc`/`ncclMemFree`, the pool's buffers can
+ * be registered for NVLink SHARP). Everything else is a private pool's
+ * (`gpupool_pool_create`): allocations reach it through the routes
+ * (`gpupool_begin_allocate_to_pool` and its variants), are cached, split and reused as any,
+ * count in the statistics (reserved bytes and the memory fraction included), and
+ * `gpupool_release_pool` gives its segments back through `free`.
  *
- * - When: `GPUPOOL_SEGMENT_ALLOC` and `GPUPOOL_SEGMENT_MAP` after the driver call, on the
- *   thread of the `gpupool_malloc` that grew, with no lock of gpupool's held, before that
- *   malloc returns; `GPUPOOL_SEGMENT_FREE` and `GPUPOOL_SEGMENT_UNMAP` before the driver call
- *   (the memory is still valid), on the thread of the call that gives it back
- *   (`gpupool_empty_cache`, a malloc that releases cache, `gpupool_release_pool`, the free of a
- *   released pool's last block: docs/observers.md lists them), with that stream's pools
- *   locked, as PyTorch calls its trace tracker under its allocator's mutex. Every observer sees a range added before it is taken away.
- * - What: for each observer, bytes added minus bytes taken away equals the reserved bytes
- *   (`gpupool_stats`' `reserved_bytes`) of the segments made since its attach, whenever no
- *   call is under way. Segments that existed before the attach are not told.
- * - The observer may call CUDA and NCCL. It must not call gpupool: a `gpupool_malloc` from it
- *   that needs a new segment fails with `GPUPOOL_ERROR_INVALID_VALUE`, and a call on the
- *   stream of a FREE or UNMAP event would wait forever for the lock held. It must return (no
- *   `longjmp`), and a C++ observer must catch its exceptions.
- * - `user`: any pointer, passed back; gpupool never reads it. It must stay usable, from any
- *   thread, until `gpupool_detach_segment_observer` returns.
+ * - `alloc(user, bytes, device, stream, &ptr)` is called for each new segment (2 MiB, 20 MiB
+ *   or a large request rounded to 2 MiB, as PyTorch sizes segments); nonzero means out of
+ *   memory: the cache of that stream's pool is released and the allocation retried, then the
+ *   out-of-memory observers run and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns.
+ * - `free(user, ptr, bytes, device, stream)` is called once for each segment `alloc` gave, when
+ *   gpupool gives it back (`gpupool_empty_cache`, `gpupool_release_pool`).
+ * - Both run on the calling thread with the stream's pool locked: they must not call gpupool
+ *   (they may call CUDA and NCCL), and must return. Segment observers see these segments too.
+ * - `user`: passed back as it is; it must stay usable for as long as the pool holds memory.
  *
- * With no observer attached, the calls that make or give back segments pay one relaxed load;
- * a cached malloc and free make none, and pay nothing.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this pair attached already);
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`);
  * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
- *
- * Thread-safe: attach and detach from any thread while others allocate.
- *
- * # Safety
- * `observer` must be NULL or a function of the signature of `gpupool_segment_observer_fn`,
- * safe to call with `user` from any thread until it is detached.
- */
-gpupool_status gpupool_attach_segment_observer(gpupool_segment_observer_fn observer,
-                                               void *user);
-
-/**
- * Detaches the segment observer attached with this `observer` and `user`. Called from outside
- * any segment observer, it returns once no call of it is under way on any thread, and none
- * starts after: `user` may then be freed. Called from inside one, it returns at once. The
- * caller must not hold a lock that the observer takes.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no segment observer is attached with this pair
- * (NULL `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
  *
  * Thread-safe.
  *
  * # Safety
- * Any values are safe: they are only compared with those attached.
+ * `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
+ * be NULL or functions of those signatures, safe to call with `user` from any thread.
  */
-gpupool_status gpupool_detach_segment_observer(gpupool_segment_observer_fn observer, void *user);
+gpupool_status gpupool_pool_create_with_allocator(uint64_t *pool,
+                                                  gpupool_segment_alloc_fn alloc,
+                                                  gpupool_segment_free_fn free,
+                                                  void *user);
 
 /**
+ * `gpupool_pool_create_with_allocator` whose blocks are never split below `split_alignment`
+ * bytes: every request routed to the pool is rounded up to a multiple of it, and so is every
+ * segment asked of `alloc`, so that each block starts at a multiple of it from the start of
+ * its segment. For NVLink SHARP, pass the multicast granularity
+ * (`cuMulticastGetGranularity`) and an `alloc` over `ncclMemAlloc`, whose segments start at
+ * such a multiple. 0 behaves as `gpupool_pool_create_with_allocator`. gpupool's own:
+ * `torch.cuda.MemPool(allocator)` takes no alignment. The bytes a request is rounded up by
+ * count as allocated (as PyTorch counts its own rounding), not as requested.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `pool`, `alloc` or `free`; an alignment that is
+ * not a multiple of 512 bytes, or is over 1 TiB; a request that overflows when rounded, at
+ * malloc); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * As for `gpupool_pool_create_with_allocator`.
+ */
+gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
+                                                          gpupool_segment_alloc_fn alloc,
+                                                          gpupool_segment_free_fn free,
+                                                          void *user,
+                                                          size_t split_alignment);
+
+/**
+ * --------------------------------------------------------------------------------------------
+ * Expandable segments and the largest allocatable request
+ * --------------------------------------------------------------------------------------------
+ *
+ * By default (`expandable_segments:True`) each stream's blocks are carved from address ranges that
+ * map physical pages as they grow, and unmap wholly free pages at `gpupool_empty_cache` and on out
+ * of memory, so that memory freed by one shape can serve another: pages of 2 MiB, of 20 MiB and
+ * more for requests of 20 MiB and more (`GPUPOOL_EXPANDABLE_LARGE_PAGES`,
+ * `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`, `GPUPOOL_EXPANDABLE_RECLAIM`; docs/fragmentation.md).
+ * They take no call of their own. `gpupool_largest_allocatable` says how large a request would
+ * succeed now, for sizing a KV cache or a workspace from what is left.
+ *
+ * --------------------------------------------------------------------------------------------
+ *
+ * Writes to `*bytes` the largest single request that `gpupool_malloc(ptr, size, device,
+ * stream)` would serve now, in bytes: 0 when every request (but one of 0 bytes) would fail.
+ * For sizing a KV cache or a workspace from what is left, as RMM users do with
+ * `available_device_memory` (rapidsai/rmm#813). RMM answers with `cudaMemGetInfo` alone, which
+ * counts neither the memory gpupool caches nor the memory fraction; PyTorch has no
+ * equivalent (`torch.cuda.mem_get_info` is `cudaMemGetInfo` too).
+ *
+ * - `device`: a device ordinal, or -1 for the calling thread's current device.
+ * - `stream`: the stream the request would be made on: a cached block is reused only on the
+ *   stream it was allocated on, so the answer counts this stream's cached free blocks, and
+ *   other streams' only as what release-and-retry would give back to the driver.
+ * - `bytes`: out-pointer, written only on success. Must not be NULL.
+ *
+ * The answer replays `gpupool_malloc`'s rules on a copy of the stream's blocks: the best
+ * cached fit under PyTorch's rounding and `max_split_size` rules; a new segment of
+ * PyTorch's size for the request (`get_allocation_size`: 2 MiB up to 1 MiB, 20 MiB up to 10
+ * MiB, then the request rounded up to 2 MiB), or the pages an expandable segment must map
+ * (its free pages and unmapped address space used first); what the driver has free
+ * (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`); and the same
+ * again after release-and-retry, which waits for pending `gpupool_record_stream` events and
+ * blocks freed with `free_after_device_sync`, gives back every stream's wholly free cached
+ * segments and unmaps every wholly free page. Not counted: what an out-of-memory observer
+ * would free (`gpupool_attach_oom_observer`).
+ *
+ * The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
+ * more than the device's memory. Success is not monotone in the size: with ordinary segments
+ * (`expandable_segments:False`), 15 MiB free on the driver and nothing cached, 14 MiB
+ * succeeds (a 14 MiB segment) but 5 MiB fails (it needs a 20 MiB segment); with
+ * `max_split_size`, a cached oversize block serves requests
+ * near its size only. So the answer is an upper bound on what one request gets, not a
+ * promise that every smaller request succeeds.
+ *
+ * Changes nothing: no allocation, release, synchronisation, and no statistic counts it. The
+ * device's streams are read one at a time, each under its own lock for as long as a copy of
+ * its blocks (or the sum of what it would release) takes, never two at once, so the answer
+ * can be stale as soon as it returns.
+ * Too high when, meanwhile, another thread allocates or another process or context takes
+ * device memory, or a block freed with `gpupool_record_stream` merges on its return into one
+ * at least `max_split_size` large; too low when another thread frees or releases memory,
+ * events complete after the call, or an out-of-memory observer would free memory. On a GPU
+ * the driver may also refuse a `cuMemAlloc` of all its free memory (it keeps some for
+ * itself). Answered for the device's default pools: a route to a private pool
+ * (`gpupool_begin_allocate_to_pool`) is not followed. While `stream` captures a CUDA graph,
+ * only its cached blocks count (a miss needs the driver); while a capture may be under way
+ * on the device, release-and-retry does not count (it would break the capture).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, device out of range);
+ * `GPUPOOL_ERROR_CUDA` when `cuMemGetInfo`, `cuStreamGetCaptureInfo` or `cuEventQuery`
+ * fails; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` (no driver, or in a forked child). `*bytes` is
+ * then left as it was, and so is everything else.
+ *
+ * Thread-safe; costs a driver call or two and a copy of the stream's blocks: not for the hit
+ * path.
+ *
+ * # Safety
+ * `bytes` must be NULL or point to a writable `size_t`.
+ */
+gpupool_status gpupool_largest_allocatable(int device, gpupool_stream_t stream, size_t *bytes);
+
+/**
+ * --------------------------------------------------------------------------------------------
+ * Sleep and wake
+ * --------------------------------------------------------------------------------------------
+ *
+ * A pool gives its device memory back to the driver and gets it back at the same addresses, its
+ * live blocks' contents kept in host memory meanwhile or dropped: weights, KV cache and the CUDA
+ * graphs that point into them survive without being rebuilt (vLLM's sleep mode; not in PyTorch).
+ * Memory on CUDA's virtual memory API can sleep: the default pools' expandable segments, and the
+ * pools made by `gpupool_pool_create_sleepable`. `GPUPOOL_SLEEP_*` tune the copies; docs/sleep.md
+ * has the rules.
+ *
+ * --------------------------------------------------------------------------------------------
+ *
  * Creates a private pool that may sleep and writes its id to `*pool`: as
  * `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
  * same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
@@ -1502,122 +1373,251 @@ gpupool_status gpupool_sleep_host_bytes(int device, size_t *staging, size_t *kep
 gpupool_status gpupool_sleep_release_kept(int device, uint64_t pool, size_t *released);
 
 /**
- * Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as
- * one consistent snapshot (PyTorch `torch.cuda.memory_stats`).
+ * --------------------------------------------------------------------------------------------
+ * Observers
+ * --------------------------------------------------------------------------------------------
  *
- * - `out`: caller-owned; set `out->size = sizeof(gpupool_stats_t)` first. Written only on
- *   success, and only its first `out->size` bytes.
+ * Functions the program attaches. An out-of-memory observer is called when an allocation fails,
+ * and may free memory and ask for one more attempt (PyTorch `attachOutOfMemoryObserver`, RMM's
+ * `failure_callback_resource_adaptor`). A segment observer is told of every segment gpupool takes
+ * from the driver or gives back, and of every page range it maps or unmaps (PyTorch
+ * `attachAllocatorTraceTracker`, through which NCCL registers segments). docs/observers.md.
  *
- * Peaks are exact for any sequence of calls that do not overlap in time; while several
- * threads allocate on different streams of one device at the same moment, a peak can be off,
- * above or below, by what those streams moved while it was settled (a settle visits the
- * streams one at a time, and they go on meanwhile). What a reader may
- * always rely on, concurrent or not: `current <= peak` for every statistic, and for each one
- * with pools, `max(small_pool.peak, large_pool.peak) <= all.peak <= small_pool.peak +
- * large_pool.peak`; without expandable segments, `num_device_alloc - num_device_free ==
- * segment.all.current` (each growth of an expandable segment counts as a device allocation,
- * and each address range as one segment); `allocated_bytes.all.current` and
- * `active_bytes.all.current` at most `reserved_bytes.all.current`. A stream whose first call
- * runs during the read is in the snapshot wholly or not at all. The time taken follows the
- * streams that allocated or freed since the last snapshot, not the number of streams.
+ * --------------------------------------------------------------------------------------------
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8, device out of
- * range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ * Attaches an out-of-memory observer: `observer(device, requested, stats, user)` is called
+ * when a `gpupool_malloc` (or PyTorch hook) fails for lack of memory on any device, after
+ * gpupool released its cache and retried, before `GPUPOOL_ERROR_OUT_OF_MEMORY` returns
+ * (PyTorch `attachOutOfMemoryObserver`, which calls its observers at the same point).
  *
- * Thread-safe; briefly takes every lock of the device.
+ * - Several observers may be attached; they are called in the order attached, each once
+ *   per failed request.
+ * - An observer may free memory and call `gpupool_oom_retry` to ask for one more attempt:
+ *   once every observer has run, if any asked, the allocation is tried once more (from the
+ *   cache, a new segment, release-and-retry); if that fails too, the observers are not
+ *   called again and `GPUPOOL_ERROR_OUT_OF_MEMORY` returns, its message read after the last
+ *   attempt. A request made from inside an observer that fails calls no observer.
+ * - `num_ooms` counts the request once, before the observers run (as PyTorch counts), even
+ *   when a retry then serves it.
+ * - `user`: any pointer, passed back to `observer`; gpupool never reads it. It must stay
+ *   usable by `observer`, from any thread, until `gpupool_detach_oom_observer` returns.
  *
- * # Safety
- * `out` must be NULL or point to writable storage of at least `out->size` bytes.
- */
-gpupool_status gpupool_stats(int device, struct gpupool_stats_t *out);
-
-/**
- * Writes to `*settles` how many calls on `device` (-1: the calling thread's current device)
- * settled its peak statistics since the library started: a diagnostic of what exact peaks
- * cost, gpupool's own (PyTorch keeps its statistics under one device lock and needs none).
+ * Nothing of this runs unless a request failed: an attached observer costs the hit path
+ * nothing.
  *
- * Each stream keeps credit towards the device's peaks; a call that goes past its stream's
- * credit borrows from the device's spare credit, and only when that cannot cover it (a new
- * peak, or the credit held by other streams) settles: it visits, one at a time, the streams
- * that moved since the last settle, each for a moment under its lock. A steady workload
- * settles a few times per 10,000 calls or less; `examples/c/thread_scaling.c` prints the
- * rate. `gpupool_stats`, `gpupool_reset_peak_stats` and `gpupool_empty_cache` settle too and
- * are not counted.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this `observer` with this
+ * `user` attached already: the pair names the observer for the detach);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `settles`, device out of range; nothing
- * written); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
- *
- * Thread-safe; takes no lock (the count is one atomic, read as it is).
+ * Thread-safe: attach and detach from any thread while others allocate.
  *
  * # Safety
- * `settles` must be NULL or point to a writable `int64_t`.
+ * `observer` must be NULL or a function of the signature of `gpupool_oom_observer_fn`, safe
+ * to call with `user` from any thread until it is detached.
  */
-gpupool_status gpupool_peak_settles(int device, int64_t *settles);
+gpupool_status gpupool_attach_oom_observer(gpupool_oom_observer_fn observer, void *user);
 
 /**
- * Sets every peak of `device` (-1: current) to its current value (PyTorch
- * `torch.cuda.reset_peak_memory_stats`).
+ * Detaches the observer attached with this `observer` and `user`. Called from outside any
+ * observer, it returns once no call of it is under way on any thread, and none starts after:
+ * `user` may then be freed. Called from inside an observer (its own or another's), it
+ * returns at once, and a call on another thread may still be running. While it waits it holds
+ * no lock of gpupool's; the caller must not hold one that the observer takes either (a mutex
+ * of its own), or the two would wait for each other.
  *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
- */
-gpupool_status gpupool_reset_peak_stats(int device);
-
-/**
- * Writes a text table of `device`'s statistics (-1: current), with the rows and columns of
- * `torch.cuda.memory_summary()`: allocated, active, requested, reserved and non-releasable
- * memory, and the counts, each per pool, with current, peak, total allocated and total freed.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no observer is attached with this pair (NULL
+ * `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
  *
- * - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
- * - `needed`: if not NULL, receives the bytes the text needs, NUL included.
- *
- * snprintf's two-call idiom: call with `buf` NULL (or a buffer that may be too small), allocate
- * `*needed` bytes, call again. With a buffer of at least `*needed` bytes: writes the
- * NUL-terminated text and `*needed`, and succeeds. With a buffer too small: writes `*needed`,
- * leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`; this (and the same in
- * `gpupool_config_string`) is the exception to "outputs are written only on success". The table can grow between two calls
- * (a new digit); allocate a little more than asked, or call again while the error persists.
- *
- * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
- * message gives the size needed; device out of range, nothing written);
- * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+ * Thread-safe.
  *
  * # Safety
- * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
+ * Any values are safe: they are only compared with those attached.
  */
-gpupool_status gpupool_memory_summary(int device,
-                                      char *buf,
-                                      size_t len,
-                                      size_t *needed);
+gpupool_status gpupool_detach_oom_observer(gpupool_oom_observer_fn observer, void *user);
 
 /**
- * The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
- * `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
- * was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends
- * with "...".
+ * Called from inside an out-of-memory observer, asks for one more attempt at the allocation
+ * that failed, once every observer has run (RMM's `failure_callback_resource_adaptor` asks
+ * the same by its callback's return value). Call it after freeing memory the request may use:
+ * the attempt is made once, whatever the number of observers that asked.
  *
- * Ownership: the string belongs to gpupool and stays valid until the next failing gpupool
- * call on the same thread, or the thread's exit; copy it to keep it. Thread-safe: each
- * thread has its own, which costs no allocation and no exit handler, so gpupool may be
- * called from any thread at any time, including from pthread-key destructors.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the calling thread is not running an
+ * out-of-memory observer (the request belongs to the thread that failed); nothing changes.
+ *
+ * Thread-safe: it reads and writes the calling thread's state only.
  */
-const char *gpupool_last_error_message(void);
+gpupool_status gpupool_oom_retry(void);
 
 /**
- * A short description of a status ("success", "out of memory", ...), for any value:
- * an unknown value gives "unknown gpupool_status". Takes a plain `uint32_t`, so a value
- * outside the enum is not undefined behaviour.
+ * Attaches a segment observer: `observer(user, event)` is told of every segment of any device
+ * that gpupool takes from the driver or gives back, and of every page range of an expandable
+ * segment it maps or unmaps (PyTorch `attachAllocatorTraceTracker`; `ProcessGroupNCCL`
+ * registers each segment with `ncclCommRegister` on `GPUPOOL_SEGMENT_ALLOC`/`MAP` and
+ * deregisters it with `ncclCommDeregister` on `GPUPOOL_SEGMENT_FREE`/`UNMAP`).
  *
- * Ownership: a static string; never free it. Thread-safe.
+ * - When: `GPUPOOL_SEGMENT_ALLOC` and `GPUPOOL_SEGMENT_MAP` after the driver call, on the
+ *   thread of the `gpupool_malloc` that grew, with no lock of gpupool's held, before that
+ *   malloc returns; `GPUPOOL_SEGMENT_FREE` and `GPUPOOL_SEGMENT_UNMAP` before the driver call
+ *   (the memory is still valid), on the thread of the call that gives it back
+ *   (`gpupool_empty_cache`, a malloc that releases cache, `gpupool_release_pool`, the free of a
+ *   released pool's last block: docs/observers.md lists them), with that stream's pools
+ *   locked, as PyTorch calls its trace tracker under its allocator's mutex. Every observer sees a range added before it is taken away.
+ * - What: for each observer, bytes added minus bytes taken away equals the reserved bytes
+ *   (`gpupool_stats`' `reserved_bytes`) of the segments made since its attach, whenever no
+ *   call is under way. Segments that existed before the attach are not told.
+ * - The observer may call CUDA and NCCL. It must not call gpupool: a `gpupool_malloc` from it
+ *   that needs a new segment fails with `GPUPOOL_ERROR_INVALID_VALUE`, and a call on the
+ *   stream of a FREE or UNMAP event would wait forever for the lock held. It must return (no
+ *   `longjmp`), and a C++ observer must catch its exceptions.
+ * - `user`: any pointer, passed back; gpupool never reads it. It must stay usable, from any
+ *   thread, until `gpupool_detach_segment_observer` returns.
+ *
+ * With no observer attached, the calls that make or give back segments pay one relaxed load;
+ * a cached malloc and free make none, and pay nothing.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `observer`, or this pair attached already);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe: attach and detach from any thread while others allocate.
+ *
+ * # Safety
+ * `observer` must be NULL or a function of the signature of `gpupool_segment_observer_fn`,
+ * safe to call with `user` from any thread until it is detached.
  */
-const char *gpupool_status_string(uint32_t status);
+gpupool_status gpupool_attach_segment_observer(gpupool_segment_observer_fn observer,
+                                               void *user);
 
 /**
- * The library's version, "MAJOR.MINOR.PATCH".
+ * Detaches the segment observer attached with this `observer` and `user`. Called from outside
+ * any segment observer, it returns once no call of it is under way on any thread, and none
+ * starts after: `user` may then be freed. Called from inside one, it returns at once. The
+ * caller must not hold a lock that the observer takes.
  *
- * Ownership: a static string; never free it. Thread-safe.
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` when no segment observer is attached with this pair
+ * (NULL `observer` included); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Nothing changes on error.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * Any values are safe: they are only compared with those attached.
  */
-const char *gpupool_version(void);
+gpupool_status gpupool_detach_segment_observer(gpupool_segment_observer_fn observer, void *user);
+
+/**
+ * --------------------------------------------------------------------------------------------
+ * History and tags
+ * --------------------------------------------------------------------------------------------
+ *
+ * The allocation history and the snapshots that PyTorch's memory viewer reads
+ * (`torch.cuda.memory._record_memory_history` and `_dump_snapshot`; `GPUPOOL_RECORD_HISTORY`
+ * records from the first call). Tags say which part of the engine holds the memory: a thread
+ * pushes a name, and every block it allocates until the matching pop carries it, in the per-tag
+ * statistics, the snapshot, the live report (`GPUPOOL_LIVE_REPORT_AT_EXIT`) and the out-of-memory
+ * message.
+ *
+ * --------------------------------------------------------------------------------------------
+ *
+ * Starts, changes or stops recording the allocation history of every device of the
+ * process-wide allocator (PyTorch `torch.cuda.memory._record_memory_history`), for
+ * `gpupool_dump_snapshot`.
+ *
+ * - `enabled`: non-zero to record, 0 to stop and forget every trace recorded (`max_entries`
+ *   and `context` are then not read).
+ * - `max_entries`: events kept per device, the newest ones (PyTorch `max_entries`); 0 keeps
+ *   no event, only the stacks of live blocks (PyTorch `enabled="state"`). The events, with
+ *   PyTorch's names: `alloc`, `free_requested` (the caller freed the block), `free_completed`
+ *   (it went back to its pool: at once, or after the events of `gpupool_record_stream` or a
+ *   device synchronisation), `segment_alloc`, `segment_free` (`cuMemAlloc`, `cuMemFree`),
+ *   `segment_map`, `segment_unmap` (pages of expandable segments), `oom` (a request failed
+ *   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
+ *   address, the bytes (those asked for, for a block), the stream, and the time in
+ *   microseconds since the Unix epoch. About 48 bytes of host memory each.
+ * - `context`: which call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
+ *   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
+ *   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
+ *   microsecond or two of unwinding) and symbolised only by `gpupool_dump_snapshot`; each
+ *   distinct stack is kept once, for the life of the process. Frames of gpupool itself are
+ *   left out. Plus, optionally, which frames a stack holds (PyTorch's `stacks`):
+ *   `GPUPOOL_HISTORY_STACKS_PYTHON` or `GPUPOOL_HISTORY_STACKS_NATIVE`; by default the native
+ *   frames and, when the process runs CPython (3.10 or later; found at run time, gpupool does
+ *   not link it) and the calling thread has a Python thread state, its Python frames (file,
+ *   line, function; at most 128, the innermost) in place of the interpreter's evaluation
+ *   loops, as PyTorch's `stacks="all"` shows them. For those, gpupool takes the GIL
+ *   (`PyGILState_Ensure`) before any lock of its own when the thread released it, as PyTorch
+ *   does; names are read by `gpupool_dump_snapshot`, which takes the GIL too. A thread Python
+ *   never saw (a C++ engine's) gets none and Python is not called.
+ *
+ * Calling it again changes the settings: a trace keeps its newest events up to the new
+ * `max_entries`. When stacks stop being kept (`enabled` 0, or `context` below
+ * `GPUPOOL_HISTORY_CONTEXT_STATE`) the live blocks forget theirs too; with `enabled` 0, the
+ * references to Python code objects that stacks hold are given back (under the GIL; left when
+ * Python is finalised), the frames keeping their names. The environment variable
+ * `GPUPOOL_RECORD_HISTORY=<max_entries>[:<context>[:<stacks>]]` (`none`, `state`, `alloc`,
+ * `all`, default `all`; `all`, `python`, `native`, default `all`) turns recording on from the
+ * start, when the process-wide allocator starts.
+ *
+ * Cost: off, one relaxed atomic load on each allocation and free. On, see docs/history.md (the
+ * table of what it costs): an event without a stack costs tens of nanoseconds, a stack
+ * microseconds.
+ *
+ * Errors, each changing nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a `context` other than a
+ * level (0 to 3) plus at most one `GPUPOOL_HISTORY_STACKS_` value (the message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator cannot start (or in
+ * a process forked from one that used gpupool).
+ *
+ * Thread-safe; allocations made on other threads during the call are recorded with the old
+ * settings or the new ones. Starts the process-wide allocator if no call did yet, but no
+ * device.
+ */
+gpupool_status gpupool_record_history(int enabled,
+                                      size_t max_entries,
+                                      uint32_t context);
+
+/**
+ * Writes a snapshot of the process-wide allocator to the file at `path`, in the format of
+ * PyTorch's `torch.cuda.memory._dump_snapshot` (the pickle of `torch.cuda.memory._snapshot()`),
+ * which PyTorch's viewer renders: `python3 -m torch.cuda._memory_viz trace_plot FILE -o
+ * trace.html` (memory over time, from the trace) or `segment_plot` (segments and blocks at each
+ * event), or the file dropped on the memory_viz page.
+ *
+ * The file holds a dict: `segments`, every segment of every device in use (`device`,
+ * `address`, `total_size`, `stream`, `segment_type` `"large"`/`"small"`, `segment_pool_id`
+ * (0, 0), `allocated_size`, `active_size`, `requested_size`, `is_expandable`, `frames`, and
+ * `blocks`, which tile it in address order: `address`, `size`, `requested_size`, `state`
+ * (`active_allocated`, `active_pending_free` for a freed block awaiting events or a device
+ * synchronisation, `inactive`) and `frames`); an expandable segment shows as one segment per
+ * run of mapped pages, as PyTorch shows it; a segment of a sleeping pool (`gpupool_sleep`) shows
+ * as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
+ * (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
+ * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
+ * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
+ * `allocator_settings`, the configuration (PyTorch's
+ * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
+ *
+ * With history on, each device's trace ends with the `snapshot` event this call records.
+ * Each device is read with all its streams locked, as one consistent state (allocations on
+ * it wait meanwhile); stacks are symbolised afterwards, reading the debug information of the
+ * libraries they pass through (seconds, the first time). Works with history off too: the
+ * segments, no events, no stacks. Pickle protocol 4, as `_dump_snapshot`'s `pickle.dump`
+ * writes it, with the opcodes CPython's pickler uses; each distinct string, frame and stack's
+ * list of frames is written once and referred back to through the pickle's memo, so that the
+ * events and blocks of one stack share one list (as objects, once CPython's `pickle` loads it),
+ * and the file is about 40 bytes an event whatever the stacks' depth. Written 64 KiB at a time
+ * (a pickle frame).
+ *
+ * - `path`: a NUL-terminated path, read during the call only; the file is created or
+ *   replaced.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL `path`, or when the file cannot be
+ * created (no snapshot is taken then) or written (what was written stays); the message has
+ * the path and the system's error. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator
+ * cannot start.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `path` must be NULL or point to a NUL-terminated string.
+ */
+gpupool_status gpupool_dump_snapshot(const char *path);
 
 /**
  * Pushes the tag `name` on the calling thread's stack of tags: every block this thread
@@ -1729,6 +1729,146 @@ gpupool_status gpupool_for_each_tag(gpupool_tag_fn fn, void *user);
  * `user`.
  */
 gpupool_status gpupool_live_report(int device, gpupool_output_fn out, void *user);
+
+/**
+ * --------------------------------------------------------------------------------------------
+ * Pinned host memory
+ * --------------------------------------------------------------------------------------------
+ *
+ * PyTorch's caching host allocator (`CachingHostAllocator`, what `pin_memory()` uses): page-locked
+ * host memory for asynchronous copies between host and device, cached by size class; a freed block
+ * is reused once the events recorded for it (`gpupool_host_record_event`) have completed.
+ * `GPUPOOL_CONF`'s `pinned_*` keys configure it; `gpupool_host_stats` is
+ * `torch.cuda.host_memory_stats()`.
+ *
+ * --------------------------------------------------------------------------------------------
+ *
+ * Allocates at least `size` bytes of pinned (page-locked) host memory from gpupool's cache
+ * (PyTorch `CachingHostAllocator`'s `allocate`, what `pin_memory()` uses): copies between it
+ * and the device are asynchronous DMA. Use it to stage inputs and outputs.
+ *
+ * - `ptr`: out-pointer, written only on success. Must not be NULL.
+ * - `size`: bytes, rounded up to its size class: up to 1 MiB a power of two (PyTorch's
+ *   rule); above, a multiple of a 32nd of the power of two below it, so that a block holds
+ *   less than 1/32 more than asked for (PyTorch pins up to twice: 20.4 GiB pins 32 GiB, here
+ *   20.5 GiB). Each class has its own cache and a block is never split; when its class has no
+ *   free block, a cached block of a larger class at most 5% over `size` is taken before new
+ *   memory is pinned. 0 gives `*ptr = NULL` and success, as PyTorch.
+ *
+ * A cached block of the class is taken if one is free (its events, if any, completed);
+ * otherwise new memory is pinned with `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)`, or with
+ * `malloc` and `cuMemHostRegister` under `GPUPOOL_CONF=pinned_use_cuda_host_register:True`,
+ * which takes milliseconds. The memory is portable: usable with every device and context.
+ * It is not initialised. The caller owns the block until `gpupool_host_free`.
+ *
+ * A cache hit takes one lock that only the calling thread's group uses and makes no driver
+ * call, unless freed blocks' events are pending (then it polls them, never blocking).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `ptr`; `size` over 2^63 bytes);
+ * `GPUPOOL_ERROR_OUT_OF_MEMORY` (the host cannot pin more; gpupool does not release its cache
+ * and retry, as PyTorch does not: call `gpupool_host_empty_cache`); `GPUPOOL_ERROR_CUDA`;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `ptr` must be NULL or point to writable storage for one `void *`.
+ */
+gpupool_status gpupool_host_malloc(void **ptr, size_t size);
+
+/**
+ * Gives a block from `gpupool_host_malloc` back to gpupool's cache (PyTorch
+ * `CachingHostAllocator`'s `free`). Without `gpupool_host_record_event` it is reused by the
+ * next allocation of its size at once; otherwise gpupool records an event on each stream
+ * named and reuses the block only once all have completed (polled at later allocations,
+ * never waited for). Never blocks; the memory stays pinned until `gpupool_host_empty_cache`.
+ *
+ * - `ptr`: as returned by `gpupool_host_malloc`. NULL is a no-op.
+ *
+ * Copies queued on a stream that was not named by `gpupool_host_record_event` are not waited
+ * for: name every stream that reads or writes the block before freeing it.
+ *
+ * If an event cannot be created or recorded, gpupool synchronises that stream's device
+ * instead (PyTorch's free fails there); if even that fails, the free still succeeds and the
+ * block waits for `gpupool_host_empty_cache`, which synchronises that device first.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_POINTER` for a pointer gpupool did not pin, a pointer inside
+ * a block, or a block already freed; nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe: a block may be freed by another thread than the one that allocated it.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+gpupool_status gpupool_host_free(void *ptr);
+
+/**
+ * Says that the pinned block at `ptr` is used by work queued on `stream` (a copy from or to
+ * it), so that after `gpupool_host_free` it is not reused until that work, as queued at the
+ * time of the free, has completed (PyTorch `CachingHostAllocator_recordEvent`, which
+ * `Tensor.copy_(non_blocking=True)` calls). Naming a stream twice counts once.
+ *
+ * - `ptr`: as returned by `gpupool_host_malloc` and not yet freed. NULL is a no-op.
+ * - `stream`: any stream (`cudaStream_t`/`CUstream`; NULL is the legacy default stream).
+ *   Its device is found now, from the stream's context (`cuStreamGetCtx`); NULL,
+ *   `cudaStreamLegacy` and `cudaStreamPerThread` belong to the calling thread's current
+ *   device, as the runtime resolves them. The event is created in that device's primary
+ *   context: a stream of a context the program created itself (`cuCtxCreate`) makes the free
+ *   fall back to a device synchronisation.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_POINTER` when `ptr` is not the start of an allocated block;
+ * `GPUPOOL_ERROR_CUDA` when the stream's context cannot be found (a destroyed stream);
+ * nothing changes. `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; calling it for a block while another thread frees that block is the caller's
+ * error (PyTorch asserts): the event may then be missed.
+ *
+ * # Safety
+ * `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
+ */
+gpupool_status gpupool_host_record_event(void *ptr, gpupool_stream_t stream);
+
+/**
+ * Releases every cached free pinned block (`cuMemFreeHost`, or `cuMemHostUnregister` and
+ * `free`), after polling the events of freed blocks (PyTorch
+ * `torch._C._host_emptyCache`), and destroys the events kept for reuse. Blocks in use, or
+ * whose events have not completed, stay; so do the blocks of
+ * `pinned_reserve_segment_size_mb`'s segment, which is never released.
+ *
+ * Errors: `GPUPOOL_ERROR_CUDA` when a release or an event query fails (what was released
+ * before stays released; a block that could not be released stays cached);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; may block while it synchronises a device for blocks that wait for one.
+ */
+gpupool_status gpupool_host_empty_cache(void);
+
+/**
+ * Reads the pinned host memory statistics into `*out` (PyTorch
+ * `torch.cuda.host_memory_stats()`).
+ *
+ * - `out`: caller-owned; set `out->size = sizeof(gpupool_host_stats_t)` first
+ *   (`gpupool_host_stats_t s = GPUPOOL_HOST_STATS_INIT;`). Written only on success, and only
+ *   its first `out->size` bytes.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `out`, `out->size` under 8);
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe; the figures are of one moment: it holds every lock of the host allocator at
+ * once, briefly (pinned allocations on other threads wait for the copy).
+ *
+ * # Safety
+ * `out` must be NULL or point to writable storage of at least `out->size` bytes.
+ */
+gpupool_status gpupool_host_stats(struct gpupool_host_stats_t *out);
+
+/**
+ * Sets the peaks of the pinned host memory statistics to their current values, and clears
+ * the longest and shortest durations (PyTorch `torch.cuda.reset_peak_host_memory_stats()`).
+ *
+ * Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
+ */
+gpupool_status gpupool_host_reset_peak_stats(void);
 
 #ifdef __cplusplus
 }  // extern "C"

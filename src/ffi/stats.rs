@@ -173,6 +173,18 @@ impl From<&DeviceStats> for gpupool_stats_t {
 
 const HEADER: usize = 8;
 
+/// --------------------------------------------------------------------------------------------
+/// Statistics and the memory summary
+/// --------------------------------------------------------------------------------------------
+///
+/// What the cache holds, in PyTorch's terms: `gpupool_stats` fills a `gpupool_stats_t` with the
+/// figures of `torch.cuda.memory_stats()` (set its `size` first: `GPUPOOL_STATS_INIT` does),
+/// `gpupool_reset_peak_stats` starts the peaks afresh, and `gpupool_memory_summary` writes the
+/// table of `torch.cuda.memory_summary()`. One private pool's figures: `gpupool_pool_stats`; pinned
+/// host memory's: `gpupool_host_stats`; one tag's: `gpupool_tag_stats`.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as
 /// one consistent snapshot (PyTorch `torch.cuda.memory_stats`).
 ///
