@@ -1,8 +1,13 @@
 //! The C headers read as a manual (issue 38), held by tests: `gpupool.h` reads in sections,
-//! each opened by a banner and a paragraph, in the order of [`SECTIONS`]. Reads files only;
-//! needs no device.
+//! each opened by a banner and a paragraph, in the order of [`SECTIONS`]; and its opening
+//! overview names every header and every section, and lists every `GPUPOOL_*` variable as
+//! `gpupool::config::options_c_comment` writes it from the options table.
+//!
+//! The list lives in cbindgen.toml's `header`, from which cbindgen copies it; when the table
+//! changes, `GPUPOOL_BLESS=1 cargo test --test header` writes the new list into cbindgen.toml
+//! and include/gpupool.h (what `.ci/run headers` would write). Reads files only; needs no device.
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -94,6 +99,17 @@ const SECTIONS: &[(&str, &[&str])] = &[
 /// A banner's rule: a line of dashes, as the doc comments hold it after cbindgen's ` * `.
 fn rule() -> String {
     format!(" * {}", "-".repeat(92))
+}
+
+fn headers() -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = fs::read_dir(Path::new(ROOT).join("include"))
+        .expect("include/ exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "h"))
+        .collect();
+    found.sort();
+    assert!(found.len() >= 5, "include/ holds the headers: {found:?}");
+    found
 }
 
 fn read(path: &Path) -> String {
@@ -313,4 +329,69 @@ fn gpupool_h_reads_in_sections_each_with_a_banner_and_a_paragraph() {
          (a section opens with a banner in the doc comment of its first function; src/ffi/mod.rs declares \
          the modules in the header's order)"
     );
+}
+
+/// The opening comment of gpupool.h: what comes before the include guard.
+fn overview(text: &str) -> &str {
+    &text[..text.find("#ifndef GPUPOOL_H").expect("gpupool.h has its include guard")]
+}
+
+#[test]
+fn the_overview_names_every_header_and_every_section() {
+    let text = read(&Path::new(ROOT).join("include/gpupool.h"));
+    let overview = overview(&text);
+    for path in headers() {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        assert!(overview.contains(name), "gpupool.h's opening comment must name {name}");
+    }
+    let mut at = 0;
+    for (title, _) in SECTIONS {
+        let found = overview[at..].find(title).map(|i| at + i);
+        at = found.unwrap_or_else(|| panic!("gpupool.h's opening comment must name the section {title:?}, in order"));
+    }
+}
+
+/// `text` with its list of variables (the lines from the first ` * - GPUPOOL_` item through its
+/// last continuation line) replaced by `list`.
+fn with_list(text: &str, list: &str) -> String {
+    let start = text.find(" * - GPUPOOL_").expect("the list of variables is there");
+    let mut end = start;
+    for line in text[start..].split_inclusive('\n') {
+        if !(line.starts_with(" * - ") || line.starts_with(" *   ")) {
+            break;
+        }
+        end += line.len();
+    }
+    format!("{}{list}{}", &text[..start], &text[end..])
+}
+
+#[test]
+fn the_overview_lists_every_variable_of_the_options_table() {
+    let list = gpupool::config::options_c_comment();
+    for opt in &gpupool::config::OPTIONS {
+        assert!(list.contains(&format!(" * - {} (", opt.name)), "{} is listed", opt.name);
+    }
+    // cbindgen.toml's header is a literal string: cbindgen copies the list as it is written.
+    assert!(!list.contains("'''"), "the list must not end cbindgen.toml's literal string");
+    for file in ["cbindgen.toml", "include/gpupool.h"] {
+        let path = Path::new(ROOT).join(file);
+        let text = read(&path);
+        if std::env::var_os("GPUPOOL_BLESS").is_some() {
+            fs::write(&path, with_list(&text, &list)).unwrap();
+            continue;
+        }
+        let held = if file.ends_with(".h") { overview(&text) } else { &text };
+        assert!(
+            held.contains(&list),
+            "{file} must hold the list of variables that gpupool::config::options_c_comment writes from \
+             src/config/options.rs; `GPUPOOL_BLESS=1 cargo test --test header` writes it:\n{list}"
+        );
+    }
+}
+
+#[test]
+fn with_list_replaces_the_list_and_nothing_else() {
+    let text = "/*\n * Environment:\n * - GPUPOOL_A (x): y\n *   z\n * - GPUPOOL_B (x): y\n */\nrest\n";
+    let list = " * - GPUPOOL_C (x): w\n";
+    assert_eq!(with_list(text, list), "/*\n * Environment:\n * - GPUPOOL_C (x): w\n */\nrest\n");
 }
