@@ -315,9 +315,21 @@ typedef struct CUstream_st *gpupool_stream_t;
  * (`freed`). Bytes for the `*_bytes` statistics, counts for the others.
  */
 typedef struct gpupool_stat_t {
+  /**
+   * The value now.
+   */
   int64_t current;
+  /**
+   * The highest value since the last `gpupool_reset_peak_stats` (or the start).
+   */
   int64_t peak;
+  /**
+   * The sum of every increase.
+   */
   int64_t allocated;
+  /**
+   * The sum of every decrease.
+   */
   int64_t freed;
 } gpupool_stat_t;
 
@@ -327,8 +339,17 @@ typedef struct gpupool_stat_t {
  * at most 1 MiB.
  */
 typedef struct gpupool_stat_array_t {
+  /**
+   * Both pools together.
+   */
   struct gpupool_stat_t all;
+  /**
+   * The small pool's (blocks of at most 1 MiB).
+   */
   struct gpupool_stat_t small_pool;
+  /**
+   * The large pool's (blocks over 1 MiB).
+   */
   struct gpupool_stat_t large_pool;
 } gpupool_stat_array_t;
 
@@ -572,9 +593,21 @@ typedef void (*gpupool_output_fn)(const char *text, void *user);
  * `total`, the longest (`max`) and the shortest (`min`, 0 before the first call).
  */
 typedef struct gpupool_duration_stat_t {
+  /**
+   * Calls timed.
+   */
   int64_t count;
+  /**
+   * Their durations summed, in microseconds.
+   */
   int64_t total;
+  /**
+   * The longest, in microseconds.
+   */
   int64_t max;
+  /**
+   * The shortest, in microseconds (0 before the first call).
+   */
   int64_t min;
 } gpupool_duration_stat_t;
 
@@ -1982,6 +2015,9 @@ static inline gpupool_stats_t gpupool_stats_init(void) {
   s.size = (uint32_t)sizeof s;
   return s;
 }
+/**
+ * `gpupool_stats_init()`, as an initialiser: `gpupool_stats_t s = GPUPOOL_STATS_INIT;`.
+ */
 #define GPUPOOL_STATS_INIT gpupool_stats_init()
 #endif /* GPUPOOL_STATS_INIT */
 
@@ -1997,5 +2033,9 @@ static inline gpupool_host_stats_t gpupool_host_stats_init(void) {
   s.size = (uint32_t)sizeof s;
   return s;
 }
+/**
+ * `gpupool_host_stats_init()`, as an initialiser: `gpupool_host_stats_t s =
+ * GPUPOOL_HOST_STATS_INIT;`.
+ */
 #define GPUPOOL_HOST_STATS_INIT gpupool_host_stats_init()
 #endif /* GPUPOOL_HOST_STATS_INIT */

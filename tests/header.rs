@@ -1,4 +1,5 @@
-//! The C headers read as a manual (issue 38), held by tests: `gpupool.h` reads in sections,
+//! The C headers read as a manual (issue 38), held by tests, as rustls-ffi's `docgen` holds
+//! its header: every item of every `include/*.h` has a comment; `gpupool.h` reads in sections,
 //! each opened by a banner and a paragraph, in the order of [`SECTIONS`]; and its opening
 //! overview names every header and every section, and lists every `GPUPOOL_*` variable as
 //! `gpupool::config::options_c_comment` writes it from the options table.
@@ -288,6 +289,23 @@ fn the_item_reader_finds_every_kind_and_every_missing_comment() {
 #[should_panic(expected = "not understood")]
 fn the_item_reader_refuses_a_line_it_does_not_know() {
     items("union x_u {\n  int a;\n};\n");
+}
+
+#[test]
+fn every_item_of_every_header_has_a_comment() {
+    let mut missing = Vec::new();
+    for path in headers() {
+        let found = items(&read(&path));
+        assert!(found.iter().any(|i| i.kind == Kind::Function), "{}: no function found", path.display());
+        for item in found.iter().filter(|i| !i.documented) {
+            missing.push(format!("{}:{}: {:?} {}", path.display(), item.line, item.kind, item.name));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "undocumented items (write a doc comment on the Rust item, then `.ci/run headers`):\n{}",
+        missing.join("\n")
+    );
 }
 
 /// The banners of a header, `(title, line)`, each checked to have a paragraph.

@@ -18,9 +18,13 @@ pub const GPUPOOL_HOST_STATS_VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct gpupool_duration_stat_t {
+    /// Calls timed.
     pub count: i64,
+    /// Their durations summed, in microseconds.
     pub total: i64,
+    /// The longest, in microseconds.
     pub max: i64,
+    /// The shortest, in microseconds (0 before the first call).
     pub min: i64,
 }
 
