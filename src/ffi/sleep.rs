@@ -37,6 +37,19 @@ pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
 /// sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
 pub const GPUPOOL_SLEEP_OFFLOAD_PINNED: u32 = 3;
 
+/// --------------------------------------------------------------------------------------------
+/// Sleep and wake
+/// --------------------------------------------------------------------------------------------
+///
+/// A pool gives its device memory back to the driver and gets it back at the same addresses, its
+/// live blocks' contents kept in host memory meanwhile or dropped: weights, KV cache and the CUDA
+/// graphs that point into them survive without being rebuilt (vLLM's sleep mode; not in PyTorch).
+/// Memory on CUDA's virtual memory API can sleep: the default pools' expandable segments, and the
+/// pools made by `gpupool_pool_create_sleepable`. `GPUPOOL_SLEEP_*` tune the copies; docs/sleep.md
+/// has the rules.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Creates a private pool that may sleep and writes its id to `*pool`: as
 /// `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
 /// same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
