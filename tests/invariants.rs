@@ -374,6 +374,14 @@ enum FaultOp {
         skip: u32,
         fault: Fault,
     },
+    /// Puts the default pools to sleep with offload (`pinned` or staged), the faults cleared,
+    /// while a live block (`pick`) is freed and the cache emptied between the sleep's copies and
+    /// its unmapping (a hook at the copies' synchronisation), then wakes them: every other
+    /// block keeps its bytes.
+    SleepRace {
+        pick: usize,
+        pinned: bool,
+    },
 }
 
 fn fault_op() -> impl Strategy<Value = FaultOp> {
@@ -388,6 +396,7 @@ fn fault_op() -> impl Strategy<Value = FaultOp> {
         1 => size().prop_map(|size| FaultOp::MallocCurrent { size }),
         1 => Just(FaultOp::SetFraction),
         1 => (any::<bool>(), any::<bool>()).prop_map(|(discard, pinned)| FaultOp::SleepWake { discard, pinned }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, pinned)| FaultOp::SleepRace { pick, pinned }),
         3 => (0..SimOp::ALL.len(), 0u32..6, fault).prop_map(|(kind, skip, fault)| FaultOp::Inject { kind, skip, fault }),
     ]
 }
@@ -448,6 +457,8 @@ fn run_with_faults(
     let garbage_collection_threshold = if ops.len() % 3 == 0 { 0.5 } else { 0.0 };
     let config = Config { garbage_collection_threshold, ..case_config(ops.len(), max_split_size, expandable_segments) };
     let (a, drv) = sim_with(1, CAPACITY, config);
+    // Shared with the hooks of `SleepRace`, which call it from inside a sleep.
+    let a = std::sync::Arc::new(a);
     if history {
         record_all(&a, HistoryContext::All);
     }
@@ -499,6 +510,36 @@ fn run_with_faults(
                     for &(p, size, c) in &live {
                         stamp(p, size, c);
                     }
+                }
+            }
+            FaultOp::SleepRace { pick, pinned } => {
+                drv.clear_faults();
+                let victim = (!live.is_empty()).then(|| live.swap_remove(pick % live.len()));
+                if let Some((p, size, c)) = victim {
+                    assert!(stamped(p, size, c), "block {p:#x} was overwritten while live");
+                    let a2 = a.clone();
+                    drv.on_call(SimOp::StreamSynchronize, 0, move || {
+                        a2.free(p).unwrap();
+                        a2.empty_cache(0).unwrap();
+                    });
+                }
+                let mode = if pinned { SleepMode::OffloadPinned } else { SleepMode::Offload };
+                match a.sleep(0, 0, mode) {
+                    Ok(()) => {
+                        check(&a);
+                        a.wake(0, 0).unwrap();
+                    }
+                    // Ordinary segments (the case's configuration, or a fallback) cannot sleep.
+                    Err(Error::InvalidValue(_)) => {}
+                    Err(e) => panic!("a sleep without faults failed: {e}"),
+                }
+                check(&a);
+                // The hook runs only when the sleep copies something; otherwise the block is
+                // freed here.
+                if drv.clear_hooks() > 0
+                    && let Some((p, _, _)) = victim
+                {
+                    a.free(p).unwrap();
                 }
             }
             FaultOp::MallocCurrent { size } => {

@@ -405,7 +405,10 @@ impl ShardState {
             // The wake maps the slept pages and copies every run back: each page a run spans
             // is slept (or still mapped), or the wake fails and the copy is lost.
             for &(addr, size, _) in &s.runs {
-                let (base, e) = self.expandable_of(addr);
+                let seg = self.segments.iter().filter_map(|(&b, seg)| seg.exp.as_deref().map(|e| (b, e)));
+                let Some((base, e)) = seg.into_iter().find(|&(b, e)| addr >= b && addr - b < e.size as u64) else {
+                    return Err(format!("the copy of {addr:#x} of a sleeping pool lies in no segment of the pool"));
+                };
                 let (lo, hi) = ((addr - base) as usize, (addr - base) as usize + size);
                 if let Some(off) = (lo / e.page * e.page..hi).step_by(e.page).find(|&o| !e.is_held(o)) {
                     return Err(format!(

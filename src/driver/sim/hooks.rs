@@ -45,6 +45,11 @@ impl SimDriver {
         self.hooks.waiting.lock().len()
     }
 
+    /// Drops every hook that has not run yet; returns how many there were.
+    pub fn clear_hooks(&self) -> usize {
+        std::mem::take(&mut *self.hooks.waiting.lock()).len()
+    }
+
     /// The hook check at the start of every call of kind `op`: runs the hook whose turn has
     /// come, with no lock held.
     pub(super) fn run_hooks(&self, op: SimOp) {

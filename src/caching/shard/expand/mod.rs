@@ -170,7 +170,7 @@ impl ShardState {
     }
 
     /// The expandable segment whose range contains `addr`.
-    pub(super) fn expandable_of(&self, addr: DevicePtr) -> (DevicePtr, &Expandable) {
+    fn expandable_of(&self, addr: DevicePtr) -> (DevicePtr, &Expandable) {
         for &base in &self.expandables {
             let e = self.segments[&base].exp.as_deref().expect("listed segments are expandable");
             if addr >= base && addr - base < e.size as u64 {
