@@ -217,7 +217,8 @@ fn an_unknown_gpupool_variable_is_warned_about_once() {
     // A child process of this test binary, with an environment of its own, so that its stderr
     // holds what gpupool writes and nothing of the environment this test runs in matters.
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "unknown_variables_child", "--test-threads=1", "--nocapture"]);
+    let child = common::process::test_path(module_path!(), "unknown_variables_child");
+    cmd.args(["--exact", &child, "--test-threads=1", "--nocapture"]);
     for (name, _) in std::env::vars_os() {
         if name.to_string_lossy().starts_with("GPUPOOL_") {
             cmd.env_remove(name);

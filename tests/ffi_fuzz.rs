@@ -9,8 +9,9 @@
 //! and never past the caller's buffer, and the process allocator's invariant checker holds. A
 //! model of the live blocks checks that no two overlap and that each keeps its contents.
 //!
-//! The process allocator reads `GPUPOOL_*` once, at its first use: this binary sets them
-//! before any call and holds only this test, so no other test shares the allocator.
+//! The process allocator reads `GPUPOOL_*` once, at its first use: proptest runs the test in a
+//! process of its own (`fork`), which sets them before any call, so no other test shares the
+//! allocator.
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -37,8 +38,8 @@ const MIB: usize = 1 << 20;
 fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // SAFETY: this binary's only test calls this before any other thread of the test reads
-        // the environment, and before the process allocator starts.
+        // SAFETY: the only test of its process calls this before any other thread of the test
+        // reads the environment, and before the process allocator starts.
         unsafe {
             std::env::set_var("GPUPOOL_DRIVER", "sim");
             std::env::set_var("GPUPOOL_SIM_CAPACITY", CAPACITY);
@@ -584,7 +585,7 @@ fn cases() -> u32 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4096, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4096, fork: true, ..ProptestConfig::default() })]
 
     #[test]
     fn c_api_survives_any_sequence_of_calls(calls in proptest::collection::vec(call(), 1..400)) {

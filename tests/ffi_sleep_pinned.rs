@@ -3,10 +3,14 @@
 //! message naming the problem, nothing written; NULL out-pointers accepted where the header
 //! says so; a released pool's kept copy given back; no panic reaching the boundary.
 //!
-//! The process allocator reads `GPUPOOL_*` once: this binary holds only this test.
+//! The process allocator reads `GPUPOOL_*` once: the test runs in a process of its own
+//! (`common::process::alone`), which sets them before any call.
+
+mod common;
 
 use std::ffi::{CStr, c_void};
 
+use common::process::alone;
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
@@ -32,7 +36,10 @@ fn kept() -> usize {
 
 #[test]
 fn the_pinned_mode_through_c() {
-    // SAFETY: before any other thread of this binary reads the environment.
+    if !alone() {
+        return;
+    }
+    // SAFETY: before any other thread of this process reads the environment.
     unsafe {
         std::env::set_var("GPUPOOL_DRIVER", "sim");
         std::env::set_var("GPUPOOL_SIM_CAPACITY", "256MiB");

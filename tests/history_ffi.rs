@@ -3,11 +3,14 @@
 //! reading is tests/history.rs's), `gpupool_record_history` changing and stopping it, and the
 //! errors each documents.
 //!
-//! The process allocator reads `GPUPOOL_*` once, at its first use: this binary sets them before
-//! any call and holds only this test.
+//! The process allocator reads `GPUPOOL_*` once, at its first use: the test runs in a process of
+//! its own (`common::process::alone`), which sets them before any call.
+
+mod common;
 
 use std::ffi::{CStr, CString, c_void};
 
+use common::process::alone;
 use gpupool::ffi::history::{GPUPOOL_HISTORY_CONTEXT_NONE, gpupool_dump_snapshot, gpupool_record_history};
 use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::status::gpupool_last_error_message;
@@ -55,7 +58,10 @@ fn dump(path: &CString) -> (Vec<String>, Value) {
 
 #[test]
 fn the_c_api_records_from_the_start_dumps_and_stops() {
-    // SAFETY: this binary's only test sets the environment before the process allocator
+    if !alone() {
+        return;
+    }
+    // SAFETY: this process's only test sets the environment before the process allocator
     // starts, and before any other thread reads it.
     unsafe {
         std::env::set_var("GPUPOOL_DRIVER", "sim");

@@ -15,6 +15,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use common::process::alone;
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::{Allocator, Error};
@@ -43,7 +44,8 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// The tests of this binary one at a time, so that the heap one measures is its own.
+/// The tests of this file one at a time, each then in a process of its own (`alone`): the heap
+/// the counting allocator measures is the process's, which the binary's other tests would move.
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
@@ -84,6 +86,9 @@ fn retired(a: &Allocator, holding: usize) {
 #[test]
 fn an_oom_observer_allocating_on_new_streams_loses_no_shard() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(1, 64 * MIB, Config::pytorch());
     let a = Arc::new(a);
     let weak = Arc::downgrade(&a);
@@ -108,6 +113,9 @@ fn an_oom_observer_allocating_on_new_streams_loses_no_shard() {
 #[test]
 fn a_segment_observer_allocating_on_new_streams_loses_no_shard() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
     let a = Arc::new(a);
     let weak = Arc::downgrade(&a);
@@ -168,6 +176,9 @@ fn on_exit(a: &Arc<Allocator>, streams: &'static [usize]) {
 #[test]
 fn pthread_key_destructors_allocating_at_thread_exit_lose_no_shard() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
     let a = Arc::new(a);
     // The thread used gpupool while it ran (its cache's owner is gone when the destructor
@@ -212,6 +223,9 @@ thread_local! {
 #[test]
 fn thread_local_destructors_made_before_and_after_the_first_store_lose_no_shard() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(1, 256 * MIB, Config::pytorch());
     let a = Arc::new(a);
     let leak = leak_per_round(50, || {
@@ -234,6 +248,9 @@ fn thread_local_destructors_made_before_and_after_the_first_store_lose_no_shard(
 #[test]
 fn thousands_of_short_threads_on_many_streams_give_every_count_back() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(2, 256 * MIB, Config::pytorch());
     let leak = leak_per_round(1000, || {
         // Joined, not only waited for: its exit's destructors have run.
@@ -259,6 +276,9 @@ fn thousands_of_short_threads_on_many_streams_give_every_count_back() {
 #[test]
 fn oom_observers_allocating_on_many_streams_and_devices_under_a_nested_lend() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     let (a, _drv) = sim_with(2, 64 * MIB, Config::pytorch());
     let a = Arc::new(a);
     let weak = Arc::downgrade(&a);
@@ -320,6 +340,9 @@ fn quiet_sim_panics() {
 #[test]
 fn a_panic_through_the_lend_ends_it() {
     let _serial = serial();
+    if !alone() {
+        return;
+    }
     quiet_sim_panics();
     let (a, drv) = sim_with(1, 64 * MIB, Config::pytorch());
     let a = Arc::new(a);

@@ -10,6 +10,7 @@ mod common;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
+use common::process::alone;
 use common::{MIB, check, sim_with};
 use gpupool::config::Config;
 use gpupool::driver::sim::SimDriver;
@@ -161,10 +162,14 @@ fn every_hit_path_call_is_refused_as_a_forked_childs_first() {
     use gpupool::ffi::host::{gpupool_host_free, gpupool_host_malloc};
     use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
     use gpupool::ffi::status::gpupool_status::{GPUPOOL_ERROR_DRIVER_UNAVAILABLE as REFUSED, GPUPOOL_SUCCESS};
+    // In a process of its own: the process allocator is set up from the environment below, and
+    // the forks copy only this test's thread.
+    if !alone() {
+        return;
+    }
     static ENV: Mutex<()> = Mutex::new(());
     let _env = ENV.lock().unwrap();
-    // SAFETY: set before the process allocator starts; no other test of this binary reads the
-    // environment or uses the process allocator.
+    // SAFETY: set before the process allocator starts; no other test runs in this process.
     unsafe {
         std::env::set_var("GPUPOOL_DRIVER", "sim");
         std::env::set_var("GPUPOOL_SIM_CAPACITY", "64MiB");

@@ -5,8 +5,8 @@
 //! documents, outputs were written only on success and never past the caller's `size`, the
 //! host allocator's invariant checker holds, and no live block lost its contents.
 //!
-//! The process allocator reads `GPUPOOL_*` once: this binary sets them before any call and
-//! holds only this test.
+//! The process allocator reads `GPUPOOL_*` once: proptest runs the test in a process of its own
+//! (`fork`), which sets them before any call.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -203,10 +203,10 @@ fn run(m: &mut Model, call: &Call) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, fork: true, ..ProptestConfig::default() })]
     #[test]
     fn every_host_call_answers_as_documented(calls in prop::collection::vec(call(), 1..150)) {
-        // SAFETY: the only test of this binary sets them before its first call.
+        // SAFETY: the only test of its process sets them before its first call.
         unsafe {
             std::env::set_var("GPUPOOL_DRIVER", "sim");
             std::env::set_var("GPUPOOL_SIM_DEVICES", "2");

@@ -5,14 +5,16 @@
 //! empty the cache, threads that exit and leave their thread pointer to the next, and forked
 //! children calling every export while another thread holds a stripe's lock.
 //!
-//! The process allocator reads `GPUPOOL_*` once and is shared by the binary's tests: each test
-//! holds `SERIAL`, and leaves every block it allocated freed.
+//! The process allocator reads `GPUPOOL_*` once: each test runs in a process of its own
+//! (`common::process::alone`), where it sets them first. Each holds `SERIAL` and leaves every
+//! block it allocated freed, so that the tests stay right when they share one allocator.
 
 mod common;
 
 use std::ffi::c_void;
 use std::sync::Mutex;
 
+use common::process::alone;
 use common::xorshift;
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::host::{
@@ -27,8 +29,8 @@ use gpupool::stats::Stat;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    // SAFETY: set before any call of this binary's tests (each holds SERIAL first), to the
-    // same values.
+    // SAFETY: set before any call of the process's tests (each holds SERIAL first), to the same
+    // values.
     unsafe {
         std::env::set_var("GPUPOOL_DRIVER", "sim");
         std::env::set_var("GPUPOOL_SIM_DEVICES", "2");
@@ -89,6 +91,9 @@ fn as_stat(s: &gpupool::ffi::stats::gpupool_stat_t) -> Stat {
 
 #[test]
 fn one_threads_statistics_are_pytorchs_eager_ones_call_by_call() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     assert_eq!(gpupool_host_reset_peak_stats(), GPUPOOL_SUCCESS);
     let s0 = stats();
@@ -175,6 +180,9 @@ fn one_threads_statistics_are_pytorchs_eager_ones_call_by_call() {
 /// frees what the one before it allocated and allocates for the next.
 #[test]
 fn threads_that_exit_leave_blocks_their_successors_free_once() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     let mut left: Vec<usize> = Vec::new();
     for round in 0..200usize {
@@ -202,6 +210,9 @@ fn threads_that_exit_leave_blocks_their_successors_free_once() {
 /// until its stream's work completed.
 #[test]
 fn a_recorded_block_in_the_stack_waits_for_its_event() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     let copy = 0x7100usize;
     assert_eq!(gpupool_sim_hold_stream(copy as gpupool_stream_t), GPUPOOL_SUCCESS);
@@ -232,6 +243,9 @@ fn a_recorded_block_in_the_stack_waits_for_its_event() {
 /// one handed out twice) while another thread reads the statistics and empties the cache.
 #[test]
 fn more_threads_than_stripes_churn_and_hand_blocks_to_each_other() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     let threads = 72usize;
     let shared: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
@@ -294,6 +308,9 @@ fn more_threads_than_stripes_churn_and_hand_blocks_to_each_other() {
 /// of the parent held at the fork (churning threads hold theirs; the statistics hold all).
 #[test]
 fn a_forked_child_refuses_every_export_while_parent_threads_hold_stripe_locks() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let warm = must_malloc(4096);
@@ -364,6 +381,9 @@ fn a_forked_child_refuses_every_export_while_parent_threads_hold_stripe_locks() 
 /// freed once, its size known until then, and a second free refused.
 #[test]
 fn blocks_past_the_stack_are_freed_once_in_any_order() {
+    if !alone() {
+        return;
+    }
     let _g = serial();
     for n in 1..=17usize {
         let orders: Vec<Vec<usize>> = vec![

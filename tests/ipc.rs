@@ -7,6 +7,7 @@ mod common;
 #[path = "common/ipc.rs"]
 mod ipc;
 
+use common::process::alone;
 use common::{MIB, check};
 use gpupool::config::Config;
 use gpupool::driver::DriverError;
@@ -200,24 +201,11 @@ fn bad_handles_get_a_clear_error_and_change_nothing() {
     });
 }
 
-/// Runs the test `name` alone in a process of its own (its figures are the process's: other
-/// tests' threads would move them); true in that process, where the caller runs the test.
-fn alone(name: &str) -> bool {
-    if std::env::var_os("GPUPOOL_IPC_ALONE").is_some() {
-        return true;
-    }
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--test-threads=1", "--quiet"])
-        .env("GPUPOOL_IPC_ALONE", "1")
-        .status()
-        .unwrap();
-    assert!(status.success(), "{name} failed in its own process");
-    false
-}
-
 #[test]
 fn ten_thousand_cycles_leave_address_space_descriptors_and_memory_flat() {
-    if !alone("ten_thousand_cycles_leave_address_space_descriptors_and_memory_flat") {
+    // Alone in a process of its own: its figures are the process's, which other tests' threads
+    // would move.
+    if !alone() {
         return;
     }
     each(|a, d, name| {

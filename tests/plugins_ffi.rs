@@ -5,12 +5,16 @@
 //! devices, sizes too large and foreign pointers fail with NULL or nothing, a message, and no
 //! change to the statistics; eight threads at once account for every byte.
 //!
-//! The process allocator reads `GPUPOOL_*` once: every test calls `setup` first, and the tests
-//! share one allocator, so each checks only what its own calls change, under one lock.
+//! The process allocator reads `GPUPOOL_*` once: each test runs in a process of its own
+//! (`common::process::alone`) and calls `setup` first there. Each checks only what its own calls
+//! change, under one lock, so that the tests stay right when they share one allocator.
+
+mod common;
 
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::{Mutex, Once};
 
+use common::process::alone;
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::gpupool_empty_cache;
 use gpupool::ffi::plugins::{
@@ -55,6 +59,9 @@ fn stream(n: usize) -> *mut c_void {
 
 #[test]
 fn cupy_blocks_are_reused_on_their_stream_only() {
+    if !alone() {
+        return;
+    }
     let _serial = setup();
     let before = stats(1);
     // SAFETY (every call below): the pointers passed to free come from gpupool or are only
@@ -84,6 +91,9 @@ fn cupy_blocks_are_reused_on_their_stream_only() {
 
 #[test]
 fn cupy_failures_return_null_and_change_nothing() {
+    if !alone() {
+        return;
+    }
     let _serial = setup();
     let before = stats(0);
     // SAFETY: as above.
@@ -114,6 +124,9 @@ fn cupy_failures_return_null_and_change_nothing() {
 
 #[test]
 fn ort_allocates_for_its_stream_and_empties_the_cache() {
+    if !alone() {
+        return;
+    }
     let _serial = setup();
     // SAFETY: as above.
     unsafe {
@@ -153,6 +166,9 @@ fn ort_allocates_for_its_stream_and_empties_the_cache() {
 
 #[test]
 fn eight_threads_of_ort_and_cupy_calls_balance() {
+    if !alone() {
+        return;
+    }
     let _serial = setup();
     let before = stats(0);
     std::thread::scope(|s| {

@@ -1,7 +1,10 @@
 //! The C API of segment observers and of pools over the program's allocator on the simulated
 //! device: bad input refused with a status and a message naming it, events told with their
 //! kind, device, address, bytes and stream, nothing told after the detach, and a pool's
-//! segments from its C functions. One test: the process-wide allocator is set up once.
+//! segments from its C functions. One test, in a process of its own (`common::process::alone`):
+//! the process-wide allocator is set up once.
+
+mod common;
 
 use std::ffi::{CStr, c_void};
 use std::sync::Mutex;
@@ -9,6 +12,7 @@ use std::sync::Mutex;
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use common::process::alone;
 use gpupool::ffi::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc};
 use gpupool::ffi::pool_allocator::{gpupool_pool_create_with_allocator, gpupool_pool_create_with_allocator_aligned};
 use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
@@ -41,7 +45,10 @@ fn stream(s: usize) -> gpupool_stream_t {
 
 #[test]
 fn the_c_api_of_segment_observers_and_allocator_pools() {
-    // SAFETY: this binary's only test sets the environment before the process allocator
+    if !alone() {
+        return;
+    }
+    // SAFETY: this process's only test sets the environment before the process allocator
     // starts, and before any other thread reads it.
     unsafe {
         std::env::set_var("GPUPOOL_DRIVER", "sim");

@@ -9,14 +9,17 @@
 //! the documentation); until they exist, this file does not compile.
 //!
 //! The state is read through two diagnostics of the core, `Allocator::stream_count` and
-//! `Allocator::pool_bins`, and through the process's heap in use (glibc's `mallinfo2`). The
-//! tests of this binary run one at a time (`SERIAL`), so that the heap figures are theirs.
+//! `Allocator::pool_bins`, and through the process's heap in use (glibc's `mallinfo2`). Each
+//! test runs in a process of its own (`common::process::alone`), so that the heap figures are
+//! its own, and they run one at a time (`SERIAL`, held while the process runs), so that none
+//! slows another's timing.
 
 mod common;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::process::alone;
 use common::{check, sim};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -41,6 +44,9 @@ const STREAMS: usize = 10_000;
 #[test]
 fn ten_thousand_streams_leave_nothing_behind_after_empty_cache() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !alone() {
+        return;
+    }
     let (a, drv) = sim(1, 64 << 30);
     let before = heap_in_use();
     let mut after_round = Vec::new();
@@ -89,6 +95,9 @@ fn a_million_random_sizes_leave_no_empty_bins_after_empty_cache() {
     const OPS: usize = 1_000_000;
     const SLACK: usize = 8;
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !alone() {
+        return;
+    }
     let (a, drv) = sim(1, 64 << 30);
     let s = stream(1);
     let keeper = a.malloc(512, 0, s).unwrap();
@@ -153,6 +162,9 @@ fn rotation_cost(n: usize, pairs: usize) -> Duration {
 fn a_free_malloc_pair_costs_about_the_same_at_10_and_1000_streams() {
     const MAX_RATIO: f64 = 10.0;
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !alone() {
+        return;
+    }
     let few = rotation_cost(10, 20_000);
     let many = rotation_cost(1_000, 3_000);
     let ratio = many.as_secs_f64() / few.as_secs_f64();

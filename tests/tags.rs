@@ -357,8 +357,9 @@ fn untagged_process() {
 
 #[test]
 fn nothing_is_recorded_where_no_tag_was_pushed() {
+    let child = common::process::test_path(module_path!(), "untagged_process");
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "untagged_process", "--ignored", "--nocapture", "--test-threads=1"])
+        .args(["--exact", &child, "--ignored", "--nocapture", "--test-threads=1"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
