@@ -42,7 +42,7 @@ if rustup run nightly rustc --version >/dev/null 2>&1; then
       CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
       cargo +nightly test --release --target "$asan_target" --target-dir build/asan "$@"
   }
-  asan -p gpupool --lib --test ffi_fuzz --test host_ffi --test history_ffi --test invariants --test host --test host_hit_hostile
+  asan -p gpupool --lib --test capi --test invariants --test host
   asan -p gpupool-preload --lib
 else
   step "AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
