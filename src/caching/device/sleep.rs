@@ -284,7 +284,7 @@ impl DeviceAllocator {
         if r.is_ok() {
             // Awake: its record is gone, and one there now is a sleep another thread began
             // since, busy until that sleep settles it (settling it here let a wake run beside
-            // that sleep's copies: tests/sleep_faults.rs, two threads).
+            // that sleep's copies: tests/sleep/faults.rs, two threads).
             scopeguard::ScopeGuard::into_inner(busy);
         }
         r
@@ -357,7 +357,7 @@ impl DeviceAllocator {
         // Pinned copies go back to the pool's kept ones while it still sleeps (no driver
         // call): a sleep in another mode or a `release_pool` that begins once it is awake finds
         // them there and gives them back (given back after, one stayed pinned beside a pool
-        // asleep in another mode, or released: tests/sleep_pinned_hostile.rs).
+        // asleep in another mode, or released: tests/sleep/pinned_hostile.rs).
         for host in pinned {
             self.give_host(pool, host);
         }
