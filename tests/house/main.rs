@@ -3,6 +3,8 @@
 //! Rust source file passes 450 lines, and no two source files import each other, directly or
 //! through others; every Rust test is a module of its folder's test binary. Reads files only;
 //! needs no device.
+mod header;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! segment they did not see made (an observer attached late); `largest_allocatable` answers 0
 //! while the default pools sleep, since every unrouted malloc is refused then.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

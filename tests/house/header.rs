@@ -5,7 +5,7 @@
 //! `gpupool::config::options_c_comment` writes it from the options table.
 //!
 //! The list lives in cbindgen.toml's `header`, from which cbindgen copies it; when the table
-//! changes, `GPUPOOL_BLESS=1 cargo test --test header` writes the new list into cbindgen.toml
+//! changes, `GPUPOOL_BLESS=1 cargo test --test house header` writes the new list into cbindgen.toml
 //! and include/gpupool.h (what `.ci/run headers` would write). Reads files only; needs no device.
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -402,7 +402,7 @@ fn the_overview_lists_every_variable_of_the_options_table() {
         assert!(
             held.contains(&list),
             "{file} must hold the list of variables that gpupool::config::options_c_comment writes from \
-             src/config/options.rs; `GPUPOOL_BLESS=1 cargo test --test header` writes it:\n{list}"
+             src/config/options.rs; `GPUPOOL_BLESS=1 cargo test --test house header` writes it:\n{list}"
         );
     }
 }

@@ -4,7 +4,7 @@
 //! driver at the copies' synchronisation, so that each run hits the window; the release is
 //! each of the three that unmap free pages: `empty_cache`, another pool's out-of-memory path,
 //! and a default-pool growth under the high-water rule.
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
