@@ -18,8 +18,11 @@ and wake(pool) (docs/sleep.md).
 
 Everything here calls the C API of libgpupool.so (include/gpupool.h) through ctypes: sizes are
 bytes, devices CUDA ordinals (-1 the current device), streams cudaStream_t values (an int, or
-a framework's stream object). A failed call raises gpupool.Error (gpupool.OutOfMemoryError,
-also a MemoryError, on out of memory) with gpupool's message. Every function is thread-safe.
+a framework's stream object). Every argument is checked before the call: an integer must be an
+int (not a bool, a float or a str) in the range of its C type (a device a C int, a size a
+size_t, a pool id a uint64_t), a name or a path must hold no NUL character; otherwise
+TypeError or ValueError, and nothing is called. A failed call raises gpupool.Error
+(gpupool.OutOfMemoryError, also a MemoryError, on out of memory) with gpupool's message. Every function is thread-safe.
 The library is loaded on the first call: a gpupool the process already has (the LD_PRELOAD
 shim's), else $GPUPOOL_LIB, else the one inside this package, else the repository's build
 (gpupool.bind() chooses another before the first call).
@@ -34,7 +37,8 @@ import os
 import tempfile
 
 from . import _structs
-from ._lib import Error, OutOfMemoryError, bind, bound_path, check, find_library, lib, stream_handle, text, unsigned
+from ._lib import (Error, OutOfMemoryError, bind, bound_path, check, device as _device, find_library, lib, path as _path,
+                   real, size as _size, stream_handle, text, unsigned)
 from ._pools import Pool, pool_create, release_kept, release_pool, sleep, sleep_host_bytes, use_pool, wake
 
 __all__ = [
@@ -73,7 +77,8 @@ def malloc(size, device=-1, stream=None):
     """`size` bytes of device memory on `device` for use on `stream` (gpupool_malloc): the
     address as an int, 0 for size 0. Not initialised; give it back with free()."""
     p = ctypes.c_void_p()
-    check(lib().gpupool_malloc(ctypes.byref(p), unsigned(size, "size"), device, stream_handle(stream)), "gpupool_malloc")
+    size, device, stream = _size(size, "size"), _device(device), stream_handle(stream)
+    check(lib().gpupool_malloc(ctypes.byref(p), size, device, stream), "gpupool_malloc")
     return p.value or 0
 
 
@@ -92,20 +97,22 @@ def record_stream(ptr, stream):
 def empty_cache(device=-1):
     """Gives the cached free segments of `device` (-1: every device) back to the driver
     (gpupool_empty_cache, torch.cuda.empty_cache)."""
-    check(lib().gpupool_empty_cache(device), "gpupool_empty_cache")
+    check(lib().gpupool_empty_cache(_device(device)), "gpupool_empty_cache")
 
 
 def set_memory_fraction(fraction, device=-1):
     """Caps gpupool's reserved memory on `device` at `fraction` of its memory
-    (torch.cuda.set_per_process_memory_fraction)."""
-    check(lib().gpupool_set_memory_fraction(fraction, device), "gpupool_set_memory_fraction")
+    (torch.cuda.set_per_process_memory_fraction). `fraction`: a number from 0 to 1 (a bool is
+    refused: True is not 1.0)."""
+    check(lib().gpupool_set_memory_fraction(real(fraction, "fraction"), _device(device)),
+          "gpupool_set_memory_fraction")
 
 
 def largest_allocatable(device=-1, stream=None):
     """The largest request that would succeed on `device` and `stream` now, in bytes
     (gpupool_largest_allocatable); an upper bound, stale as soon as it returns."""
     n = ctypes.c_size_t(0)
-    check(lib().gpupool_largest_allocatable(device, stream_handle(stream), ctypes.byref(n)),
+    check(lib().gpupool_largest_allocatable(_device(device), stream_handle(stream), ctypes.byref(n)),
           "gpupool_largest_allocatable")
     return n.value
 
@@ -115,7 +122,7 @@ def stats(device=0):
     ('allocated_bytes.all.current', 'reserved_bytes.all.peak', 'num_ooms', ...), bytes and
     counts, plus gpupool's 'unmapped_held_bytes.*' and 'sleeping_bytes.*'."""
     s = _structs.sized(_structs.Stats)
-    check(lib().gpupool_stats(device, ctypes.byref(s)), "gpupool_stats")
+    check(lib().gpupool_stats(_device(device), ctypes.byref(s)), "gpupool_stats")
     return _structs.flat_stats(s)
 
 
@@ -123,13 +130,13 @@ def pool_stats(pool, device=0):
     """The statistics of gpupool private pool `pool` (an id from gpupool_pool_create), as
     stats() gives them."""
     s = _structs.sized(_structs.Stats)
-    check(lib().gpupool_pool_stats(device, unsigned(pool, "pool"), ctypes.byref(s)), "gpupool_pool_stats")
+    check(lib().gpupool_pool_stats(_device(device), unsigned(pool, "pool"), ctypes.byref(s)), "gpupool_pool_stats")
     return _structs.flat_stats(s)
 
 
 def reset_peak_stats(device=0):
     """Sets every peak of `device` to its current value (torch.cuda.reset_peak_memory_stats)."""
-    check(lib().gpupool_reset_peak_stats(device), "gpupool_reset_peak_stats")
+    check(lib().gpupool_reset_peak_stats(_device(device)), "gpupool_reset_peak_stats")
 
 
 def _sized_string(call, fill):
@@ -149,6 +156,7 @@ def _sized_string(call, fill):
 
 def memory_summary(device=0):
     """gpupool's memory summary of `device`, in torch.cuda.memory_summary()'s layout."""
+    device = _device(device)
     return _sized_string("gpupool_memory_summary",
                          lambda b, n, need: lib().gpupool_memory_summary(device, b, n, need))
 
@@ -178,7 +186,7 @@ def record_history(enabled=True, context="all", max_entries=100000, stacks="all"
         raise ValueError(f"context {context!r}: expected None, 'none', 'state', 'alloc' or 'all'")
     if stacks not in _STACKS:
         raise ValueError(f"stacks {stacks!r}: expected 'all', 'python' or 'native'")
-    check(lib().gpupool_record_history(1 if enabled else 0, unsigned(max_entries, "max_entries"),
+    check(lib().gpupool_record_history(1 if enabled else 0, _size(max_entries, "max_entries"),
                                        _CONTEXTS[context] | _STACKS[stacks]),
           "gpupool_record_history")
 
@@ -186,7 +194,7 @@ def record_history(enabled=True, context="all", max_entries=100000, stacks="all"
 def dump_snapshot(path):
     """torch.cuda.memory._dump_snapshot for gpupool: writes the snapshot pickle that PyTorch's
     memory viewer reads (python -m torch.cuda._memory_viz trace_plot PATH -o PATH.html)."""
-    check(lib().gpupool_dump_snapshot(os.fsencode(path)), "gpupool_dump_snapshot")
+    check(lib().gpupool_dump_snapshot(_path(path, "path")), "gpupool_dump_snapshot")
 
 
 def snapshot():
@@ -249,6 +257,7 @@ def live_report(device=-1):
     def out(text, _user):
         parts.append(text.decode("utf-8", "replace"))
 
+    device = _device(device)
     check(lib().gpupool_live_report(device, _structs.OUTPUT_FN(out), None), "gpupool_live_report")
     return "".join(parts)
 
@@ -257,7 +266,7 @@ def host_malloc(size):
     """`size` bytes of pinned host memory from gpupool's pinned cache (gpupool_host_malloc,
     PyTorch's CachingHostAllocator): the address as an int, 0 for size 0."""
     p = ctypes.c_void_p()
-    check(lib().gpupool_host_malloc(ctypes.byref(p), unsigned(size, "size")), "gpupool_host_malloc")
+    check(lib().gpupool_host_malloc(ctypes.byref(p), _size(size, "size")), "gpupool_host_malloc")
     return p.value or 0
 
 

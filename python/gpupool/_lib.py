@@ -5,6 +5,8 @@ allocator) whichever framework asks first."""
 
 import ctypes
 import ctypes.util
+import numbers
+import operator
 import os
 import pathlib
 import threading
@@ -120,29 +122,87 @@ def check(status, call):
         raise (OutOfMemoryError if status == OUT_OF_MEMORY else Error)(call, status, message)
 
 
-def unsigned(value, what):
-    """`value` as an int of 0 to 2**64 - 1 (a size, a pointer, a count, a stream handle): an
-    int, a ctypes value, or an object with __int__ (not a float or a bool); TypeError or
-    ValueError naming `what` otherwise, rather than ctypes' silent wrap to 64 bits."""
-    if isinstance(value, (bool, float)):
+# The ranges of the C types the package passes integers as (ctypes wraps a value outside them
+# without a word: device=2**32+1 would reach gpupool as device 1).
+INT_MIN, INT_MAX = -(1 << (8 * ctypes.sizeof(ctypes.c_int) - 1)), (1 << (8 * ctypes.sizeof(ctypes.c_int) - 1)) - 1
+SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+UINT64_MAX = (1 << 64) - 1
+
+
+def integer(value, what, lo, hi):
+    """`value` as an int of `lo` to `hi` (the range of the C type it is passed as), for every
+    integer argument of the package: an int, an object with __index__ (a numpy integer), a
+    ctypes integer or pointer (its .value), or a handle object with __int__ that is no number
+    (cuda-bindings' CUstream and CUdeviceptr). Never a bool, a float, a str or None: TypeError
+    naming `what`; ValueError naming it for a value out of range. Checked here, once, rather
+    than left to ctypes, which wraps silently or raises its own ArgumentError."""
+    if isinstance(value, bool) or isinstance(value, (float, str, bytes, type(None))):
         raise TypeError(f"{what}: expected an int, got {type(value).__name__}")
     if not isinstance(value, int):
-        if isinstance(getattr(value, "value", 0.5), (int, type(None))):
-            value = value.value or 0  # a ctypes c_void_p or c_size_t
-        elif hasattr(value, "__int__"):
-            value = int(value)  # cuda-bindings' CUstream and CUdeviceptr, numpy integers
+        if isinstance(value, ctypes._SimpleCData) and isinstance(value.value, (int, type(None))) \
+                and not isinstance(value.value, bool):
+            value = value.value or 0  # a ctypes c_void_p, c_size_t, c_int
+        elif hasattr(type(value), "__index__"):
+            value = operator.index(value)  # numpy integers
+        elif hasattr(type(value), "__int__") and not isinstance(value, numbers.Number):
+            value = int(value)  # a handle object; not a Fraction or a Decimal, which would truncate
         else:
             raise TypeError(f"{what}: expected an int, got {type(value).__name__}")
-    if not 0 <= value < 1 << 64:
-        raise ValueError(f"{what}: {value} is not in 0 .. 2**64 - 1")
+    if not lo <= value <= hi:
+        raise ValueError(f"{what}: {value} is out of range ({lo} to {hi})")
     return value
 
 
+def unsigned(value, what):
+    """`value` as an int of 0 to 2**64 - 1 (a pointer, a pool id, a stream handle); see integer()."""
+    return integer(value, what, 0, UINT64_MAX)
+
+
+def size(value, what):
+    """`value` as a size_t (bytes, a count); see integer()."""
+    return integer(value, what, 0, SIZE_MAX)
+
+
+def device(value):
+    """A device ordinal (-1: the current device) as a C int; see integer(). Whether the device
+    exists is gpupool's to say (gpupool.Error, GPUPOOL_ERROR_INVALID_VALUE)."""
+    return integer(value, "device", INT_MIN, INT_MAX)
+
+
+def real(value, what):
+    """`value` as a float for a C double: an int or a float (a numpy float), not a bool, a str
+    or None (TypeError naming `what`). Its range is gpupool's to check."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _no_nul(raw, what, value):
+    if b"\0" in raw:
+        # A C string ends at its first NUL: "/tmp/x\0.pickle" would write /tmp/x.
+        raise ValueError(f"{what}: {value!r} holds a NUL character, which would cut it short")
+    return raw
+
+
 def text(value, what):
-    """`value` (a str) as UTF-8 bytes for a C string; TypeError naming `what` otherwise."""
+    """`value` (a str) as UTF-8 bytes for a C string: TypeError naming `what` for another type
+    (bytes included: a name is text), ValueError for a NUL inside (C would see the text cut
+    there) or a str that is not valid Unicode (a lone surrogate)."""
     if not isinstance(value, str):
         raise TypeError(f"{what}: expected a str, got {type(value).__name__}")
-    return value.encode()
+    try:
+        raw = value.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: {value!r} cannot be encoded as UTF-8 ({e.reason})") from None
+    return _no_nul(raw, what, value)
+
+
+def path(value, what):
+    """`value` (a str, bytes or os.PathLike) as the file system's bytes (os.fsencode) for a C
+    string: TypeError naming `what` for another type, ValueError for a NUL inside."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what}: expected a path (str, bytes or os.PathLike), got {type(value).__name__}")
+    return _no_nul(os.fsencode(value), what, value)
 
 
 def stream_handle(stream):

@@ -13,19 +13,13 @@ builds PyTorch's idioms on these.
 import contextlib
 import ctypes
 
-from ._lib import check, lib, unsigned
+from ._lib import check, device as _device, lib, unsigned
 
 # gpupool_sleep's modes (GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_DISCARD,
 # GPUPOOL_SLEEP_OFFLOAD_PINNED).
 SLEEP_OFFLOAD = 1
 SLEEP_DISCARD = 2
 SLEEP_OFFLOAD_PINNED = 3
-
-
-def _device(device):
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"device: expected an int, got {type(device).__name__}")
-    return device
 
 
 def pool_create(sleepable=False):

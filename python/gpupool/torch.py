@@ -127,7 +127,8 @@ def pool_stats(pool, device=0):
     (or install() found no graphs library)."""
     if _graphs is None:
         return None
-    pid = _graphs.gpupool_torch_pool_id(device, pool[0], pool[1])
+    device = _lib.device(device)
+    pid = _graphs.gpupool_torch_pool_id(device, _lib.unsigned(pool[0], "pool[0]"), _lib.unsigned(pool[1], "pool[1]"))
     if pid == 0:
         return None
     from . import pool_stats as gpupool_pool_stats

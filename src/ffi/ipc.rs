@@ -140,6 +140,9 @@ pub unsafe extern "C" fn gpupool_ipc_close(ptr: *mut c_void) -> gpupool_status {
 /// many to `*reclaimed` when it is not NULL. Every other `gpupool_ipc_*` call and
 /// `gpupool_empty_cache` do the same, and a request that finds its device out of memory
 /// reclaims that device's first; call it to see the memory back in the statistics sooner.
+/// It (and `gpupool_empty_cache`) also gives back, in every export of this process, live ones
+/// included, the importer slots of processes that died holding an import, so that they serve
+/// new importers (an import that finds all 64 slots taken clears those itself).
 ///
 /// Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
 ///

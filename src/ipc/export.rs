@@ -138,6 +138,15 @@ pub(crate) fn forget_allocator(allocator: u64) {
     });
 }
 
+/// Clears the slots of dead importers in every export of `allocator`, live ones included;
+/// returns how many. A live export's slots are otherwise cleared only when it is freed or
+/// listed, or by an import that finds them all taken: the owner's explicit reclaim gives them
+/// back too, as docs/ipc.md says.
+pub(crate) fn reap_dead(allocator: u64) -> usize {
+    let map = EXPORTS.lock();
+    map.values().filter(|e| e.allocator == allocator).map(|e| e.record.reap_dead()).sum()
+}
+
 /// The exports of `allocator`: (address, device, stage, uses held), for the consistency check
 /// and for tests.
 pub(crate) fn list(allocator: u64) -> Vec<(DevicePtr, i32, Stage, u64)> {

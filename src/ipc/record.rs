@@ -9,6 +9,13 @@
 //! adds its use, then reads the freed flag, and backs out if set; the owner sets the flag,
 //! then sums the uses. Both sequentially consistent, so at least one of them sees the other:
 //! never an import of a block the owner reuses.
+//!
+//! A dead importer's slot is cleared by whoever finds it first: the owner when it sums the
+//! uses (a free, a reclaim, a listing), or another importer whose import finds every slot
+//! taken (so that 64 importers killed while the owner does nothing do not close the export
+//! to every later one). Several processes may clear at once, so a clear first takes the slot
+//! by its generation (odd while cleared, [`reap`]): of two clearers one wins, and neither can
+//! clear a slot given back and claimed again since it was read.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -17,8 +24,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use super::proc::{self, Identity};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"GPIPCREC");
-/// 2: a slot is given back by its process's last release (`Slot::generation`).
-const VERSION: u32 = 2;
+/// 2: a slot is given back by its process's last release (`Slot::generation`). 3: importers
+/// clear dead importers' slots too, each clear taking the slot by its generation first (a
+/// version-2 owner would clear without it, under a version-3 importer's clear).
+const VERSION: u32 = 3;
 /// Importer processes one export can have at once.
 pub(crate) const MAX_IMPORTERS: usize = 64;
 /// Pages one export can have (a block of 1 TiB in 2 MiB pages).
@@ -34,8 +43,10 @@ static SLOTS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 #[repr(C)]
 struct Slot {
     pid: AtomicU32,
-    /// Odd while the slot's process gives it back; bumped twice by each give-back, so that the
-    /// owner never takes a pid and a start time read across one for a process that exited.
+    /// Odd while the slot's process gives it back, or while another process clears it (its
+    /// process died); bumped twice by each, so that a clearer never takes a pid and a start
+    /// time read across a give-back for a process that exited, and two clearers never both
+    /// clear (the second's claim of the generation fails).
     generation: AtomicU32,
     start: AtomicU64,
     count: AtomicU64,
@@ -182,10 +193,13 @@ impl Record {
         let _serial = SLOTS.lock();
         let slots = &self.header().slots;
         let mine = slots.iter().position(|s| s.pid.load(SeqCst) == me.pid && s.start.load(SeqCst) == me.start);
+        let claim = || slots.iter().position(|s| s.pid.compare_exchange(0, me.pid, SeqCst, SeqCst).is_ok());
         let slot = match mine {
             Some(i) => i,
             None => {
-                let free = slots.iter().position(|s| s.pid.compare_exchange(0, me.pid, SeqCst, SeqCst).is_ok());
+                // Every slot taken: those of importers that died are cleared here, so that an
+                // export whose owner calls nothing still takes new importers.
+                let free = claim().or_else(|| (self.reap_dead() > 0).then(claim).flatten());
                 let i = free.ok_or(AcquireError::Full)?;
                 slots[i].start.store(me.start, SeqCst);
                 i
@@ -227,23 +241,95 @@ impl Record {
     pub fn holders(&self) -> u64 {
         let mut total = 0;
         for s in &self.header().slots {
-            let seen = s.generation.load(SeqCst);
-            let pid = s.pid.load(SeqCst);
-            if pid == 0 {
-                continue;
+            if !reap(s) {
+                total += s.count.load(SeqCst);
             }
-            let (start, count) = (s.start.load(SeqCst), s.count.load(SeqCst));
-            // A slot given back and claimed again while it was read runs (its pid and start
-            // may be of two processes); so does one with a start of 0 (being claimed now).
-            let steady = seen % 2 == 0 && s.generation.load(SeqCst) == seen;
-            if steady && start != 0 && !proc::alive(Identity { pid, start }) {
-                s.count.store(0, SeqCst);
-                s.start.store(0, SeqCst);
-                s.pid.store(0, SeqCst);
-                continue;
-            }
-            total += count;
         }
         total
+    }
+
+    /// Clears the slots of importers that died (exited, killed, zombies); returns how many.
+    pub fn reap_dead(&self) -> usize {
+        self.header().slots.iter().filter(|s| reap(s)).count()
+    }
+}
+
+/// Clears slot `s` if the process that holds it has died; returns whether it did.
+///
+/// The pid and start time are taken only as read within one even generation: a slot given
+/// back and claimed again while it was read (a pid of one process, a start time of the next),
+/// or one with a start time of 0 (being claimed now), is left alone. The clear then takes the
+/// slot by moving its generation from that even value to the odd one after: it fails if the
+/// slot was given back since (the generation moved on) or another process clears it (odd).
+/// Nothing else moves the generation while it is odd: the slot's process is dead, and claims
+/// take only slots with no pid, which this one keeps until its last step.
+fn reap(s: &Slot) -> bool {
+    let seen = s.generation.load(SeqCst);
+    let pid = s.pid.load(SeqCst);
+    if pid == 0 || seen % 2 != 0 {
+        return false;
+    }
+    let start = s.start.load(SeqCst);
+    if start == 0 || s.generation.load(SeqCst) != seen || proc::alive(Identity { pid, start }) {
+        return false;
+    }
+    if s.generation.compare_exchange(seen, seen.wrapping_add(1), SeqCst, SeqCst).is_err() {
+        return false;
+    }
+    s.count.store(0, SeqCst);
+    s.start.store(0, SeqCst);
+    s.generation.store(seen.wrapping_add(2), SeqCst);
+    // Last: from now on the slot may be claimed.
+    s.pid.store(0, SeqCst);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Record {
+        let owner = proc::me();
+        let f = Fields { kind: 1, owner, device: 0, export_id: 1, size: 1, offset: 0, page_size: 0 };
+        Record::create(&f, &[]).unwrap()
+    }
+
+    /// A process that does not run: this one's pid with another start time.
+    fn dead(i: u64) -> Identity {
+        let me = proc::me();
+        Identity { pid: me.pid, start: me.start + 1 + i }
+    }
+
+    #[test]
+    fn a_full_table_of_dead_importers_takes_a_new_one() {
+        let r = record();
+        for i in 0..MAX_IMPORTERS as u64 {
+            r.acquire(dead(i)).unwrap();
+        }
+        assert_eq!(r.reap_dead(), MAX_IMPORTERS, "the owner's reap clears every dead importer");
+        for i in 0..MAX_IMPORTERS as u64 {
+            r.acquire(dead(i)).unwrap();
+        }
+        // No owner call in between: the import clears the dead importers itself.
+        let slot = r.acquire(proc::me()).unwrap();
+        assert_eq!(r.holders(), 1);
+        assert_eq!(r.reap_dead(), 0, "the import cleared them all");
+        r.release(slot);
+        assert_eq!(r.holders(), 0);
+    }
+
+    #[test]
+    fn a_slot_given_back_and_claimed_again_is_not_cleared_by_a_stale_read() {
+        let r = record();
+        let s = &r.header().slots[0];
+        let slot = r.acquire(proc::me()).unwrap();
+        assert_eq!(slot, 0);
+        // A clearer that read the generation before a give-back fails to take the slot.
+        let seen = s.generation.load(SeqCst);
+        r.release(slot);
+        r.acquire(proc::me()).unwrap();
+        assert!(s.generation.compare_exchange(seen, seen + 1, SeqCst, SeqCst).is_err());
+        assert!(!reap(s), "a live importer's slot stays");
+        assert_eq!(r.holders(), 1);
     }
 }

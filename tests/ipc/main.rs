@@ -6,6 +6,8 @@ mod common;
 #[path = "../common/ipc.rs"]
 mod ipc;
 
+mod dead_importers;
 mod hostile;
 mod rules;
 mod sharing;
+mod sim_memory;

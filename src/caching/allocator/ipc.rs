@@ -32,7 +32,7 @@ impl Allocator {
     /// the descriptors or the record). Nothing changes on failure.
     pub fn ipc_export(&self, ptr: DevicePtr) -> Result<[u8; IPC_HANDLE_SIZE], Error> {
         crate::caching::fork::check()?;
-        self.ipc_reclaim();
+        self.reclaim_limbo();
         let found = self.index.with_segment(ptr, |seg| seg.map(|e| (e.device, e.owner.clone())));
         let Some((device, shard)) = found else {
             return Err(Error::InvalidPointer(format!("pointer {ptr:#x} was not allocated by gpupool")));
@@ -116,7 +116,7 @@ impl Allocator {
     /// [`Error::OutOfMemory`], [`Error::Cuda`] from the driver. Nothing changes on failure.
     pub fn ipc_import(&self, handle: &[u8; IPC_HANDLE_SIZE], device: i32) -> Result<DevicePtr, Error> {
         crate::caching::fork::check()?;
-        self.ipc_reclaim();
+        self.reclaim_limbo();
         let h = IpcHandle::decode(handle)?;
         let dev = self.device_or_init(device)?;
         let uuid = self.driver.device_uuid(dev.device).map_err(|e| Error::driver(e, "reading the device's UUID"))?;
@@ -132,16 +132,29 @@ impl Allocator {
     pub fn ipc_close(&self, ptr: DevicePtr) -> Result<(), Error> {
         crate::caching::fork::check()?;
         self.ipc_imports.close(&*self.driver, ptr)?;
-        self.ipc_reclaim();
+        self.reclaim_limbo();
         Ok(())
     }
 
     /// Frees the blocks in limbo that no running process holds any more (importers that
-    /// closed them, or exited, or were killed); returns how many. Every `ipc_*` call and
-    /// `empty_cache` call it, and a device's out-of-memory path reclaims its own; never the
-    /// hit path.
+    /// closed them, or exited, or were killed); returns how many. Also clears, in the record
+    /// of every export of this allocator (live ones too), the slots of importers that died, so
+    /// that they serve new importers (an import that finds every slot taken clears them as
+    /// well). `empty_cache` calls it; every `ipc_*` call reclaims the limbo, and a device's
+    /// out-of-memory path its own; never the hit path.
     pub fn ipc_reclaim(&self) -> usize {
         // A forked child's copy of the table is the parent's business.
+        if crate::caching::fork::check().is_err() {
+            return 0;
+        }
+        export::reap_dead(self.id);
+        self.reclaim_limbo()
+    }
+
+    /// The limbo part of [`Allocator::ipc_reclaim`], for the `ipc_*` calls: a sweep of every
+    /// live export's importers (a read of `/proc` each) at every export or import would make
+    /// many exports quadratic.
+    pub(super) fn reclaim_limbo(&self) -> usize {
         if crate::caching::fork::check().is_err() {
             return 0;
         }

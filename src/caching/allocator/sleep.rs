@@ -28,7 +28,7 @@ impl Allocator {
             Self::check_pool(pool)?;
         }
         let dev = self.device_or_init(device)?;
-        self.ipc_reclaim();
+        self.reclaim_limbo();
         dev.sleep(pool, mode, || self.ipc_refuse_sleep(dev.device, pool))
     }
 

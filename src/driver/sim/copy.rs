@@ -22,7 +22,7 @@ impl State {
     /// or mapped with access set over its whole length.
     fn device_reachable(&mut self, ptr: DevicePtr, size: usize) -> bool {
         let end = ptr + size as u64;
-        if self.allocations.iter().any(|(&a, &(_, s))| ptr >= a && end <= a + s as u64) {
+        if self.allocations.iter().any(|(&a, &(_, s, _))| ptr >= a && end <= a + s as u64) {
             return true;
         }
         let Some((_, r)) = self.range_of(ptr, size) else { return false };

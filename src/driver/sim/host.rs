@@ -1,6 +1,12 @@
 //! Pinned host memory (`cuMemHostAlloc`, `cuMemHostRegister` and their inverses): the ranges
-//! pinned now, and the simulated host-to-device copy that counts a copy from memory that is
-//! not pinned.
+//! pinned now, within what the host can pin, and the simulated host-to-device copy that counts
+//! a copy from memory that is not pinned.
+//!
+//! Pinned memory is physical memory the kernel may not page out: a real host refuses to pin
+//! more than it has (`cuMemHostAlloc` fails with `CUDA_ERROR_OUT_OF_MEMORY`). The simulated
+//! host pins at most its physical memory by default ([`SimDriver::set_host_capacity`] sets
+//! another limit), counting allocated and registered ranges alike; without the limit a 32 TiB
+//! request succeeded (its mapping reserves no memory), where a real host fails.
 
 use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, StreamHandle, invalid};
 
@@ -13,7 +19,28 @@ pub(super) enum HostKind {
     Registered,
 }
 
+/// The host's physical memory in bytes (`sysconf`), the most the simulated host pins by default.
+pub(super) fn physical_memory() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages <= 0 || page <= 0 { usize::MAX } else { (pages as usize).saturating_mul(page as usize) }
+}
+
 impl SimDriver {
+    /// Sets the most host memory that may be pinned at once, in bytes (allocated by
+    /// `host_alloc` and registered by `host_register` together); by default the host's
+    /// physical memory. A request past it fails with [`DriverError::OutOfMemory`]
+    /// (`host_alloc`) or `CUDA_ERROR_OUT_OF_MEMORY` (`host_register`), as on a real host that
+    /// cannot pin more. Ranges pinned already stay. Thread-safe.
+    pub fn set_host_capacity(&self, bytes: usize) {
+        self.state.lock().host_capacity = bytes;
+    }
+
+    /// Bytes of host memory pinned now (allocated and registered).
+    pub fn pinned_bytes(&self) -> usize {
+        self.state.lock().pinned
+    }
+
     /// Whether `[ptr, ptr + len)` lies wholly inside one pinned host range (from `host_alloc`
     /// or `host_register`): what a copy must read from to be asynchronous on a GPU.
     pub fn is_pinned(&self, ptr: HostPtr, len: usize) -> bool {
@@ -57,6 +84,9 @@ impl SimDriver {
         if size == 0 {
             return Err(invalid("cuMemHostAlloc"));
         }
+        if size > st.host_capacity.saturating_sub(st.pinned) {
+            return Err(DriverError::OutOfMemory);
+        }
         // SAFETY: an anonymous private mapping with no address hint; the result is checked.
         let p = unsafe {
             libc::mmap(
@@ -72,6 +102,7 @@ impl SimDriver {
             return Err(DriverError::OutOfMemory);
         }
         st.host.insert(p as HostPtr, (size, HostKind::Allocated));
+        st.pinned += size;
         Ok(p as HostPtr)
     }
 
@@ -82,6 +113,7 @@ impl SimDriver {
         match st.host.get(&ptr) {
             Some(&(size, HostKind::Allocated)) => {
                 st.host.remove(&ptr);
+                st.pinned -= size;
                 // SAFETY: exactly a mapping made by host_alloc and not yet unmapped.
                 unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
                 Ok(())
@@ -102,7 +134,11 @@ impl SimDriver {
         if before {
             return Err(SimDriver::host_error("cuMemHostRegister", 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"));
         }
+        if size > st.host_capacity.saturating_sub(st.pinned) {
+            return Err(SimDriver::host_error("cuMemHostRegister", 2, "CUDA_ERROR_OUT_OF_MEMORY"));
+        }
         st.host.insert(ptr, (size, HostKind::Registered));
+        st.pinned += size;
         Ok(())
     }
 
@@ -111,8 +147,9 @@ impl SimDriver {
         st.counts.host_unregister += 1;
         st.fault(SimOp::HostUnregister)?;
         match st.host.get(&ptr) {
-            Some(&(_, HostKind::Registered)) => {
+            Some(&(size, HostKind::Registered)) => {
                 st.host.remove(&ptr);
+                st.pinned -= size;
                 Ok(())
             }
             _ => Err(SimDriver::host_error("cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")),

@@ -1,7 +1,21 @@
-//! Device memory (`cuMemAlloc`, `cuMemFree`, `cuMemGetInfo`): each allocation is its own
-//! anonymous `mmap`, counted against its device's fixed capacity.
+//! Device memory (`cuMemAlloc`, `cuMemFree`, `cuMemGetInfo`): each allocation an extent of its
+//! device's file (`backing`) mapped shared, counted against the device's fixed capacity.
 
-use super::{DevicePtr, DriverError, MemInfo, SimDriver, SimOp, invalid};
+use super::{DevicePtr, DriverError, MemInfo, SimDriver, SimOp, State, invalid};
+
+impl State {
+    /// Device `device`'s file, made at its first use.
+    ///
+    /// Errors: [`DriverError::OutOfMemory`] when the system cannot make it.
+    pub(super) fn file(&mut self, device: i32) -> Result<&mut super::backing::DeviceFile, DriverError> {
+        match self.files.entry(device) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                Ok(e.insert(super::backing::DeviceFile::new().map_err(|_| DriverError::OutOfMemory)?))
+            }
+        }
+    }
+}
 
 impl SimDriver {
     /// Bytes currently allocated on `device` through this driver.
@@ -26,23 +40,17 @@ impl SimDriver {
         if size > self.capacity - st.used[d] {
             return Err(DriverError::OutOfMemory);
         }
-        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
+        let file = st.file(device)?;
+        let offset = file.take(size as u64).map_err(|_| DriverError::OutOfMemory)?;
+        let page = super::backing::host_page();
+        let align = if size >= super::SIM_GRANULARITY { super::SIM_GRANULARITY as u64 } else { page };
+        let Some(p) = file.map_aligned(offset, size, align) else {
+            file.give_back(offset, size as u64);
             return Err(DriverError::OutOfMemory);
-        }
+        };
         st.used[d] += size;
-        st.allocations.insert(p as DevicePtr, (device, size));
-        Ok(p as DevicePtr)
+        st.allocations.insert(p, (device, size, offset));
+        Ok(p)
     }
 
     pub(super) fn sim_mem_free(&self, ptr: DevicePtr) -> Result<(), DriverError> {
@@ -50,11 +58,13 @@ impl SimDriver {
         st.counts.mem_free += 1;
         st.fault(SimOp::MemFree)?;
         st.unsafe_call("cuMemFree")?;
-        let (device, size) = st.allocations.remove(&ptr).ok_or_else(|| invalid("cuMemFree"))?;
+        let (device, size, offset) = st.allocations.remove(&ptr).ok_or_else(|| invalid("cuMemFree"))?;
         st.used[device as usize] -= size;
-        st.shared_allocations.remove(&ptr);
         // SAFETY: `ptr` and `size` are exactly a mapping made by `mem_alloc` and not yet unmapped.
         unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
+        // An importer's mapping (cuIpcOpenMemHandle) keeps the pages it maps until it closes;
+        // the extent is given back here all the same, as CUDA lets the owner free its memory.
+        st.file(device)?.give_back(offset, size as u64);
         Ok(())
     }
 

@@ -1,10 +1,14 @@
 //! The simulated device: host memory posing as device memory, for tests and for trying gpupool
 //! on a machine without a GPU.
 //!
-//! - Memory: each allocation is its own anonymous `mmap` (reserved lazily by the kernel, so a
-//!   large capacity costs nothing until written), and the pointers are real host pointers a
-//!   test may read and write. Each device has a fixed capacity; past it `mem_alloc` fails with
-//!   [`DriverError::OutOfMemory`], as `cuMemAlloc` does.
+//! - Memory: each device's physical memory is one sparse `memfd` (`backing`: it costs host
+//!   memory only as it is written), each allocation and each physical handle an extent of it,
+//!   mapped shared where it is used, and the pointers are real host pointers a test may read
+//!   and write. A file from the start, so that another process may map it (IPC) without its
+//!   bytes ever moving. Each device has a fixed capacity; past it `mem_alloc` fails with
+//!   [`DriverError::OutOfMemory`], as `cuMemAlloc` does; pinned host memory is capped by the
+//!   host's memory ([`SimDriver::set_host_capacity`]), as `cuMemHostAlloc` is by what the
+//!   host can pin.
 //! - Streams and events: a stream completes its work at once unless a test holds it
 //!   ([`SimDriver::hold_stream`]); an event recorded on a held stream stays incomplete until
 //!   the stream is released. `event_synchronize` stands for waiting on the device: it completes
@@ -33,14 +37,16 @@
 //! This file holds the driver and its state; each mechanism is in a file of its own, and the
 //! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
 //! (an inherent method of the trait's name would shadow the trait's):
-//! device memory in `memory`, virtual memory in `vmm`, memory shared with other processes in
-//! `ipc`, pinned host memory in `host`, pageable host memory (a sleeping pool's host copy) in
+//! the devices' physical memory in `backing`, device memory in `memory`, virtual memory in
+//! `vmm`, memory shared with other processes in `ipc`, pinned host memory in `host`, pageable host memory (a sleeping pool's host copy) in
 //! `pageable`, streams and events in `streams`, stream capture in `capture`, copies and copy
 //! streams in `copy`,
 //! injected faults in `faults`.
 
+mod backing;
 mod capture;
 mod copy;
+mod counts;
 mod faults;
 mod hooks;
 mod host;
@@ -62,6 +68,7 @@ use super::{
     CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
 };
 use capture::Capture;
+pub use counts::SimCounts;
 use faults::Fault;
 pub use faults::{SIM_PANIC_MARK, SimFault, SimOp};
 use host::HostKind;
@@ -69,50 +76,13 @@ use streams::SimStream;
 pub use vmm::SIM_GRANULARITY;
 use vmm::{Handle, Range};
 
-/// How often each driver call was made, for tests that check what the allocator asked.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SimCounts {
-    pub mem_alloc: u64,
-    pub mem_free: u64,
-    pub event_create: u64,
-    pub event_record: u64,
-    pub event_query: u64,
-    pub event_synchronize: u64,
-    pub event_destroy: u64,
-    pub device_synchronize: u64,
-    pub address_reserve: u64,
-    pub mem_create: u64,
-    pub mem_map: u64,
-    pub mem_set_access: u64,
-    pub mem_unmap: u64,
-    /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
-    pub mem_release: u64,
-    pub host_alloc: u64,
-    pub host_free: u64,
-    pub host_register: u64,
-    pub host_unregister: u64,
-    /// `host_map` and `host_unmap` calls (a sleeping pool's pageable host copy).
-    pub host_map: u64,
-    pub host_unmap: u64,
-    /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
-    /// a GPU they would be synchronous staging copies, not asynchronous DMA.
-    pub unpinned_copies: u64,
-    /// Streams made by `stream_create` (gpupool's copy streams).
-    pub stream_create: u64,
-    /// Copies queued by `memcpy_dtoh_async` and `memcpy_htod_async`, and their bytes.
-    pub copies: u64,
-    pub copied_bytes: u64,
-    /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
-    pub capture_info: u64,
-    /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
-    /// invalidated a capture. A capture-safe allocator keeps this at 0.
-    pub capture_violations: u64,
-}
-
 #[derive(Default)]
 struct State {
     used: Vec<usize>,
-    allocations: FxHashMap<DevicePtr, (i32, usize)>,
+    /// Each device's physical memory, made at its first allocation.
+    files: FxHashMap<i32, backing::DeviceFile>,
+    /// Allocations of `mem_alloc`: start -> (device, size, offset in the device's file).
+    allocations: FxHashMap<DevicePtr, (i32, usize, u64)>,
     ranges: std::collections::BTreeMap<DevicePtr, Range>,
     handles: FxHashMap<u64, Handle>,
     next_handle: u64,
@@ -128,6 +98,9 @@ struct State {
     counts: SimCounts,
     /// Pinned host ranges: start -> (size, how).
     host: std::collections::BTreeMap<HostPtr, (usize, HostKind)>,
+    /// Bytes pinned now (allocated and registered), and the most the host may pin.
+    pinned: usize,
+    host_capacity: usize,
     /// Pageable host memory mapped by `host_map`: start -> size.
     pageable: std::collections::BTreeMap<HostPtr, usize>,
     /// Streams made by `stream_create` and not destroyed, and the next one's handle.
@@ -135,8 +108,6 @@ struct State {
     next_stream: StreamHandle,
     /// Streams a test placed on a device ([`SimDriver::set_stream_device`]).
     stream_devices: FxHashMap<StreamHandle, i32>,
-    /// Allocations of `mem_alloc` made shareable by `ipc_get_mem_handle`: their memfds.
-    shared_allocations: FxHashMap<DevicePtr, std::os::fd::OwnedFd>,
     /// Allocations of other processes mapped by `ipc_open_mem_handle`: start -> size.
     opened: FxHashMap<DevicePtr, usize>,
 }
@@ -164,7 +135,11 @@ impl SimDriver {
         SimDriver {
             devices,
             capacity,
-            state: Mutex::new(State { used: vec![0; devices.max(0) as usize], ..State::default() }),
+            state: Mutex::new(State {
+                used: vec![0; devices.max(0) as usize],
+                host_capacity: host::physical_memory(),
+                ..State::default()
+            }),
             armed: AtomicBool::new(false),
             hooks: hooks::Hooks::default(),
         }
@@ -420,7 +395,7 @@ impl Drop for SimDriver {
             // SAFETY: every entry is a live mapping made by `host_map`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         }
-        for (&ptr, &(_, size)) in self.state.get_mut().allocations.iter() {
+        for (&ptr, &(_, size, _)) in self.state.get_mut().allocations.iter() {
             // SAFETY: every entry is a live mapping made by `mem_alloc`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         }
@@ -431,6 +406,12 @@ impl Drop for SimDriver {
         for (&ptr, r) in self.state.get_mut().ranges.iter() {
             // SAFETY: every entry is a live reservation made by `address_reserve`.
             unsafe { libc::munmap(ptr as *mut libc::c_void, r.size) };
+        }
+        for h in self.state.get_mut().handles.values() {
+            if let vmm::Backing::Imported { hold } = h.backing {
+                // SAFETY: every such hold is a live mapping made by `mem_import`.
+                unsafe { libc::munmap(hold as *mut libc::c_void, h.size) };
+            }
         }
     }
 }

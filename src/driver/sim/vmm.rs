@@ -1,6 +1,8 @@
 //! Virtual memory (expandable segments): address ranges reserved as host address space without
-//! access, physical handles created against the device's capacity, and the mapping, access
-//! and unmapping of handles in reserved ranges, checked as CUDA checks them.
+//! access, physical handles created against the device's capacity (each an extent of the
+//! device's file, `backing`), and the mapping, access and unmapping of handles in reserved
+//! ranges, checked as CUDA checks them. A handle's bytes live in the file: they outlast an
+//! unmap, as a real handle's do, and every process that maps it sees the same bytes.
 
 use rustc_hash::FxHashMap;
 
@@ -55,17 +57,23 @@ impl Range {
     }
 }
 
-/// A physical allocation: its device, size and where it is mapped, if anywhere.
+/// What a physical handle's bytes are.
+#[derive(Clone, Copy)]
+pub(super) enum Backing {
+    /// An extent of this driver's file of the handle's device, at this offset.
+    Device { offset: u64 },
+    /// Another process's memory (`mem_import`): a shared mapping of it, without access, at
+    /// `hold`, which keeps it alive with no descriptor (a real importer keeps none); mapping the
+    /// handle maps those pages again. Counts against the other process's device, not this one's.
+    Imported { hold: u64 },
+}
+
+/// A physical allocation: its device, size and bytes, and where it is mapped, if anywhere.
 pub(super) struct Handle {
     pub(super) device: i32,
     pub(super) size: usize,
     pub(super) mapped_at: Option<DevicePtr>,
-    /// The shared memory behind it once exported or imported (`ipc`): mapped shared, so that
-    /// every process mapping it sees the same bytes, and kept across unmaps. `None`: the pages
-    /// are anonymous memory of the mapping, lost when unmapped.
-    pub(super) fd: Option<std::os::fd::OwnedFd>,
-    /// Imported from another process: counts against that process's device, not this one's.
-    pub(super) imported: bool,
+    pub(super) backing: Backing,
 }
 
 impl State {
@@ -86,17 +94,17 @@ fn protect(ptr: DevicePtr, size: usize, prot: libc::c_int) -> bool {
     p != libc::MAP_FAILED
 }
 
-/// Maps `size` bytes of `fd` (from its start) shared at `at`, readable and writable, over
-/// host address space the simulated driver owns.
-pub(super) fn map_shared(at: DevicePtr, size: usize, fd: &std::os::fd::OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    let flags = libc::MAP_SHARED | libc::MAP_FIXED;
-    // SAFETY: `at` lies in a range the driver owns (checked by the callers), so MAP_FIXED
-    // replaces only its pages.
-    let p = unsafe {
-        libc::mmap(at as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
-    };
-    p != libc::MAP_FAILED
+impl State {
+    /// Maps handle `h`'s bytes at `at` (in a range of the driver's), readable and writable.
+    fn place(&self, h: &Handle, at: DevicePtr) -> bool {
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        match h.backing {
+            Backing::Device { offset } => {
+                self.files.get(&h.device).and_then(|f| f.map(Some(at), offset, h.size, rw)).is_some()
+            }
+            Backing::Imported { hold } => super::backing::map_again(hold, at, h.size),
+        }
+    }
 }
 
 impl SimDriver {
@@ -184,10 +192,11 @@ impl SimDriver {
         if size > self.capacity - st.used[d] {
             return Err(DriverError::OutOfMemory);
         }
+        let offset = st.file(device)?.take(size as u64).map_err(|_| DriverError::OutOfMemory)?;
         st.used[d] += size;
         st.next_handle += 1;
         let id = st.next_handle;
-        st.handles.insert(id, Handle { device, size, mapped_at: None, fd: None, imported: false });
+        st.handles.insert(id, Handle { device, size, mapped_at: None, backing: Backing::Device { offset } });
         Ok(PhysHandle(id))
     }
 
@@ -201,8 +210,15 @@ impl SimDriver {
             _ => return Err(invalid("cuMemRelease")),
         }
         let h = st.handles.remove(&handle.0).expect("checked above");
-        if !h.imported {
-            st.used[h.device as usize] -= h.size;
+        match h.backing {
+            Backing::Device { offset } => {
+                st.used[h.device as usize] -= h.size;
+                st.file(h.device)?.give_back(offset, h.size as u64);
+            }
+            // SAFETY: exactly the hold `mem_import` made, not yet unmapped.
+            Backing::Imported { hold } => unsafe {
+                libc::munmap(hold as *mut libc::c_void, h.size);
+            },
         }
         Ok(())
     }
@@ -236,11 +252,9 @@ impl SimDriver {
         let Some(pieces) = r.pieces(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
-        let shared: Vec<_> =
-            pieces.iter().filter_map(|&(a, s, h)| Some((a, s, st.handles.get(&h)?.fd.as_ref()?))).collect();
-        if !protect(ptr, size, libc::PROT_READ | libc::PROT_WRITE)
-            || !shared.into_iter().all(|(a, s, fd)| map_shared(a, s, fd))
-        {
+        // Each piece is its handle's bytes mapped where the handle is mapped (pieces cover the
+        // range exactly, so nothing else of it needs access).
+        if !pieces.iter().all(|&(a, _, h)| st.handles.get(&h).is_some_and(|h| st.place(h, a))) {
             return Err(DriverError::OutOfMemory);
         }
         if let Some((_, r)) = st.range_of(ptr, size) {
