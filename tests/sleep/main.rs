@@ -8,9 +8,11 @@ mod common;
 
 mod faults;
 mod observed;
+mod observer_race;
 mod pinned;
 mod pinned_hostile;
 mod race;
+mod race_faults;
 mod rules;
 mod staging;
 mod stats;

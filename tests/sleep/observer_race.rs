@@ -5,7 +5,7 @@
 //! between the two must not overtake the mapping: the observer would drop the removal (it was
 //! never told the range added) and then hold the range for good.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

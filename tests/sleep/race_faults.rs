@@ -6,7 +6,7 @@
 //! marked as keeping its pages would hold them for good), a sleep past that point wakes, a
 //! wake that fails leaves the pool asleep and wakeable, and the live blocks keep their bytes.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
