@@ -28,6 +28,11 @@ const CONFIGS: [Named; 2] = [("expandable", Config::default), ("ordinary", Confi
 /// back between rounds, so that each export is the page's first).
 #[test]
 fn a_first_export_loses_no_write_another_thread_makes_to_the_page() {
+    // Its importers (tens of processes, killed and reaped) and the process's export table
+    // are the process's: alone in a child of the binary, as in a binary of its own.
+    if !common::process::alone() {
+        return;
+    }
     for (name, config) in CONFIGS {
         let (a, _) = common::sim_with(1, 1 << 30, config());
         for round in 0..40 {
@@ -78,6 +83,11 @@ fn a_first_export_loses_no_write_another_thread_makes_to_the_page() {
 /// importer sees the owner's writes made after its import.
 #[test]
 fn an_importer_keeps_no_descriptor_per_page_and_sees_every_write() {
+    // Its importers (tens of processes, killed and reaped) and the process's export table
+    // are the process's: alone in a child of the binary, as in a binary of its own.
+    if !common::process::alone() {
+        return;
+    }
     // SAFETY: a plain prctl; it fails harmlessly where Yama is absent.
     unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
     for (name, config) in CONFIGS {
@@ -108,6 +118,11 @@ fn an_importer_keeps_no_descriptor_per_page_and_sees_every_write() {
 
 #[test]
 fn pinned_memory_is_limited_by_what_the_host_can_pin() {
+    // Its importers (tens of processes, killed and reaped) and the process's export table
+    // are the process's: alone in a child of the binary, as in a binary of its own.
+    if !common::process::alone() {
+        return;
+    }
     let sim = Arc::new(SimDriver::new(1, 1 << 30));
     assert_eq!(sim.host_alloc(0, 32 << 40), Err(DriverError::OutOfMemory), "32 TiB pinned");
     assert_eq!(sim.pinned_bytes(), 0);
