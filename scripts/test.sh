@@ -14,8 +14,8 @@ start=$SECONDS
 step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s] $*"; }
 
 cat <<'EOF'
-test.sh: every test that needs no GPU, on the simulated device; about 12 minutes on 2 cores
-(less when target/ and build/ are warm):
+test.sh: every test that needs no GPU, on the simulated device; about 25 minutes on 2 cores
+from a fresh clone, 14 with target/ and build/ warm (docs/testing.md):
   1. cargo test --profile ci --workspace: the rules, the invariant checker with faults injected,
      stress, the C API fuzz, streams, history, pinned memory, gpupool-replay, the repository's
      shape (links, file sizes, import circles)
