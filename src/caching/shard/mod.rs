@@ -223,7 +223,7 @@ pub(crate) struct ShardState {
     /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
     /// no page may be unmapped by anyone else, for the copies read them and the wake maps and
     /// restores exactly the pages the sleep unmapped (see `sleep`).
-    sleep_begun: bool,
+    sleep_prepared: bool,
 }
 
 impl ShardState {

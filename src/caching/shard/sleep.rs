@@ -98,18 +98,18 @@ impl ShardState {
     /// high-water rule and gc release nothing of it then: PyTorch has no sleep; vLLM's
     /// `CuMemAllocator` and torch_memory_saver hold their own lock over a whole sleep).
     pub fn keeps_pages(&self) -> bool {
-        self.asleep.is_some() || self.sleep_begun
+        self.asleep.is_some() || self.sleep_prepared
     }
 
     /// Undoes the first half of a sleep that will not go on (a later step failed): the shard's
     /// pages may be released again.
     pub fn abandon_sleep(&mut self) {
-        self.sleep_begun = false;
+        self.sleep_prepared = false;
     }
 
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
     pub fn prepare_discard(&mut self) -> ShardSleep {
-        self.sleep_begun = true;
+        self.sleep_prepared = true;
         ShardSleep {
             mode: SleepMode::Discard,
             copies: Vec::new(),
@@ -207,7 +207,7 @@ impl ShardState {
         // From here a free of one of these blocks leaves its pages mapped until the sleep
         // unmaps them: a concurrent release unmapping them lost the blocks beside it at wake,
         // whose copy spans them (the runs above), for good.
-        self.sleep_begun = true;
+        self.sleep_prepared = true;
         Ok(sleep)
     }
 
@@ -228,7 +228,7 @@ impl ShardState {
         // Asleep from the first page on; `partial` until every page is unmapped.
         sleep.partial = true;
         self.asleep = Some(Box::new(sleep));
-        self.sleep_begun = false;
+        self.sleep_prepared = false;
         let mut failure = Ok(());
         for base in self.expandables.clone() {
             failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep, true));
