@@ -697,7 +697,8 @@ static void *free_during_sleep(void *arg) {
   struct timespec ts = {0, v->delay_ns};
   nanosleep(&ts, NULL);
   EXPECT_STATUS(gpupool_free(v->block), GPUPOOL_SUCCESS);
-  EXPECT_STATUS(gpupool_empty_cache(0), GPUPOOL_SUCCESS);
+  /* Through the workers' lock: the segments it returns may come back at the same addresses. */
+  empty_cache(0);
   return NULL;
 }
 
