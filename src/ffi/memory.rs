@@ -50,7 +50,7 @@ use crate::error::Error;
 /// # Safety
 /// `ptr` must be NULL or point to writable storage for one `void *`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_malloc(
+pub unsafe extern "C-unwind" fn gpupool_malloc(
     ptr: *mut *mut c_void,
     size: usize,
     device: c_int,
@@ -92,7 +92,7 @@ pub unsafe extern "C" fn gpupool_malloc(
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
     boundary_boxed("gpupool_free", || free(ptr))
 }
 
@@ -112,7 +112,7 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_record_stream", || record_stream(ptr, stream))
 }
 
@@ -144,7 +144,7 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 ///
 /// Thread-safe; blocks the calling thread while it waits for events.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
     boundary("gpupool_empty_cache", || empty_cache(device))
 }
 
@@ -157,7 +157,7 @@ pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
 /// # Safety
 /// `count` must be NULL or point to a writable `int`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
     boundary("gpupool_device_count", || {
         let count = out_ptr(count, "count")?;
         let n = runtime()?.allocator.device_count();
@@ -185,7 +185,7 @@ pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_stat
 ///
 /// Thread-safe; allocations already in flight on other threads may still pass the old limit.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
     boundary("gpupool_set_memory_fraction", || set_memory_fraction(fraction, device))
 }
 
@@ -246,7 +246,7 @@ pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> g
 /// # Safety
 /// `bytes` must be NULL or point to a writable `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_largest_allocatable(
+pub unsafe extern "C-unwind" fn gpupool_largest_allocatable(
     device: c_int,
     stream: gpupool_stream_t,
     bytes: *mut usize,

@@ -25,7 +25,7 @@ fn sim() -> Result<(&'static Runtime, &'static SimDriver), Error> {
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_hold_stream", || {
         sim()?.1.hold_stream(stream as usize);
         Ok(())
@@ -43,7 +43,7 @@ pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_s
 /// # Safety
 /// `count` must be NULL or point to a writable `uint64_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, count: *mut u64) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, count: *mut u64) -> gpupool_status {
     boundary("gpupool_sim_stream_waits", || {
         let count = out_ptr(count, "count")?;
         let n = sim()?.1.stream_waits(stream as usize);
@@ -58,7 +58,7 @@ pub unsafe extern "C" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, coun
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_release_stream", || {
         sim()?.1.release_stream(stream as usize);
         Ok(())
@@ -71,7 +71,7 @@ pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupoo
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `device`
 /// is out of range. Affects the calling thread only.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
     boundary("gpupool_sim_set_device", || {
         let (rt, _) = sim()?;
         let count = rt.allocator.device_count();
@@ -94,7 +94,11 @@ pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
 /// # Safety
 /// `pinned` must be NULL or point to a writable `int`; `ptr` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_host_pinned(ptr: *const c_void, len: usize, pinned: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_host_pinned(
+    ptr: *const c_void,
+    len: usize,
+    pinned: *mut c_int,
+) -> gpupool_status {
     boundary("gpupool_sim_host_pinned", || {
         let out = super::status::out_ptr(pinned, "pinned")?;
         let is = sim()?.1.is_pinned(ptr as usize, len);
@@ -113,7 +117,7 @@ pub unsafe extern "C" fn gpupool_sim_host_pinned(ptr: *const c_void, len: usize,
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `mode` is
 /// not 0, 1 or 2; `GPUPOOL_ERROR_CUDA` when the stream captures already. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_int) -> gpupool_status {
     boundary("gpupool_sim_begin_capture", || {
         let mode = match mode {
             0 => CaptureMode::Global,
@@ -136,7 +140,7 @@ pub extern "C" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_in
 /// # Safety
 /// `valid` must be NULL or point to writable storage for one `int`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid: *mut c_int) -> gpupool_status {
     boundary("gpupool_sim_end_capture", || {
         let valid = super::status::out_ptr(valid, "valid")?;
         let ok = sim()?.1.end_capture(stream as usize).map_err(|e| Error::driver(e, "ending a capture"))?;
@@ -153,7 +157,7 @@ pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
 /// not capturing. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_invalidate_capture", || {
         if !sim()?.1.invalidate_capture(stream as usize) {
             return Err(Error::InvalidValue(format!("stream {:#x} is not capturing", stream as usize)));
