@@ -74,21 +74,30 @@ thread_local! {
     static STATE: Cell<State> = const { Cell::new(FRESH) };
 }
 
+/// `src/callout.c`, declared in a module of its own so that cbindgen, run over the whole crate,
+/// leaves the declarations out of the C header.
+///
+/// cbindgen:ignore
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-unsafe extern "C-unwind" {
-    /// `src/callout.c`: calls `body(data)`; 1 when a forced unwind left it (stopped there).
-    fn gpupool_callout(body: extern "C-unwind" fn(*mut c_void), data: *mut c_void) -> c_int;
-    /// `src/callout.c`: goes on with the forced unwind `gpupool_callout` stopped.
-    fn gpupool_continue_exit() -> !;
-}
+mod c {
+    use std::ffi::{c_int, c_void};
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-unsafe extern "C" {
-    /// `src/callout.c`: `pthread_setcancelstate(PTHREAD_CANCEL_DISABLE)`; the state before.
-    fn gpupool_cancel_disable() -> c_int;
-    /// `src/callout.c`: `pthread_setcancelstate(old)`.
-    fn gpupool_cancel_restore(old: c_int);
+    unsafe extern "C-unwind" {
+        /// Calls `body(data)`; 1 when a forced unwind left it (stopped there).
+        pub(super) fn gpupool_callout(body: extern "C-unwind" fn(*mut c_void), data: *mut c_void) -> c_int;
+        /// Goes on with the forced unwind `gpupool_callout` stopped.
+        pub(super) fn gpupool_continue_exit() -> !;
+    }
+
+    unsafe extern "C" {
+        /// `pthread_setcancelstate(PTHREAD_CANCEL_DISABLE)`; the state before.
+        pub(super) fn gpupool_cancel_disable() -> c_int;
+        /// `pthread_setcancelstate(old)`.
+        pub(super) fn gpupool_cancel_restore(old: c_int);
+    }
 }
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+use c::{gpupool_callout, gpupool_cancel_disable, gpupool_cancel_restore, gpupool_continue_exit};
 
 /// Calls `&mut dyn FnMut()` behind `data`: what `gpupool_callout` calls.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
