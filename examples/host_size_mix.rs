@@ -12,7 +12,7 @@ use gpupool::host::{HostAllocator, rounded_size};
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
-/// The mix of `tests/host_sizes.rs`.
+/// The mix of `tests/host/sizes.rs`.
 const MIX: [(&str, usize); 10] = [
     ("1 MiB", MIB),
     ("1 MiB + 1 B", MIB + 1),

@@ -27,6 +27,9 @@
  * the same user that may ptrace the owner can import it).
  */
 typedef struct gpupool_ipc_handle_t {
+  /**
+   * The handle's bytes, opaque: sent as they are, never read by the program.
+   */
   uint8_t bytes[GPUPOOL_IPC_HANDLE_SIZE];
 } gpupool_ipc_handle_t;
 

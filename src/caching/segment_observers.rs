@@ -104,8 +104,11 @@ impl SegmentObservers {
         self.attached.load(Ordering::Relaxed) != 0
     }
 
+    /// Attaches `observer`, behind a filter that tells it only of what it saw added (see
+    /// [`Told`]).
     pub fn attach(&self, observer: Box<SegmentObserverFn>) -> SegmentObserverId {
-        let id = self.list.attach(observer);
+        let told = Told::default();
+        let id = self.list.attach(Box::new(move |e: &SegmentEvent| told.pass(e, &*observer)));
         self.attached.fetch_add(1, Ordering::SeqCst);
         SegmentObserverId(id)
     }
@@ -134,6 +137,74 @@ impl SegmentObservers {
     }
 }
 
+/// The ranges one observer was told added and not yet taken away, by (device, first byte):
+/// its end. A `Free` or `Unmap` reaches the observer only for the parts of its range that it
+/// was told added, each stretch of them as one event: a segment made before the attach (or a
+/// page mapped then) is never told taken away, so that every observer's bytes added minus
+/// taken away stays the bytes of the segments made since its attach. Kept on the slow paths
+/// only, while the observer is attached; its lock is never held while the observer runs.
+#[derive(Default)]
+struct Told {
+    ranges: parking_lot::Mutex<std::collections::BTreeMap<(i32, DevicePtr), DevicePtr>>,
+}
+
+impl Told {
+    /// Calls `observer` with `e`, or with the parts of a removal it was told added.
+    fn pass(&self, e: &SegmentEvent, observer: &SegmentObserverFn) {
+        let (start, end) = (e.address, e.address + e.bytes as u64);
+        let parts = {
+            let mut ranges = self.ranges.lock();
+            let parts = take(&mut ranges, e.device, start, end);
+            if e.kind.adds() {
+                // Told once: a range told added again (the driver kept a page an unmapping
+                // was told of) is one range.
+                ranges.insert((e.device, start), end);
+            }
+            parts
+        };
+        if e.kind.adds() {
+            return observer(e);
+        }
+        for (a, b) in parts {
+            observer(&SegmentEvent { address: a, bytes: (b - a) as usize, ..*e });
+        }
+    }
+}
+
+/// Takes `start..end` of `device` out of `ranges` (disjoint, by (device, first byte): end), and
+/// returns the stretches of it that were there, in order, neighbours joined.
+fn take(
+    ranges: &mut std::collections::BTreeMap<(i32, DevicePtr), DevicePtr>,
+    device: i32,
+    start: DevicePtr,
+    end: DevicePtr,
+) -> Vec<(DevicePtr, DevicePtr)> {
+    // Disjoint ranges in reverse order of start have decreasing ends too.
+    let overlapping: Vec<(DevicePtr, DevicePtr)> = ranges
+        .range((device, 0)..(device, end))
+        .rev()
+        .take_while(|(_, hi)| **hi > start)
+        .map(|(&(_, lo), &hi)| (lo, hi))
+        .collect();
+    let mut parts: Vec<(DevicePtr, DevicePtr)> = Vec::new();
+    for (lo, hi) in overlapping.into_iter().rev() {
+        ranges.remove(&(device, lo));
+        // What lies outside `start..end` stays.
+        if lo < start {
+            ranges.insert((device, lo), start);
+        }
+        if hi > end {
+            ranges.insert((device, end), hi);
+        }
+        let (a, b) = (lo.max(start), hi.min(end));
+        match parts.last_mut() {
+            Some(last) if last.1 == a => last.1 = b,
+            _ => parts.push((a, b)),
+        }
+    }
+    parts
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::{Arc, Mutex};
@@ -142,6 +213,28 @@ mod tests {
 
     fn event(address: DevicePtr) -> SegmentEvent {
         SegmentEvent { kind: SegmentEventKind::Alloc, device: 0, address, bytes: 1, stream: 0, pool: 0 }
+    }
+
+    #[test]
+    fn only_what_was_told_added_is_told_taken_away() {
+        let obs = SegmentObservers::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        obs.attach(Box::new(move |e| s.lock().unwrap().push((e.kind, e.address, e.bytes))));
+        let ev = |kind, address, bytes| SegmentEvent { kind, device: 0, address, bytes, stream: 0, pool: 0 };
+        use SegmentEventKind::{Free, Map, Unmap};
+        // Made before the attach: never told.
+        obs.deliver(&[ev(Free, 0x1000, 0x100), ev(Unmap, 0x9000, 0x100)]);
+        // Pages 0x20..0x40 and 0x40..0x60 mapped, then 0x10..0x50 unmapped: 0x20..0x50 told, as
+        // one event; then the rest, 0x50..0x60, within a larger unmapping.
+        obs.deliver(&[ev(Map, 0x20, 0x20), ev(Map, 0x40, 0x20), ev(Unmap, 0x10, 0x40), ev(Unmap, 0x0, 0x100)]);
+        // Another device's range at the same address is apart.
+        obs.deliver(&[SegmentEvent { device: 1, ..ev(Map, 0x20, 0x10) }, ev(Unmap, 0x20, 0x10)]);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            [(Map, 0x20, 0x20), (Map, 0x40, 0x20), (Unmap, 0x20, 0x30), (Unmap, 0x50, 0x10), (Map, 0x20, 0x10)]
+        );
     }
 
     #[test]

@@ -110,7 +110,7 @@ mod unknown;
 pub use conf::{CONF_KEYS, CONF_VAR, ConfKey, ROUNDUP_INTERVALS, conf_keys_markdown};
 pub use options::{Kind, OPTIONS, Opt, Value};
 pub use parse::parse_size;
-pub use print::options_markdown;
+pub use print::{options_c_comment, options_markdown};
 
 /// Which driver the process-wide allocator uses (`GPUPOOL_DRIVER`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use super::options::OPTIONS;
 /// variables and are not listed.
 pub(super) const READ_ELSEWHERE: [(&str, &str); 6] = [
     ("GPUPOOL_LIB", "the Python glue (`examples/python/gpupool_torch.py`): the libgpupool.so to load"),
-    ("GPUPOOL_FUZZ_CASES", "the C API fuzz test (`tests/ffi_fuzz.rs`): cases per property"),
+    ("GPUPOOL_FUZZ_CASES", "the C API fuzz test (`tests/capi/fuzz.rs`): cases per property"),
     ("GPUPOOL_SOAK_OPS", "the C soak test (`tests/c/test_soak.c`): operations, all threads together"),
     ("GPUPOOL_SOAK_THREADS", "the C soak test: worker threads"),
     ("GPUPOOL_SOAK_SEED", "the C soak test: the seed of its random operations"),

@@ -8,6 +8,18 @@ use super::status::{boundary, gpupool_status, write_text};
 use crate::config::Config;
 use crate::error::Error;
 
+/// --------------------------------------------------------------------------------------------
+/// Configuration
+/// --------------------------------------------------------------------------------------------
+///
+/// The allocator's settings, with the syntax, keys, meanings and defaults of PyTorch's
+/// `PYTORCH_CUDA_ALLOC_CONF` (but `expandable_segments`, `True` here): read from `GPUPOOL_CONF` at
+/// the first call, or set by `gpupool_set_config` before the first allocation;
+/// `gpupool_config_string` writes every key back. The other `GPUPOOL_*` variables are listed at the
+/// top of this header; docs/configuration.md describes every key.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Sets the process-wide allocator's configuration from `conf`, a string in the syntax of
 /// PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (PyTorch 2.11, native backend), as the `GPUPOOL_CONF`
 /// environment variable takes it: `key:value` entries separated by commas, ASCII spaces

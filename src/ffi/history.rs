@@ -34,6 +34,19 @@ pub const GPUPOOL_HISTORY_STACKS_PYTHON: u32 = 0x10;
 /// Python is never called (gpupool before 2026-11-25).
 pub const GPUPOOL_HISTORY_STACKS_NATIVE: u32 = 0x20;
 
+/// --------------------------------------------------------------------------------------------
+/// History and tags
+/// --------------------------------------------------------------------------------------------
+///
+/// The allocation history and the snapshots that PyTorch's memory viewer reads
+/// (`torch.cuda.memory._record_memory_history` and `_dump_snapshot`; `GPUPOOL_RECORD_HISTORY`
+/// records from the first call). Tags say which part of the engine holds the memory: a thread
+/// pushes a name, and every block it allocates until the matching pop carries it, in the per-tag
+/// statistics, the snapshot, the live report (`GPUPOOL_LIVE_REPORT_AT_EXIT`) and the out-of-memory
+/// message.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Starts, changes or stops recording the allocation history of every device of the
 /// process-wide allocator (PyTorch `torch.cuda.memory._record_memory_history`), for
 /// `gpupool_dump_snapshot`.

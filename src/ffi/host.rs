@@ -18,9 +18,13 @@ pub const GPUPOOL_HOST_STATS_VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct gpupool_duration_stat_t {
+    /// Calls timed.
     pub count: i64,
+    /// Their durations summed, in microseconds.
     pub total: i64,
+    /// The longest, in microseconds.
     pub max: i64,
+    /// The shortest, in microseconds (0 before the first call).
     pub min: i64,
 }
 
@@ -97,6 +101,18 @@ impl From<&HostStats> for gpupool_host_stats_t {
     }
 }
 
+/// --------------------------------------------------------------------------------------------
+/// Pinned host memory
+/// --------------------------------------------------------------------------------------------
+///
+/// PyTorch's caching host allocator (`CachingHostAllocator`, what `pin_memory()` uses): page-locked
+/// host memory for asynchronous copies between host and device, cached by size class; a freed block
+/// is reused once the events recorded for it (`gpupool_host_record_event`) have completed.
+/// `GPUPOOL_CONF`'s `pinned_*` keys configure it; `gpupool_host_stats` is
+/// `torch.cuda.host_memory_stats()`.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Allocates at least `size` bytes of pinned (page-locked) host memory from gpupool's cache
 /// (PyTorch `CachingHostAllocator`'s `allocate`, what `pin_memory()` uses): copies between it
 /// and the device are asynchronous DMA. Use it to stage inputs and outputs.

@@ -23,6 +23,7 @@ const _: () = assert!(GPUPOOL_IPC_HANDLE_SIZE == crate::IPC_HANDLE_SIZE);
 #[derive(Clone, Copy)]
 #[allow(non_camel_case_types)]
 pub struct gpupool_ipc_handle_t {
+    /// The handle's bytes, opaque: sent as they are, never read by the program.
     pub bytes: [u8; GPUPOOL_IPC_HANDLE_SIZE],
 }
 

@@ -6,6 +6,24 @@ use super::status::{boundary, boundary_boxed, gpupool_status, out_ptr};
 use super::{gpupool_stream_t, runtime, started_runtime};
 use crate::error::Error;
 
+// Where Rust callers have found it (tests/ffi_fuzz.rs); it lives in `largest`, so that the
+// header has it in its section, after the pools.
+pub use super::largest::gpupool_largest_allocatable;
+
+/// --------------------------------------------------------------------------------------------
+/// Device memory
+/// --------------------------------------------------------------------------------------------
+///
+/// `gpupool_malloc` and `gpupool_free` are PyTorch's `raw_alloc_with_stream` and `raw_delete`: a
+/// block belongs to the stream it was allocated on, and once freed it serves that stream's next
+/// allocations at once, with no synchronisation. `gpupool_record_stream` names the other streams
+/// that use a block; `gpupool_empty_cache` gives the cached memory that no block uses back to the
+/// driver. Blocks are carved from segments that the cache keeps: expandable segments by default,
+/// PyTorch's ordinary segments with `expandable_segments:False` (see "Expandable segments" below).
+/// A cache hit takes one uncontended lock and makes no driver call.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Allocates at least `size` bytes of device memory on `device` for use on `stream`, from
 /// gpupool's cache when a cached block fits (PyTorch `raw_alloc_with_stream`).
 ///
@@ -187,77 +205,6 @@ pub unsafe extern "C-unwind" fn gpupool_device_count(count: *mut c_int) -> gpupo
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
     boundary("gpupool_set_memory_fraction", || set_memory_fraction(fraction, device))
-}
-
-/// Writes to `*bytes` the largest single request that `gpupool_malloc(ptr, size, device,
-/// stream)` would serve now, in bytes: 0 when every request (but one of 0 bytes) would fail.
-/// For sizing a KV cache or a workspace from what is left, as RMM users do with
-/// `available_device_memory` (rapidsai/rmm#813). RMM answers with `cudaMemGetInfo` alone, which
-/// counts neither the memory gpupool caches nor the memory fraction; PyTorch has no
-/// equivalent (`torch.cuda.mem_get_info` is `cudaMemGetInfo` too).
-///
-/// - `device`: a device ordinal, or -1 for the calling thread's current device.
-/// - `stream`: the stream the request would be made on: a cached block is reused only on the
-///   stream it was allocated on, so the answer counts this stream's cached free blocks, and
-///   other streams' only as what release-and-retry would give back to the driver.
-/// - `bytes`: out-pointer, written only on success. Must not be NULL.
-///
-/// The answer replays `gpupool_malloc`'s rules on a copy of the stream's blocks: the best
-/// cached fit under PyTorch's rounding and `max_split_size` rules; a new segment of
-/// PyTorch's size for the request (`get_allocation_size`: 2 MiB up to 1 MiB, 20 MiB up to 10
-/// MiB, then the request rounded up to 2 MiB), or the pages an expandable segment must map
-/// (its free pages and unmapped address space used first); what the driver has free
-/// (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`); and the same
-/// again after release-and-retry, which waits for pending `gpupool_record_stream` events and
-/// blocks freed with `free_after_device_sync`, gives back every stream's wholly free cached
-/// segments and unmaps every wholly free page. Not counted: what an out-of-memory observer
-/// would free (`gpupool_attach_oom_observer`).
-///
-/// The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
-/// more than the device's memory. Success is not monotone in the size: with ordinary segments
-/// (`expandable_segments:False`), 15 MiB free on the driver and nothing cached, 14 MiB
-/// succeeds (a 14 MiB segment) but 5 MiB fails (it needs a 20 MiB segment); with
-/// `max_split_size`, a cached oversize block serves requests
-/// near its size only. So the answer is an upper bound on what one request gets, not a
-/// promise that every smaller request succeeds.
-///
-/// Changes nothing: no allocation, release, synchronisation, and no statistic counts it. The
-/// device's streams are read one at a time, each under its own lock for as long as a copy of
-/// its blocks (or the sum of what it would release) takes, never two at once, so the answer
-/// can be stale as soon as it returns.
-/// Too high when, meanwhile, another thread allocates or another process or context takes
-/// device memory, or a block freed with `gpupool_record_stream` merges on its return into one
-/// at least `max_split_size` large; too low when another thread frees or releases memory,
-/// events complete after the call, or an out-of-memory observer would free memory. On a GPU
-/// the driver may also refuse a `cuMemAlloc` of all its free memory (it keeps some for
-/// itself). Answered for the device's default pools: a route to a private pool
-/// (`gpupool_begin_allocate_to_pool`) is not followed. While `stream` captures a CUDA graph,
-/// only its cached blocks count (a miss needs the driver); while a capture may be under way
-/// on the device, release-and-retry does not count (it would break the capture).
-///
-/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, device out of range);
-/// `GPUPOOL_ERROR_CUDA` when `cuMemGetInfo`, `cuStreamGetCaptureInfo` or `cuEventQuery`
-/// fails; `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` (no driver, or in a forked child). `*bytes` is
-/// then left as it was, and so is everything else.
-///
-/// Thread-safe; costs a driver call or two and a copy of the stream's blocks: not for the hit
-/// path.
-///
-/// # Safety
-/// `bytes` must be NULL or point to a writable `size_t`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn gpupool_largest_allocatable(
-    device: c_int,
-    stream: gpupool_stream_t,
-    bytes: *mut usize,
-) -> gpupool_status {
-    boundary("gpupool_largest_allocatable", || {
-        let bytes = out_ptr(bytes, "bytes")?;
-        let n = runtime()?.allocator.largest_allocatable(device, stream as usize)?;
-        // SAFETY: the caller passes storage for one `size_t`.
-        unsafe { bytes.write(n) };
-        Ok(())
-    })
 }
 
 // The bodies of the exports above, shared with the PyTorch hooks (`torch.rs`), which report

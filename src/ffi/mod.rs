@@ -27,27 +27,50 @@
 //!   `GPUPOOL_DRIVER` names; if that fails, every such call returns the same status and
 //!   message.
 
+// The modules of gpupool.h in the header's reading order (cbindgen writes the functions in the
+// order it reads them), one group per section of the header: each section's banner is the doc
+// comment of its first function. tests/header.rs checks the order.
+
+// Device memory; statistics and the memory summary; errors.
+pub mod memory;
+pub mod stats;
+pub mod status;
+
+// Configuration.
 pub mod config;
+
+// Private pools and CUDA graphs.
+pub mod pools;
+// Pools whose segments come from the program's allocator.
+pub mod pool_allocator;
+
+// Expandable segments and the largest allocatable request.
+pub mod largest;
+
+// Sleep and wake.
+pub mod sleep;
+
+// Observers.
+pub mod oom;
+pub mod segments;
+
+// History and tags.
 pub mod history;
+pub mod tags;
+
+// Pinned host memory.
 pub mod host;
+
+// The other headers' modules.
 /// Memory shared between processes: `include/gpupool_ipc.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod ipc;
-pub mod memory;
-pub mod oom;
 /// The allocator plug-ins of CuPy and ONNX Runtime: `include/gpupool_plugins.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod plugins;
-pub mod pool_allocator;
-pub mod pools;
-pub mod segments;
 /// The simulated device's hooks: `include/gpupool_testing.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod sim;
-pub mod sleep;
-pub mod stats;
-pub mod status;
-pub mod tags;
 /// PyTorch's pluggable-allocator functions: `include/gpupool_torch.h`, not gpupool.h.
 /// cbindgen:ignore
 pub mod torch;

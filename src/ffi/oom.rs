@@ -90,6 +90,18 @@ impl CObserver {
     }
 }
 
+/// --------------------------------------------------------------------------------------------
+/// Observers
+/// --------------------------------------------------------------------------------------------
+///
+/// Functions the program attaches. An out-of-memory observer is called when an allocation fails,
+/// and may free memory and ask for one more attempt (PyTorch `attachOutOfMemoryObserver`, RMM's
+/// `failure_callback_resource_adaptor`). A segment observer is told of every segment gpupool takes
+/// from the driver or gives back, and of every page range it maps or unmaps (PyTorch
+/// `attachAllocatorTraceTracker`, through which NCCL registers segments). docs/observers.md.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Attaches an out-of-memory observer: `observer(device, requested, stats, user)` is called
 /// when a `gpupool_malloc` (or PyTorch hook) fails for lack of memory on any device, after
 /// gpupool released its cache and retried, before `GPUPOOL_ERROR_OUT_OF_MEMORY` returns

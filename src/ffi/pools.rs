@@ -53,6 +53,20 @@ use crate::error::Error;
 #[allow(non_camel_case_types)]
 pub type gpupool_stream_filter_t = Option<unsafe extern "C" fn(user: *mut c_void, stream: gpupool_stream_t) -> c_int>;
 
+/// --------------------------------------------------------------------------------------------
+/// Private pools and CUDA graphs
+/// --------------------------------------------------------------------------------------------
+///
+/// A private pool holds memory that nothing else shares, as a CUDA graph's buffers need (PyTorch
+/// `torch.cuda.graph`, `graph_pool_handle`, `MemPool` and `use_mem_pool`): create one, route a
+/// stream's, a thread's or a filter's allocations to it between `gpupool_begin_allocate_to_pool*`
+/// and `gpupool_end_allocate_to_pool`, capture, and release it with `gpupool_release_pool` once its
+/// graphs are gone. While a stream captures, gpupool makes no call that CUDA forbids then.
+/// `gpupool_pool_create_with_allocator` takes a pool's segments from the program's own allocator
+/// (PyTorch `MemPool(allocator)`, for `ncclMemAlloc`).
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Creates a private pool and writes its id to `*pool` (PyTorch `graph_pool_handle()`, or a
 /// `MemPool`). The id is never 0 (0 names the default pools) and never reused; ids are
 /// process-wide, and a pool's memory is per device: made on the devices whose allocations are

@@ -1,12 +1,13 @@
 //! Control of the simulated device (`GPUPOOL_DRIVER=sim`), for tests written in C.
 //! `include/gpupool_testing.h` is generated from this file alone (cbindgen-testing.toml).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{CStr, c_char, c_int, c_void};
 
 use super::status::{boundary, gpupool_status, out_ptr};
 use super::{Runtime, gpupool_stream_t, runtime};
 use crate::driver::CaptureMode;
-use crate::driver::sim::SimDriver;
+use crate::driver::DriverError;
+use crate::driver::sim::{SimDriver, SimFault, SimOp};
 use crate::error::Error;
 
 fn sim() -> Result<(&'static Runtime, &'static SimDriver), Error> {
@@ -161,6 +162,90 @@ pub extern "C-unwind" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t
     boundary("gpupool_sim_invalidate_capture", || {
         if !sim()?.1.invalidate_capture(stream as usize) {
             return Err(Error::InvalidValue(format!("stream {:#x} is not capturing", stream as usize)));
+        }
+        Ok(())
+    })
+}
+
+/// `gpupool_sim_inject_fault`'s fault: the call fails with `CUDA_ERROR_UNKNOWN` (999), as a
+/// driver failure gpupool has no special path for.
+pub const GPUPOOL_SIM_FAULT_ERROR: u32 = 0;
+/// `gpupool_sim_inject_fault`'s fault: the call fails with `CUDA_ERROR_OUT_OF_MEMORY`, as a
+/// device (or, for `cuMemHostAlloc` and `mmap`, a host) with no memory left.
+pub const GPUPOOL_SIM_FAULT_OUT_OF_MEMORY: u32 = 1;
+/// `gpupool_sim_inject_fault`'s fault: the call fails as a `libcuda.so.1` without the
+/// function would be reported (an old driver).
+pub const GPUPOOL_SIM_FAULT_MISSING_SYMBOL: u32 = 2;
+/// `gpupool_sim_inject_fault`'s fault: the call panics, as cudarc does on its first call of a
+/// function the installed driver lacks; gpupool's boundary turns it into
+/// `GPUPOOL_ERROR_INTERNAL` with every pool as it was.
+pub const GPUPOOL_SIM_FAULT_PANIC: u32 = 3;
+
+/// Simulated device only: makes a later call of the driver function named `call` fail as
+/// `fault` says (`GPUPOOL_SIM_FAULT_*`): the call after `skip` calls of that function that went
+/// through (so `skip` 0 is the next one), counted from the first fault of that function still
+/// waiting (faults of one function fire one after another, in the order injected). `call` is
+/// the CUDA driver function's name as `libcuda.so.1` exports it (`cuMemMap`, `cuMemCreate`,
+/// `cuMemAlloc_v2`, `cuEventRecord`, `cuMemcpyDtoHAsync_v2`, ...), or `mmap` / `munmap` for the
+/// host memory of a sleeping pool's copy: every call gpupool makes of the driver can be
+/// failed, so that tests in C reach every failure path. The faulted call changes nothing in
+/// the simulated device before it fails.
+///
+/// Errors (nothing injected): `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in
+/// use, `call` is NULL or names no driver function gpupool calls (the message lists them), or
+/// `fault` is none of the four. Thread-safe.
+///
+/// # Safety
+/// `call` must be NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn gpupool_sim_inject_fault(call: *const c_char, skip: u32, fault: u32) -> gpupool_status {
+    boundary("gpupool_sim_inject_fault", || {
+        if call.is_null() {
+            return Err(Error::InvalidValue("call is NULL: name a driver function, such as \"cuMemMap\"".into()));
+        }
+        // SAFETY: non-NULL and NUL-terminated, per this function's contract.
+        let name = unsafe { CStr::from_ptr(call) }.to_bytes();
+        let Some(op) = SimOp::ALL.iter().copied().find(|op| op.symbol().as_bytes() == name) else {
+            let known: Vec<&str> = SimOp::ALL.iter().map(|op| op.symbol()).collect();
+            return Err(Error::InvalidValue(format!(
+                "call \"{}\" is no driver function gpupool calls; one of: {}",
+                String::from_utf8_lossy(name),
+                known.join(", ")
+            )));
+        };
+        let fault = match fault {
+            GPUPOOL_SIM_FAULT_ERROR => {
+                SimFault::Fail(DriverError::Cuda { call: op.symbol(), code: 999, name: "CUDA_ERROR_UNKNOWN".into() })
+            }
+            GPUPOOL_SIM_FAULT_OUT_OF_MEMORY => SimFault::Fail(DriverError::OutOfMemory),
+            GPUPOOL_SIM_FAULT_MISSING_SYMBOL => SimFault::MissingSymbol,
+            GPUPOOL_SIM_FAULT_PANIC => SimFault::Panic,
+            f => {
+                return Err(Error::InvalidValue(format!(
+                    "fault {f} is none of GPUPOOL_SIM_FAULT_ERROR, _OUT_OF_MEMORY, _MISSING_SYMBOL and _PANIC (0 to 3)"
+                )));
+            }
+        };
+        sim()?.1.inject(op, skip, fault);
+        Ok(())
+    })
+}
+
+/// Simulated device only: drops every fault injected that has not fired yet, and writes how
+/// many there were to `*pending` (when `pending` is not NULL): a test checks with it that each
+/// fault it injected fired.
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use. Thread-safe.
+///
+/// # Safety
+/// `pending` must be NULL or point to a writable `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn gpupool_sim_clear_faults(pending: *mut usize) -> gpupool_status {
+    boundary("gpupool_sim_clear_faults", || {
+        let n = sim()?.1.clear_faults();
+        if !pending.is_null() {
+            // SAFETY: non-NULL, and the caller passes a writable size_t.
+            unsafe { pending.write(n) };
         }
         Ok(())
     })

@@ -37,6 +37,19 @@ pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
 /// sleep mode keeps its pinned backup in PyTorch's caching host allocator likewise).
 pub const GPUPOOL_SLEEP_OFFLOAD_PINNED: u32 = 3;
 
+/// --------------------------------------------------------------------------------------------
+/// Sleep and wake
+/// --------------------------------------------------------------------------------------------
+///
+/// A pool gives its device memory back to the driver and gets it back at the same addresses, its
+/// live blocks' contents kept in host memory meanwhile or dropped: weights, KV cache and the CUDA
+/// graphs that point into them survive without being rebuilt (vLLM's sleep mode; not in PyTorch).
+/// Memory on CUDA's virtual memory API can sleep: the default pools' expandable segments, and the
+/// pools made by `gpupool_pool_create_sleepable`. `GPUPOOL_SLEEP_*` tune the copies; docs/sleep.md
+/// has the rules.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Creates a private pool that may sleep and writes its id to `*pool`: as
 /// `gpupool_pool_create` (routes, captures, `gpupool_release_pool` and statistics are the
 /// same), but its segments are on CUDA's virtual memory API (expandable segments, PyTorch's
@@ -90,11 +103,17 @@ pub unsafe extern "C-unwind" fn gpupool_pool_create_sleepable(pool: *mut u64) ->
 ///
 /// While the pool sleeps: allocating from it fails with `GPUPOOL_ERROR_INVALID_VALUE` (for
 /// pool 0, every allocation on the device that no route sends to a private pool); its blocks
-/// may be freed (`gpupool_free`), and come back as cache at wake; `gpupool_empty_cache`, the
-/// out-of-memory path and `garbage_collection_threshold` leave it and its host copy alone;
-/// `gpupool_release_pool` refuses it; other pools allocate and free as usual, never waiting
-/// for it. The program must not touch the pool's memory (kernels, copies) until
-/// `gpupool_wake` returns, nor allocate from the pool while this call runs.
+/// may be freed (`gpupool_free`, `gpupool_record_stream` first if need be), from any thread
+/// and at any moment, this call's copies included, and come back as cache at wake;
+/// `gpupool_empty_cache`, the out-of-memory path, `garbage_collection_threshold` and the
+/// high-water rule leave its pages and its host copy alone from the moment this call copies a
+/// stream to the end of the wake; `gpupool_release_pool` and `gpupool_ipc_export` refuse it;
+/// segment observers are told `GPUPOOL_SEGMENT_UNMAP` of every page before it goes (and
+/// `GPUPOOL_SEGMENT_MAP` at wake); `gpupool_largest_allocatable` answers 0 while the default
+/// pools sleep; statistics and snapshots may be read throughout. Other pools allocate and free
+/// as usual, never waiting for it (docs/sleep.md, "Calls while a pool sleeps or wakes"). The
+/// program must not touch the pool's memory (kernels, copies) until `gpupool_wake` returns,
+/// nor allocate from the pool while this call runs.
 ///
 /// Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a mode that
 /// is neither, a pool never created, a device out of range, a pool whose memory is not on the

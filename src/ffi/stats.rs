@@ -18,9 +18,13 @@ pub const GPUPOOL_STATS_VERSION: u32 = 3;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct gpupool_stat_t {
+    /// The value now.
     pub current: i64,
+    /// The highest value since the last `gpupool_reset_peak_stats` (or the start).
     pub peak: i64,
+    /// The sum of every increase.
     pub allocated: i64,
+    /// The sum of every decrease.
     pub freed: i64,
 }
 
@@ -31,8 +35,11 @@ pub struct gpupool_stat_t {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct gpupool_stat_array_t {
+    /// Both pools together.
     pub all: gpupool_stat_t,
+    /// The small pool's (blocks of at most 1 MiB).
     pub small_pool: gpupool_stat_t,
+    /// The large pool's (blocks over 1 MiB).
     pub large_pool: gpupool_stat_t,
 }
 
@@ -173,6 +180,18 @@ impl From<&DeviceStats> for gpupool_stats_t {
 
 const HEADER: usize = 8;
 
+/// --------------------------------------------------------------------------------------------
+/// Statistics and the memory summary
+/// --------------------------------------------------------------------------------------------
+///
+/// What the cache holds, in PyTorch's terms: `gpupool_stats` fills a `gpupool_stats_t` with the
+/// figures of `torch.cuda.memory_stats()` (set its `size` first: `GPUPOOL_STATS_INIT` does),
+/// `gpupool_reset_peak_stats` starts the peaks afresh, and `gpupool_memory_summary` writes the
+/// table of `torch.cuda.memory_summary()`. One private pool's figures: `gpupool_pool_stats`; pinned
+/// host memory's: `gpupool_host_stats`; one tag's: `gpupool_tag_stats`.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// Reads the statistics of `device` (-1: the calling thread's current device) into `*out`, as
 /// one consistent snapshot (PyTorch `torch.cuda.memory_stats`).
 ///

@@ -282,6 +282,18 @@ pub(crate) unsafe fn write_text(
     Ok(())
 }
 
+/// --------------------------------------------------------------------------------------------
+/// Errors
+/// --------------------------------------------------------------------------------------------
+///
+/// Every function of this header returns a `gpupool_status` but the three below, which return
+/// strings. On failure, `gpupool_last_error_message()` of the calling thread says why, starting
+/// with the function's name, and no output was written (except `*needed` of
+/// `gpupool_memory_summary` and `gpupool_config_string`). No panic crosses into C: a bug in gpupool
+/// is `GPUPOOL_ERROR_INTERNAL`.
+///
+/// --------------------------------------------------------------------------------------------
+///
 /// The message of the last call on this thread that did not return `GPUPOOL_SUCCESS`,
 /// `"<function>: <what went wrong>"`, or "" if there was none. Successful calls leave it as it
 /// was. At most 1023 bytes: a longer message is cut at a UTF-8 character boundary and ends

@@ -174,6 +174,36 @@ static void test_bad_input(void) {
   CHECK(gpupool_sim_begin_capture(stream(0x501), 7) == GPUPOOL_ERROR_INVALID_VALUE);
 }
 
+/* Only ids handed out name pools: not the sleepable bit over counter 0, not the plain twin of
+ * a sleepable pool's id, nor the sleepable twin of a plain one (issue 40, defect 2: each was
+ * accepted as a pool by every call). */
+static void test_pools_nobody_created(void) {
+  uint64_t plain = 0, sleepable = 0;
+  CHECK_OK(gpupool_pool_create(&plain));
+  CHECK_OK(gpupool_pool_create_sleepable(&sleepable));
+  const uint64_t bit = (uint64_t)1 << 62;
+  const uint64_t forged[] = {bit, sleepable & ~bit, plain | bit, ((uint64_t)1 << 63) | plain, UINT64_MAX};
+  for (size_t i = 0; i < sizeof forged / sizeof forged[0]; i++) {
+    uint64_t p = forged[i];
+    gpupool_stats_t s = GPUPOOL_STATS_INIT;
+    CHECK(gpupool_begin_allocate_to_pool(0, p, stream(0x600)) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(strstr(gpupool_last_error_message(), "never created") != NULL);
+    CHECK(gpupool_begin_allocate_to_pool_thread(0, p) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(gpupool_pool_stats(0, p, &s) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(gpupool_sleep(0, p, GPUPOOL_SLEEP_DISCARD) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(gpupool_wake(0, p) == GPUPOOL_ERROR_INVALID_VALUE);
+    CHECK(gpupool_release_pool(0, p) == GPUPOOL_ERROR_INVALID_VALUE);
+  }
+  /* The ids handed out still work. */
+  void *x = NULL;
+  CHECK_OK(gpupool_begin_allocate_to_pool(0, sleepable, stream(0x600)));
+  CHECK_OK(gpupool_malloc(&x, 4096, 0, stream(0x600)));
+  CHECK_OK(gpupool_end_allocate_to_pool(0, sleepable));
+  CHECK_OK(gpupool_free(x));
+  CHECK_OK(gpupool_release_pool(0, sleepable));
+  CHECK_OK(gpupool_release_pool(0, plain));
+}
+
 int main(void) {
   const char *driver = getenv("GPUPOOL_DRIVER");
   if (driver == NULL || strcmp(driver, "sim") != 0) {
@@ -185,5 +215,6 @@ int main(void) {
   test_failed_capture();
   test_thread_and_filter_routes();
   test_bad_input();
+  test_pools_nobody_created();
   return checks_report("test_pools");
 }

@@ -34,7 +34,8 @@
  * blocks of its own in a sleepable private pool on device 0, and
  * puts the pool to sleep and wakes it in a loop while the workers run (gpupool_sleep with
  * offload three times in four, once of them into the pinned copy the pool keeps, discard the
- * fourth): allocating from the sleeping pool must be
+ * fourth), while another thread frees a block of the pool at a moment anywhere in the sleep
+ * and empties the cache: allocating from the sleeping pool must be
  * refused, and after an offload every byte of its blocks must be back (a wake the device
  * cannot serve yet is retried).
  *
@@ -684,6 +685,22 @@ static int sleeper_holds(const unsigned char *p, size_t n, unsigned seed) {
   return 1;
 }
 
+/* Frees a block of the sleeping pool while its sleep runs, then empties the cache: the free
+ * and the release land anywhere in the sleep, its copies included (issue 40, first defect). */
+struct victim {
+  void *block;
+  long delay_ns;
+};
+
+static void *free_during_sleep(void *arg) {
+  struct victim *v = arg;
+  struct timespec ts = {0, v->delay_ns};
+  nanosleep(&ts, NULL);
+  EXPECT_STATUS(gpupool_free(v->block), GPUPOOL_SUCCESS);
+  EXPECT_STATUS(gpupool_empty_cache(0), GPUPOOL_SUCCESS);
+  return NULL;
+}
+
 static void *sleeper(void *arg) {
   (void)arg;
   enum { N = 4 };
@@ -704,6 +721,13 @@ static void *sleeper(void *arg) {
     /* Offload, pinned offload (the copy kept between those rounds), offload, discard. */
     int offload = round % 4 != 3;
     uint32_t mode = round % 4 == 1 ? GPUPOOL_SLEEP_OFFLOAD_PINNED : offload ? GPUPOOL_SLEEP_OFFLOAD : GPUPOOL_SLEEP_DISCARD;
+    /* A block beside the kept ones, spanning whole pages, freed by another thread meanwhile. */
+    struct victim v = {NULL, (long)(round * 7919 % 3000000)};
+    EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(0, pool), GPUPOOL_SUCCESS);
+    EXPECT_STATUS(gpupool_malloc(&v.block, 45 * MIB, 0, s), GPUPOOL_SUCCESS);
+    EXPECT_STATUS(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
+    pthread_t freer;
+    int freeing = v.block != NULL && pthread_create(&freer, NULL, free_during_sleep, &v) == 0;
     EXPECT_STATUS(gpupool_sleep(0, pool, mode), GPUPOOL_SUCCESS);
     atomic_fetch_add(&n_sleeps, 1);
     void *q = NULL;
@@ -717,6 +741,7 @@ static void *sleeper(void *arg) {
       nanosleep(&ts, NULL);
     }
     EXPECT_STATUS(st, GPUPOOL_SUCCESS);
+    if (freeing) pthread_join(freer, NULL);
     for (int i = 0; i < N && p[i]; i++) {
       if (offload && !sleeper_holds(p[i], size[i], (unsigned)i))
         fail("sleeper: block %d (%zu bytes) differs after an offloaded sleep", i, size[i]);

@@ -1,5 +1,5 @@
-//! Checks of the allocation history and snapshots, shared by tests/history.rs,
-//! tests/invariants.rs and tests/snapshot_size.rs.
+//! Checks of the allocation history and snapshots, shared by tests/history/recording.rs,
+//! tests/invariants/sequences.rs and tests/history/snapshot_size.rs.
 
 use std::collections::HashMap;
 

@@ -1,8 +1,9 @@
 //! Two processes for the IPC tests: the test binary runs itself again as a consumer (the test
-//! `consumer`, which does nothing unless `GPUPOOL_IPC_CONSUMER` is set), which takes one
+//! `consumer` below, which does nothing unless `GPUPOOL_IPC_CONSUMER` is set), which takes one
 //! command a line on its stdin and answers one line on its stdout, prefixed `IPC `. The
 //! consumer has its own allocator over its own simulated device (one process, one device, as
-//! on a GPU).
+//! on a GPU). A binary whose tests start consumers declares this module at its root, as `ipc`,
+//! beside `common`.
 
 #![allow(dead_code)]
 
@@ -15,6 +16,14 @@ use gpupool::driver::sim::{SimDriver, SimOp};
 use gpupool::{Allocator, IPC_HANDLE_SIZE, config::Config};
 
 pub const ENV: &str = "GPUPOOL_IPC_CONSUMER";
+
+/// The consumer process's entry point: nothing unless run as one.
+#[test]
+fn consumer() {
+    if std::env::var_os(ENV).is_some() {
+        serve();
+    }
+}
 
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -62,8 +71,9 @@ pub struct Consumer {
 
 impl Consumer {
     pub fn start() -> Consumer {
+        let consumer = crate::common::process::test_path(module_path!(), "consumer");
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "consumer", "--nocapture", "--test-threads=1", "--quiet"])
+            .args(["--exact", &consumer, "--nocapture", "--test-threads=1", "--quiet"])
             .env(ENV, "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

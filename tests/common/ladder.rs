@@ -1,4 +1,4 @@
-//! Helpers of the page ladder's tests (`page_ladder.rs`, `ladder_hostile.rs`).
+//! Helpers of the page ladder's tests (`vmm/page_ladder.rs`, `vmm/ladder_hostile.rs`).
 
 use gpupool::config::Config;
 

@@ -3,6 +3,7 @@
 
 pub mod history;
 pub mod ladder;
+pub mod process;
 pub mod sleep;
 
 use std::sync::Arc;

@@ -1,5 +1,5 @@
-//! Helpers of the sleep tests (`sleep_staging.rs`, `sleep_pinned.rs`,
-//! `sleep_pinned_hostile.rs`, `sleep_faults.rs`): blocks filled with a pattern that differs at
+//! Helpers of the sleep tests (`sleep/staging.rs`, `sleep/pinned.rs`,
+//! `sleep/pinned_hostile.rs`, `sleep/faults.rs`): blocks filled with a pattern that differs at
 //! every byte of a staging chunk, sleepable pools spread over two streams, and the checks
 //! those tests make of them.
 

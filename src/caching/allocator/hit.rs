@@ -70,7 +70,7 @@ thread_local! {
 /// set at the thread's first store. Not a thread-local with a destructor: glibc runs those
 /// before the pthread keys' destructors, and one first reached from a key's destructor (a
 /// program's that allocates, as the thread's first call) is registered too late to run at
-/// all; its registration is lost too (`tests/hit_cache_hostile.rs`, `tests/c/test_thread_exit.c`
+/// all; its registration is lost too (`tests/hit/cache_hostile.rs`, `tests/c/test_thread_exit.c`
 /// under valgrind). A key's destructor set from another key's runs in the next round (glibc
 /// makes four; a first store in the fourth is lost). The thread-locals' destructors, C++'s
 /// included, find the cache as it was. `None` when the process has used up its keys: nothing

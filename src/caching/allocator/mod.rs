@@ -281,8 +281,11 @@ impl Allocator {
     /// Attaches `observer`, told of every segment of any device taken from the driver or given
     /// back, and of every page range of an expandable segment mapped or unmapped (PyTorch
     /// `attachAllocatorTraceTracker`, with which `ProcessGroupNCCL` registers each segment
-    /// with its communicators). Segments that exist already are not told: attach before the
-    /// first allocation, or read them from a snapshot. Returns the id
+    /// with its communicators). Segments that exist already are not told, neither made nor
+    /// given back (each observer is told a `Free` or `Unmap` only for the bytes it was told
+    /// added): attach before the first allocation, or read them from a snapshot. A sleep
+    /// ([`Allocator::sleep`]) tells `Unmap` of every page it gives back, and a wake `Map` of
+    /// every page it maps again. Returns the id
     /// [`Allocator::detach_segment_observer`] takes.
     ///
     /// When it runs, on the thread whose call made or gives back the segment (docs/observers.md):

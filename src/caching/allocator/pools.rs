@@ -1,8 +1,11 @@
 //! Private pools (PyTorch's graph pools and `MemPool`) and the routes that send allocations
 //! to them; the rules are in `device::pools`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::RwLock;
+use rustc_hash::FxHashSet;
 
 use super::Allocator;
 use crate::caching::device::{PoolStats, RouteFilter, RouteTo};
@@ -14,12 +17,26 @@ use crate::error::Error;
 /// in every allocator), never 0 (the default pools).
 static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
 
+/// Every id handed out, as handed out (a sleepable pool's with [`SLEEPABLE_BIT`]): what
+/// [`Allocator::check_pool`] accepts. A counter alone could not tell a sleepable id from its
+/// plain twin, nor the sleepable bit over counter 0 from a pool. Read only by calls that name a
+/// pool (routes, sleep, statistics, release), never on the hit path.
+static CREATED: LazyLock<RwLock<FxHashSet<u64>>> = LazyLock::new(Default::default);
+
+/// The next id, with `bits` set, recorded as created.
+fn new_pool(bits: u64) -> u64 {
+    let pool = NEXT_POOL.fetch_add(1, Ordering::Relaxed) | bits;
+    CREATED.write().insert(pool);
+    pool
+}
+
 impl Allocator {
     /// A new private pool (PyTorch `graph_pool_handle()` / `MemPool()`): its id, never 0 (the
     /// default pools). Ids are process-wide; the pool's memory is per device, made on the
-    /// devices whose allocations are routed to it. Takes no lock and no memory.
+    /// devices whose allocations are routed to it. Records the id (a few bytes, for the life
+    /// of the process) so that only ids handed out are accepted.
     pub fn pool_create(&self) -> u64 {
-        NEXT_POOL.fetch_add(1, Ordering::Relaxed)
+        new_pool(0)
     }
 
     /// A new private pool whose segments come from `alloc` and go back through `free` instead
@@ -73,11 +90,11 @@ impl Allocator {
     /// but its segments are expandable (on the virtual memory API), during captures too, and
     /// wholly free pages of a segment a CUDA graph uses stay mapped. Its id has bit 62 set.
     pub fn pool_create_sleepable(&self) -> u64 {
-        NEXT_POOL.fetch_add(1, Ordering::Relaxed) | SLEEPABLE_BIT
+        new_pool(SLEEPABLE_BIT)
     }
 
     /// `pool` names a pool made by [`Allocator::pool_create`] or
-    /// [`Allocator::pool_create_sleepable`].
+    /// [`Allocator::pool_create_sleepable`], exactly as it was handed out.
     pub(super) fn check_pool(pool: u64) -> Result<(), Error> {
         if pool == 0 {
             return Err(Error::InvalidValue(
@@ -85,9 +102,15 @@ impl Allocator {
                     .into(),
             ));
         }
-        if pool & !SLEEPABLE_BIT >= NEXT_POOL.load(Ordering::Relaxed) || pool & SLEEPABLE_BIT << 1 != 0 {
+        if !CREATED.read().contains(&pool) {
+            let twin = pool ^ SLEEPABLE_BIT;
+            let hint = if pool & (SLEEPABLE_BIT << 1) == 0 && CREATED.read().contains(&twin) {
+                format!(" ({twin:#x} was: a sleepable pool's id carries bit 62, a plain pool's does not)")
+            } else {
+                String::new()
+            };
             return Err(Error::InvalidValue(format!(
-                "pool {pool} was never created (gpupool_pool_create makes pools)"
+                "pool {pool:#x} was never created{hint}: gpupool_pool_create and gpupool_pool_create_sleepable make pools"
             )));
         }
         Ok(())

@@ -14,10 +14,14 @@ impl DeviceAllocator {
     /// time, and asks the driver for its free memory (`cuMemGetInfo`), whether `stream`
     /// captures (`cuStreamGetCaptureInfo`) and whether the events of the stream's freed
     /// blocks have completed (`cuEventQuery`), as malloc does; allocates, releases and
-    /// synchronises nothing, and counts in no statistic.
+    /// synchronises nothing, and counts in no statistic. While the default pools sleep (or a
+    /// sleep or wake of them is under way) every such malloc is refused: 0.
     ///
     /// Errors: [`Error::Cuda`] when one of those calls fails.
     pub fn largest_allocatable(&self, stream: StreamHandle) -> Result<usize, Error> {
+        if self.sleep_begun(0) {
+            return Ok(0);
+        }
         let underway = self.capture.any_underway();
         let capturing = self.capture.status(stream)?.is_capturing();
         // No allocation: the driver out of memory here is a CUDA error, not the answer.

@@ -153,7 +153,8 @@ impl DeviceAllocator {
         let mut prepared: Vec<(Arc<Shard>, ShardSleep)> = Vec::with_capacity(shards.len());
         // The host copies made so far are unmapped if a later step fails.
         let mut copies = scopeguard::guard(&mut prepared, |p| {
-            for (_, s) in p.drain(..) {
+            for (shard, s) in p.drain(..) {
+                shard.lock().abandon_sleep();
                 self.give_host(pool, s.discard());
             }
         });
@@ -283,7 +284,7 @@ impl DeviceAllocator {
         if r.is_ok() {
             // Awake: its record is gone, and one there now is a sleep another thread began
             // since, busy until that sleep settles it (settling it here let a wake run beside
-            // that sleep's copies: tests/sleep_faults.rs, two threads).
+            // that sleep's copies: tests/sleep/faults.rs, two threads).
             scopeguard::ScopeGuard::into_inner(busy);
         }
         r
@@ -356,7 +357,7 @@ impl DeviceAllocator {
         // Pinned copies go back to the pool's kept ones while it still sleeps (no driver
         // call): a sleep in another mode or a `release_pool` that begins once it is awake finds
         // them there and gives them back (given back after, one stayed pinned beside a pool
-        // asleep in another mode, or released: tests/sleep_pinned_hostile.rs).
+        // asleep in another mode, or released: tests/sleep/pinned_hostile.rs).
         for host in pinned {
             self.give_host(pool, host);
         }
@@ -386,6 +387,13 @@ impl DeviceAllocator {
                 return Err(format!("pool {p} may not sleep, but holds expandable segments"));
             }
             let asleep = self.sleepers.is_asleep(p);
+            if st.keeps_pages() && !st.is_asleep() && !asleep {
+                return Err(format!(
+                    "{}: stream {:#x} keeps its pages for a sleep, but its pool is not going to sleep",
+                    self.pool_name(p),
+                    shard.stream
+                ));
+            }
             if st.is_asleep() != asleep && (st.is_asleep() || st.segment_count() != 0) {
                 return Err(format!(
                     "{}: stream {:#x} says it sleeps: {}, its pool: {asleep}",

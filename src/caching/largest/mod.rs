@@ -57,7 +57,8 @@ pub(crate) struct SegModel {
     pub pool: PoolKind,
     /// An expandable segment's page size; `None` for an ordinary segment.
     pub page: Option<usize>,
-    /// Whether it goes back to the driver once wholly free (not while a CUDA graph keeps it).
+    /// Whether its free memory goes back to the driver (not while a CUDA graph keeps it, nor
+    /// while its pool sleeps or a sleep copies it).
     pub releasable: bool,
     /// Its blocks in address order: (bytes, kind).
     pub blocks: Vec<(usize, Kind)>,
@@ -111,6 +112,12 @@ impl ShardModel {
                 }
                 continue;
             };
+            if !seg.releasable {
+                // Its free pages stay mapped (a CUDA graph's, see `unmap_free_pages`), or are
+                // unmapped already and kept for a wake (a sleeping pool's).
+                segs.push(seg.clone());
+                continue;
+            }
             let mut blocks = Vec::with_capacity(seg.blocks.len() + 2);
             let mut at = 0usize;
             for &(size, kind) in &seg.blocks {

@@ -53,7 +53,10 @@ impl ShardState {
                     id = b.next;
                 }
                 let pool = self.blocks[seg.head].pool;
-                SegModel { base, pool, page: seg.exp.as_deref().map(|e| e.page), releasable: !seg.graph, blocks }
+                // A sleeping pool's free pages are unmapped already, and one a sleep is copying
+                // keeps them (`keeps_pages`): neither gives anything back to a request.
+                let releasable = !seg.graph && !self.keeps_pages();
+                SegModel { base, pool, page: seg.exp.as_deref().map(|e| e.page), releasable, blocks }
             })
             .collect();
         Ok(ShardModel { segs })

@@ -219,6 +219,11 @@ pub(crate) struct ShardState {
     /// The shard's pool sleeps (`gpupool_sleep`, see `sleep`): its pages are given back, its
     /// blocks keep their addresses, and nothing may unmap, release or hand out its memory.
     asleep: Option<Box<ShardSleep>>,
+    /// A sleep copies the shard's live blocks (its first half ran, [`ShardState::prepare_sleep`])
+    /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
+    /// no page may be unmapped by anyone else, for the copies read them and the wake maps and
+    /// restores exactly the pages the sleep unmapped (see `sleep`).
+    sleep_begun: bool,
 }
 
 impl ShardState {

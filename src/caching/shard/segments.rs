@@ -145,10 +145,10 @@ impl ShardState {
     /// ([`ShardState::release_pages`]). Split segments stay. The idle events are destroyed too (see
     /// `events`).
     /// A sleeping shard's memory is given back already, and its pages stay reserved for its
-    /// wake: nothing is released there.
+    /// wake; one a sleep is copying keeps its pages for the sleep: nothing is released there.
     pub fn release_cached(&mut self, ctx: &ShardCtx) -> Result<(), Error> {
         self.events.destroy_idle(ctx.driver, ctx.device);
-        if self.is_asleep() {
+        if self.keeps_pages() {
             return Ok(());
         }
         if !self.expandables.is_empty() {

@@ -9,6 +9,7 @@ use super::{ShardCtx, ShardState};
 use crate::caching::block::{BlockId, BlockState};
 use crate::caching::copy::Copies;
 use crate::caching::expandable::Expandable;
+use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::sleep::SleepMode;
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;
@@ -49,6 +50,19 @@ pub(crate) struct SleepHost {
     pub pinned: usize,
 }
 
+/// The stretches of neighbouring pages `i` of `flags` for which `pick(i, flags[i])` holds, as
+/// (first page, pages).
+fn runs(flags: &[bool], pick: impl Fn(usize, bool) -> bool) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, _) in flags.iter().enumerate().filter(|&(i, &f)| pick(i, f)) {
+        match out.last_mut() {
+            Some((first, n)) if *first + *n == i => *n += 1,
+            _ => out.push((i, 1)),
+        }
+    }
+    out
+}
+
 impl ShardSleep {
     /// The host copy of a sleep prepared but not begun (a later step failed), for the caller
     /// to give back.
@@ -79,8 +93,23 @@ impl ShardState {
         self.asleep.as_ref().is_some_and(|s| s.mode.offloads())
     }
 
+    /// Whether the shard's pages must stay as they are: its pool sleeps, or a sleep has
+    /// prepared it and not yet unmapped them (`empty_cache`, the out-of-memory path, the
+    /// high-water rule and gc release nothing of it then: PyTorch has no sleep; vLLM's
+    /// `CuMemAllocator` and torch_memory_saver hold their own lock over a whole sleep).
+    pub fn keeps_pages(&self) -> bool {
+        self.asleep.is_some() || self.sleep_begun
+    }
+
+    /// Undoes the first half of a sleep that will not go on (a later step failed): the shard's
+    /// pages may be released again.
+    pub fn abandon_sleep(&mut self) {
+        self.sleep_begun = false;
+    }
+
     /// The first half of a sleep with [`SleepMode::Discard`]: nothing to copy.
-    pub fn prepare_discard(&self) -> ShardSleep {
+    pub fn prepare_discard(&mut self) -> ShardSleep {
+        self.sleep_begun = true;
         ShardSleep {
             mode: SleepMode::Discard,
             copies: Vec::new(),
@@ -141,14 +170,15 @@ impl ShardState {
         self.live.values().map(|&id| self.blocks[id].size).sum()
     }
 
-    /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard:
+    /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard
+    /// but marking its pages kept ([`ShardState::keeps_pages`]):
     /// the copies of every live block into `host` (at least [`ShardState::live_bytes`] bytes,
     /// pinned for a [`crate::caching::copy_direct::Direct`] `copies`) added to `copies` (the
     /// caller finishes them). Returns what the shard will keep asleep.
     ///
     /// Errors: [`Error::Cuda`] when a copy cannot be queued; the caller gives `host` back.
     pub fn prepare_sleep(
-        &self,
+        &mut self,
         copies: &mut dyn Copies,
         mode: SleepMode,
         host: SleepHost,
@@ -174,6 +204,10 @@ impl ShardState {
                 .add(host.ptr + off, addr, size)
                 .map_err(|e| Error::driver(e, "copying a pool's live blocks to host memory"))?;
         }
+        // From here a free of one of these blocks leaves its pages mapped until the sleep
+        // unmaps them: a concurrent release unmapping them lost the blocks beside it at wake,
+        // whose copy spans them (the runs above), for good.
+        self.sleep_begun = true;
         Ok(sleep)
     }
 
@@ -194,9 +228,10 @@ impl ShardState {
         // Asleep from the first page on; `partial` until every page is unmapped.
         sleep.partial = true;
         self.asleep = Some(Box::new(sleep));
+        self.sleep_begun = false;
         let mut failure = Ok(());
         for base in self.expandables.clone() {
-            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep));
+            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep, true));
         }
         if failure.is_ok()
             && let Some(s) = self.asleep.as_deref_mut()
@@ -206,33 +241,53 @@ impl ShardState {
         failure
     }
 
-    /// Runs `change` (a sleep or a wake of its pages) on the expandable segment at `base`,
-    /// with its handles unmapped or left over appended to `handles` with their page's bytes,
-    /// and, while history is on, each page whose mapping changed recorded as a `segment_map`
-    /// or `segment_unmap`: whatever happens, a driver call that unwinds included.
+    /// Runs `change` (a sleep of its pages, `unmaps`, or a wake) on the expandable segment at
+    /// `base`, with its handles unmapped or left over appended to `handles` with their page's
+    /// bytes, and each page whose mapping changed recorded as a `segment_map` or
+    /// `segment_unmap` while history is on, whatever happens, a driver call that unwinds
+    /// included. Segment observers are told as for any other mapping (`segment_observers`):
+    /// the pages a sleep unmaps before the driver call, with the lock held (an NCCL
+    /// registration is taken off memory still there), those a wake maps once the lock is
+    /// dropped, and pages the driver would not unmap told mapped again.
     fn change_pages(
         &mut self,
         ctx: &ShardCtx,
         base: DevicePtr,
         handles: &mut Vec<(usize, PhysHandle)>,
         change: PageChange,
+        unmaps: bool,
     ) -> Result<(), DriverError> {
+        let observe = ctx.segments.on();
         let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
         let (page, pages) = (e.page, e.size / e.page);
         let before: Vec<bool> =
-            if ctx.history.on() { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+            if ctx.history.on() || observe { (0..pages).map(|i| e.is_mapped(i * page)).collect() } else { Vec::new() };
+        if observe && unmaps {
+            for (first, n) in runs(&before, |_, was| was) {
+                self.observe_now(ctx, SegmentEventKind::Unmap, base + (first * page) as u64, n * page);
+            }
+        }
+        let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
         let mut out = Vec::new();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, ctx.driver, ctx.device, &mut out)));
         handles.extend(out.into_iter().map(|h| (page, h)));
         if !before.is_empty() {
             let seg = &self.segments[&base];
             let e = seg.exp.as_deref().expect("expandable");
-            for (i, &was) in before.iter().enumerate() {
-                let now = e.is_mapped(i * page);
-                if now != was {
-                    let action = if now { Action::SegmentMap } else { Action::SegmentUnmap };
-                    let at = base + (i * page) as u64;
-                    ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
+            let now: Vec<bool> = (0..pages).map(|i| e.is_mapped(i * page)).collect();
+            if ctx.history.on() {
+                for (i, (&was, &is)) in before.iter().zip(&now).enumerate() {
+                    if is != was {
+                        let action = if is { Action::SegmentMap } else { Action::SegmentUnmap };
+                        let at = base + (i * page) as u64;
+                        ctx.history.record(action, at, page, page, ctx.shard.stream, seg.ctx);
+                    }
+                }
+            }
+            if observe {
+                // Mapped now, and either told unmapped above or not mapped before.
+                for (first, n) in runs(&now, |i, is| is && (unmaps || !before[i])) {
+                    self.observe_later(ctx, SegmentEventKind::Map, base + (first * page) as u64, n * page);
                 }
             }
         }
@@ -248,9 +303,9 @@ impl ShardState {
     pub fn map_slept(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
         let bases = self.expandables.clone();
         for (k, &base) in bases.iter().enumerate() {
-            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake) {
+            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake, false) {
                 for &b in bases[..k].iter().rev() {
-                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep);
+                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep, true);
                 }
                 return Err(err);
             }
@@ -272,7 +327,7 @@ impl ShardState {
         });
         let mut failure = Ok(());
         for base in st.expandables.clone() {
-            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep));
+            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep, true));
         }
         failure
     }
@@ -346,6 +401,22 @@ impl ShardState {
             }
             if end != at {
                 return Err(format!("a sleeping pool's runs hold {end} bytes, its copies {at}"));
+            }
+            // The wake maps the slept pages and copies every run back: each page a run spans
+            // is slept (or still mapped), or the wake fails and the copy is lost.
+            for &(addr, size, _) in &s.runs {
+                let seg = self.segments.iter().filter_map(|(&b, seg)| seg.exp.as_deref().map(|e| (b, e)));
+                let Some((base, e)) = seg.into_iter().find(|&(b, e)| addr >= b && addr - b < e.size as u64) else {
+                    return Err(format!("the copy of {addr:#x} of a sleeping pool lies in no segment of the pool"));
+                };
+                let (lo, hi) = ((addr - base) as usize, (addr - base) as usize + size);
+                if let Some(off) = (lo / e.page * e.page..hi).step_by(e.page).find(|&o| !e.is_held(o)) {
+                    return Err(format!(
+                        "the copy of {addr:#x} ({size} bytes) of a sleeping pool spans page {:#x}, which is \
+                         neither slept nor mapped: the wake cannot put it back",
+                        base + off as u64
+                    ));
+                }
             }
             for &id in self.live.values() {
                 let b = &self.blocks[id];

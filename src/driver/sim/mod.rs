@@ -17,6 +17,8 @@
 //!   range; the driver keeps which ranges are pinned ([`SimDriver::is_pinned`]), and a
 //!   simulated host-to-device copy from memory that is not is counted
 //!   ([`SimDriver::memcpy_htod_async`], [`SimCounts::unpinned_copies`]).
+//! - Hooks: [`SimDriver::on_call`] runs a test's code at the start of a chosen later call, to
+//!   put another call at one exact point inside an operation of the allocator.
 //! - Faults: [`SimDriver::inject`] makes a chosen later call of one kind fail with an error,
 //!   fail as a driver library lacking the call's symbol would be reported
 //!   ([`SimFault::MissingSymbol`]), or panic as cudarc does when `libcuda.so.1` lacks the
@@ -44,7 +46,9 @@
 mod backing;
 mod capture;
 mod copy;
+mod counts;
 mod faults;
+mod hooks;
 mod host;
 mod ipc;
 mod memory;
@@ -64,52 +68,13 @@ use super::{
     CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
 };
 use capture::Capture;
+pub use counts::SimCounts;
 use faults::Fault;
 pub use faults::{SIM_PANIC_MARK, SimFault, SimOp};
 use host::HostKind;
 use streams::SimStream;
 pub use vmm::SIM_GRANULARITY;
 use vmm::{Handle, Range};
-
-/// How often each driver call was made, for tests that check what the allocator asked.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SimCounts {
-    pub mem_alloc: u64,
-    pub mem_free: u64,
-    pub event_create: u64,
-    pub event_record: u64,
-    pub event_query: u64,
-    pub event_synchronize: u64,
-    pub event_destroy: u64,
-    pub device_synchronize: u64,
-    pub address_reserve: u64,
-    pub mem_create: u64,
-    pub mem_map: u64,
-    pub mem_set_access: u64,
-    pub mem_unmap: u64,
-    /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
-    pub mem_release: u64,
-    pub host_alloc: u64,
-    pub host_free: u64,
-    pub host_register: u64,
-    pub host_unregister: u64,
-    /// `host_map` and `host_unmap` calls (a sleeping pool's pageable host copy).
-    pub host_map: u64,
-    pub host_unmap: u64,
-    /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
-    /// a GPU they would be synchronous staging copies, not asynchronous DMA.
-    pub unpinned_copies: u64,
-    /// Streams made by `stream_create` (gpupool's copy streams).
-    pub stream_create: u64,
-    /// Copies queued by `memcpy_dtoh_async` and `memcpy_htod_async`, and their bytes.
-    pub copies: u64,
-    pub copied_bytes: u64,
-    /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
-    pub capture_info: u64,
-    /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
-    /// invalidated a capture. A capture-safe allocator keeps this at 0.
-    pub capture_violations: u64,
-}
 
 #[derive(Default)]
 struct State {
@@ -157,9 +122,11 @@ pub struct SimDriver {
     devices: i32,
     capacity: usize,
     state: Mutex<State>,
-    /// Whether any fault was ever injected: until then the calls that take no lock otherwise
+    /// Whether any fault was ever injected or hook set: until then the calls that take no lock otherwise
     /// (`current_device`, `current_primary_device`) need not take it to look for one.
     armed: AtomicBool,
+    /// Code of a test's run at chosen calls ([`SimDriver::on_call`]).
+    hooks: hooks::Hooks,
 }
 
 impl SimDriver {
@@ -174,6 +141,7 @@ impl SimDriver {
                 ..State::default()
             }),
             armed: AtomicBool::new(false),
+            hooks: hooks::Hooks::default(),
         }
     }
 
@@ -207,38 +175,47 @@ impl Driver for SimDriver {
     }
 
     fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::MemAlloc);
         self.sim_mem_alloc(device, size)
     }
 
     fn mem_free(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemFree);
         self.sim_mem_free(ptr)
     }
 
     fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
+        self.run_hooks(SimOp::MemInfo);
         self.sim_mem_info(device)
     }
 
     fn event_create(&self, _device: i32) -> Result<EventHandle, DriverError> {
+        self.run_hooks(SimOp::EventCreate);
         self.sim_event_create()
     }
 
     fn event_record(&self, _device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::EventRecord);
         self.sim_event_record(event, stream)
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        self.run_hooks(SimOp::EventQuery);
         self.sim_event_query(event)
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::EventSynchronize);
         self.sim_event_synchronize(event)
     }
 
     fn event_destroy(&self, _device: i32, event: EventHandle) {
+        self.run_hooks(SimOp::EventDestroy);
         self.sim_event_destroy(event)
     }
 
     fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::DeviceSynchronize);
         self.sim_device_synchronize()
     }
 
@@ -248,42 +225,52 @@ impl Driver for SimDriver {
     }
 
     fn stream_capture_status(&self, _device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
+        self.run_hooks(SimOp::StreamGetCaptureInfo);
         self.sim_stream_capture_status(stream)
     }
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        self.run_hooks(SimOp::ThreadExchangeCaptureMode);
         self.sim_exchange_capture_mode(mode)
     }
 
     fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
+        self.run_hooks(SimOp::VmmGranularity);
         self.sim_vmm_granularity()
     }
 
     fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::AddressReserve);
         self.sim_address_reserve(device, size)
     }
 
     fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::AddressFree);
         self.sim_address_free(ptr, size)
     }
 
     fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        self.run_hooks(SimOp::MemCreate);
         self.sim_mem_create(device, size)
     }
 
     fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemRelease);
         self.sim_mem_release(handle)
     }
 
     fn mem_map(&self, _device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemMap);
         self.sim_mem_map(ptr, size, handle)
     }
 
     fn mem_set_access(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemSetAccess);
         self.sim_mem_set_access(ptr, size)
     }
 
     fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemUnmap);
         self.sim_mem_unmap(ptr, size)
     }
 
@@ -292,42 +279,52 @@ impl Driver for SimDriver {
     }
 
     fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
+        self.run_hooks(SimOp::HostAlloc);
         self.sim_host_alloc(size)
     }
 
     fn host_free(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostFree);
         self.sim_host_free(ptr)
     }
 
     fn host_register(&self, _device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostRegister);
         self.sim_host_register(ptr, size)
     }
 
     fn host_unregister(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostUnregister);
         self.sim_host_unregister(ptr)
     }
 
     fn host_map(&self, size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
+        self.run_hooks(SimOp::HostMap);
         self.sim_host_map(size, huge_pages)
     }
 
     fn host_unmap(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostUnmap);
         self.sim_host_unmap(ptr, size)
     }
 
     fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+        self.run_hooks(SimOp::StreamDevice);
         self.sim_stream_device(stream)
     }
 
     fn stream_create(&self, _device: i32) -> Result<StreamHandle, DriverError> {
+        self.run_hooks(SimOp::StreamCreate);
         self.sim_stream_create()
     }
 
     fn stream_destroy(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::StreamDestroy);
         self.sim_stream_destroy(stream)
     }
 
     fn stream_synchronize(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::StreamSynchronize);
         self.sim_stream_synchronize(stream)
     }
 
@@ -339,6 +336,7 @@ impl Driver for SimDriver {
         size: usize,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemcpyDtoH);
         self.sim_memcpy(copy::Direction::ToHost, dst, src as usize, size, stream)
     }
 
@@ -350,30 +348,37 @@ impl Driver for SimDriver {
         size: usize,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemcpyHtoD);
         self.sim_memcpy(copy::Direction::ToDevice, dst as usize, src, size, stream)
     }
 
     fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+        self.run_hooks(SimOp::DeviceUuid);
         self.sim_device_uuid(device)
     }
 
     fn mem_export(&self, _device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.run_hooks(SimOp::MemExport);
         self.sim_mem_export(handle)
     }
 
     fn mem_import(&self, device: i32, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
+        self.run_hooks(SimOp::MemImport);
         self.sim_mem_import(device, fd, size)
     }
 
     fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+        self.run_hooks(SimOp::IpcGetMemHandle);
         self.sim_ipc_get_mem_handle(device, ptr)
     }
 
     fn ipc_open_mem_handle(&self, _device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::IpcOpenMemHandle);
         self.sim_ipc_open_mem_handle(handle)
     }
 
     fn ipc_close_mem_handle(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::IpcCloseMemHandle);
         self.sim_ipc_close_mem_handle(ptr)
     }
 }

@@ -242,7 +242,7 @@ mod tests {
     use super::*;
 
     /// CPython's `pickle.dumps(OBJ, 4)`, where `OBJ` is the Python expression below; runs
-    /// python3 (as tests/history.rs does: CI has it).
+    /// python3 (as tests/history/recording.rs does: CI has it).
     fn cpython(expr: &str) -> Vec<u8> {
         let script = format!("import pickle, sys\nsys.stdout.buffer.write(pickle.dumps({expr}, 4))");
         let out = std::process::Command::new("python3").args(["-c", &script]).output().expect("python3");

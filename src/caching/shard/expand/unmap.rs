@@ -143,9 +143,9 @@ impl ShardState {
             }
         }
         candidates.sort_by_key(|c| std::cmp::Reverse(c.3 - c.2));
-        // A sleeping shard maps nothing, and a segment a CUDA graph uses (a sleepable private
+        // A sleeping shard maps nothing (and one a sleep is copying keeps its pages), and a segment a CUDA graph uses (a sleepable private
         // pool's) keeps its free pages: the graph writes there at every replay.
-        if self.is_asleep() {
+        if self.keeps_pages() {
             return Ok(0);
         }
         candidates.retain(|c| self.releasable(c.0));

@@ -1,0 +1,41 @@
+//! The simulated driver's count of each call it was asked ([`SimCounts`]).
+
+/// How often each driver call was made, for tests that check what the allocator asked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounts {
+    pub mem_alloc: u64,
+    pub mem_free: u64,
+    pub event_create: u64,
+    pub event_record: u64,
+    pub event_query: u64,
+    pub event_synchronize: u64,
+    pub event_destroy: u64,
+    pub device_synchronize: u64,
+    pub address_reserve: u64,
+    pub mem_create: u64,
+    pub mem_map: u64,
+    pub mem_set_access: u64,
+    pub mem_unmap: u64,
+    /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
+    pub mem_release: u64,
+    pub host_alloc: u64,
+    pub host_free: u64,
+    pub host_register: u64,
+    pub host_unregister: u64,
+    /// `host_map` and `host_unmap` calls (a sleeping pool's pageable host copy).
+    pub host_map: u64,
+    pub host_unmap: u64,
+    /// Copies through [`SimDriver::memcpy_htod_async`] whose source was not wholly pinned: on
+    /// a GPU they would be synchronous staging copies, not asynchronous DMA.
+    pub unpinned_copies: u64,
+    /// Streams made by `stream_create` (gpupool's copy streams).
+    pub stream_create: u64,
+    /// Copies queued by `memcpy_dtoh_async` and `memcpy_htod_async`, and their bytes.
+    pub copies: u64,
+    pub copied_bytes: u64,
+    /// `stream_capture_status` calls (each a `cuStreamGetCaptureInfo`).
+    pub capture_info: u64,
+    /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
+    /// invalidated a capture. A capture-safe allocator keeps this at 0.
+    pub capture_violations: u64,
+}

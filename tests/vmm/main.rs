@@ -1,0 +1,12 @@
+//! Expandable segments on the simulated device: growth, faults, the pool of physical pages, and
+//! the page ladder (with an IPC importer, `common/ipc.rs`, for shared large pages). One test
+//! binary, a module per file.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../common/ipc.rs"]
+mod ipc;
+
+mod expandable;
+mod ladder_hostile;
+mod page_ladder;
