@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "gpupool.h"
+#include "gpupool_testing.h"
 #include "check.h"
 
 #define MIB ((size_t)1 << 20)
@@ -129,6 +130,7 @@ static void each_tag(const char *name, const gpupool_tag_stats_t *stats, void *u
   (*(int *)user)++;
 }
 static uint64_t own_pool;
+static uint64_t sleeper;
 
 static volatile int handler_ran;
 static void handler(void *arg) {
@@ -141,7 +143,7 @@ struct job {
    * call on the stream), 'h' malloc that grows from the hit path (the stream's shard in the
    * thread's cache), 'e' empty_cache, 'd' dump a snapshot, 'p' malloc routed to a pool whose
    * segment allocator ends the thread, 'f' malloc whose route's filter ends it, 't' a tag
-   * function that ends it */
+   * function that ends it, 's' a sleep of a pool and 'w' its wake, told to the observers */
   char what;
   int cancel_first;
 };
@@ -170,6 +172,12 @@ static void *worker(void *arg) {
       break;
     case 't':
       gpupool_for_each_tag(each_tag, &tags_seen);
+      break;
+    case 's':
+      gpupool_sleep(0, sleeper, GPUPOOL_SLEEP_OFFLOAD);
+      break;
+    case 'w':
+      gpupool_wake(0, sleeper);
       break;
     case 'i':
       gpupool_malloc(&p, 300 * MIB, 0, (gpupool_stream_t)(uintptr_t)0x66);
@@ -422,6 +430,53 @@ int main(void) {
   CHECK_OK(gpupool_for_each_tag(each_tag, &tags_here));
   CHECK(tags_here >= 1);
   still_works("pthread_exit in a tag function");
+
+  /* A sleep and a wake, told to the observers (pages unmapped, then mapped): each finishes,
+   * the pool asleep then awake with its block's bytes, before the thread ends. */
+  CHECK_OK(gpupool_pool_create_sleepable(&sleeper));
+  CHECK_OK(gpupool_begin_allocate_to_pool_thread(0, sleeper));
+  uint64_t *held = NULL;
+  CHECK_OK(gpupool_malloc((void **)&held, 4 * MIB, 0, NULL));
+  CHECK_OK(gpupool_end_allocate_to_pool(0, sleeper));
+  held[0] = 0x5ee9, held[4 * MIB / 8 - 1] = 0xa3a3;
+  how = 'x', segment_kind = 'r';
+  r = run((struct job){'s', 0});
+  CHECK(r == (void *)(intptr_t)7 && handler_ran == 1 && ended_inside >= 1);
+  CHECK(gpupool_sleep(0, sleeper, GPUPOOL_SLEEP_OFFLOAD) == GPUPOOL_ERROR_INVALID_VALUE); /* asleep already */
+  how = 'c', segment_kind = 'a';
+  r = run((struct job){'w', 1});
+  CHECK(r == PTHREAD_CANCELED && handler_ran == 1 && ended_inside >= 1);
+  CHECK(held[0] == 0x5ee9 && held[4 * MIB / 8 - 1] == 0xa3a3);
+  CHECK_OK(gpupool_free(held));
+  CHECK_OK(gpupool_release_pool(0, sleeper));
+  segment_kind = 0;
+  still_works("pthread_exit in a sleep's, and a cancellation in a wake's, segment observer");
+
+  /* Panics still stop at the entry point: a driver call that panics (as cudarc does for a
+   * function libcuda lacks) gives GPUPOOL_ERROR_INTERNAL, and the thread goes on. */
+  const char *grow_call = getenv("GPUPOOL_CONF") != NULL && strstr(getenv("GPUPOOL_CONF"), "expandable_segments:False")
+                              ? "cuMemAlloc_v2"
+                              : "cuMemCreate";
+  CHECK_OK(gpupool_sim_inject_fault(grow_call, 0, GPUPOOL_SIM_FAULT_PANIC));
+  void *none = NULL;
+  CHECK(gpupool_malloc(&none, 300 * MIB, 0, (gpupool_stream_t)(uintptr_t)0xaa) == GPUPOOL_ERROR_INTERNAL);
+  CHECK(none == NULL && allocated() == base);
+  size_t pending = 1;
+  CHECK_OK(gpupool_sim_clear_faults(&pending));
+  CHECK(pending == 0);
+  /* A panic in a call whose thread's end was stopped before it: the end goes on all the same. */
+  void *grow2 = NULL;
+  CHECK_OK(gpupool_malloc(&grow2, 300 * MIB, 0, (gpupool_stream_t)(uintptr_t)0xab));
+  CHECK_OK(gpupool_free(grow2));
+  const char *release_call = strcmp(grow_call, "cuMemCreate") == 0 ? "cuMemRelease" : "cuMemFree_v2";
+  CHECK_OK(gpupool_sim_inject_fault(release_call, 0, GPUPOOL_SIM_FAULT_PANIC));
+  how = 'x', segment_kind = 'r';
+  r = run((struct job){'e', 0});
+  CHECK(r == (void *)(intptr_t)7 && handler_ran == 1 && ended_inside >= 1);
+  CHECK_OK(gpupool_sim_clear_faults(&pending));
+  CHECK(pending == 0);
+  segment_kind = 0;
+  still_works("a panic after an end was stopped");
 
   /* A cancellation pending while gpupool writes a file: gpupool returns first. */
   segment_kind = 0;
