@@ -511,8 +511,12 @@ typedef void (*gpupool_segment_free_fn)(void *user,
  * It runs on the thread whose request failed, with no lock of gpupool's held: it may call any
  * gpupool function (`gpupool_free`, `gpupool_stats`, `gpupool_empty_cache`,
  * `gpupool_memory_summary`, `gpupool_malloc`...), and `gpupool_oom_retry` to ask for one
- * more attempt. It must return (no `longjmp` out of it), and a C++ observer must catch its
- * exceptions: one that escapes into gpupool is undefined behaviour, as for any C callback.
+ * more attempt. It may end its thread (`pthread_exit`, or a cancellation acted on at a
+ * cancellation point in it): gpupool then finishes the failed request (the other observers
+ * still run, no retry is made) and the thread's end goes on out of `gpupool_malloc`, the
+ * program's cleanup handlers run. Otherwise it must return (no `longjmp` out of it), and a
+ * C++ observer must catch its exceptions: one that escapes into gpupool is undefined
+ * behaviour, as for any C callback.
  */
 typedef void (*gpupool_oom_observer_fn)(int device,
                                         size_t requested,
@@ -1603,8 +1607,12 @@ gpupool_status gpupool_oom_retry(void);
  *   call is under way. Segments that existed before the attach are not told.
  * - The observer may call CUDA and NCCL. It must not call gpupool: a `gpupool_malloc` from it
  *   that needs a new segment fails with `GPUPOOL_ERROR_INVALID_VALUE`, and a call on the
- *   stream of a FREE or UNMAP event would wait forever for the lock held. It must return (no
- *   `longjmp`), and a C++ observer must catch its exceptions.
+ *   stream of a FREE or UNMAP event would wait forever for the lock held. It may end its
+ *   thread (`pthread_exit`, or a cancellation acted on in it): gpupool then finishes the call
+ *   that told it (every observer is still told of the call's other events, and a malloc whose
+ *   growth it was told of gives its block back, since the program never gets it), and the
+ *   thread's end goes on out of that call, the program's cleanup handlers run. Otherwise it
+ *   must return (no `longjmp`), and a C++ observer must catch its exceptions.
  * - `user`: any pointer, passed back; gpupool never reads it. It must stay usable, from any
  *   thread, until `gpupool_detach_segment_observer` returns.
  *

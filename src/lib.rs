@@ -9,6 +9,7 @@
 //! - [`config`]: the `GPUPOOL_*` options.
 //! - [`host`]: pinned host memory, PyTorch's caching host allocator.
 //! - `ipc`: device memory shared between processes (`gpupool_ipc_*`).
+//! - `callout`: calls into a program's callbacks and CPython, which may end the calling thread.
 //!
 //! From Rust, build an [`Allocator`] over a driver:
 //!
@@ -23,6 +24,7 @@
 //! ```
 
 mod caching;
+mod callout;
 pub mod config;
 pub mod driver;
 pub mod error;

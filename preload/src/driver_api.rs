@@ -93,7 +93,7 @@ fn allocate(
 /// # Safety
 /// As CUDA's `cuMemAlloc_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> c_int {
     guard(UNKNOWN, || {
         allocate(
             dptr,
@@ -111,7 +111,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: us
 /// # Safety
 /// As CUDA's `cuMemFree_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
     guard(UNKNOWN, || match owner_of(dptr) {
         Some(s) => status(s.free(dptr)),
         None => call_real!(b"cuMemFree_v2", FreeFn, dptr),
@@ -124,7 +124,11 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> c_int {
 /// # Safety
 /// As CUDA's `cuMemAllocAsync`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: usize, stream: sys::CUstream) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemAllocAsync(
+    dptr: *mut sys::CUdeviceptr,
+    bytesize: usize,
+    stream: sys::CUstream,
+) -> c_int {
     guard(UNKNOWN, || {
         allocate(
             dptr,
@@ -142,7 +146,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut sys::CUdeviceptr, bytesize: 
 /// # Safety
 /// As CUDA's `cuMemFreeAsync`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> c_int {
     guard(UNKNOWN, || match owner_of(dptr) {
         Some(s) => status(s.free_async(dptr, stream as usize)),
         None => call_real!(b"cuMemFreeAsync", FreeAsyncFn, dptr, stream),
@@ -165,7 +169,7 @@ const SERVED_HOST_FLAGS: u32 = 1;
 /// # Safety
 /// As CUDA's `cuMemAllocHost_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) -> c_int {
     // SAFETY: as this function's contract.
     unsafe { cuMemHostAlloc(pp, bytesize, 0) }
 }
@@ -176,7 +180,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize
 /// # Safety
 /// As CUDA's `cuMemHostAlloc`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, flags: u32) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, flags: u32) -> c_int {
     guard(UNKNOWN, || match shim() {
         Some(s) if flags & !SERVED_HOST_FLAGS == 0 => {
             if pp.is_null() {
@@ -201,7 +205,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, f
 /// # Safety
 /// As CUDA's `cuMemFreeHost`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> c_int {
+pub unsafe extern "C-unwind" fn cuMemFreeHost(p: *mut c_void) -> c_int {
     guard(UNKNOWN, || match crate::shim::host_owner_of(p as usize) {
         Some(s) => status(s.free_host(p as usize, s.alloc.driver().current_device().unwrap_or(0))),
         None => call_real!(b"cuMemFreeHost", HostFreeFn, p),
@@ -252,7 +256,7 @@ unsafe fn substitute(r: c_int, symbol: *const c_char, pfn: *mut *mut c_void, cud
 /// # Safety
 /// As CUDA's `cuGetProcAddress`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
+pub unsafe extern "C-unwind" fn cuGetProcAddress(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     cuda_version: c_int,
@@ -272,7 +276,7 @@ pub unsafe extern "C" fn cuGetProcAddress(
 /// # Safety
 /// As CUDA's `cuGetProcAddress_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
+pub unsafe extern "C-unwind" fn cuGetProcAddress_v2(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     cuda_version: c_int,

@@ -46,7 +46,7 @@ fn runtime_device() -> i32 {
 /// # Safety
 /// As CUDA's `cudaMalloc`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+pub unsafe extern "C-unwind" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
     guard(UNKNOWN, || match shim() {
         // SAFETY (out): checked non-null; the caller passes a writable `void *`.
         Some(s) if !dev_ptr.is_null() => {
@@ -65,7 +65,7 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
 /// # Safety
 /// As CUDA's `cudaFree`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
+pub unsafe extern "C-unwind" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
     guard(UNKNOWN, || {
         if dev_ptr.is_null() {
             return free_null();
@@ -106,7 +106,7 @@ fn free_null() -> c_int {
 /// # Safety
 /// As CUDA's `cudaMallocAsync`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize, stream: *mut c_void) -> c_int {
+pub unsafe extern "C-unwind" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize, stream: *mut c_void) -> c_int {
     guard(UNKNOWN, || match shim() {
         // SAFETY (out): checked non-null; the caller passes a writable `void *`.
         Some(s) if !dev_ptr.is_null() => {
@@ -126,7 +126,7 @@ pub unsafe extern "C" fn cudaMallocAsync(dev_ptr: *mut *mut c_void, size: usize,
 /// # Safety
 /// As CUDA's `cudaFreeAsync`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaFreeAsync(dev_ptr: *mut c_void, stream: *mut c_void) -> c_int {
+pub unsafe extern "C-unwind" fn cudaFreeAsync(dev_ptr: *mut c_void, stream: *mut c_void) -> c_int {
     guard(UNKNOWN, || match owner_of(dev_ptr as u64) {
         Some(s) => status(s.free_async(dev_ptr as u64, stream as usize)),
         // SAFETY: the real function, with the caller's arguments.
@@ -159,7 +159,7 @@ fn free_device(s: &crate::shim::Shim) -> i32 {
 /// # Safety
 /// As CUDA's `cudaMallocHost`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> c_int {
+pub unsafe extern "C-unwind" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> c_int {
     // SAFETY: as this function's contract.
     unsafe { cudaHostAlloc(ptr, size, 0) }
 }
@@ -171,7 +171,7 @@ pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> c
 /// # Safety
 /// As CUDA's `cudaHostAlloc`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaHostAlloc(ptr: *mut *mut c_void, size: usize, flags: u32) -> c_int {
+pub unsafe extern "C-unwind" fn cudaHostAlloc(ptr: *mut *mut c_void, size: usize, flags: u32) -> c_int {
     guard(UNKNOWN, || match shim() {
         // SAFETY (out): checked non-null; the caller passes a writable `void *`.
         Some(s) if flags & !SERVED_HOST_FLAGS == 0 => {
@@ -197,7 +197,7 @@ pub unsafe extern "C" fn cudaHostAlloc(ptr: *mut *mut c_void, size: usize, flags
 /// # Safety
 /// As CUDA's `cudaFreeHost`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaFreeHost(ptr: *mut c_void) -> c_int {
+pub unsafe extern "C-unwind" fn cudaFreeHost(ptr: *mut c_void) -> c_int {
     guard(UNKNOWN, || match crate::shim::host_owner_of(ptr as usize) {
         Some(s) => status(s.free_host(ptr as usize, free_device(s))),
         // SAFETY: the real function, with the caller's arguments.

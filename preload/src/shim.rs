@@ -105,12 +105,23 @@ impl Shim {
     }
 }
 
-/// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program).
+/// Runs `f`, turning a panic into `on_panic` (no panic may cross into the program). The
+/// calling thread's end (`pthread_exit`, or cancellation) inside a callback gpupool called on
+/// the way (an observer, CPython waiting for the GIL at exit) is no panic: gpupool carries it
+/// out of the finished call, and it goes on from here, out of the exported function
+/// (`extern "C-unwind"` for that reason), as the program's `pthread_exit` asked.
 pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
-        say("internal error: gpupool panicked; please report this");
-        on_panic
-    })
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) if gpupool::ffi::is_thread_exit(&*payload) => {
+            drop(payload);
+            gpupool::ffi::continue_thread_exit()
+        }
+        Err(_) => {
+            say("internal error: gpupool panicked; please report this");
+            on_panic
+        }
+    }
 }
 
 // The CUDA statuses the shim returns itself. The runtime's `cudaError_t` and the driver's

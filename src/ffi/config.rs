@@ -65,7 +65,7 @@ use crate::error::Error;
 /// # Safety
 /// `conf` must be NULL or point to a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_set_config(conf: *const c_char) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_set_config(conf: *const c_char) -> gpupool_status {
     boundary("gpupool_set_config", || {
         if conf.is_null() {
             return Err(Error::InvalidValue(
@@ -106,7 +106,11 @@ pub unsafe extern "C" fn gpupool_set_config(conf: *const c_char) -> gpupool_stat
 /// # Safety
 /// `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_config_string(buf: *mut c_char, len: usize, needed: *mut usize) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_config_string(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> gpupool_status {
     boundary("gpupool_config_string", || {
         if buf.is_null() && needed.is_null() {
             return Err(Error::InvalidValue("buf and needed are both NULL".into()));

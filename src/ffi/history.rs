@@ -98,7 +98,7 @@ pub const GPUPOOL_HISTORY_STACKS_NATIVE: u32 = 0x20;
 /// settings or the new ones. Starts the process-wide allocator if no call did yet, but no
 /// device.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, context: u32) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_record_history(enabled: c_int, max_entries: usize, context: u32) -> gpupool_status {
     boundary("gpupool_record_history", || {
         let settings = if enabled == 0 {
             None
@@ -166,7 +166,7 @@ pub extern "C" fn gpupool_record_history(enabled: c_int, max_entries: usize, con
 /// # Safety
 /// `path` must be NULL or point to a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_dump_snapshot(path: *const c_char) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_dump_snapshot(path: *const c_char) -> gpupool_status {
     boundary("gpupool_dump_snapshot", || {
         if path.is_null() {
             return Err(Error::InvalidValue("path is NULL; pass the file to write".into()));

@@ -144,7 +144,7 @@ impl From<&HostStats> for gpupool_host_stats_t {
 /// # Safety
 /// `ptr` must be NULL or point to writable storage for one `void *`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_host_malloc(ptr: *mut *mut c_void, size: usize) -> gpupool_status {
     let Some(host) = started_host_hit() else {
         // SAFETY: the caller's promise, passed on.
         return unsafe { host_malloc(ptr, size, None) };
@@ -202,7 +202,7 @@ unsafe extern "C" fn host_malloc(ptr: *mut *mut c_void, size: usize, stripe: Opt
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_host_free(ptr: *mut c_void) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_host_free(ptr: *mut c_void) -> gpupool_status {
     let Some(host) = started_host_hit() else {
         return host_free(ptr, None);
     };
@@ -243,7 +243,10 @@ extern "C" fn host_free(ptr: *mut c_void, stripe: Option<StripeLock<'_>>) -> gpu
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_host_record_event(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_host_record_event(
+    ptr: *mut c_void,
+    stream: gpupool_stream_t,
+) -> gpupool_status {
     boundary("gpupool_host_record_event", || process_host_allocator()?.record_event(ptr as usize, stream as usize))
 }
 
@@ -259,7 +262,7 @@ pub unsafe extern "C" fn gpupool_host_record_event(ptr: *mut c_void, stream: gpu
 ///
 /// Thread-safe; may block while it synchronises a device for blocks that wait for one.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_host_empty_cache() -> gpupool_status {
+pub extern "C-unwind" fn gpupool_host_empty_cache() -> gpupool_status {
     boundary("gpupool_host_empty_cache", || process_host_allocator()?.empty_cache())
 }
 
@@ -281,7 +284,7 @@ const HEADER: usize = 8;
 /// # Safety
 /// `out` must be NULL or point to writable storage of at least `out->size` bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_host_stats(out: *mut gpupool_host_stats_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_host_stats(out: *mut gpupool_host_stats_t) -> gpupool_status {
     boundary("gpupool_host_stats", || {
         let out = out_ptr(out, "out")?.as_ptr();
         // SAFETY: `out` is non-NULL and points to at least the 4-byte `size` field.
@@ -305,7 +308,7 @@ pub unsafe extern "C" fn gpupool_host_stats(out: *mut gpupool_host_stats_t) -> g
 ///
 /// Errors: `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_host_reset_peak_stats() -> gpupool_status {
+pub extern "C-unwind" fn gpupool_host_reset_peak_stats() -> gpupool_status {
     boundary("gpupool_host_reset_peak_stats", || {
         process_host_allocator()?.reset_peak_stats();
         Ok(())

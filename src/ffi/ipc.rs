@@ -61,7 +61,10 @@ pub struct gpupool_ipc_handle_t {
 /// `ptr` is only compared with gpupool's blocks; `handle` must be NULL or point to writable
 /// storage for one `gpupool_ipc_handle_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_ipc_export(ptr: *const c_void, handle: *mut gpupool_ipc_handle_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_ipc_export(
+    ptr: *const c_void,
+    handle: *mut gpupool_ipc_handle_t,
+) -> gpupool_status {
     boundary("gpupool_ipc_export", || {
         let out = out_ptr(handle, "handle")?;
         let bytes = runtime()?.allocator.ipc_export(ptr as u64)?;
@@ -99,7 +102,7 @@ pub unsafe extern "C" fn gpupool_ipc_export(ptr: *const c_void, handle: *mut gpu
 /// `handle` must be NULL or point to one readable `gpupool_ipc_handle_t` (any bytes); `ptr`
 /// NULL or writable storage for one pointer.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_ipc_import(
+pub unsafe extern "C-unwind" fn gpupool_ipc_import(
     handle: *const gpupool_ipc_handle_t,
     device: c_int,
     ptr: *mut *mut c_void,
@@ -131,7 +134,7 @@ pub unsafe extern "C" fn gpupool_ipc_import(
 /// # Safety
 /// `ptr` is only looked up, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_ipc_close(ptr: *mut c_void) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_ipc_close(ptr: *mut c_void) -> gpupool_status {
     boundary("gpupool_ipc_close", || runtime()?.allocator.ipc_close(ptr as u64))
 }
 
@@ -151,7 +154,7 @@ pub unsafe extern "C" fn gpupool_ipc_close(ptr: *mut c_void) -> gpupool_status {
 /// # Safety
 /// `reclaimed` must be NULL or point to writable storage for one `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_ipc_reclaim(reclaimed: *mut usize) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_ipc_reclaim(reclaimed: *mut usize) -> gpupool_status {
     boundary("gpupool_ipc_reclaim", || {
         let n = runtime()?.allocator.ipc_reclaim();
         if !reclaimed.is_null() {

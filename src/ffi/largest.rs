@@ -80,7 +80,7 @@ use super::status::{boundary, gpupool_status, out_ptr};
 /// # Safety
 /// `bytes` must be NULL or point to a writable `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_largest_allocatable(
+pub unsafe extern "C-unwind" fn gpupool_largest_allocatable(
     device: c_int,
     stream: gpupool_stream_t,
     bytes: *mut usize,

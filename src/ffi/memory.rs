@@ -68,7 +68,7 @@ pub use super::largest::gpupool_largest_allocatable;
 /// # Safety
 /// `ptr` must be NULL or point to writable storage for one `void *`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_malloc(
+pub unsafe extern "C-unwind" fn gpupool_malloc(
     ptr: *mut *mut c_void,
     size: usize,
     device: c_int,
@@ -110,7 +110,7 @@ pub unsafe extern "C" fn gpupool_malloc(
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
     boundary_boxed("gpupool_free", || free(ptr))
 }
 
@@ -130,7 +130,7 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void) -> gpupool_status {
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_record_stream", || record_stream(ptr, stream))
 }
 
@@ -162,7 +162,7 @@ pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool
 ///
 /// Thread-safe; blocks the calling thread while it waits for events.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
     boundary("gpupool_empty_cache", || empty_cache(device))
 }
 
@@ -175,7 +175,7 @@ pub extern "C" fn gpupool_empty_cache(device: c_int) -> gpupool_status {
 /// # Safety
 /// `count` must be NULL or point to a writable `int`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_device_count(count: *mut c_int) -> gpupool_status {
     boundary("gpupool_device_count", || {
         let count = out_ptr(count, "count")?;
         let n = runtime()?.allocator.device_count();
@@ -203,7 +203,7 @@ pub unsafe extern "C" fn gpupool_device_count(count: *mut c_int) -> gpupool_stat
 ///
 /// Thread-safe; allocations already in flight on other threads may still pass the old limit.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) -> gpupool_status {
     boundary("gpupool_set_memory_fraction", || set_memory_fraction(fraction, device))
 }
 

@@ -19,6 +19,10 @@
 //! - The body runs inside `status::boundary`, which turns an error into its status and a
 //!   thread-local message (`gpupool_last_error_message`) that starts with the export's name,
 //!   and a panic into `GPUPOOL_ERROR_INTERNAL`: no panic crosses into C.
+//! - A thread's end (`pthread_exit`, or cancellation acted on) inside a callback gpupool called
+//!   is not caught: gpupool finishes its call, then the end goes on out of the export
+//!   (`crate::callout`). So every export is `extern "C-unwind"`, and the function-pointer
+//!   types of the callbacks too.
 //! - The process-wide allocator starts on the first call that needs it, with the driver
 //!   `GPUPOOL_DRIVER` names; if that fails, every such call returns the same status and
 //!   message.
@@ -108,6 +112,23 @@ static RUNTIME: OnceLock<Result<Runtime, Error>> = OnceLock::new();
 /// [`Error::InvalidValue`] for a bad variable), every time.
 pub fn process_allocator() -> Result<&'static Allocator, Error> {
     runtime().map(|rt| &rt.allocator)
+}
+
+/// For a shim's own C entry points over the Rust API (the LD_PRELOAD shim's `cudaMalloc`),
+/// which catch panics as gpupool's exports do: whether a panic payload they caught is the
+/// calling thread's end (`pthread_exit`, or cancellation), stopped by gpupool inside a
+/// callback and carried out of the call once it was complete. Such a payload is no bug: the
+/// entry point must go on with the end, [`continue_thread_exit`], outside its `catch_unwind`.
+pub fn is_thread_exit(payload: &(dyn std::any::Any + Send)) -> bool {
+    payload.is::<crate::callout::ThreadExit>() || crate::callout::exiting()
+}
+
+/// Goes on with the calling thread's end that [`is_thread_exit`] found, from the caller's frame
+/// (which must be `extern "C-unwind"` or called from one, outside every `catch_unwind`): the
+/// program's frames then unwind as `pthread_exit` or the cancellation would have unwound them.
+/// Never returns.
+pub fn continue_thread_exit() -> ! {
+    crate::callout::continue_exit()
 }
 
 /// The process-wide pinned host allocator behind `gpupool_host_*`, over the process-wide

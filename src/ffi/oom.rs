@@ -29,13 +29,21 @@ use crate::error::Error;
 /// It runs on the thread whose request failed, with no lock of gpupool's held: it may call any
 /// gpupool function (`gpupool_free`, `gpupool_stats`, `gpupool_empty_cache`,
 /// `gpupool_memory_summary`, `gpupool_malloc`...), and `gpupool_oom_retry` to ask for one
-/// more attempt. It must return (no `longjmp` out of it), and a C++ observer must catch its
-/// exceptions: one that escapes into gpupool is undefined behaviour, as for any C callback.
+/// more attempt. It may end its thread (`pthread_exit`, or a cancellation acted on at a
+/// cancellation point in it): gpupool then finishes the failed request (the other observers
+/// still run, no retry is made) and the thread's end goes on out of `gpupool_malloc`, the
+/// program's cleanup handlers run. Otherwise it must return (no `longjmp` out of it), and a
+/// C++ observer must catch its exceptions: one that escapes into gpupool is undefined
+/// behaviour, as for any C callback.
 #[allow(non_camel_case_types)]
 pub type gpupool_oom_observer_fn =
     Option<unsafe extern "C" fn(device: c_int, requested: usize, stats: *const gpupool_stats_t, user: *mut c_void)>;
 
-type ObserverPtr = unsafe extern "C" fn(c_int, usize, *const gpupool_stats_t, *mut c_void);
+/// The observer as gpupool calls it: "C-unwind", since it may end the thread (a forced unwind
+/// that `crate::callout` stops). The public type stays "C" (C sees no difference), so that
+/// Rust code passing an `extern "C"` function keeps compiling.
+type ObserverPtr = unsafe extern "C-unwind" fn(c_int, usize, *const gpupool_stats_t, *mut c_void);
+type ObserverC = unsafe extern "C" fn(c_int, usize, *const gpupool_stats_t, *mut c_void);
 
 /// A C observer and its `user` pointer, as the allocator's list keeps it.
 struct CObserver {
@@ -74,9 +82,10 @@ impl CObserver {
     fn call(&self, event: &crate::OomEvent<'_>) -> bool {
         let stats = gpupool_stats_t::from(event.stats);
         let outer = RETRY.replace(Retry::NotAsked);
+        // A callout: the observer may end the thread (see `crate::callout`).
         // SAFETY: the caller of gpupool_attach_oom_observer gave a function of this signature
         // and a `user` it may be called with from any thread; `stats` lives across the call.
-        unsafe { (self.observer)(event.device, event.requested, &stats, self.user) };
+        crate::callout::callout(|| unsafe { (self.observer)(event.device, event.requested, &stats, self.user) });
         RETRY.replace(outer) == Retry::Asked
     }
 }
@@ -123,7 +132,7 @@ impl CObserver {
 /// `observer` must be NULL or a function of the signature of `gpupool_oom_observer_fn`, safe
 /// to call with `user` from any thread until it is detached.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_attach_oom_observer(
+pub unsafe extern "C-unwind" fn gpupool_attach_oom_observer(
     observer: gpupool_oom_observer_fn,
     user: *mut c_void,
 ) -> gpupool_status {
@@ -138,6 +147,8 @@ pub unsafe extern "C" fn gpupool_attach_oom_observer(
                  so that gpupool_detach_oom_observer knows which to detach"
             )));
         }
+        // SAFETY: one calling convention; "C-unwind" only lets the thread's end leave it.
+        let observer = unsafe { std::mem::transmute::<ObserverC, ObserverPtr>(observer) };
         let c = CObserver { observer, user };
         let id = allocator.attach_oom_observer(move |event| c.call(event));
         attached.push((key.0, key.1, id));
@@ -160,7 +171,7 @@ pub unsafe extern "C" fn gpupool_attach_oom_observer(
 /// # Safety
 /// Any values are safe: they are only compared with those attached.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_detach_oom_observer(
+pub unsafe extern "C-unwind" fn gpupool_detach_oom_observer(
     observer: gpupool_oom_observer_fn,
     user: *mut c_void,
 ) -> gpupool_status {
@@ -193,7 +204,7 @@ pub unsafe extern "C" fn gpupool_detach_oom_observer(
 ///
 /// Thread-safe: it reads and writes the calling thread's state only.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_oom_retry() -> gpupool_status {
+pub extern "C-unwind" fn gpupool_oom_retry() -> gpupool_status {
     boundary("gpupool_oom_retry", || {
         if RETRY.get() == Retry::Outside {
             return Err(Error::InvalidValue(

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::gpupool_stream_t;
 use super::memory::{empty_cache, free, malloc};
-use super::status::{boundary, boundary_boxed, gpupool_status};
+use super::status::{boundary, boundary_boxed, boundary_hot, gpupool_status};
 use super::torch::report;
 
 /// CuPy's `CFunctionAllocator` malloc, `void *malloc(void *param, size_t size, int
@@ -39,9 +39,9 @@ use super::torch::report;
 /// `param` is passed on as a stream handle, never dereferenced by gpupool; it must be a stream
 /// of `device_id` (or NULL) for the memory to be used safely, as for `gpupool_malloc`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, device_id: c_int) -> *mut c_void {
+pub unsafe extern "C-unwind" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, device_id: c_int) -> *mut c_void {
     let mut ptr = std::ptr::null_mut();
-    report(boundary("gpupool_cupy_malloc", || {
+    report(boundary_hot("gpupool_cupy_malloc", || {
         ptr = malloc(size, device_id, param as gpupool_stream_t)?;
         Ok(())
     }));
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device_id: c_int) {
+pub unsafe extern "C-unwind" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device_id: c_int) {
     let _ = (param, device_id);
     report(boundary_boxed("gpupool_cupy_free", || free(ptr)));
 }
@@ -81,7 +81,7 @@ static ORT_STREAM: AtomicPtr<super::CUstream_st> = AtomicPtr::new(std::ptr::null
 ///
 /// Errors: none; it returns `GPUPOOL_SUCCESS`. Thread-safe (an atomic store).
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_ort_set_stream(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_ort_set_stream(stream: gpupool_stream_t) -> gpupool_status {
     ORT_STREAM.store(stream, Ordering::Relaxed);
     gpupool_status::GPUPOOL_SUCCESS
 }
@@ -97,9 +97,9 @@ pub extern "C" fn gpupool_ort_set_stream(stream: gpupool_stream_t) -> gpupool_st
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_ort_alloc(size: usize) -> *mut c_void {
+pub extern "C-unwind" fn gpupool_ort_alloc(size: usize) -> *mut c_void {
     let mut ptr = std::ptr::null_mut();
-    report(boundary("gpupool_ort_alloc", || {
+    report(boundary_hot("gpupool_ort_alloc", || {
         ptr = malloc(size, -1, ORT_STREAM.load(Ordering::Relaxed))?;
         Ok(())
     }));
@@ -115,7 +115,7 @@ pub extern "C" fn gpupool_ort_alloc(size: usize) -> *mut c_void {
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_ort_free(ptr: *mut c_void) {
+pub unsafe extern "C-unwind" fn gpupool_ort_free(ptr: *mut c_void) {
     report(boundary_boxed("gpupool_ort_free", || free(ptr)));
 }
 
@@ -126,6 +126,6 @@ pub unsafe extern "C" fn gpupool_ort_free(ptr: *mut c_void) {
 ///
 /// Thread-safe. A failure is written to stderr.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_ort_empty_cache() {
+pub extern "C-unwind" fn gpupool_ort_empty_cache() {
     report(boundary("gpupool_ort_empty_cache", || empty_cache(-1)));
 }

@@ -29,8 +29,12 @@ pub type gpupool_segment_free_fn = Option<
     unsafe extern "C" fn(user: *mut c_void, ptr: *mut c_void, bytes: usize, device: c_int, stream: gpupool_stream_t),
 >;
 
-type AllocPtr = unsafe extern "C" fn(*mut c_void, usize, c_int, gpupool_stream_t, *mut *mut c_void) -> c_int;
-type FreePtr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, gpupool_stream_t);
+/// The program's functions as gpupool calls them: "C-unwind", since they may end the thread
+/// (see `crate::callout`); the public types stay "C", as in `oom`.
+type AllocPtr = unsafe extern "C-unwind" fn(*mut c_void, usize, c_int, gpupool_stream_t, *mut *mut c_void) -> c_int;
+type FreePtr = unsafe extern "C-unwind" fn(*mut c_void, *mut c_void, usize, c_int, gpupool_stream_t);
+type AllocC = unsafe extern "C" fn(*mut c_void, usize, c_int, gpupool_stream_t, *mut *mut c_void) -> c_int;
+type FreeC = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, gpupool_stream_t);
 
 /// The program's functions and `user`.
 struct CSource {
@@ -74,7 +78,7 @@ unsafe impl Sync for CSource {}
 /// `pool` must be NULL or point to writable storage for one `uint64_t`; `alloc` and `free` must
 /// be NULL or functions of those signatures, safe to call with `user` from any thread.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_pool_create_with_allocator(
+pub unsafe extern "C-unwind" fn gpupool_pool_create_with_allocator(
     pool: *mut u64,
     alloc: gpupool_segment_alloc_fn,
     free: gpupool_segment_free_fn,
@@ -101,7 +105,7 @@ pub unsafe extern "C" fn gpupool_pool_create_with_allocator(
 /// # Safety
 /// As for `gpupool_pool_create_with_allocator`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_pool_create_with_allocator_aligned(
+pub unsafe extern "C-unwind" fn gpupool_pool_create_with_allocator_aligned(
     pool: *mut u64,
     alloc: gpupool_segment_alloc_fn,
     free: gpupool_segment_free_fn,
@@ -123,19 +127,29 @@ fn create(
     let alloc = alloc.ok_or_else(|| Error::InvalidValue("alloc is NULL".into()))?;
     let free = free.ok_or_else(|| Error::InvalidValue("free is NULL".into()))?;
     let allocator = &runtime()?.allocator;
+    // SAFETY: one calling convention; "C-unwind" only lets the thread's end leave them (they
+    // are called as callouts, `crate::callout`).
+    let (alloc, free) =
+        unsafe { (std::mem::transmute::<AllocC, AllocPtr>(alloc), std::mem::transmute::<FreeC, FreePtr>(free)) };
     let source = std::sync::Arc::new(CSource { alloc, free, user });
     let s = source.clone();
     let id = allocator.pool_create_with_allocator_aligned(
         move |bytes, device, stream| {
             let mut ptr: *mut c_void = std::ptr::null_mut();
+            // A callout: the function may end the thread (see `crate::callout`), and one that
+            // ended in it gave no segment.
             // SAFETY: the caller gave a function of this signature, callable with `user`
             // from any thread; `ptr` is storage for one pointer.
-            let status = unsafe { (s.alloc)(s.user, bytes, device, stream as gpupool_stream_t, &mut ptr) };
-            (status == 0 && !ptr.is_null()).then_some(ptr as u64)
+            let status = crate::callout::callout(|| unsafe {
+                (s.alloc)(s.user, bytes, device, stream as gpupool_stream_t, &mut ptr)
+            });
+            (status == Some(0) && !ptr.is_null()).then_some(ptr as u64)
         },
         move |addr, bytes, device, stream| {
-            // SAFETY: as for `alloc`; `addr` is a segment `alloc` gave.
-            unsafe { (source.free)(source.user, addr as *mut c_void, bytes, device, stream as gpupool_stream_t) }
+            // SAFETY: as for `alloc`; `addr` is a segment `alloc` gave. A callout, as `alloc`.
+            crate::callout::callout(|| unsafe {
+                (source.free)(source.user, addr as *mut c_void, bytes, device, stream as gpupool_stream_t)
+            });
         },
         split_alignment,
     )?;

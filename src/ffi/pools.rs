@@ -79,7 +79,7 @@ pub type gpupool_stream_filter_t = Option<unsafe extern "C" fn(user: *mut c_void
 /// # Safety
 /// `pool` must be NULL or point to writable storage for one `uint64_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_pool_create(pool: *mut u64) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_pool_create(pool: *mut u64) -> gpupool_status {
     boundary("gpupool_pool_create", || {
         let pool = out_ptr(pool, "pool")?;
         let id = runtime()?.allocator.pool_create();
@@ -104,7 +104,11 @@ pub unsafe extern "C" fn gpupool_pool_create(pool: *mut u64) -> gpupool_status {
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool: u64, stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_begin_allocate_to_pool(
+    device: c_int,
+    pool: u64,
+    stream: gpupool_stream_t,
+) -> gpupool_status {
     boundary("gpupool_begin_allocate_to_pool", || {
         runtime()?.allocator.begin_allocate_to_pool(device, pool, stream as usize)
     })
@@ -121,7 +125,7 @@ pub extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool: u64, strea
 ///
 /// Thread-safe; the route belongs to the calling thread, but any thread may end it.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_begin_allocate_to_pool_thread(device: c_int, pool: u64) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_begin_allocate_to_pool_thread(device: c_int, pool: u64) -> gpupool_status {
     boundary("gpupool_begin_allocate_to_pool_thread", || {
         runtime()?.allocator.begin_allocate_to_pool_thread(device, pool)
     })
@@ -148,7 +152,7 @@ pub extern "C" fn gpupool_begin_allocate_to_pool_thread(device: c_int, pool: u64
 /// `filter` must be NULL or a function callable as declared, with `user`, from any thread,
 /// until the route ends.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_begin_allocate_to_pool_filter(
+pub unsafe extern "C-unwind" fn gpupool_begin_allocate_to_pool_filter(
     device: c_int,
     pool: u64,
     filter: gpupool_stream_filter_t,
@@ -157,15 +161,25 @@ pub unsafe extern "C" fn gpupool_begin_allocate_to_pool_filter(
     boundary("gpupool_begin_allocate_to_pool_filter", || {
         let f = filter
             .ok_or_else(|| Error::InvalidValue("filter is NULL; pass the function that tests a stream".into()))?;
+        // SAFETY: one calling convention; "C-unwind" only lets the thread's end leave it (it is
+        // called as a callout, `crate::callout`).
+        let f = unsafe { std::mem::transmute::<FilterC, FilterPtr>(f) };
         let user = UserPtr(user);
         runtime()?.allocator.begin_allocate_to_pool_filter(device, pool, move |stream| {
             let user = &user;
+            // A callout: the filter may end the thread (see `crate::callout`); a thread ending
+            // in it is not routed.
             // SAFETY: the caller promised a function callable with `user` from any thread
             // until the route ends, which is before this closure is dropped.
-            unsafe { f(user.0, stream as gpupool_stream_t) != 0 }
+            crate::callout::callout(|| unsafe { f(user.0, stream as gpupool_stream_t) != 0 }).unwrap_or(false)
         })
     })
 }
+
+/// The filter as gpupool calls it: "C-unwind", since it may end the thread (see
+/// `crate::callout`); the public type stays "C", as in `oom`.
+type FilterPtr = unsafe extern "C-unwind" fn(*mut c_void, gpupool_stream_t) -> c_int;
+type FilterC = unsafe extern "C" fn(*mut c_void, gpupool_stream_t) -> c_int;
 
 /// The caller's `user` pointer: passed back to its filter, never dereferenced by gpupool.
 struct UserPtr(*mut c_void);
@@ -186,7 +200,7 @@ unsafe impl Sync for UserPtr {}
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool: u64) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_end_allocate_to_pool(device: c_int, pool: u64) -> gpupool_status {
     boundary("gpupool_end_allocate_to_pool", || runtime()?.allocator.end_allocate_to_pool(device, pool))
 }
 
@@ -210,7 +224,7 @@ pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool: u64) -> gpup
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_release_pool(device: c_int, pool: u64) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_release_pool(device: c_int, pool: u64) -> gpupool_status {
     boundary("gpupool_release_pool", || runtime()?.allocator.release_pool(device, pool))
 }
 
@@ -233,7 +247,11 @@ pub extern "C" fn gpupool_release_pool(device: c_int, pool: u64) -> gpupool_stat
 /// # Safety
 /// `out` must be NULL or point to writable storage of at least `out->size` bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_pool_stats(device: c_int, pool: u64, out: *mut gpupool_stats_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_pool_stats(
+    device: c_int,
+    pool: u64,
+    out: *mut gpupool_stats_t,
+) -> gpupool_status {
     boundary("gpupool_pool_stats", || {
         let out = out_ptr(out, "out")?.as_ptr();
         let stats = runtime()?.allocator.pool_stats(device, pool)?.stats;

@@ -50,7 +50,10 @@ pub struct gpupool_segment_event_t {
 pub type gpupool_segment_observer_fn =
     Option<unsafe extern "C" fn(user: *mut c_void, event: *const gpupool_segment_event_t)>;
 
-type ObserverPtr = unsafe extern "C" fn(*mut c_void, *const gpupool_segment_event_t);
+/// The observer as gpupool calls it: "C-unwind", since it may end the thread (see
+/// `crate::callout`); the public type stays "C", as in `oom`.
+type ObserverPtr = unsafe extern "C-unwind" fn(*mut c_void, *const gpupool_segment_event_t);
+type ObserverC = unsafe extern "C" fn(*mut c_void, *const gpupool_segment_event_t);
 
 struct CObserver {
     observer: ObserverPtr,
@@ -80,9 +83,10 @@ impl CObserver {
             stream: e.stream as gpupool_stream_t,
             pool: e.pool,
         };
+        // A callout: the observer may end the thread (see `crate::callout`).
         // SAFETY: the caller of gpupool_attach_segment_observer gave a function of this
         // signature, callable with `user` from any thread; `event` lives across the call.
-        unsafe { (self.observer)(self.user, &event) };
+        crate::callout::callout(|| unsafe { (self.observer)(self.user, &event) });
     }
 }
 
@@ -107,8 +111,12 @@ static ATTACHED: Mutex<Vec<(usize, usize, SegmentObserverId)>> = Mutex::new(Vec:
 ///   call is under way. Segments that existed before the attach are not told.
 /// - The observer may call CUDA and NCCL. It must not call gpupool: a `gpupool_malloc` from it
 ///   that needs a new segment fails with `GPUPOOL_ERROR_INVALID_VALUE`, and a call on the
-///   stream of a FREE or UNMAP event would wait forever for the lock held. It must return (no
-///   `longjmp`), and a C++ observer must catch its exceptions.
+///   stream of a FREE or UNMAP event would wait forever for the lock held. It may end its
+///   thread (`pthread_exit`, or a cancellation acted on in it): gpupool then finishes the call
+///   that told it (every observer is still told of the call's other events, and a malloc whose
+///   growth it was told of gives its block back, since the program never gets it), and the
+///   thread's end goes on out of that call, the program's cleanup handlers run. Otherwise it
+///   must return (no `longjmp`), and a C++ observer must catch its exceptions.
 /// - `user`: any pointer, passed back; gpupool never reads it. It must stay usable, from any
 ///   thread, until `gpupool_detach_segment_observer` returns.
 ///
@@ -124,7 +132,7 @@ static ATTACHED: Mutex<Vec<(usize, usize, SegmentObserverId)>> = Mutex::new(Vec:
 /// `observer` must be NULL or a function of the signature of `gpupool_segment_observer_fn`,
 /// safe to call with `user` from any thread until it is detached.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_attach_segment_observer(
+pub unsafe extern "C-unwind" fn gpupool_attach_segment_observer(
     observer: gpupool_segment_observer_fn,
     user: *mut c_void,
 ) -> gpupool_status {
@@ -139,6 +147,8 @@ pub unsafe extern "C" fn gpupool_attach_segment_observer(
                  attached once, so that gpupool_detach_segment_observer knows which to detach"
             )));
         }
+        // SAFETY: one calling convention; "C-unwind" only lets the thread's end leave it.
+        let observer = unsafe { std::mem::transmute::<ObserverC, ObserverPtr>(observer) };
         let c = CObserver { observer, user };
         let id = allocator.attach_segment_observer(move |event| c.call(event));
         attached.push((key.0, key.1, id));
@@ -159,7 +169,7 @@ pub unsafe extern "C" fn gpupool_attach_segment_observer(
 /// # Safety
 /// Any values are safe: they are only compared with those attached.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_detach_segment_observer(
+pub unsafe extern "C-unwind" fn gpupool_detach_segment_observer(
     observer: gpupool_segment_observer_fn,
     user: *mut c_void,
 ) -> gpupool_status {

@@ -26,7 +26,7 @@ fn sim() -> Result<(&'static Runtime, &'static SimDriver), Error> {
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_hold_stream", || {
         sim()?.1.hold_stream(stream as usize);
         Ok(())
@@ -44,7 +44,7 @@ pub extern "C" fn gpupool_sim_hold_stream(stream: gpupool_stream_t) -> gpupool_s
 /// # Safety
 /// `count` must be NULL or point to a writable `uint64_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, count: *mut u64) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, count: *mut u64) -> gpupool_status {
     boundary("gpupool_sim_stream_waits", || {
         let count = out_ptr(count, "count")?;
         let n = sim()?.1.stream_waits(stream as usize);
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn gpupool_sim_stream_waits(stream: gpupool_stream_t, coun
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use.
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_release_stream", || {
         sim()?.1.release_stream(stream as usize);
         Ok(())
@@ -72,7 +72,7 @@ pub extern "C" fn gpupool_sim_release_stream(stream: gpupool_stream_t) -> gpupoo
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `device`
 /// is out of range. Affects the calling thread only.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
     boundary("gpupool_sim_set_device", || {
         let (rt, _) = sim()?;
         let count = rt.allocator.device_count();
@@ -95,7 +95,11 @@ pub extern "C" fn gpupool_sim_set_device(device: c_int) -> gpupool_status {
 /// # Safety
 /// `pinned` must be NULL or point to a writable `int`; `ptr` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_host_pinned(ptr: *const c_void, len: usize, pinned: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_host_pinned(
+    ptr: *const c_void,
+    len: usize,
+    pinned: *mut c_int,
+) -> gpupool_status {
     boundary("gpupool_sim_host_pinned", || {
         let out = super::status::out_ptr(pinned, "pinned")?;
         let is = sim()?.1.is_pinned(ptr as usize, len);
@@ -114,7 +118,7 @@ pub unsafe extern "C" fn gpupool_sim_host_pinned(ptr: *const c_void, len: usize,
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `mode` is
 /// not 0, 1 or 2; `GPUPOOL_ERROR_CUDA` when the stream captures already. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_int) -> gpupool_status {
     boundary("gpupool_sim_begin_capture", || {
         let mode = match mode {
             0 => CaptureMode::Global,
@@ -137,7 +141,7 @@ pub extern "C" fn gpupool_sim_begin_capture(stream: gpupool_stream_t, mode: c_in
 /// # Safety
 /// `valid` must be NULL or point to writable storage for one `int`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid: *mut c_int) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid: *mut c_int) -> gpupool_status {
     boundary("gpupool_sim_end_capture", || {
         let valid = super::status::out_ptr(valid, "valid")?;
         let ok = sim()?.1.end_capture(stream as usize).map_err(|e| Error::driver(e, "ending a capture"))?;
@@ -154,7 +158,7 @@ pub unsafe extern "C" fn gpupool_sim_end_capture(stream: gpupool_stream_t, valid
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` when the simulated device is not in use or `stream` is
 /// not capturing. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sim_invalidate_capture(stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_sim_invalidate_capture", || {
         if !sim()?.1.invalidate_capture(stream as usize) {
             return Err(Error::InvalidValue(format!("stream {:#x} is not capturing", stream as usize)));
@@ -194,7 +198,7 @@ pub const GPUPOOL_SIM_FAULT_PANIC: u32 = 3;
 /// # Safety
 /// `call` must be NULL or a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_inject_fault(call: *const c_char, skip: u32, fault: u32) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_inject_fault(call: *const c_char, skip: u32, fault: u32) -> gpupool_status {
     boundary("gpupool_sim_inject_fault", || {
         if call.is_null() {
             return Err(Error::InvalidValue("call is NULL: name a driver function, such as \"cuMemMap\"".into()));
@@ -236,7 +240,7 @@ pub unsafe extern "C" fn gpupool_sim_inject_fault(call: *const c_char, skip: u32
 /// # Safety
 /// `pending` must be NULL or point to a writable `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sim_clear_faults(pending: *mut usize) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sim_clear_faults(pending: *mut usize) -> gpupool_status {
     boundary("gpupool_sim_clear_faults", || {
         let n = sim()?.1.clear_faults();
         if !pending.is_null() {

@@ -70,7 +70,7 @@ pub const GPUPOOL_SLEEP_OFFLOAD_PINNED: u32 = 3;
 /// # Safety
 /// `pool` must be NULL or point to writable storage for one `uint64_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupool_status {
     boundary("gpupool_pool_create_sleepable", || {
         let pool = out_ptr(pool, "pool")?;
         let id = runtime()?.allocator.pool_create_sleepable();
@@ -132,7 +132,7 @@ pub unsafe extern "C" fn gpupool_pool_create_sleepable(pool: *mut u64) -> gpupoo
 /// Thread-safe; blocks the calling thread for the wait and the copies (it holds only the
 /// pool's own locks meanwhile).
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_status {
     boundary("gpupool_sleep", || {
         let mode = match mode {
             GPUPOOL_SLEEP_OFFLOAD => SleepMode::Offload,
@@ -171,7 +171,7 @@ pub extern "C" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_
 ///
 /// Thread-safe; blocks the calling thread for the copies.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_wake(device: c_int, pool: u64) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_wake(device: c_int, pool: u64) -> gpupool_status {
     boundary("gpupool_wake", || runtime()?.allocator.wake(device, pool))
 }
 
@@ -190,7 +190,7 @@ pub extern "C" fn gpupool_wake(device: c_int, pool: u64) -> gpupool_status {
 /// # Safety
 /// `staging` and `kept` must each be NULL or point to writable storage for one `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sleep_host_bytes(
+pub unsafe extern "C-unwind" fn gpupool_sleep_host_bytes(
     device: c_int,
     staging: *mut usize,
     kept: *mut usize,
@@ -224,7 +224,11 @@ pub unsafe extern "C" fn gpupool_sleep_host_bytes(
 /// # Safety
 /// `released` must be NULL or point to writable storage for one `size_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_sleep_release_kept(device: c_int, pool: u64, released: *mut usize) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_sleep_release_kept(
+    device: c_int,
+    pool: u64,
+    released: *mut usize,
+) -> gpupool_status {
     boundary("gpupool_sleep_release_kept", || {
         let n = runtime()?.allocator.sleep_release_kept(device, pool)?;
         if !released.is_null() {

@@ -219,7 +219,7 @@ const HEADER: usize = 8;
 /// # Safety
 /// `out` must be NULL or point to writable storage of at least `out->size` bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_stats(device: c_int, out: *mut gpupool_stats_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_stats(device: c_int, out: *mut gpupool_stats_t) -> gpupool_status {
     boundary("gpupool_stats", || {
         let out = out_ptr(out, "out")?.as_ptr();
         let stats = runtime()?.allocator.stats(device)?;
@@ -271,7 +271,7 @@ pub(crate) unsafe fn write_stats(out: *mut gpupool_stats_t, stats: &DeviceStats)
 /// # Safety
 /// `settles` must be NULL or point to a writable `int64_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_peak_settles(device: c_int, settles: *mut i64) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_peak_settles(device: c_int, settles: *mut i64) -> gpupool_status {
     boundary("gpupool_peak_settles", || {
         let out = out_ptr(settles, "settles")?;
         let n = runtime()?.allocator.peak_settles(device)?;
@@ -287,7 +287,7 @@ pub unsafe extern "C" fn gpupool_peak_settles(device: c_int, settles: *mut i64) 
 /// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (device out of range);
 /// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
+pub extern "C-unwind" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
     boundary("gpupool_reset_peak_stats", || runtime()?.allocator.reset_peak_stats(device))
 }
 
@@ -312,7 +312,7 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> gpupool_status {
 /// # Safety
 /// `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_memory_summary(
+pub unsafe extern "C-unwind" fn gpupool_memory_summary(
     device: c_int,
     buf: *mut c_char,
     len: usize,

@@ -137,11 +137,31 @@ fn set_last_error(parts: &[&str]) {
 /// Runs the body of the export `call`: an error becomes its status and this thread's last
 /// message, `"{call}: {what went wrong}"`; a panic becomes `GPUPOOL_ERROR_INTERNAL`. No panic
 /// leaves this function, so none crosses into C.
+///
+/// The thread's end (`pthread_exit`, or cancellation) inside a callback of the call goes on
+/// once the call is done, out of the export (`crate::callout`), which must therefore be
+/// `extern "C-unwind"`; meanwhile cancellation is disabled in gpupool's own code, which
+/// reaches cancellation points that an unwind must not cross ([`crate::callout::Entry`]).
 pub(crate) fn boundary(call: &str, body: impl FnOnce() -> Result<(), Error>) -> gpupool_status {
+    let entry = crate::callout::Entry::enter();
+    let status = guarded(call, body);
+    drop(entry);
+    if crate::callout::exiting() {
+        crate::callout::continue_exit();
+    }
+    status
+}
+
+/// [`boundary`] for an export whose body is the hit path's malloc (PyTorch's, CuPy's and ONNX
+/// Runtime's hooks), which pays nothing for a thread's end: the hit path makes no callout, and
+/// its cold paths end their call with the panic that carries the end ([`failed`] and
+/// [`panicked`] go on with it).
+#[inline(always)]
+pub(crate) fn boundary_hot(call: &str, body: impl FnOnce() -> Result<(), Error>) -> gpupool_status {
     guarded(call, body)
 }
 
-/// [`boundary`] for the hit path's bodies, whose errors are boxed (see
+/// [`boundary_hot`] for the hit path's bodies, whose errors are boxed (see
 /// `Allocator::malloc_in_parent`).
 #[inline(always)]
 pub(crate) fn boundary_boxed(call: &str, body: impl FnOnce() -> Result<(), Box<Error>>) -> gpupool_status {
@@ -161,6 +181,11 @@ fn guarded<E: std::borrow::Borrow<Error>>(call: &str, body: impl FnOnce() -> Res
 #[cold]
 #[inline(never)]
 fn failed(call: &str, e: &Error) -> gpupool_status {
+    // The call failed after its thread's end was stopped in a callback (an out-of-memory
+    // observer that called pthread_exit): the end goes on.
+    if crate::callout::exiting() {
+        crate::callout::continue_exit();
+    }
     set_last_error(&[call, ": ", e.message()]);
     gpupool_status::of(e)
 }
@@ -169,6 +194,11 @@ fn failed(call: &str, e: &Error) -> gpupool_status {
 #[cold]
 #[inline(never)]
 fn panicked(call: &str, payload: Box<dyn std::any::Any + Send>) -> gpupool_status {
+    // The panic that carries a thread's end out of a complete call (`crate::callout`): no bug.
+    if super::is_thread_exit(&*payload) {
+        drop(payload);
+        crate::callout::continue_exit();
+    }
     let what = payload
         .downcast_ref::<&str>()
         .copied()
@@ -274,7 +304,7 @@ pub(crate) unsafe fn write_text(
 /// thread has its own, which costs no allocation and no exit handler, so gpupool may be
 /// called from any thread at any time, including from pthread-key destructors.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_last_error_message() -> *const c_char {
+pub extern "C-unwind" fn gpupool_last_error_message() -> *const c_char {
     LAST_ERROR.with(|e| e.as_ptr().cast())
 }
 
@@ -284,7 +314,7 @@ pub extern "C" fn gpupool_last_error_message() -> *const c_char {
 ///
 /// Ownership: a static string; never free it. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_status_string(status: u32) -> *const c_char {
+pub extern "C-unwind" fn gpupool_status_string(status: u32) -> *const c_char {
     gpupool_status::from_u32(status).map_or(c"unknown gpupool_status", gpupool_status::description).as_ptr()
 }
 
@@ -292,7 +322,7 @@ pub extern "C" fn gpupool_status_string(status: u32) -> *const c_char {
 ///
 /// Ownership: a static string; never free it. Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_version() -> *const c_char {
+pub extern "C-unwind" fn gpupool_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
@@ -338,6 +368,19 @@ mod tests {
         let s = boundary("gpupool_test", || panic!("broken invariant"));
         assert_eq!(s, gpupool_status::GPUPOOL_ERROR_INTERNAL);
         assert!(last().starts_with("gpupool_test: internal error: gpupool panicked (broken invariant)"));
+        // Cancellation is disabled during the call, and restored after it.
+        let outside = crate::callout::disable_cancel();
+        crate::callout::restore_cancel(outside);
+        let mut during = outside;
+        boundary("gpupool_test", || {
+            during = crate::callout::disable_cancel();
+            crate::callout::restore_cancel(during);
+            Ok(())
+        });
+        assert_ne!(during, outside);
+        let after = crate::callout::disable_cancel();
+        crate::callout::restore_cancel(after);
+        assert_eq!(after, outside);
     }
 
     #[test]

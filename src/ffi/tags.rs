@@ -75,7 +75,7 @@ unsafe fn name_arg<'a>(name: *const c_char) -> Result<&'a str, Error> {
 /// # Safety
 /// `name` must be NULL or point to a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_push_tag(name: *const c_char) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_push_tag(name: *const c_char) -> gpupool_status {
     boundary("gpupool_push_tag", || {
         // SAFETY: as this function's contract.
         tags::push(unsafe { name_arg(name) }?).map(|_| ())
@@ -90,7 +90,7 @@ pub unsafe extern "C" fn gpupool_push_tag(name: *const c_char) -> gpupool_status
 ///
 /// Thread-safe: it changes the calling thread's stack only.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_pop_tag() -> gpupool_status {
+pub extern "C-unwind" fn gpupool_pop_tag() -> gpupool_status {
     boundary("gpupool_pop_tag", tags::pop)
 }
 
@@ -107,7 +107,10 @@ pub extern "C" fn gpupool_pop_tag() -> gpupool_status {
 /// # Safety
 /// `name` must be NULL or point to a NUL-terminated string; `out` NULL or valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_tag_stats(name: *const c_char, out: *mut gpupool_tag_stats_t) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_tag_stats(
+    name: *const c_char,
+    out: *mut gpupool_tag_stats_t,
+) -> gpupool_status {
     boundary("gpupool_tag_stats", || {
         // SAFETY: as this function's contract.
         let name = unsafe { name_arg(name) }?;
@@ -139,18 +142,32 @@ pub type gpupool_tag_fn =
 /// `fn` must be NULL or a function of the signature of `gpupool_tag_fn`, safe to call with
 /// `user`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_for_each_tag(r#fn: gpupool_tag_fn, user: *mut c_void) -> gpupool_status {
+pub unsafe extern "C-unwind" fn gpupool_for_each_tag(r#fn: gpupool_tag_fn, user: *mut c_void) -> gpupool_status {
     boundary("gpupool_for_each_tag", || {
         let f = r#fn.ok_or_else(|| Error::InvalidValue("fn is NULL; pass the function to call per tag".into()))?;
+        // SAFETY: one calling convention; "C-unwind" only lets the thread's end leave it (it is
+        // called as a callout, `crate::callout`).
+        let f = unsafe { std::mem::transmute::<TagC, TagPtr>(f) };
         for (name, s) in runtime()?.allocator.all_tag_stats() {
             let Ok(name) = CString::new(name.as_bytes()) else { continue };
             let s = c_stats(&s);
+            // A callout (see `crate::callout`): a thread that ends in it is called no more.
             // SAFETY: per this function's contract; both pointers live across the call.
-            unsafe { f(name.as_ptr(), &s, user) };
+            crate::callout::callout(|| unsafe { f(name.as_ptr(), &s, user) });
+            if crate::callout::exiting() {
+                break;
+            }
         }
         Ok(())
     })
 }
+
+/// The callbacks as gpupool calls them: "C-unwind", since they may end the thread (see
+/// `crate::callout`); the public types stay "C", as in `oom`.
+type TagPtr = unsafe extern "C-unwind" fn(*const c_char, *const gpupool_tag_stats_t, *mut c_void);
+type TagC = unsafe extern "C" fn(*const c_char, *const gpupool_tag_stats_t, *mut c_void);
+type OutputPtr = unsafe extern "C-unwind" fn(*const c_char, *mut c_void);
+type OutputC = unsafe extern "C" fn(*const c_char, *mut c_void);
 
 /// Where `gpupool_live_report` writes: called once per line of the report, `text` the line
 /// with its `'\n'`, NUL-terminated, valid during the call only; `user` the pointer given
@@ -191,7 +208,7 @@ pub type gpupool_output_fn = Option<unsafe extern "C" fn(text: *const c_char, us
 /// `out` must be NULL or a function of the signature of `gpupool_output_fn`, safe to call with
 /// `user`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_live_report(
+pub unsafe extern "C-unwind" fn gpupool_live_report(
     device: c_int,
     out: gpupool_output_fn,
     user: *mut c_void,
@@ -203,10 +220,16 @@ pub unsafe extern "C" fn gpupool_live_report(
                 let _ = std::io::stderr().lock().write_all(text.as_bytes());
             }
             Some(f) => {
+                // SAFETY: as in `gpupool_for_each_tag`.
+                let f = unsafe { std::mem::transmute::<OutputC, OutputPtr>(f) };
                 for line in text.split_inclusive('\n') {
                     let Ok(line) = CString::new(line) else { continue };
+                    // A callout, as in `gpupool_for_each_tag`.
                     // SAFETY: per this function's contract; the line lives across the call.
-                    unsafe { f(line.as_ptr(), user) };
+                    crate::callout::callout(|| unsafe { f(line.as_ptr(), user) });
+                    if crate::callout::exiting() {
+                        break;
+                    }
                 }
             }
         }

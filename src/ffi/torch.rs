@@ -11,7 +11,7 @@ use std::ffi::{CStr, c_int, c_void};
 use std::io::Write;
 
 use super::memory::{empty_cache, free, malloc, record_stream, set_memory_fraction};
-use super::status::{boundary, boundary_boxed, gpupool_last_error_message, gpupool_status};
+use super::status::{boundary, boundary_boxed, boundary_hot, gpupool_last_error_message, gpupool_status};
 use super::{gpupool_stream_t, runtime};
 
 /// Writes a failure to stderr as `gpupool: <status>: <function>: <what went wrong>`; also
@@ -37,9 +37,9 @@ pub(super) fn report(status: gpupool_status) {
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> *mut c_void {
+pub extern "C-unwind" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupool_stream_t) -> *mut c_void {
     let mut ptr = std::ptr::null_mut();
-    report(boundary("gpupool_torch_malloc", || {
+    report(boundary_hot("gpupool_torch_malloc", || {
         ptr = malloc(size, device, stream)?;
         Ok(())
     }));
@@ -56,7 +56,12 @@ pub extern "C" fn gpupool_torch_malloc(size: usize, device: c_int, stream: gpupo
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: gpupool_stream_t) {
+pub unsafe extern "C-unwind" fn gpupool_torch_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: gpupool_stream_t,
+) {
     let _ = (size, device, stream);
     report(boundary_boxed("gpupool_torch_free", || free(ptr)));
 }
@@ -69,7 +74,7 @@ pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, devic
 /// # Safety
 /// `ptr` is only compared with gpupool's blocks, never dereferenced: any value is safe.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) {
+pub unsafe extern "C-unwind" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) {
     report(boundary("gpupool_torch_record_stream", || record_stream(ptr, stream)));
 }
 
@@ -78,7 +83,7 @@ pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: g
 ///
 /// Thread-safe; waits for the pending events of freed blocks.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_torch_empty_cache() {
+pub extern "C-unwind" fn gpupool_torch_empty_cache() {
     report(boundary("gpupool_torch_empty_cache", || empty_cache(-1)));
 }
 
@@ -88,7 +93,7 @@ pub extern "C" fn gpupool_torch_empty_cache() {
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int) {
+pub extern "C-unwind" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int) {
     report(boundary("gpupool_torch_set_memory_fraction", || set_memory_fraction(fraction, device)));
 }
 
@@ -99,7 +104,7 @@ pub extern "C" fn gpupool_torch_set_memory_fraction(fraction: f64, device: c_int
 ///
 /// Thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpupool_torch_init(device_count: c_int) {
+pub extern "C-unwind" fn gpupool_torch_init(device_count: c_int) {
     report(boundary("gpupool_torch_init", || {
         let ours = runtime()?.allocator.device_count();
         if ours != device_count {

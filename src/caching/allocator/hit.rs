@@ -231,9 +231,20 @@ impl Allocator {
 
     /// [`Allocator::malloc`] when the calling thread's cache does not hold the stream's shard:
     /// the device, then the shard from the device's table, remembered in the thread's cache.
+    ///
+    /// A thread ended in a callout on the way (a stream filter, a pool's allocator, an observer:
+    /// `crate::callout`) ends here, its block given back.
     #[cold]
     #[inline(never)]
     fn malloc_uncached(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Box<Error>> {
+        let deferred = crate::callout::Deferred::enter();
+        let r = self.uncached_body(size, device, stream);
+        drop(deferred);
+        crate::callout::end_of_malloc(r, |p| drop(self.free(p)))
+    }
+
+    /// The work of [`Allocator::malloc_uncached`].
+    fn uncached_body(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Box<Error>> {
         let dev = self.device_or_init(device)?;
         if size == 0 {
             return Ok(0);

@@ -31,7 +31,10 @@ impl DeviceAllocator {
     #[inline(never)]
     fn free_with_history(&self, shard: &Arc<Shard>, ptr: DevicePtr, segment: DevicePtr) -> Result<(), Error> {
         let _python = self.history.python_scope(HistoryContext::All);
-        self.free_body(shard, ptr, segment, false)
+        let freed = self.free_body(shard, ptr, segment, false);
+        // The thread ended while it waited for the GIL (`crate::callout`): freed, it ends now.
+        crate::callout::raise_if_exiting();
+        freed
     }
 
     /// [`DeviceAllocator::free`] of `ptr` if it is an allocated block of `shard`, which the
@@ -151,7 +154,38 @@ impl DeviceAllocator {
             freed.record(&self.history, shard.stream);
         }
         self.finish(st, ());
+        crate::callout::raise_if_exiting();
         Ok(bytes)
+    }
+
+    /// The end of a call on the hit path whose thread ended in a callout (`crate::callout`),
+    /// from `finish_slow` once the call is complete: the block a growth made for it (`grown`,
+    /// 0 for none), which the program will never get, goes back, and the thread's end goes on.
+    /// Inside a cold path that ends the call itself ([`crate::callout::Deferred`]), nothing.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn end_exiting_call(&self, grown: DevicePtr) {
+        if crate::callout::deferred() {
+            return;
+        }
+        if grown != 0 {
+            self.give_back_block(grown);
+        }
+        crate::callout::raise_if_exiting();
+    }
+
+    /// [`crate::callout::end_of_malloc`] for a malloc of this device: its block given back
+    /// through the segment index.
+    pub(super) fn end_of_malloc(&self, r: Result<DevicePtr, Error>) -> Result<DevicePtr, Error> {
+        crate::callout::end_of_malloc(r, |p| self.give_back_block(p))
+    }
+
+    /// Frees the block at `ptr` of this device, made for a call whose thread ended.
+    fn give_back_block(&self, ptr: DevicePtr) {
+        let seg = self.index.with_segment(ptr, |s| s.map(|e| (e.owner.clone(), e.base)));
+        if let Some((shard, base)) = seg {
+            let _ = self.free(&shard, ptr, base);
+        }
     }
 
     /// PyTorch `recordStream` on the block at `ptr` of `shard`'s segment at `segment`.

@@ -43,7 +43,8 @@ impl DeviceAllocator {
             self.record_oom(stream, req);
         }
         bump(&self.counters.num_ooms);
-        if self.observers.notify(self.device, req.size, || self.stats()) {
+        // No retry for a thread an observer ended (`crate::callout`): it will never get the block.
+        if self.observers.notify(self.device, req.size, || self.stats()) && !crate::callout::exiting() {
             if let Some(ptr) = self.serve_stream(pool, stream, req)? {
                 return Ok(ptr);
             }

@@ -92,6 +92,8 @@ impl DeviceAllocator {
         graph: bool,
     ) -> Result<DevicePtr, Box<Error>> {
         let _python = self.history.python_scope(HistoryContext::State);
+        // The thread ended while it waited for the GIL (`crate::callout`): nothing allocated.
+        crate::callout::raise_if_exiting();
         self.malloc_body(shard, req, hot, graph, false)
     }
 
@@ -136,9 +138,20 @@ impl DeviceAllocator {
     /// again and the out-of-memory path. Out of line, so that the detours' code stays out of
     /// the hit path's (inlined there, a change in any of them moved the hit loop's count by
     /// two instructions a pair under callgrind).
+    ///
+    /// A thread ended in a callout on the way (an observer: `crate::callout`) ends here, its
+    /// block given back ([`DeviceAllocator::end_of_malloc`]).
     #[cold]
     #[inline(never)]
     fn malloc_detour(&self, shard: &Arc<Shard>, req: &Request, detour: Option<Served>) -> Result<DevicePtr, Error> {
+        let deferred = crate::callout::Deferred::enter();
+        let r = self.detour_body(shard, req, detour);
+        drop(deferred);
+        self.end_of_malloc(r)
+    }
+
+    /// The work of [`DeviceAllocator::malloc_detour`].
+    fn detour_body(&self, shard: &Arc<Shard>, req: &Request, detour: Option<Served>) -> Result<DevicePtr, Error> {
         match detour {
             Some(Served::PastMark(short)) => self.unmap_other_streams(shard, short, req),
             Some(Served::Collect) => {
@@ -322,7 +335,7 @@ impl DeviceAllocator {
                 return Ok(Err(Served::Capturing(status)));
             }
             return match self.new_segment_relaxed(st, ctx, req) {
-                Ok(id) => Ok(Ok(id)),
+                Ok(id) => Ok(Ok(grown(st, id))),
                 Err(DriverError::OutOfMemory) => Ok(Err(Served::CapturingOom)),
                 Err(e) => Err(Error::driver(e, "allocating a segment for a private pool during capture")),
             };
@@ -338,12 +351,24 @@ impl DeviceAllocator {
             return Ok(Err(Served::Stranded));
         }
         Ok(match self.grow(st, ctx, req, underway)? {
-            Some(Growth::Block(id)) => Ok(id),
+            Some(Growth::Block(id)) => Ok(grown(st, id)),
             Some(Growth::PastMark(short)) => Err(Served::PastMark(short)),
             None => Err(Served::OutOfMemory),
         })
     }
+}
 
+/// Block `id`, made by a growth: when observers were told of the growth (queued, for the end of
+/// the call), noted as the call's block (`crate::callout`), so that a thread an observer ends
+/// gives it back (`DeviceAllocator::finish_slow`): the program never gets it.
+fn grown(st: &ShardState, id: BlockId) -> BlockId {
+    if !st.segment_events.is_empty() {
+        crate::callout::note_block(st.block_addr(id));
+    }
+    id
+}
+
+impl DeviceAllocator {
     /// A new ordinary segment made with the calling thread's capture mode relaxed, and the mode
     /// set back after (PyTorch's `CUDAStreamCaptureModeGuard` in `cudaMallocMaybeCapturing`).
     fn new_segment_relaxed(&self, st: &mut ShardState, ctx: &ShardCtx, req: &Request) -> Result<BlockId, DriverError> {

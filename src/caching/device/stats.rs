@@ -54,6 +54,7 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn finish_slow(&self, mut st: MutexGuard<'_, ShardState>, hot: bool) {
+        let grown = crate::callout::take_block();
         let c = &mut st.counters;
         if c.has_surplus && hot {
             peaks::give_back(c, &self.spare, false);
@@ -76,6 +77,13 @@ impl DeviceAllocator {
             drop(st);
             self.segment_observers.deliver(&observed);
             self.settle_for(own);
+        } else {
+            drop(st);
+        }
+        // The call is complete, its lock released: a thread an observer (or a callout before)
+        // ended ends now.
+        if crate::callout::exiting() {
+            self.end_exiting_call(grown);
         }
     }
 

@@ -8,6 +8,12 @@ use crate::caching::rules;
 use crate::driver::DevicePtr;
 
 impl ShardState {
+    /// The address of block `id`: a block made by a growth keeps it when it is split and handed
+    /// out (the head is handed out), so it names the block the request gets.
+    pub(crate) fn block_addr(&self, id: BlockId) -> DevicePtr {
+        self.blocks[id].addr
+    }
+
     /// PyTorch `malloc`'s split (`should_split`): the block `id`, taken from its pool, keeps
     /// `rounded` bytes and the rest becomes a free block in the pool. Returns the bytes the
     /// block keeps. Counts PyTorch's `inactive_split` changes: a whole block that is split adds

@@ -86,6 +86,12 @@ impl ShardState {
         ctx.segments.deliver(&queued);
         let (device, stream, pool) = (ctx.device, ctx.shard.stream, ctx.shard.pool);
         ctx.segments.deliver(&[SegmentEvent { kind, device, address, bytes, stream, pool }]);
+        // An observer ended its thread (`crate::callout`): the call goes on to its end, and its
+        // end then takes the slow branch, where the thread's end goes on
+        // (`DeviceAllocator::finish_slow`).
+        if crate::callout::exiting() {
+            self.counters.needs_settle = true;
+        }
     }
 
     /// PyTorch `release_block`: a whole free segment goes back to the driver.

@@ -40,8 +40,12 @@ pub(crate) struct Api {
     pub err_occurred: unsafe extern "C" fn() -> Ptr,
     pub gc_disable: unsafe extern "C" fn() -> c_int,
     pub gc_enable: unsafe extern "C" fn() -> c_int,
-    pub gil_ensure: unsafe extern "C" fn() -> c_int,
+    /// `PyGILState_Ensure`, which ends the calling thread (`pthread_exit`) when it waits for the
+    /// GIL while the interpreter finalises: "C-unwind", and called as a callout ([`Gil::take`]).
+    pub gil_ensure: unsafe extern "C-unwind" fn() -> c_int,
     pub gil_release: unsafe extern "C" fn(c_int),
+    /// `Py_IsFinalizing` (3.13+) or `_Py_IsFinalizing` (before): `None` when neither is found.
+    pub is_finalizing: Option<unsafe extern "C" fn() -> c_int>,
 }
 
 /// The API when the process runs CPython 3.10 or later, looked up the first time it is asked
@@ -92,8 +96,12 @@ fn lookup() -> Option<Api> {
         err_occurred: f!("PyErr_Occurred", unsafe extern "C" fn() -> Ptr),
         gc_disable: f!("PyGC_Disable", unsafe extern "C" fn() -> c_int),
         gc_enable: f!("PyGC_Enable", unsafe extern "C" fn() -> c_int),
-        gil_ensure: f!("PyGILState_Ensure", unsafe extern "C" fn() -> c_int),
+        gil_ensure: f!("PyGILState_Ensure", unsafe extern "C-unwind" fn() -> c_int),
         gil_release: f!("PyGILState_Release", unsafe extern "C" fn(c_int)),
+        is_finalizing: find("Py_IsFinalizing\0").or_else(|| find("_Py_IsFinalizing\0")).map(|p| {
+            // SAFETY: both names are `int (void)`, callable without the GIL.
+            unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(p) }
+        }),
     })
 }
 
@@ -121,6 +129,14 @@ impl Api {
     pub fn initialized(&self) -> bool {
         // SAFETY: callable at any time, without the GIL.
         unsafe { (self.is_initialized)() != 0 }
+    }
+
+    /// Whether the interpreter is finalising (`Py_IsFinalizing`): a thread that waits for the
+    /// GIL then is ended by CPython, so gpupool does not wait for it. False when the function
+    /// is not found (a callout stops the end all the same, see [`Gil::take`]).
+    pub fn finalizing(&self) -> bool {
+        // SAFETY: callable at any time, without the GIL.
+        self.is_finalizing.is_some_and(|f| unsafe { f() } != 0)
     }
 }
 
@@ -157,14 +173,21 @@ pub(crate) struct Gil<'a> {
 }
 
 impl<'a> Gil<'a> {
-    /// Takes the GIL if Python is initialised; `None` when not. Call with no lock of gpupool's
-    /// held: a thread holding the GIL may be waiting for one.
+    /// Takes the GIL if Python is initialised and not finalising; `None` when not. Call with
+    /// no lock of gpupool's held: a thread holding the GIL may be waiting for one.
+    ///
+    /// While the interpreter finalises, CPython ends a thread that waits for the GIL
+    /// (`pthread_exit` in `PyGILState_Ensure`): how daemon threads end at a program's exit, some
+    /// of them inside gpupool. So the GIL is not asked for once finalising has begun, and asked
+    /// for as a callout (`crate::callout`): a thread ended while it waits (finalising began
+    /// after the check) gets `None`, and its end goes on once its gpupool call is done.
     pub fn take(api: &'a Api) -> Option<Gil<'a>> {
-        if !api.initialized() {
+        if !api.initialized() || api.finalizing() {
             return None;
         }
         // SAFETY: Python is initialised; Ensure may be called from any thread.
-        Some(Gil { api, state: unsafe { (api.gil_ensure)() } })
+        let state = crate::callout::callout(|| unsafe { (api.gil_ensure)() })?;
+        Some(Gil { api, state })
     }
 }
 
