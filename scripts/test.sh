@@ -11,7 +11,12 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 jobs=$(nproc)
 start=$SECONDS
-step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s] $*"; }
+# Each step with the time since the start and the CPU time used so far (user and system, of
+# every command run): on a machine others share, the first grows with their load, the second
+# hardly; a quiet machine of 2 cores takes at least half of it.
+# (This shell's children's user and system times, fields 16 and 17 of /proc/$$/stat, in ticks.)
+cpu() { awk -v hz="$(getconf CLK_TCK)" '{ t = int(($16 + $17) / hz); printf "%dm%02ds", t / 60, t % 60 }' "/proc/$$/stat"; }
+step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s, CPU $(cpu)] $*"; }
 
 cat <<'EOF'
 test.sh: every test that needs no GPU, on the simulated device; about 12 minutes on 2 cores
@@ -21,8 +26,8 @@ test.sh: every test that needs no GPU, on the simulated device; about 12 minutes
      shape (links, file sizes, import circles)
   2. AddressSanitizer (nightly toolchain): the library's unit tests, the C API fuzz, the
      invariant and fault proptests, pinned memory, the hit path attacked, the LD_PRELOAD shim
-  3. CMake over target/release (the release build, LTO): C tests (shared and static library, the soak, fork, a partial
-     libcuda, the Python helper) under CTest, then under valgrind
+  3. CMake over target/release (the release build, LTO): C tests (shared and static library,
+     the soak, fork, a partial libcuda, the Python helper) under CTest, then under valgrind
   4. the LD_PRELOAD shim's report, and the installed package through CMake, pkg-config and
      gpupool-replay
   5. the Python package: its wheel built over the same target/ in a fresh virtual environment,
@@ -45,8 +50,12 @@ if rustup run nightly rustc --version >/dev/null 2>&1; then
       cargo +nightly test --profile ci --target "$asan_target" --target-dir build/asan "$@"
   }
   # The device hit path's shard cache holds raw strong counts (tests/hit/): ASan sees a count
-  # given back once too often, which the heap that cache_hostile.rs counts does not.
-  asan -p gpupool --lib --test capi --test invariants --test host --test hit
+  # given back once too often, which the heap that cache_hostile.rs counts does not. One test of
+  # it is left to step 1: a thread whose first call comes from a pthread-key destructor at its
+  # exit makes arc-swap register its thread-local too late for glibc to run it, as the test
+  # expects, and LeakSanitizer reports glibc's 32 bytes of that registration, a thread.
+  asan -p gpupool --lib --test capi --test invariants --test host --test hit -- \
+    --skip cache_hostile::pthread_key_destructors_allocating_at_thread_exit_lose_no_shard
   asan -p gpupool-preload --lib
 else
   step "AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
