@@ -101,7 +101,7 @@ pub fn options_markdown() -> String {
 }
 
 /// The list of options as the opening comment of `include/gpupool.h` holds it (cbindgen.toml's
-/// `header`; tests/header.rs checks both), made from [`OPTIONS`]: one item per variable,
+/// `header`; tests/house/header.rs checks both), made from [`OPTIONS`]: one item per variable,
 /// `GPUPOOL_CONF` last, ` * - GPUPOOL_X (kind; default d): meaning`, wrapped at 96 columns with
 /// the continuation lines indented under the name.
 pub fn options_c_comment() -> String {

@@ -6,7 +6,7 @@ use super::status::{boundary, boundary_boxed, gpupool_status, out_ptr};
 use super::{gpupool_stream_t, runtime, started_runtime};
 use crate::error::Error;
 
-// Where Rust callers have found it (tests/ffi_fuzz.rs); it lives in `largest`, so that the
+// Where Rust callers have found it (tests/capi/fuzz.rs); it lives in `largest`, so that the
 // header has it in its section, after the pools.
 pub use super::largest::gpupool_largest_allocatable;
 

@@ -29,7 +29,7 @@
 
 // The modules of gpupool.h in the header's reading order (cbindgen writes the functions in the
 // order it reads them), one group per section of the header: each section's banner is the doc
-// comment of its first function. tests/header.rs checks the order.
+// comment of its first function. tests/house/header.rs checks the order.
 
 // Device memory; statistics and the memory summary; errors.
 pub mod memory;

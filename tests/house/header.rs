@@ -343,7 +343,7 @@ fn gpupool_h_reads_in_sections_each_with_a_banner_and_a_paragraph() {
         SECTIONS.iter().map(|(t, fs)| (t.to_string(), fs.iter().map(|f| f.to_string()).collect())).collect();
     assert_eq!(
         found, want,
-        "include/gpupool.h's sections and their functions, in order, must be tests/header.rs's SECTIONS \
+        "include/gpupool.h's sections and their functions, in order, must be tests/house/header.rs's SECTIONS \
          (a section opens with a banner in the doc comment of its first function; src/ffi/mod.rs declares \
          the modules in the header's order)"
     );
