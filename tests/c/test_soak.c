@@ -722,10 +722,12 @@ static void *sleeper(void *arg) {
     /* Offload, pinned offload (the copy kept between those rounds), offload, discard. */
     int offload = round % 4 != 3;
     uint32_t mode = round % 4 == 1 ? GPUPOOL_SLEEP_OFFLOAD_PINNED : offload ? GPUPOOL_SLEEP_OFFLOAD : GPUPOOL_SLEEP_DISCARD;
-    /* A block beside the kept ones, spanning whole pages, freed by another thread meanwhile. */
-    struct victim v = {NULL, (long)(round * 7919 % 3000000)};
+    /* A block beside the kept ones, spanning whole 2 MiB pages, freed by another thread at a
+     * moment within the sleep's first 1.5 ms (a sleep of these blocks takes about that on the
+     * simulated device). Small: each round copies it twice, and the sleeper runs all along. */
+    struct victim v = {NULL, (long)(round * 7919 % 1500000)};
     EXPECT_STATUS(gpupool_begin_allocate_to_pool_thread(0, pool), GPUPOOL_SUCCESS);
-    EXPECT_STATUS(gpupool_malloc(&v.block, 45 * MIB, 0, s), GPUPOOL_SUCCESS);
+    EXPECT_STATUS(gpupool_malloc(&v.block, 6 * MIB, 0, s), GPUPOOL_SUCCESS);
     EXPECT_STATUS(gpupool_end_allocate_to_pool(0, pool), GPUPOOL_SUCCESS);
     pthread_t freer;
     int freeing = v.block != NULL && pthread_create(&freer, NULL, free_during_sleep, &v) == 0;
