@@ -13,7 +13,13 @@ The workloads (seeded: every run of one workload makes the same requests):
   cache, 16 prompts of random length (16..256) and batch size (1..16), each generating a random
   number of tokens (16..48);
 - bert_train: BertForMaskedLM(BertConfig()), AdamW, bf16 autocast, 60 training steps at random
-  sequence lengths (32..512) and batch sizes (1..16), 15% of the tokens masked.
+  sequence lengths (32..512) and batch sizes (1..16), 15% of the tokens masked;
+- t5_generate: T5ForConditionalGeneration(T5Config()) (an encoder-decoder, 6+6 layers, d_model
+  512), bf16, eval: 24 batches of random input length (16..512) and batch size (1..16), each
+  decoding a random number of tokens (8..64) greedily with the KV cache;
+- resnet_train: transformers ResNetForImageClassification(ResNetConfig()) (ResNet-50's shape),
+  SGD with momentum, bf16 autocast, channels-last, 40 training steps at random image sizes
+  (96..320, multiples of 32) and batch sizes (4..32).
 
 --quick runs a tenth of the passes, to check the script.
 
@@ -41,7 +47,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKLOADS = ["bert_infer", "gpt2_generate", "bert_train"]
+WORKLOADS = ["bert_infer", "gpt2_generate", "bert_train", "t5_generate", "resnet_train"]
 DESCRIPTION = {
     "bert_infer": "BERT-base encoder (BertModel), fp16, eval, no_grad; {n} forward passes, "
                   "sequence length 16..512, batch 1..32, uniform",
@@ -49,8 +55,12 @@ DESCRIPTION = {
                      "batch 1..16, 16..48 new tokens",
     "bert_train": "BERT-base masked LM training, AdamW, bf16 autocast; {n} steps, sequence length "
                   "32..512, batch 1..16",
+    "t5_generate": "T5 (t5-small's shape) bf16, greedy generation with KV cache; {n} batches, input length "
+                   "16..512, batch 1..16, 8..64 new tokens",
+    "resnet_train": "ResNet-50 (transformers ResNetConfig) training, SGD, bf16 autocast, channels-last; {n} "
+                    "steps, image side 96..320, batch 4..32",
 }
-PASSES = {"bert_infer": 300, "gpt2_generate": 16, "bert_train": 60}
+PASSES = {"bert_infer": 300, "gpt2_generate": 16, "bert_train": 60, "t5_generate": 24, "resnet_train": 40}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +135,50 @@ def bert_train(passes):
         opt.step()
         loss.item()
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
+
+
+def t5_generate(passes):
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    settings()
+    dev = torch.device("cuda")
+    # T5Config() leaves the decoder's first token unset (the checkpoints set it): pad, as t5-small.
+    config = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = T5ForConditionalGeneration(config).to(dev, dtype=torch.bfloat16).eval()
+    rng = random.Random(4)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(passes):
+            batch, length, new = rng.randint(1, 16), rng.randint(16, 512), rng.randint(8, 64)
+            ids = torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(dev)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, use_cache=True)
+            out.cpu()
+    return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
+
+
+def resnet_train(passes):
+    import torch
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    settings()
+    dev = torch.device("cuda")
+    model = ResNetForImageClassification(ResNetConfig()).to(dev, memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(passes):
+        batch, side = rng.randint(4, 32), 32 * rng.randint(3, 10)
+        x = torch.randn(batch, 3, side, side, generator=gen).to(dev, memory_format=torch.channels_last)
+        labels = torch.randint(0, model.config.num_labels, (batch,), generator=gen).to(dev)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(pixel_values=x, labels=labels).loss
+        loss.backward()
+        opt.step()
+        loss.item()
+    return {}
 
 
 def child(args):
