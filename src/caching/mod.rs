@@ -19,21 +19,19 @@
 //!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
+//! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
+//!   modes, the allocator's, device's and shard's parts, the copy engine.
 
 pub(crate) mod allocator;
 mod block;
 mod capture;
 mod cells;
-mod copy;
-mod copy_direct;
 pub(crate) mod counters;
-mod crew;
 pub(crate) mod deferred;
 pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
-mod kept;
 mod largest;
 mod limit;
 mod observer_list;
@@ -50,4 +48,3 @@ mod shard;
 mod shard_table;
 mod size_set;
 pub(crate) mod sleep;
-mod staging;

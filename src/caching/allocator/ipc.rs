@@ -154,7 +154,7 @@ impl Allocator {
     /// The limbo part of [`Allocator::ipc_reclaim`], for the `ipc_*` calls: a sweep of every
     /// live export's importers (a read of `/proc` each) at every export or import would make
     /// many exports quadratic.
-    pub(super) fn reclaim_limbo(&self) -> usize {
+    pub(in crate::caching) fn reclaim_limbo(&self) -> usize {
         if crate::caching::fork::check().is_err() {
             return 0;
         }
@@ -175,7 +175,7 @@ impl Allocator {
     /// in limbo with importers): a sleep would give their pages back under the importers.
     /// Called once the sleep has begun (the caller reclaimed the limbo before it), so that an
     /// export racing the sleep is refused by one side or the other.
-    pub(super) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
+    pub(in crate::caching) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
         let in_pool = |ptr| self.index.with_segment(ptr, |s| s.is_some_and(|e| e.owner.pool == pool));
         let shared = export::list(self.id).into_iter().filter(|&(p, d, _, _)| d == device && in_pool(p)).count();
         if shared == 0 {

@@ -5,7 +5,7 @@
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
 //! - `pools`: private pools and the routes to them;
 //! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
-//! - `sleep`: sleep and wake of a pool (`caching::sleep`);
+//! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
 //! - `stats`: the statistics, the summary and gpupool's diagnostics;
 //! - `history`: the allocation history, snapshots, tags and the live report;
 //! - `ipc`: blocks shared with other processes (`gpupool_ipc_*`);
@@ -36,7 +36,6 @@ mod hit;
 mod ipc;
 mod pools;
 mod release;
-mod sleep;
 mod stats;
 
 pub use ipc::IPC_HANDLE_SIZE;
@@ -178,10 +177,16 @@ impl Allocator {
         self.devices.len() as i32
     }
 
+    /// [`Allocator::check_pool`] (`pools.rs`), for the allocator's parts kept in their
+    /// mechanism's folder (`caching::sleep`), which `check_pool` does not reach.
+    pub(in crate::caching) fn check_private_pool(pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)
+    }
+
     /// The device `device` names (-1: the calling thread's current one), started on first use.
     /// The hit path's case, a device named and started, inline; the rest out of line.
     #[inline(always)]
-    fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+    pub(in crate::caching) fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         if !super::fork::forked()
             && let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get)
         {
