@@ -9,6 +9,7 @@
 //! - [`config`]: the `GPUPOOL_*` options.
 //! - [`host`]: pinned host memory, PyTorch's caching host allocator.
 //! - `ipc`: device memory shared between processes (`gpupool_ipc_*`).
+//! - `os`: the operating system's part of that sharing (processes, pidfds, memfds); a leaf.
 //! - `callout`: calls into a program's callbacks and CPython, which may end the calling thread.
 //!
 //! From Rust, build an [`Allocator`] over a driver:
@@ -32,6 +33,7 @@ pub mod ffi;
 pub mod history;
 pub mod host;
 mod ipc;
+mod os;
 pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef, IPC_HANDLE_SIZE};

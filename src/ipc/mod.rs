@@ -7,8 +7,6 @@
 //! - [`record`]: the owner's shared-memory record of one export: the descriptors an importer
 //!   takes, and each importer's count of uses (with its pid and start time, so that a dead
 //!   importer's uses are dropped);
-//! - [`proc`]: processes (who, alive) and taking another process's descriptor
-//!   (`pidfd_getfd`);
 //! - [`export`]: the owner's table of exported blocks, and the limbo of those freed while
 //!   imported;
 //! - [`import`]: an importer's table of what it mapped.
@@ -16,7 +14,6 @@
 pub(crate) mod export;
 pub(crate) mod handle;
 pub(crate) mod import;
-pub mod proc;
 pub(crate) mod record;
 
 pub(crate) use handle::{HANDLE_SIZE, IpcHandle, Kind};

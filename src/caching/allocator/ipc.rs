@@ -11,7 +11,8 @@ use crate::driver::DevicePtr;
 use crate::error::Error;
 use crate::ipc::export::{self, Export, Stage};
 use crate::ipc::record::{Fields, Record};
-use crate::ipc::{HANDLE_SIZE, IpcHandle, Kind, proc};
+use crate::ipc::{HANDLE_SIZE, IpcHandle, Kind};
+use crate::os::process;
 
 // Rust API only: cbindgen run over the whole crate would otherwise put it into gpupool.h.
 /// The bytes of an IPC handle (`gpupool_ipc_handle_t`).
@@ -71,7 +72,7 @@ impl Allocator {
                 (Kind::Segment, ptr - base, 0, Vec::new(), seg)
             }
         };
-        let owner = proc::me();
+        let owner = process::me();
         let export_id = export::next_id();
         let fields = Fields { kind: kind as u32, owner, device, export_id, size: block.size as u64, offset, page_size };
         let raw: Vec<i32> = pages.iter().map(|f| f.as_raw_fd()).collect();
