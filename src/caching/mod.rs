@@ -19,6 +19,9 @@
 //!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
+//! - `ipc`: memory shared between processes (`gpupool_ipc_*`), every part in one folder: the
+//!   protocol (handle, shared record, export and import tables) and the allocator's, device's
+//!   and shard's parts.
 //! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
 //!   modes, the allocator's, device's and shard's parts, the copy engine.
 
@@ -32,6 +35,7 @@ pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
+pub(crate) mod ipc;
 mod largest;
 mod limit;
 mod observer_list;

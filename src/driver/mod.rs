@@ -242,7 +242,7 @@ pub trait Driver: Send + Sync {
         stream: StreamHandle,
     ) -> Result<(), DriverError>;
 
-    // Memory shared with other processes (`gpupool_ipc_*`, `crate::ipc`): never on the
+    // Memory shared with other processes (`gpupool_ipc_*`, `caching::ipc`): never on the
     // allocator's other paths. The defaults refuse, for a driver that cannot share.
 
     /// The device's UUID (`cuDeviceGetUuid_v2`): 16 bytes that name the GPU in every process,

@@ -7,10 +7,10 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
 //! of reads and `getStats`; `settle.rs`: a call's settle, one shard at a time; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `largest.rs`: the largest request a stream would be served now; `ipc.rs`: blocks
-//! in IPC limbo reclaimed on the out-of-memory path; `check.rs`: the consistency check.
-//! A pool's sleep and wake on the device are in sleep's folder (`caching::sleep::device`,
-//! `caching::sleep::device_copy`).
+//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
+//! consistency check. Two mechanisms keep their device part in their own folder: a pool's
+//! sleep and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in
+//! IPC limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -21,8 +21,9 @@
 //! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
 //! pools' lock (`pools.rs`), the capture probe's list of streams seen capturing
 //! (`capture.rs`), the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls) and
-//! the process's table of IPC exports (`ipc::export`, taken by the free of an exported block)
-//! are leaves: taken with or without shard locks held, never held while taking another lock. Out-of-memory observers and route filters run with none of these held
+//! the process's table of IPC exports (`caching::ipc::export`, taken by the free of an
+//! exported block) are leaves: taken with or without shard locks held, never held while taking
+//! another lock. Out-of-memory observers and route filters run with none of these held
 //! (`out_of_memory.rs`, `pools.rs`).
 
 use std::sync::Arc;
@@ -52,7 +53,6 @@ mod check;
 mod free;
 mod gc;
 mod history;
-mod ipc;
 mod largest;
 mod out_of_memory;
 mod pools;
@@ -78,7 +78,7 @@ struct PeakState {
 pub(crate) struct DeviceAllocator {
     pub device: i32,
     pub(in crate::caching) driver: Arc<dyn Driver>,
-    index: Arc<SegmentIndex<Arc<Shard>>>,
+    pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
     /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
     rules: SizeRules,
     pub max_split_size: usize,

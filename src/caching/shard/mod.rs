@@ -21,7 +21,8 @@
 //! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`);
 //! - `caching::sleep::shard`, in sleep's folder: its pages given back and mapped again
 //!   (`gpupool_sleep`, `gpupool_wake`);
-//! - [`ipc`]: its blocks exported to other processes (`gpupool_ipc_export`), and their free.
+//! - `caching::ipc::shard`, in IPC's folder: its blocks exported to other processes
+//!   (`gpupool_ipc_export`), and their free.
 
 mod blocks;
 mod check;
@@ -29,7 +30,6 @@ mod expand;
 mod free;
 mod front;
 mod gc;
-mod ipc;
 mod largest;
 mod malloc;
 mod record;
@@ -37,7 +37,6 @@ mod segments;
 mod waiting;
 
 pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
-pub(crate) use ipc::{EXPORTED, Shape};
 pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;

@@ -147,7 +147,7 @@ impl ShardState {
         let mut streams = vec![ctx.shard.stream];
         for &id in self.live.values() {
             for &s in self.blocks[id].stream_uses.iter() {
-                if s != crate::caching::shard::EXPORTED && !streams.contains(&s) {
+                if s != crate::caching::ipc::EXPORTED && !streams.contains(&s) {
                     streams.push(s);
                 }
             }

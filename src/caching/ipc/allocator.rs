@@ -1,17 +1,17 @@
-//! Sharing blocks with other processes (`crate::ipc`): the export of an allocated block, the
+//! Sharing blocks with other processes (see `caching::ipc`): the export of an allocated block, the
 //! import of another process's, the close of an import, and the reclaim of blocks freed while
 //! imported (limbo). None of it is on the hit path: a block's free reaches the export table
-//! only through its shard's cold path (`shard::ipc`).
+//! only through its shard's cold path (`shard`).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use super::Allocator;
-use crate::caching::shard::Shape;
+use super::export::{self, Export, Stage};
+use super::handle::{HANDLE_SIZE, IpcHandle, Kind};
+use super::record::{Fields, Record};
+use super::shard::Shape;
+use crate::caching::allocator::Allocator;
 use crate::driver::DevicePtr;
 use crate::error::Error;
-use crate::ipc::export::{self, Export, Stage};
-use crate::ipc::record::{Fields, Record};
-use crate::ipc::{HANDLE_SIZE, IpcHandle, Kind};
 use crate::os::process;
 
 // Rust API only: cbindgen run over the whole crate would otherwise put it into gpupool.h.
