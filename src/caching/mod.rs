@@ -5,7 +5,10 @@
 //! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics, and
 //!   its consistency check.
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
-//! - `block`, `pool`: blocks and the free lists they sit in; `rules`: the size rules.
+//! - `block`, `pool`: blocks and the free lists they sit in; `size_set`: the sizes a pool
+//!   holds free blocks of, the best fit's first step; `rules`: the size rules.
+//! - `expandable`: one expandable segment's address range and page table (PyTorch
+//!   `ExpandableSegment`).
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
@@ -14,6 +17,10 @@
 //!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
 //!   `observers`: the functions called when a request fails; `largest`: the largest request
 //!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
+//! - `segment_observers`: the functions told of every segment made and given back, and of
+//!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
+//!   of observer use.
+//! - `pool_source`: the program's allocators of private pools' segments, by pool id.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
 //! - `capture`: knowing whether a CUDA graph capture is under way; `device::pools`: private
 //!   pools and the routes to them.
