@@ -8,7 +8,7 @@
 //! - [`history`]: the allocation history and snapshots, in PyTorch's formats.
 //! - [`config`]: the `GPUPOOL_*` options.
 //! - [`host`]: pinned host memory, PyTorch's caching host allocator.
-//! - `ipc`: device memory shared between processes (`gpupool_ipc_*`).
+//! - `os`: the operating system's part of that sharing (processes, pidfds, memfds); a leaf.
 //! - `callout`: calls into a program's callbacks and CPython, which may end the calling thread.
 //!
 //! From Rust, build an [`Allocator`] over a driver:
@@ -31,12 +31,13 @@ pub mod error;
 pub mod ffi;
 pub mod history;
 pub mod host;
-mod ipc;
+mod os;
 pub mod stats;
 
-pub use caching::allocator::{Allocator, BlockInfo, ConfigRef, IPC_HANDLE_SIZE};
+pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use caching::device::PoolStats;
+pub use caching::ipc::IPC_HANDLE_SIZE;
 pub use caching::observers::{OomEvent, OomObserverId};
 pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use caching::sleep::SleepMode;

@@ -5,7 +5,10 @@
 //! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics, and
 //!   its consistency check.
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
-//! - `block`, `pool`: blocks and the free lists they sit in; `rules`: the size rules.
+//! - `block`, `pool`: blocks and the free lists they sit in; `size_set`: the sizes a pool
+//!   holds free blocks of, the best fit's first step; `rules`: the size rules.
+//! - `expandable`: one expandable segment's address range and page table (PyTorch
+//!   `ExpandableSegment`).
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
@@ -14,26 +17,32 @@
 //!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
 //!   `observers`: the functions called when a request fails; `largest`: the largest request
 //!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
+//! - `segment_observers`: the functions told of every segment made and given back, and of
+//!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
+//!   of observer use.
+//! - `pool_source`: the program's allocators of private pools' segments, by pool id.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
 //! - `capture`: knowing whether a CUDA graph capture is under way; `device::pools`: private
 //!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
+//! - `ipc`: memory shared between processes (`gpupool_ipc_*`), every part in one folder: the
+//!   protocol (handle, shared record, export and import tables) and the allocator's, device's
+//!   and shard's parts.
+//! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
+//!   modes, the allocator's, device's and shard's parts, the copy engine.
 
 pub(crate) mod allocator;
 mod block;
 mod capture;
 mod cells;
-mod copy;
-mod copy_direct;
 pub(crate) mod counters;
-mod crew;
 pub(crate) mod deferred;
 pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
-mod kept;
+pub(crate) mod ipc;
 mod largest;
 mod limit;
 mod observer_list;
@@ -50,4 +59,3 @@ mod shard;
 mod shard_table;
 mod size_set;
 pub(crate) mod sleep;
-mod staging;

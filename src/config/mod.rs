@@ -227,7 +227,7 @@ pub struct Config {
     /// exit (`GPUPOOL_LIVE_REPORT_AT_EXIT`; see [`Allocator::live_report`](crate::Allocator::live_report)).
     pub live_report_at_exit: bool,
     /// Bytes of each pinned staging buffer of sleep and wake with offload
-    /// (`GPUPOOL_SLEEP_CHUNK`, 32 MiB; see `caching::staging`).
+    /// (`GPUPOOL_SLEEP_CHUNK`, 32 MiB; see `caching::sleep::staging`).
     pub sleep_chunk: usize,
     /// Pinned staging buffers per device (`GPUPOOL_SLEEP_BUFFERS`, 4, at least 2).
     pub sleep_buffers: usize,

@@ -208,8 +208,8 @@ pub trait Driver: Send + Sync {
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError>;
 
     // Copies between device memory and pinned host memory, on streams of gpupool's own: what
-    // `gpupool_sleep` and `gpupool_wake` offload and restore with (`caching::copy`). Never on
-    // the allocator's other paths.
+    // `gpupool_sleep` and `gpupool_wake` offload and restore with (`caching::sleep::copy`).
+    // Never on the allocator's other paths.
 
     /// Creates a stream on `device` that does not synchronise with the legacy default stream
     /// (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
@@ -242,7 +242,7 @@ pub trait Driver: Send + Sync {
         stream: StreamHandle,
     ) -> Result<(), DriverError>;
 
-    // Memory shared with other processes (`gpupool_ipc_*`, `crate::ipc`): never on the
+    // Memory shared with other processes (`gpupool_ipc_*`, `caching::ipc`): never on the
     // allocator's other paths. The defaults refuse, for a driver that cannot share.
 
     /// The device's UUID (`cuDeviceGetUuid_v2`): 16 bytes that name the GPU in every process,

@@ -1,10 +1,11 @@
-//! Sleep with `SleepMode::OffloadPinned` (`caching::kept`, `caching::copy_direct`) on the
-//! simulated device, whose copies check that their host side is pinned: the copies go
-//! straight between the device and a registered host copy (no staging ring, no copy from
-//! unpinned memory), bit for bit; the copy is kept at wake and used again by the next sleep
-//! with no new mapping or registration; it is given back by `sleep_release_kept`,
-//! `release_pool`, and a sleep in another mode, and grows with the pool; a fault at any call
-//! leaves the pool awake (sleep) or asleep with its copy (wake), leaking nothing.
+//! Sleep with `SleepMode::OffloadPinned` (`caching::sleep::pinned_copies`,
+//! `caching::sleep::copy_direct`) on the simulated device, whose copies check that their host
+//! side is pinned: the copies go straight between the device and a registered host copy (no
+//! staging ring, no copy from unpinned memory), bit for bit; the copy is kept at wake and used
+//! again by the next sleep with no new mapping or registration; it is given back by
+//! `sleep_release_kept`, `release_pool`, and a sleep in another mode, and grows with the pool;
+//! a fault at any call leaves the pool awake (sleep) or asleep with its copy (wake), leaking
+//! nothing.
 use crate::common;
 
 use common::sleep::{S, fail, fill, holds, host, intact, pool_with};

@@ -1,10 +1,10 @@
-//! Sleep and wake through the pinned staging ring (`caching::staging`, `caching::copy`), on
-//! the simulated device, whose copies check that their host side is pinned: contents bit for
-//! bit with chunk sizes that divide no block, blocks many times the ring's size, many small
-//! blocks packed into one buffer, any crew size; the ring pinned once and given back by
-//! `empty_cache`; the host copy pageable and unmapped at wake; a fault at any call in the
-//! middle of the pipeline leaving everything as it was; two pools of one device sharing the
-//! ring from two threads.
+//! Sleep and wake through the pinned staging ring (`caching::sleep::staging`,
+//! `caching::sleep::copy`), on the simulated device, whose copies check that their host side
+//! is pinned: contents bit for bit with chunk sizes that divide no block, blocks many times
+//! the ring's size, many small blocks packed into one buffer, any crew size; the ring pinned
+//! once and given back by `empty_cache`; the host copy pageable and unmapped at wake; a fault
+//! at any call in the middle of the pipeline leaving everything as it was; two pools of one
+//! device sharing the ring from two threads.
 use crate::common;
 
 use std::sync::Arc;

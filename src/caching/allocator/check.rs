@@ -43,7 +43,7 @@ impl Allocator {
 
     /// Every export of this allocator names an allocated block marked exported.
     fn check_exports(&self) -> Result<(), String> {
-        for (ptr, _, stage, _) in crate::ipc::export::list(self.id) {
+        for (ptr, _, stage, _) in crate::caching::ipc::export::list(self.id) {
             let shard = self.index.with_segment(ptr, |seg| seg.map(|e| e.owner.clone()));
             let Some(shard) = shard else {
                 return Err(format!("exported block {ptr:#x} ({stage:?}) lies in no segment"));

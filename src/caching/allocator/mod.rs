@@ -5,10 +5,11 @@
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
 //! - `pools`: private pools and the routes to them;
 //! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
-//! - `sleep`: sleep and wake of a pool (`caching::sleep`);
+//! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
 //! - `stats`: the statistics, the summary and gpupool's diagnostics;
 //! - `history`: the allocation history, snapshots, tags and the live report;
-//! - `ipc`: blocks shared with other processes (`gpupool_ipc_*`);
+//! - `caching::ipc::allocator`, in IPC's folder: blocks shared with other processes
+//!   (`gpupool_ipc_*`);
 //! - `check`: the consistency check, for tests.
 
 use std::ops::Deref;
@@ -33,13 +34,9 @@ use crate::history::{HistoryHook, Recorder};
 mod check;
 mod history;
 mod hit;
-mod ipc;
 mod pools;
 mod release;
-mod sleep;
 mod stats;
-
-pub use ipc::IPC_HANDLE_SIZE;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -59,15 +56,15 @@ pub struct BlockInfo {
 /// Thread-safe: every method may be called from any thread. Calls on different streams take
 /// different locks; docs/layout.md maps the design onto the source.
 pub struct Allocator {
-    id: u64,
-    driver: Arc<dyn Driver>,
+    pub(in crate::caching) id: u64,
+    pub(in crate::caching) driver: Arc<dyn Driver>,
     /// Read without a lock ([`Allocator::config`], the LD_PRELOAD shim's frees); replaced only
     /// by [`Allocator::set_config`], before any device starts.
     config: ArcSwap<Config>,
     /// Held while a device starts and while the configuration is replaced, so that no device
     /// starts with a configuration that `set_config` is replacing, nor after it was refused.
     starting: Mutex<()>,
-    index: Arc<SegmentIndex<Arc<Shard>>>,
+    pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
     devices: Box<[OnceLock<DeviceAllocator>]>,
     /// Shared with every device, which calls them when a request fails.
     observers: Arc<OomObservers>,
@@ -75,8 +72,8 @@ pub struct Allocator {
     segment_observers: Arc<SegmentObservers>,
     /// The allocation history of every device.
     recorder: Arc<Recorder>,
-    /// What this allocator imported of other processes' exports (`ipc`).
-    ipc_imports: crate::ipc::import::Imports,
+    /// What this allocator imported of other processes' exports (`caching::ipc::import`).
+    pub(in crate::caching) ipc_imports: crate::caching::ipc::import::Imports,
 }
 
 /// The configuration an [`Allocator`] holds, as [`Allocator::config`] lends it: a snapshot
@@ -178,10 +175,16 @@ impl Allocator {
         self.devices.len() as i32
     }
 
+    /// [`Allocator::check_pool`] (`pools.rs`), for the allocator's parts kept in their
+    /// mechanism's folder (`caching::sleep`), which `check_pool` does not reach.
+    pub(in crate::caching) fn check_private_pool(pool: u64) -> Result<(), Error> {
+        Self::check_pool(pool)
+    }
+
     /// The device `device` names (-1: the calling thread's current one), started on first use.
     /// The hit path's case, a device named and started, inline; the rest out of line.
     #[inline(always)]
-    fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+    pub(in crate::caching) fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         if !super::fork::forked()
             && let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get)
         {

@@ -133,7 +133,7 @@ impl DeviceAllocator {
             return st.free(|| ctx, max_split_size, ptr, segment);
         };
         st.free(|| ctx, max_split_size, ptr, segment)?;
-        // An exported block still imported stays allocated (`shard::ipc`): its free is
+        // An exported block still imported stays allocated (`caching::ipc::shard`): its free is
         // recorded when the limbo frees it.
         if !st.is_allocated(ptr) {
             freed.record(&self.history, shard.stream);

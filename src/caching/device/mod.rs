@@ -7,8 +7,10 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
 //! of reads and `getStats`; `settle.rs`: a call's settle, one shard at a time; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `largest.rs`: the largest request a stream would be served now; `ipc.rs`: blocks
-//! in IPC limbo reclaimed on the out-of-memory path; `check.rs`: the consistency check.
+//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
+//! consistency check. Two mechanisms keep their device part in their own folder: a pool's
+//! sleep and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in
+//! IPC limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -19,14 +21,15 @@
 //! and `empty_cache` takes the shard table's lock and only tries the shard locks. The private
 //! pools' lock (`pools.rs`), the capture probe's list of streams seen capturing
 //! (`capture.rs`), the page pool's lock (`page_pool.rs`, held across `cuMemRelease` calls) and
-//! the process's table of IPC exports (`ipc::export`, taken by the free of an exported block)
-//! are leaves: taken with or without shard locks held, never held while taking another lock. Out-of-memory observers and route filters run with none of these held
+//! the process's table of IPC exports (`caching::ipc::export`, taken by the free of an
+//! exported block) are leaves: taken with or without shard locks held, never held while taking
+//! another lock. Out-of-memory observers and route filters run with none of these held
 //! (`out_of_memory.rs`, `pools.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use super::capture::CaptureProbe;
 use super::counters::DeviceCounters;
@@ -38,10 +41,9 @@ use super::peaks::{SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::SegmentObservers;
-use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
+use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx, ShardState};
 use super::shard_table::ShardTable;
-use super::sleep::{Sleepers, sleepable};
-use super::staging::{Staging, StagingSettings};
+use super::sleep::{Kept, Sleepers, Staging, StagingSettings, sleepable};
 use crate::config::Config;
 use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
@@ -51,15 +53,12 @@ mod check;
 mod free;
 mod gc;
 mod history;
-mod ipc;
 mod largest;
 mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
 mod settle;
-mod sleep;
-mod sleep_copy;
 mod stats;
 mod stranded;
 
@@ -78,22 +77,22 @@ struct PeakState {
 
 pub(crate) struct DeviceAllocator {
     pub device: i32,
-    driver: Arc<dyn Driver>,
-    index: Arc<SegmentIndex<Arc<Shard>>>,
+    pub(in crate::caching) driver: Arc<dyn Driver>,
+    pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
     /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
     rules: SizeRules,
     pub max_split_size: usize,
-    shards: ShardTable,
+    pub(in crate::caching) shards: ShardTable,
     peaks: Mutex<PeakState>,
     /// Credit towards the peaks that no shard holds (see `peaks`).
     spare: SpareCredit,
     counters: DeviceCounters,
-    limit: MemoryLimit,
+    pub(in crate::caching) limit: MemoryLimit,
     /// Physical pages held unmapped for expandable segments (see `page_pool`).
-    pages: PagePool,
+    pub(in crate::caching) pages: PagePool,
     deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
-    expandable: Option<ExpandablePolicy>,
+    pub(in crate::caching) expandable: Option<ExpandablePolicy>,
     /// Whether expandable segments keep to the device's high-water mark (see [`Reclaim`]).
     reclaim: Reclaim,
     /// PyTorch's `garbage_collection_threshold` (0: off; see `gc`).
@@ -110,19 +109,19 @@ pub(crate) struct DeviceAllocator {
     /// The allocation history: malloc and free read its flag.
     history: HistoryHook,
     /// Whether a CUDA graph capture may be under way (see `capture`).
-    capture: CaptureProbe,
+    pub(in crate::caching) capture: CaptureProbe,
     /// The private pools and the routes to them (see `pools`).
     pools: pools::Pools,
-    /// The pools that sleep (see `sleep`).
-    sleepers: Sleepers,
+    /// The pools that sleep (see `caching::sleep`).
+    pub(in crate::caching) sleepers: Sleepers,
     /// The expandable layout of sleepable private pools when the default pools have none
     /// (`expandable_segments:False`), found at their first use; `None` inside: the driver
     /// cannot map memory.
-    sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
-    /// The pinned staging ring of sleep and wake with offload (see `staging`).
-    staging: Staging,
-    /// The pinned host copies pools keep between sleeps (see `kept`).
-    kept: crate::caching::kept::Kept,
+    pub(in crate::caching) sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
+    /// The pinned staging ring of sleep and wake with offload (see `caching::sleep::staging`).
+    pub(in crate::caching) staging: Staging,
+    /// The pinned host copies pools keep between sleeps (see `caching::sleep::pinned_copies`).
+    pub(in crate::caching) kept: Kept,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -200,7 +199,7 @@ impl DeviceAllocator {
     /// replays at fixed addresses, which an expandable segment unmapping its free pages would
     /// take away; but a sleepable pool's are expandable (see `caching::sleep`), and keep the
     /// free pages of a segment a graph uses mapped.
-    fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
+    pub(in crate::caching) fn ctx<'a>(&'a self, shard: &'a Arc<Shard>) -> ShardCtx<'a> {
         let private = shard.pool != 0;
         let expandable = match private {
             false => self.expandable.as_ref(),
@@ -235,6 +234,12 @@ impl DeviceAllocator {
         self.capture.routes() != 0
     }
 
+    /// Ends a call on a shard, as [`DeviceAllocator::finish`] (`stats.rs`), for the device's
+    /// parts kept in their mechanism's folder (`caching::sleep`), which `finish` does not reach.
+    pub(in crate::caching) fn finish_shard_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
+        self.finish(st, value)
+    }
+
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its
     /// total memory (`cuMemGetInfo`); a segment past that fails as out of memory, after the
     /// cache was released and the allocation retried. Segments already reserved stay.
@@ -253,7 +258,7 @@ impl DeviceAllocator {
 /// there (or fails to say). With `large_pages` (`GPUPOOL_EXPANDABLE_LARGE_PAGES`), requests of
 /// [`HUGE_PAGE`] bytes and more grow ranges of pages of that size, or of its doubles past
 /// `pages_per_request` pages (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`).
-fn expandable_policy(
+pub(in crate::caching) fn expandable_policy(
     driver: &dyn Driver,
     device: i32,
     large_pages: bool,

@@ -55,13 +55,13 @@ impl DeviceAllocator {
         Err(self.out_of_memory(req))
     }
 
-    /// Blocks in IPC limbo that no process holds any more are freed first (`ipc`). Blocks
-    /// awaiting a device synchronisation are cache that a synchronisation frees, so they
-    /// are tried before the whole cache goes back to the driver (not in PyTorch, which has no
-    /// such blocks); then PyTorch's `release_cached_blocks` and one retry
-    /// (`num_alloc_retries`). `Ok(None)`: still out of memory.
+    /// Blocks in IPC limbo that no process holds any more are freed first
+    /// (`caching::ipc::device`). Blocks awaiting a device synchronisation are cache that a
+    /// synchronisation frees, so they are tried before the whole cache goes back to the driver
+    /// (not in PyTorch, which has no such blocks); then PyTorch's `release_cached_blocks` and
+    /// one retry (`num_alloc_retries`). `Ok(None)`: still out of memory.
     fn release_and_retry(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
-        // Blocks freed while another process imported them, and held by none now (`ipc`).
+        // Blocks freed while another process imported them, and held by none now (`caching::ipc`).
         if self.reclaim_ipc_limbo() > 0
             && let Some(ptr) = self.serve_stream(pool, stream, req)?
         {

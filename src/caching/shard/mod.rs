@@ -19,8 +19,10 @@
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
 //! - [`record`]: its events in the allocation history, and its segments for a snapshot;
 //! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`);
-//! - [`sleep`]: its pages given back and mapped again (`gpupool_sleep`, `gpupool_wake`);
-//! - [`ipc`]: its blocks exported to other processes (`gpupool_ipc_export`), and their free.
+//! - `caching::sleep::shard`, in sleep's folder: its pages given back and mapped again
+//!   (`gpupool_sleep`, `gpupool_wake`);
+//! - `caching::ipc::shard`, in IPC's folder: its blocks exported to other processes
+//!   (`gpupool_ipc_export`), and their free.
 
 mod blocks;
 mod check;
@@ -28,18 +30,14 @@ mod expand;
 mod free;
 mod front;
 mod gc;
-mod ipc;
 mod largest;
 mod malloc;
 mod record;
 mod segments;
-mod sleep;
 mod waiting;
 
 pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
-pub(crate) use ipc::Shape;
 pub(crate) use malloc::Request;
-pub(crate) use sleep::{ShardSleep, SleepHost};
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -59,6 +57,7 @@ use super::pool::FreePool;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
 use super::segment_observers::{SegmentEvent, SegmentObservers};
+use super::sleep::ShardSleep;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::history::HistoryHook;
 use front::FrontCache;
@@ -156,15 +155,15 @@ pub(crate) enum Growth {
     PastMark(usize),
 }
 
-struct SegmentInfo {
+pub(in crate::caching) struct SegmentInfo {
     head: BlockId,
     /// Bytes: the segment's size, or an expandable segment's address range.
-    size: usize,
+    pub(in crate::caching) size: usize,
     /// An expandable segment's page table.
-    exp: Option<Box<Expandable>>,
+    pub(in crate::caching) exp: Option<Box<Expandable>>,
     /// The stack of the call that made it in the history's table (PyTorch
     /// `context_when_segment_allocated`), 0 for none; as [`super::block::Block::ctx`].
-    ctx: u32,
+    pub(in crate::caching) ctx: u32,
     /// A block of it was handed out while the allocating stream captured a CUDA graph: the
     /// graph's kernels use its addresses at every replay, so it stays reserved, wholly free or
     /// not, until its private pool is released (see `device::pools`).
@@ -174,7 +173,7 @@ struct SegmentInfo {
 /// The state behind a shard's lock.
 #[derive(Default)]
 pub(crate) struct ShardState {
-    blocks: Arena,
+    pub(in crate::caching) blocks: Arena,
     small: FreePool,
     large: FreePool,
     /// Blocks freed on the hit path, not merged yet (see `front`).
@@ -182,20 +181,20 @@ pub(crate) struct ShardState {
     /// Allocated blocks by address (PyTorch `allocated_blocks`), and the front cache's blocks,
     /// which stay listed while cached so that a free and a malloc of the same block touch
     /// the map neither time ([`ShardState::allocated`] tells the two apart).
-    live: FxHashMap<DevicePtr, BlockId>,
+    pub(in crate::caching) live: FxHashMap<DevicePtr, BlockId>,
     /// The address and id of the block handed out last: [`ShardState::allocated`] looks here
     /// before `live`, because a program that allocates and frees in a loop frees the block it
     /// took last (the hash probe cost the hit pair about 30 instructions, callgrind). A hint
     /// only: checked against the block before it is believed.
     last_out: (DevicePtr, BlockId),
-    segments: FxHashMap<DevicePtr, SegmentInfo>,
+    pub(in crate::caching) segments: FxHashMap<DevicePtr, SegmentInfo>,
     /// The bases of the expandable segments among `segments`.
-    expandables: Vec<DevicePtr>,
+    pub(in crate::caching) expandables: Vec<DevicePtr>,
     /// Unmapped blocks of expandable segments, per pool, by address (PyTorch
     /// `BlockPool::unmapped`).
     unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
-    events: StreamEvents,
-    deferred: DeferredList,
+    pub(in crate::caching) events: StreamEvents,
+    pub(in crate::caching) deferred: DeferredList,
     pub counters: ShardCounters,
     /// The settle epoch in which the shard last joined its device's dirty list.
     pub dirty_epoch: u64,
@@ -216,14 +215,15 @@ pub(crate) struct ShardState {
     /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
     /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
     pub released: bool,
-    /// The shard's pool sleeps (`gpupool_sleep`, see `sleep`): its pages are given back, its
-    /// blocks keep their addresses, and nothing may unmap, release or hand out its memory.
-    asleep: Option<Box<ShardSleep>>,
+    /// The shard's pool sleeps (`gpupool_sleep`, see `caching::sleep::shard`): its pages are
+    /// given back, its blocks keep their addresses, and nothing may unmap, release or hand out
+    /// its memory.
+    pub(in crate::caching) asleep: Option<Box<ShardSleep>>,
     /// A sleep copies the shard's live blocks (its first half ran, [`ShardState::prepare_sleep`])
     /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
     /// no page may be unmapped by anyone else, for the copies read them and the wake maps and
-    /// restores exactly the pages the sleep unmapped (see `sleep`).
-    sleep_prepared: bool,
+    /// restores exactly the pages the sleep unmapped (see `caching::sleep::shard`).
+    pub(in crate::caching) sleep_prepared: bool,
 }
 
 impl ShardState {

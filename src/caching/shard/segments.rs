@@ -73,7 +73,13 @@ impl ShardState {
     /// Queues a segment event of an allocation or mapping, for the call to deliver once the
     /// lock is dropped. Flags the counters for a settle, so that the end of the call
     /// (`DeviceAllocator::finish_call`) looks at the queue on its slow branch only.
-    pub(super) fn observe_later(&mut self, ctx: &ShardCtx, kind: SegmentEventKind, address: u64, bytes: usize) {
+    pub(in crate::caching) fn observe_later(
+        &mut self,
+        ctx: &ShardCtx,
+        kind: SegmentEventKind,
+        address: u64,
+        bytes: usize,
+    ) {
         let (device, stream, pool) = (ctx.device, ctx.shard.stream, ctx.shard.pool);
         self.segment_events.push(SegmentEvent { kind, device, address, bytes, stream, pool });
         self.counters.needs_settle = true;
@@ -81,7 +87,13 @@ impl ShardState {
 
     /// Delivers a segment event of a free or an unmapping now, with the lock held, before the
     /// driver call: the queued events first, so that each range is told mapped before unmapped.
-    pub(super) fn observe_now(&mut self, ctx: &ShardCtx, kind: SegmentEventKind, address: u64, bytes: usize) {
+    pub(in crate::caching) fn observe_now(
+        &mut self,
+        ctx: &ShardCtx,
+        kind: SegmentEventKind,
+        address: u64,
+        bytes: usize,
+    ) {
         let queued = std::mem::take(&mut self.segment_events);
         ctx.segments.deliver(&queued);
         let (device, stream, pool) = (ctx.device, ctx.shard.stream, ctx.shard.pool);

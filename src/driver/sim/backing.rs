@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use crate::ipc::proc;
+use crate::os::memfd;
 
 /// The host's page size, which every extent's offset and length are multiples of.
 pub(super) fn host_page() -> u64 {
@@ -39,7 +39,7 @@ pub(super) struct DeviceFile {
 
 impl DeviceFile {
     pub(super) fn new() -> io::Result<DeviceFile> {
-        Ok(DeviceFile { fd: proc::memfd("gpupool-sim-device", 0)?, len: 0, free: BTreeMap::new() })
+        Ok(DeviceFile { fd: memfd::create("gpupool-sim-device", 0)?, len: 0, free: BTreeMap::new() })
     }
 
     /// The descriptor, for a simulated `cuIpcGetMemHandle` (the importer takes it by number).
@@ -170,7 +170,7 @@ impl DeviceFile {
 pub(super) fn imported_extent(fd: &OwnedFd, size: usize, align: u64) -> Option<u64> {
     // SAFETY: a plain system call on a descriptor we hold.
     let at = unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_CUR) };
-    let len = proc::file_size(fd).ok()? as u64;
+    let len = memfd::file_size(fd).ok()? as u64;
     let at = u64::try_from(at).ok()?;
     (at % align == 0 && at.checked_add(size as u64).is_some_and(|end| end <= len)).then_some(at)
 }

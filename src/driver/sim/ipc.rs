@@ -19,7 +19,7 @@ use std::os::fd::BorrowedFd;
 use super::backing::{imported_extent, map_fd};
 use super::vmm::Backing;
 use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, invalid};
-use crate::ipc::proc;
+use crate::os::{memfd, process};
 
 /// The first bytes of a simulated `cuIpcGetMemHandle` handle.
 const MAGIC: &[u8; 8] = b"GPSIMIPC";
@@ -83,7 +83,7 @@ impl SimDriver {
         let call = "cuIpcGetMemHandle";
         let &(owner, size, offset) = st.allocations.get(&ptr).ok_or_else(|| invalid(call))?;
         let fd = st.file(owner)?.raw_fd();
-        let me = proc::me();
+        let me = process::me();
         let mut out = [0u8; 64];
         out[..8].copy_from_slice(MAGIC);
         out[8..12].copy_from_slice(&me.pid.to_le_bytes());
@@ -103,13 +103,13 @@ impl SimDriver {
         if &handle[..8] != MAGIC {
             return Err(invalid(call));
         }
-        let who = proc::Identity { pid: word(8, 12) as u32, start: word(24, 32) };
+        let who = process::Identity { pid: word(8, 12) as u32, start: word(24, 32) };
         let (size, offset) = (word(16, 24) as usize, word(40, 48));
         // What the CUDA driver answers for a handle whose exporter is gone or whose memory
         // was freed: CUDA_ERROR_INVALID_HANDLE (400) hides which.
         let bad = || cuda_error(call, 400, "CUDA_ERROR_INVALID_HANDLE");
-        let fd = proc::fetch(who, word(12, 16) as u32 as i32).map_err(|_| bad())?;
-        let len = proc::file_size(&fd).map_err(|_| bad())? as u64;
+        let fd = process::fetch(who, word(12, 16) as u32 as i32).map_err(|_| bad())?;
+        let len = memfd::file_size(&fd).map_err(|_| bad())? as u64;
         let page = super::backing::host_page();
         if size == 0 || offset % page != 0 || offset.checked_add(size as u64).is_none_or(|end| end > len) {
             return Err(bad());

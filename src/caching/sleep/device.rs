@@ -5,21 +5,22 @@
 //!
 //! Sleep: the pool is marked asleep first (allocations from it are refused from then on);
 //! then each stream's work is waited for and, with offload, its live blocks copied to host
-//! memory through the staging ring, on copy streams of gpupool's own (`copy`); only once every copy has completed are the
-//! pages unmapped and their handles given back. Wake: every page mapped again, all or nothing
-//! (the memory limit charged first; a device out of memory releases the cache of the other
-//! pools and tries once more); then the copies put back; then the host memory unmapped.
+//! memory through the staging ring, on copy streams of gpupool's own (`copy`); only once every
+//! copy has completed are the pages unmapped and their handles given back. Wake: every page
+//! mapped again, all or nothing (the memory limit charged first; a device out of memory
+//! releases the cache of the other pools and tries once more); then the copies put back; then
+//! the host memory unmapped.
 //!
 //! Each shard's lock is held only while that shard is worked on, and no other pool's lock is
 //! taken: other pools allocate and free throughout.
 
 use std::sync::Arc;
 
-use super::{DeviceAllocator, ExpandablePolicy, expandable_policy};
+use super::shard::ShardSleep;
+use super::sleepers::{SleepMode, sleepable};
 use crate::caching::capture;
-use crate::caching::shard::Shard;
-use crate::caching::shard::ShardSleep;
-use crate::caching::sleep::{SleepMode, sleepable};
+use crate::caching::device::{DeviceAllocator, expandable_policy};
+use crate::caching::shard::{ExpandablePolicy, Shard};
 use crate::driver::{DriverError, PhysHandle};
 use crate::error::Error;
 
@@ -44,7 +45,7 @@ impl DeviceAllocator {
     /// them when the default pools use ordinary segments) with every page of the large
     /// ranges' size, 20 MiB ([`sleepable_layout`]); `None` when the driver cannot map memory on
     /// the device.
-    pub(super) fn sleep_policy(&self) -> Option<&ExpandablePolicy> {
+    pub(in crate::caching) fn sleep_policy(&self) -> Option<&ExpandablePolicy> {
         self.sleep_policy
             .get_or_init(|| {
                 let base = self.expandable.or_else(|| expandable_policy(&*self.driver, self.device, true, 0))?;
@@ -70,7 +71,7 @@ impl DeviceAllocator {
 
     /// [`Error::InvalidValue`] when `pool` sleeps: nothing may be allocated from it, and it
     /// may not be released, until it wakes.
-    pub(super) fn refuse_asleep(&self, pool: u64) -> Result<(), Error> {
+    pub(in crate::caching) fn refuse_asleep(&self, pool: u64) -> Result<(), Error> {
         if !self.sleepers.is_asleep(pool) {
             return Ok(());
         }
@@ -166,7 +167,7 @@ impl DeviceAllocator {
                     let mut st = self.shards.lock_for_change(shard);
                     st.wait_for_work(&ctx)?;
                     let prep = st.prepare_discard();
-                    self.finish(st, ());
+                    self.finish_shard_call(st, ());
                     copies.push((shard.clone(), prep));
                 }
             }
@@ -190,7 +191,7 @@ impl DeviceAllocator {
                 if let Err(e) = st.sleep_pages(&ctx, prep, &mut handles) {
                     failure.get_or_insert(e);
                 }
-                self.finish(st, ());
+                self.finish_shard_call(st, ());
             }));
             gone = gone.and(r);
         }
@@ -312,7 +313,7 @@ impl DeviceAllocator {
                 let ctx = self.ctx(shard);
                 let mut st = self.shards.lock_for_change(shard);
                 let r = st.map_slept(&ctx, &mut spare);
-                self.finish(st, ());
+                self.finish_shard_call(st, ());
                 r.map_err(|e| match e {
                     DriverError::OutOfMemory => oom(),
                     e => Error::driver(e, "mapping a sleeping pool's pages again"),
@@ -333,7 +334,7 @@ impl DeviceAllocator {
                     let ctx = self.ctx(shard);
                     let mut st = self.shards.lock_for_change(shard);
                     let _ = st.unmap_woken(&ctx, &mut spare);
-                    self.finish(st, ());
+                    self.finish_shard_call(st, ());
                 }));
                 if let Err(p) = r {
                     unwound.get_or_insert(p);
@@ -375,7 +376,7 @@ impl DeviceAllocator {
     /// holds no expandable segment; the shards of a sleeping pool sleep (but those that hold
     /// nothing) and those of a pool awake do not; the device's sleeping bytes are the pages its
     /// shards slept. Returns those bytes.
-    pub(super) fn check_sleepers(
+    pub(in crate::caching) fn check_sleepers(
         &self,
         list: &[Arc<Shard>],
         states: &[&crate::caching::shard::ShardState],

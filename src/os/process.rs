@@ -2,8 +2,6 @@
 //! is (pid and start time, so that a reused pid is never taken for the process it replaced),
 //! whether it still runs, and taking a copy of one of its descriptors (`pidfd_open` +
 //! `pidfd_getfd`, Linux 5.6, as PyTorch's expandable segments do in `ExpandableSegment::import`).
-//! A leaf: imports nothing of the crate, so that the simulated driver and the IPC protocol both
-//! use it.
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -93,35 +91,4 @@ pub fn getfd(pidfd: &OwnedFd, fd: RawFd) -> Result<OwnedFd, FetchError> {
 /// Descriptor `fd` of process `who`: [`open`] then [`getfd`].
 pub fn fetch(who: Identity, fd: RawFd) -> Result<OwnedFd, FetchError> {
     getfd(&open(who)?, fd)
-}
-
-/// A new anonymous shared-memory file of `size` bytes (`memfd_create`, close-on-exec), sparse:
-/// it takes memory only as it is written.
-pub fn memfd(name: &str, size: usize) -> io::Result<OwnedFd> {
-    let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `name` is a valid C string that outlives the call.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a descriptor the kernel just opened for us.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    use std::os::fd::AsRawFd;
-    // SAFETY: a plain system call on our descriptor.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(fd)
-}
-
-/// The size in bytes of the file behind `fd` (`fstat`).
-pub fn file_size(fd: &OwnedFd) -> io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fstat writes one struct stat, zeroed first.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: our descriptor and a valid out-pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st.st_size as usize)
 }

@@ -1,6 +1,6 @@
 //! Each device's staging ring for `gpupool_sleep` and `gpupool_wake` with offload: a few
 //! pinned host buffers (`cuMemHostAlloc`, [`StagingSettings::buffers`] of
-//! [`StagingSettings::chunk`] bytes) and one event each, through which `caching::copy` moves
+//! [`StagingSettings::chunk`] bytes) and one event each, through which `copy` moves
 //! a pool's blocks between the device and their pageable host copy. Pinned once, at the first
 //! offload or restore of the device, and kept (pinning costs about a second per 10 GiB, the
 //! copies themselves a fifth of that), until `gpupool_empty_cache` gives the ring back; its

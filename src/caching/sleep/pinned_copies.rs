@@ -2,9 +2,9 @@
 //! `GPUPOOL_SLEEP_OFFLOAD_PINNED`): the host copy of each stream of the pool is ordinary
 //! memory of gpupool's own (`driver::pageable`, transparent huge pages asked for), faulted in
 //! by the sleep's CPU threads and page-locked with `cuMemHostRegister`, so that the copy
-//! engines write and read it directly ([`crate::caching::copy_direct`]) at the bus's speed;
-//! at wake it is not given back but kept here, by pool, for the pool's next sleep, which then
-//! copies with no host memory to prepare.
+//! engines write and read it directly (`copy_direct`) at the bus's speed; at wake it is not
+//! given back but kept here, by pool, for the pool's next sleep, which then copies with no
+//! host memory to prepare.
 //!
 //! Why registered and not `cuMemHostAlloc`: on the H100 machine's host (2026-11-27,
 //! `.device` experiment, 8 GiB) `cudaHostAlloc` pinned 3.1-3.3 GB/s, while faulting in an
@@ -22,7 +22,7 @@
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::crew::Crew;
+use super::copy_threads::Crew;
 use super::staging::quietly;
 use crate::driver::{Driver, DriverError, HostPtr};
 

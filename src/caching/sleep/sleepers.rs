@@ -13,10 +13,10 @@
 //! `gpupool_sleep` says so, changing nothing.
 //!
 //! Here: the modes, which pools may sleep, and each device's record of its sleeping pools
-//! ([`Sleepers`]). The mechanism: `shard::sleep` (one stream's share: waiting, copying,
-//! unmapping, mapping again), `device::sleep` (a pool: its streams, all or nothing, the
-//! memory limit), `copy` (the copies, pipelined), `staging` (the pinned ring), `crew` (the
-//! CPU threads). The rules are in docs/sleep.md.
+//! ([`Sleepers`]). The mechanism: `shard` (one stream's share: waiting, copying, unmapping,
+//! mapping again), `device` (a pool: its streams, all or nothing, the memory limit), `copy`
+//! (the copies, pipelined), `staging` (the pinned ring), `copy_threads` (the CPU threads).
+//! The rules are in docs/sleep.md.
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -43,7 +43,7 @@ pub enum SleepMode {
     /// activations).
     Discard,
     /// As [`SleepMode::Offload`], into pinned host memory that the copy engines write and read
-    /// directly, and that the pool keeps after wake for its next sleep (see `caching::kept`):
+    /// directly, and that the pool keeps after wake for its next sleep (see `pinned_copies`):
     /// from the second sleep on, sleep and wake copy at the bus's speed; meanwhile the pool's
     /// live bytes stay pinned in host memory.
     OffloadPinned,

@@ -1,4 +1,4 @@
-//! A crew of CPU threads for one sleep or wake (`caching::copy`): host-to-host copies between
+//! A crew of CPU threads for one sleep or wake (`copy`): host-to-host copies between
 //! the pinned staging buffers and a pool's pageable host copy, cut into one part per thread
 //! and run in parallel, the calling thread taking a part too. One thread copies ordinary
 //! memory at a fraction of the bus's 50 GB/s (and faults in the fresh pages of the host copy

@@ -13,10 +13,10 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::handle::{IpcHandle, Kind};
-use super::proc::{self, FetchError};
 use super::record::{AcquireError, Record};
 use crate::driver::{DevicePtr, Driver, PhysHandle};
 use crate::error::Error;
+use crate::os::process::{self, FetchError};
 
 type SegmentKey = (u32, u64, [u8; 64]);
 
@@ -72,14 +72,14 @@ fn fetch_error(h: &IpcHandle, e: FetchError) -> Error {
 impl Imports {
     /// Imports `h` on `device` (its UUID checked by the caller); returns the block's address here.
     pub fn import(&self, driver: &dyn Driver, device: i32, h: &IpcHandle) -> Result<DevicePtr, Error> {
-        let me = proc::me();
+        let me = process::me();
         if h.owner == me {
             return Err(Error::InvalidValue(
                 "the IPC handle is this process's own export: use the pointer that was exported".into(),
             ));
         }
-        let pidfd = proc::open(h.owner).map_err(|e| fetch_error(h, e))?;
-        let fd = proc::getfd(&pidfd, h.record_fd).map_err(|e| fetch_error(h, e))?;
+        let pidfd = process::open(h.owner).map_err(|e| fetch_error(h, e))?;
+        let fd = process::getfd(&pidfd, h.record_fd).map_err(|e| fetch_error(h, e))?;
         let record = Record::open(fd).map_err(|why| gone(h, &why))?;
         let r = record.header();
         let same = r.export_id == h.export_id
@@ -173,7 +173,7 @@ fn map_pages(
     let mut step = || -> Result<(), Error> {
         let How::Pages { handles, .. } = &mut how else { unreachable!() };
         for (i, &fd) in record.page_fds().iter().enumerate() {
-            let fd = proc::getfd(pidfd, fd).map_err(|e| fetch_error(h, e))?;
+            let fd = process::getfd(pidfd, fd).map_err(|e| fetch_error(h, e))?;
             let handle = driver.mem_import(device, fd.as_fd(), page).map_err(drv("importing a page"))?;
             handles.push((handle, false));
             driver.mem_map(device, base + (i * page) as u64, page, handle).map_err(drv("mapping an imported page"))?;

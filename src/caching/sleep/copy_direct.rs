@@ -1,5 +1,5 @@
 //! The copies of a sleep and a wake whose host copy is pinned (`GPUPOOL_SLEEP_OFFLOAD_PINNED`,
-//! see `caching::kept`): no staging ring and no CPU copy; each run of blocks goes straight
+//! see `pinned_copies`): no staging ring and no CPU copy; each run of blocks goes straight
 //! between the device and the host copy (`cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync`), cut into
 //! pieces of [`PIECE`] bytes dealt in turn to [`COPY_STREAMS`] streams of gpupool's own, as
 //! `test_sleep`'s pinned bandwidth is measured (55 GB/s each way on an H100, 2026-11-27).

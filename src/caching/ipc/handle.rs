@@ -28,7 +28,7 @@ pub(crate) enum Kind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct IpcHandle {
     pub kind: Kind,
-    pub owner: super::proc::Identity,
+    pub owner: crate::os::process::Identity,
     /// The owner's descriptor of the export's record.
     pub record_fd: i32,
     /// The owner's ordinal of the device (for messages).
@@ -100,7 +100,7 @@ impl IpcHandle {
         };
         let h = IpcHandle {
             kind,
-            owner: super::proc::Identity { pid: u32_at(16), start: u64_at(24) },
+            owner: crate::os::process::Identity { pid: u32_at(16), start: u64_at(24) },
             record_fd: u32_at(20) as i32,
             device: u32_at(32) as i32,
             uuid: b[40..56].try_into().expect("16 bytes"),

@@ -1,18 +1,18 @@
-//! A shard's blocks exported to other processes (`gpupool_ipc_export`, `crate::ipc`): what an
+//! A shard's blocks exported to other processes (`gpupool_ipc_export`, `caching::ipc`): what an
 //! export needs of a block (its pages' handles in an expandable segment, or its segment's
 //! start), the mark that sends its free off the hit path, and that free.
 //!
 //! The mark is [`EXPORTED`] among the block's `stream_uses`: the hit path's free already
 //! sends a block with stream uses to its cold path (`free_used`), so an exported block costs
-//! the hit path nothing. There the process's export table decides (`ipc::export::on_free`):
+//! the hit path nothing. There the process's export table decides (`export::on_free`):
 //! the block stays allocated while importers hold it (PyTorch keeps a block freed while shared
 //! allocated, in `CudaIPCSentDataLimbo`), or the export ends and the block is freed as usual.
 
-use super::ShardState;
+use super::export::{self, OnFree};
 use crate::caching::block::{BlockId, NIL};
+use crate::caching::shard::ShardState;
 use crate::driver::{DevicePtr, PhysHandle, StreamHandle};
 use crate::error::Error;
-use crate::ipc::export::{self, OnFree};
 
 /// The mark of an exported block among its stream uses: no stream's handle (CUDA streams are
 /// pointers). A program that names it to `record_stream` anyway makes its block look exported:
@@ -103,7 +103,7 @@ impl ShardState {
     /// exported, or the export ended now: the mark is off).
     ///
     /// Errors: [`Error::InvalidPointer`] for a second free of a block in limbo.
-    pub(super) fn ipc_free(&mut self, ptr: DevicePtr, id: BlockId) -> Result<bool, Error> {
+    pub(in crate::caching) fn ipc_free(&mut self, ptr: DevicePtr, id: BlockId) -> Result<bool, Error> {
         if !self.blocks[id].stream_uses.contains(&EXPORTED) {
             return Ok(false);
         }

@@ -1,19 +1,20 @@
-//! The copying half of a pool's sleep and wake on one device (see `device::sleep`): each
+//! The copying half of a pool's sleep and wake on one device (see `device`): each
 //! stream's live blocks to a host copy of its own and back, and where each host copy comes
 //! from and goes back to. [`SleepMode::Offload`]: pageable memory (`driver::pageable`),
 //! mapped at sleep, copied through the device's pinned staging ring (`copy`, `staging`), and
 //! unmapped at wake. [`SleepMode::OffloadPinned`]: pinned memory the pool keeps between its
-//! sleeps (`kept`), copied to and from directly (`copy_direct`).
+//! sleeps (`pinned_copies`), copied to and from directly (`copy_direct`).
 
 use std::sync::Arc;
 
-use super::DeviceAllocator;
-use crate::caching::copy::{Copier, Copies, HostCopy, Way, free_host};
-use crate::caching::copy_direct::Direct;
-use crate::caching::crew::{Crew, crew_size};
-use crate::caching::kept::{self, Pinned};
-use crate::caching::shard::{Shard, ShardSleep, ShardState, SleepHost};
-use crate::caching::sleep::SleepMode;
+use super::copy::{Copier, Copies, HostCopy, Way, free_host};
+use super::copy_direct::Direct;
+use super::copy_threads::{Crew, crew_size};
+use super::pinned_copies::{self, Pinned};
+use super::shard::{ShardSleep, SleepHost};
+use super::sleepers::SleepMode;
+use crate::caching::device::DeviceAllocator;
+use crate::caching::shard::{Shard, ShardState};
 use crate::driver::DriverError;
 use crate::error::Error;
 
@@ -66,7 +67,7 @@ impl DeviceAllocator {
                     scopeguard::ScopeGuard::into_inner(host);
                     Ok(prep)
                 });
-                self.finish(st, ());
+                self.finish_shard_call(st, ());
                 into.push((shard.clone(), r?));
             }
             copies.finish().map_err(fail)
@@ -101,7 +102,7 @@ impl DeviceAllocator {
         }
         let copy = match self.kept.take(pool, need) {
             Some(c) => c,
-            None => kept::pin(&*self.driver, self.device, need, huge, crew).map_err(oom)?,
+            None => pinned_copies::pin(&*self.driver, self.device, need, huge, crew).map_err(oom)?,
         };
         Ok(SleepHost { ptr: copy.ptr, used: need, pinned: copy.size })
     }
@@ -114,26 +115,26 @@ impl DeviceAllocator {
             size => {
                 // A pool released meanwhile keeps nothing: the copy goes back to the system.
                 if let Some(copy) = self.kept.put(pool, Pinned { ptr: host.ptr, size }) {
-                    let _ = kept::unpin(&*self.driver, self.device, copy);
+                    let _ = pinned_copies::unpin(&*self.driver, self.device, copy);
                 }
             }
         }
     }
 
-    /// Unpins and unmaps every pinned copy `pool` keeps (see `kept`): none is in use (a
+    /// Unpins and unmaps every pinned copy `pool` keeps (see `pinned_copies`): none is in use (a
     /// sleeping pool's copy is not in the store). Returns the bytes unpinned (a copy the driver
     /// would not unregister stays pinned, leaked, and is not counted).
     pub(crate) fn release_kept(&self, pool: u64) -> usize {
         let copies = self.kept.drain(pool);
-        copies.into_iter().filter(|&c| kept::unpin(&*self.driver, self.device, c)).map(|c| c.size).sum()
+        copies.into_iter().filter(|&c| pinned_copies::unpin(&*self.driver, self.device, c)).map(|c| c.size).sum()
     }
 
     /// As [`DeviceAllocator::release_kept`] for a released pool, which keeps no copy from
     /// now on: one its wake or failed sleep gives back later (a sleep that began before the
     /// release marked it) is unpinned then.
-    pub(super) fn close_kept(&self, pool: u64) {
+    pub(in crate::caching) fn close_kept(&self, pool: u64) {
         for c in self.kept.close(pool) {
-            let _ = kept::unpin(&*self.driver, self.device, c);
+            let _ = pinned_copies::unpin(&*self.driver, self.device, c);
         }
     }
 
@@ -177,7 +178,7 @@ impl DeviceAllocator {
     /// a sleeping stream's host copy, share a byte (a copy owned twice would be written by two
     /// sleeps, or unpinned under one); a pool asleep in a mode other than
     /// [`SleepMode::OffloadPinned`] keeps none (its sleep gave them back).
-    pub(super) fn check_kept(&self, list: &[Arc<Shard>], states: &[&ShardState]) -> Result<(), String> {
+    pub(in crate::caching) fn check_kept(&self, list: &[Arc<Shard>], states: &[&ShardState]) -> Result<(), String> {
         let kept = self.kept.all();
         let mut ranges: Vec<(usize, usize, String)> =
             kept.iter().map(|(p, c)| (c.ptr, c.size, format!("a pinned copy pool {p:#x} keeps"))).collect();

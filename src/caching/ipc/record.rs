@@ -21,7 +21,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
-use super::proc::{self, Identity};
+use crate::os::memfd;
+use crate::os::process::{self, Identity};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"GPIPCREC");
 /// 2: a slot is given back by its process's last release (`Slot::generation`). 3: importers
@@ -130,7 +131,7 @@ impl Record {
     /// Errors: the system's, when the memfd cannot be made or mapped.
     pub fn create(f: &Fields, pages: &[RawFd]) -> io::Result<Record> {
         let len = bytes_for(pages.len());
-        let r = map(proc::memfd("gpupool-ipc-export", len)?, len)?;
+        let r = map(memfd::create("gpupool-ipc-export", len)?, len)?;
         // SAFETY: a fresh mapping of `len` bytes, zero-filled, holding a Header and the pages;
         // nobody else has it yet.
         unsafe {
@@ -150,7 +151,7 @@ impl Record {
     ///
     /// Errors: a message saying what is wrong (not a record, or cut short).
     pub fn open(fd: OwnedFd) -> Result<Record, String> {
-        let len = proc::file_size(&fd).map_err(|e| format!("its size cannot be read ({e})"))?;
+        let len = memfd::file_size(&fd).map_err(|e| format!("its size cannot be read ({e})"))?;
         if len < size_of::<Header>() {
             return Err("the descriptor the handle names is not an export record".into());
         }
@@ -270,7 +271,7 @@ fn reap(s: &Slot) -> bool {
         return false;
     }
     let start = s.start.load(SeqCst);
-    if start == 0 || s.generation.load(SeqCst) != seen || proc::alive(Identity { pid, start }) {
+    if start == 0 || s.generation.load(SeqCst) != seen || process::alive(Identity { pid, start }) {
         return false;
     }
     if s.generation.compare_exchange(seen, seen.wrapping_add(1), SeqCst, SeqCst).is_err() {
@@ -289,14 +290,14 @@ mod tests {
     use super::*;
 
     fn record() -> Record {
-        let owner = proc::me();
+        let owner = process::me();
         let f = Fields { kind: 1, owner, device: 0, export_id: 1, size: 1, offset: 0, page_size: 0 };
         Record::create(&f, &[]).unwrap()
     }
 
     /// A process that does not run: this one's pid with another start time.
     fn dead(i: u64) -> Identity {
-        let me = proc::me();
+        let me = process::me();
         Identity { pid: me.pid, start: me.start + 1 + i }
     }
 
@@ -311,7 +312,7 @@ mod tests {
             r.acquire(dead(i)).unwrap();
         }
         // No owner call in between: the import clears the dead importers itself.
-        let slot = r.acquire(proc::me()).unwrap();
+        let slot = r.acquire(process::me()).unwrap();
         assert_eq!(r.holders(), 1);
         assert_eq!(r.reap_dead(), 0, "the import cleared them all");
         r.release(slot);
@@ -322,12 +323,12 @@ mod tests {
     fn a_slot_given_back_and_claimed_again_is_not_cleared_by_a_stale_read() {
         let r = record();
         let s = &r.header().slots[0];
-        let slot = r.acquire(proc::me()).unwrap();
+        let slot = r.acquire(process::me()).unwrap();
         assert_eq!(slot, 0);
         // A clearer that read the generation before a give-back fails to take the slot.
         let seen = s.generation.load(SeqCst);
         r.release(slot);
-        r.acquire(proc::me()).unwrap();
+        r.acquire(process::me()).unwrap();
         assert!(s.generation.compare_exchange(seen, seen + 1, SeqCst, SeqCst).is_err());
         assert!(!reap(s), "a live importer's slot stays");
         assert_eq!(r.holders(), 1);

@@ -5,12 +5,12 @@
 //! move: a sleeping shard keeps its segments, blocks, live map and counters (reserved bytes
 //! included: they count the pages it will map again), only the page tables are empty.
 
-use super::{ShardCtx, ShardState};
+use super::copy::Copies;
+use super::sleepers::SleepMode;
 use crate::caching::block::{BlockId, BlockState};
-use crate::caching::copy::Copies;
 use crate::caching::expandable::Expandable;
 use crate::caching::segment_observers::SegmentEventKind;
-use crate::caching::sleep::SleepMode;
+use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;
 use crate::history::Action;
@@ -42,7 +42,7 @@ pub(crate) struct ShardSleep {
 
 /// A shard's host copy while it sleeps: `used` bytes at `ptr`, pageable memory of
 /// `driver::pageable` (`pinned` 0) or the first `used` bytes of a pinned copy of `pinned`
-/// bytes that the pool keeps (`caching::kept`).
+/// bytes that the pool keeps (`pinned_copies`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct SleepHost {
     pub ptr: HostPtr,
@@ -147,7 +147,7 @@ impl ShardState {
         let mut streams = vec![ctx.shard.stream];
         for &id in self.live.values() {
             for &s in self.blocks[id].stream_uses.iter() {
-                if s != super::ipc::EXPORTED && !streams.contains(&s) {
+                if s != crate::caching::ipc::EXPORTED && !streams.contains(&s) {
                     streams.push(s);
                 }
             }
@@ -173,7 +173,7 @@ impl ShardState {
     /// The first half of a sleep that offloads (`mode`), which changes nothing of the shard
     /// but marking its pages kept ([`ShardState::keeps_pages`]):
     /// the copies of every live block into `host` (at least [`ShardState::live_bytes`] bytes,
-    /// pinned for a [`crate::caching::copy_direct::Direct`] `copies`) added to `copies` (the
+    /// pinned for a [`super::copy_direct::Direct`] `copies`) added to `copies` (the
     /// caller finishes them). Returns what the shard will keep asleep.
     ///
     /// Errors: [`Error::Cuda`] when a copy cannot be queued; the caller gives `host` back.
@@ -363,7 +363,7 @@ impl ShardState {
     /// driver refused to unmap one) and holds only expandable segments, and with offload every
     /// live block has its copy, the copies tiling the host memory; an awake one has no page
     /// slept.
-    pub(super) fn check_sleep(&self) -> Result<(), String> {
+    pub(in crate::caching) fn check_sleep(&self) -> Result<(), String> {
         let exps = || self.segments.values().filter_map(|s| s.exp.as_deref());
         let Some(s) = self.asleep.as_deref() else {
             return match exps().find(|e| e.slept_bytes != 0) {

@@ -1,17 +1,18 @@
-//! Sharing blocks with other processes (`crate::ipc`): the export of an allocated block, the
+//! Sharing blocks with other processes (see `caching::ipc`): the export of an allocated block, the
 //! import of another process's, the close of an import, and the reclaim of blocks freed while
 //! imported (limbo). None of it is on the hit path: a block's free reaches the export table
-//! only through its shard's cold path (`shard::ipc`).
+//! only through its shard's cold path (`shard`).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use super::Allocator;
-use crate::caching::shard::Shape;
+use super::export::{self, Export, Stage};
+use super::handle::{HANDLE_SIZE, IpcHandle, Kind};
+use super::record::{Fields, Record};
+use super::shard::Shape;
+use crate::caching::allocator::Allocator;
 use crate::driver::DevicePtr;
 use crate::error::Error;
-use crate::ipc::export::{self, Export, Stage};
-use crate::ipc::record::{Fields, Record};
-use crate::ipc::{HANDLE_SIZE, IpcHandle, Kind, proc};
+use crate::os::process;
 
 // Rust API only: cbindgen run over the whole crate would otherwise put it into gpupool.h.
 /// The bytes of an IPC handle (`gpupool_ipc_handle_t`).
@@ -71,7 +72,7 @@ impl Allocator {
                 (Kind::Segment, ptr - base, 0, Vec::new(), seg)
             }
         };
-        let owner = proc::me();
+        let owner = process::me();
         let export_id = export::next_id();
         let fields = Fields { kind: kind as u32, owner, device, export_id, size: block.size as u64, offset, page_size };
         let raw: Vec<i32> = pages.iter().map(|f| f.as_raw_fd()).collect();
@@ -154,7 +155,7 @@ impl Allocator {
     /// The limbo part of [`Allocator::ipc_reclaim`], for the `ipc_*` calls: a sweep of every
     /// live export's importers (a read of `/proc` each) at every export or import would make
     /// many exports quadratic.
-    pub(super) fn reclaim_limbo(&self) -> usize {
+    pub(in crate::caching) fn reclaim_limbo(&self) -> usize {
         if crate::caching::fork::check().is_err() {
             return 0;
         }
@@ -175,7 +176,7 @@ impl Allocator {
     /// in limbo with importers): a sleep would give their pages back under the importers.
     /// Called once the sleep has begun (the caller reclaimed the limbo before it), so that an
     /// export racing the sleep is refused by one side or the other.
-    pub(super) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
+    pub(in crate::caching) fn ipc_refuse_sleep(&self, device: i32, pool: u64) -> Result<(), Error> {
         let in_pool = |ptr| self.index.with_segment(ptr, |s| s.is_some_and(|e| e.owner.pool == pool));
         let shared = export::list(self.id).into_iter().filter(|&(p, d, _, _)| d == device && in_pool(p)).count();
         if shared == 0 {

@@ -1,10 +1,10 @@
 //! The copies of `gpupool_sleep` (a pool's live blocks from the device to their host copy,
 //! offload) and `gpupool_wake` (back), through the device's pinned staging ring
-//! (`caching::staging`): blocks are cut into, and small blocks packed into, pieces of one
+//! (`staging`): blocks are cut into, and small blocks packed into, pieces of one
 //! buffer each; each buffer's device copies go on one of [`COPY_STREAMS`] streams of
 //! gpupool's own, the buffers dealt to the streams in turn, an event recorded after each; the
 //! copies between a buffer and the host copy, which is ordinary pageable memory, are done by
-//! a crew of CPU threads (`caching::crew`) while the device copies the other buffers. So the
+//! a crew of CPU threads (`copy_threads`) while the device copies the other buffers. So the
 //! copy engines work at the bus's speed on pinned memory, the host copy needs no pinning
 //! (which costs more than the copy), and nothing pinned is left behind per pool.
 //!
@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 
-use super::crew::{Crew, Move};
+use super::copy_threads::{Crew, Move};
 use super::staging::{Ring, quietly};
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, StreamHandle};
 
