@@ -1,7 +1,7 @@
 //! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed. The real ones
 //! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links.
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 use gpupool::config::DriverKind;
@@ -202,5 +202,134 @@ pub unsafe extern "C-unwind" fn cudaFreeHost(ptr: *mut c_void) -> c_int {
         Some(s) => status(s.free_host(ptr as usize, free_device(s))),
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaFreeHost", FreeFn).map_or(UNKNOWN, |f| unsafe { f(ptr) }),
+    })
+}
+
+// The runtime's way to the driver's functions: `cudaGetDriverEntryPoint` (CUDA 11.3; CUDA 12
+// added its `driverStatus` argument) and `cudaGetDriverEntryPointByVersion` (CUDA 12.5), each
+// with a `_ptsz` twin for programs built for the per-thread default stream. The real lookup
+// runs, then the shim's functions replace the driver's where it serves them, as for
+// `cuGetProcAddress` (`driver_api::substitute`).
+
+type EntryPointFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> c_int;
+type EntryPointByVersionFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, u32, u64, *mut c_int) -> c_int;
+type RuntimeVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The CUDA version the program's runtime was built as (`cudaRuntimeGetVersion`), which
+/// `cudaGetDriverEntryPoint` asks the driver for; CUDA 12.0 when the runtime cannot say (the
+/// version only picks which `cuGetProcAddress` the shim gives, CUDA 12's from 12.0 on).
+fn runtime_version() -> c_int {
+    let Some(get) = real!(c"cudaRuntimeGetVersion", RuntimeVersionFn) else { return 12000 };
+    let mut v = 0;
+    // SAFETY: writes one int.
+    if unsafe { get(&mut v) } == 0 && v > 0 { v } else { 12000 }
+}
+
+/// `cudaGetDriverEntryPoint` and its `_ptsz` twin (`ptsz`): the real function `real`, then the
+/// shim's driver functions where it serves them. The fourth argument is passed on as it came:
+/// a program built for CUDA 11 passes three, and its runtime reads three.
+fn entry_point(
+    real: Option<EntryPointFn>,
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+    ptsz: bool,
+) -> c_int {
+    // SAFETY: the real function, with the caller's arguments.
+    let Some(r) = real.map(|f| unsafe { f(symbol, func, flags, status) }) else { return UNKNOWN };
+    let per_thread = crate::driver_api::per_thread(flags, ptsz);
+    // SAFETY: as the caller of cudaGetDriverEntryPoint promised.
+    unsafe { crate::driver_api::substitute(r, symbol, func, runtime_version(), per_thread) }
+}
+
+/// `cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **funcPtr, unsigned long long
+/// flags, cudaDriverEntryPointQueryResult *driverStatus)`: the runtime's lookup, with the
+/// shim's functions for the driver symbols `cuGetProcAddress` gives them for (at the
+/// runtime's own CUDA version). Errors: the real function's; `cudaErrorUnknown` without a
+/// runtime.
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPoint`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPoint(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || entry_point(real!(c"cudaGetDriverEntryPoint", EntryPointFn), symbol, func, flags, status, false))
+}
+
+/// `cudaGetDriverEntryPoint_ptsz`, for programs built for the per-thread default stream: as
+/// [`cudaGetDriverEntryPoint`].
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPoint`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPoint_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        entry_point(real!(c"cudaGetDriverEntryPoint_ptsz", EntryPointFn), symbol, func, flags, status, true)
+    })
+}
+
+/// `cudaGetDriverEntryPointByVersion` and its `_ptsz` twin: as [`entry_point`], at the
+/// version the caller asks for.
+fn entry_point_by_version(
+    real: Option<EntryPointByVersionFn>,
+    args: (*const c_char, *mut *mut c_void, u32, u64, *mut c_int),
+    ptsz: bool,
+) -> c_int {
+    let (symbol, func, version, flags, status) = args;
+    // SAFETY: the real function, with the caller's arguments.
+    let Some(r) = real.map(|f| unsafe { f(symbol, func, version, flags, status) }) else { return UNKNOWN };
+    let per_thread = crate::driver_api::per_thread(flags, ptsz);
+    let version = c_int::try_from(version).unwrap_or(c_int::MAX);
+    // SAFETY: as the caller of cudaGetDriverEntryPointByVersion promised.
+    unsafe { crate::driver_api::substitute(r, symbol, func, version, per_thread) }
+}
+
+/// `cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr, unsigned
+/// int cudaVersion, unsigned long long flags, cudaDriverEntryPointQueryResult *driverStatus)`:
+/// the runtime's lookup, with the shim's functions where `cuGetProcAddress` at `cudaVersion`
+/// gives them. Errors: the real function's; `cudaErrorUnknown` without a runtime.
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPointByVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPointByVersion(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: u32,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        let real = real!(c"cudaGetDriverEntryPointByVersion", EntryPointByVersionFn);
+        entry_point_by_version(real, (symbol, func, version, flags, status), false)
+    })
+}
+
+/// `cudaGetDriverEntryPointByVersion_ptsz`, for programs built for the per-thread default
+/// stream: as [`cudaGetDriverEntryPointByVersion`].
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPointByVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPointByVersion_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: u32,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        let real = real!(c"cudaGetDriverEntryPointByVersion_ptsz", EntryPointByVersionFn);
+        entry_point_by_version(real, (symbol, func, version, flags, status), true)
     })
 }

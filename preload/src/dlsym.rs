@@ -1,0 +1,175 @@
+//! `dlsym`, interposed, so that a program which opens the driver itself
+//! (`dlopen("libcuda.so.1")`, then `dlsym(handle, "cuMemAlloc_v2")`, as XLA, JAX and other
+//! runtimes do) gets the shim's functions: a lookup in a handle of a library whose soname is
+//! `libcuda.so.1` of a symbol the shim serves (`driver_api::served_by_name`) returns the shim's
+//! definition. Every other lookup is glibc's, unchanged.
+//!
+//! `dlsym` depends on its caller: `RTLD_NEXT` means "the next object after the caller's", and
+//! glibc finds the caller from its own return address. So the exported `dlsym` is a naked
+//! function that asks [`decide`] (with the caller's return address) whether to answer, and
+//! otherwise *jumps* to glibc's `dlsym` with the caller's arguments and return address intact:
+//! glibc then sees the program's caller, never the shim, and `RTLD_NEXT` keeps its meaning.
+//!
+//! The shim's own lookups (cudarc's handle of `libcuda.so`, through which gpupool and the
+//! shim's pass-through reach the real driver, and `dlsym(RTLD_NEXT, ...)` for the runtime's
+//! functions) come from code inside this library; [`decide`] passes every lookup whose caller
+//! lies in this library straight to glibc, so the shim never gets its own functions back
+//! where it wants the driver's, and nothing recurses.
+//!
+//! Only on x86-64 Linux with glibc (the machines gpupool's GPU runs have); elsewhere `dlsym`
+//! is not interposed and a program that resolves the driver itself is not served.
+
+use std::ffi::{CStr, c_char, c_void};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+
+use crate::lookups;
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// glibc's `dlsym`, which the naked `dlsym` jumps to; set by [`real_dlsym`] before [`decide`]
+/// returns. Read by the assembly, so a plain pointer-sized static.
+static REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+
+/// The `dlsym` the process would have without the shim. Found with `dlvsym(RTLD_NEXT, "dlsym",
+/// version)`: the shim cannot name `dlsym` itself (that is this library's), and `dlvsym` is
+/// not interposed. glibc 2.34 moved `dlsym` from `libdl.so.2` into `libc.so.6` with the
+/// default version `GLIBC_2.34`, keeping `GLIBC_2.2.5` (x86-64's base version) as an alias of
+/// the same function, so `GLIBC_2.34` is asked first and the base version serves glibc before
+/// 2.34 (whose `libdl.so.2` Rust's standard library links). No `__libc_dlsym` or `_dl_sym`:
+/// those are GLIBC_PRIVATE and changed meaning across releases. Another preloaded library
+/// after this one that interposes `dlsym` too is found first, and chained.
+fn real_dlsym() -> *mut c_void {
+    let known = REAL_DLSYM.load(Ordering::Acquire);
+    if !known.is_null() {
+        return known;
+    }
+    let mut found = not_found as DlsymFn as *mut c_void;
+    for version in [c"GLIBC_2.34", c"GLIBC_2.2.5"] {
+        // SAFETY: NUL-terminated names; the result is glibc's dlsym or null.
+        let f = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+        if !f.is_null() {
+            found = f;
+            break;
+        }
+    }
+    // Threads racing here all find the same function.
+    REAL_DLSYM.store(found, Ordering::Release);
+    found
+}
+
+/// Stands in for glibc's `dlsym` if it cannot be found (no glibc): every lookup fails.
+unsafe extern "C" fn not_found(_: *mut c_void, _: *const c_char) -> *mut c_void {
+    null_mut()
+}
+
+/// The load address of this library, 0 until known.
+static OUR_BASE: AtomicUsize = AtomicUsize::new(0);
+
+/// The load address of the object that holds `addr` (`dladdr`), or 0.
+fn object_of(addr: *const c_void) -> usize {
+    // SAFETY: Dl_info is plain data; dladdr only reads the loader's tables.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(addr, &mut info) == 0 { 0 } else { info.dli_fbase as usize }
+    }
+}
+
+/// Whether the code at `caller` belongs to this library (the shim, gpupool, cudarc).
+fn is_ours(caller: *const c_void) -> bool {
+    let mut base = OUR_BASE.load(Ordering::Relaxed);
+    if base == 0 {
+        base = object_of(is_ours as fn(*const c_void) -> bool as *const c_void);
+        OUR_BASE.store(base, Ordering::Relaxed);
+    }
+    base != 0 && object_of(caller) == base
+}
+
+/// Whether `handle` (a `dlopen` handle, neither `RTLD_DEFAULT` nor `RTLD_NEXT`) is the
+/// driver's: the loaded object that `dlopen("libcuda.so.1", RTLD_NOLOAD)` names. glibc
+/// matches that name against each loaded object's file name and soname, so a program that
+/// opened the driver by another name or by path (`libcuda.so`, `/usr/lib/wsl/lib/libcuda.so.1`)
+/// gets the same handle. The handle is compared, never dereferenced: a handle that is not
+/// libcuda's, even a garbage one, is left for glibc to judge. Asked at every lookup rather
+/// than remembered, because `dlclose` and a later `dlopen` may put another library at the
+/// address of a closed one.
+fn is_libcuda(handle: *mut c_void) -> bool {
+    if handle.is_null() || handle == libc::RTLD_NEXT {
+        return false;
+    }
+    // SAFETY: RTLD_NOLOAD opens nothing; the reference it takes is given back at once.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            return false;
+        }
+        libc::dlclose(h);
+        h == handle
+    }
+}
+
+/// What the exported `dlsym` returns for `dlsym(handle, symbol)` called from `caller`: the
+/// shim's function, or null for "ask glibc" (then the naked `dlsym` jumps to
+/// [`REAL_DLSYM`], which this function has set). No panic leaves it (`guard`); it never starts
+/// gpupool.
+extern "C" fn decide(handle: *mut c_void, symbol: *const c_char, caller: *const c_void) -> *mut c_void {
+    let real = real_dlsym();
+    crate::shim::guard(null_mut(), || {
+        // Driver symbols all start with "cu"; the program's other lookups (Python's PyInit_*,
+        // and so on) go to glibc without a look at the handle.
+        if symbol.is_null() || is_ours(caller) {
+            return null_mut();
+        }
+        // SAFETY: dlsym's caller passes a NUL-terminated name (glibc would read it too).
+        let name = unsafe { CStr::from_ptr(symbol) };
+        if !name.to_bytes().starts_with(b"cu") || !is_libcuda(handle) {
+            return null_mut();
+        }
+        if let Some(ours) = crate::driver_api::served_by_name(name.to_bytes()) {
+            // Served only where the driver has the symbol too, so that a program probing for a
+            // function (null: too old a driver) sees what the driver has. The lookup's dlerror
+            // state is the answer's: cleared, as after a successful dlsym.
+            // SAFETY: glibc's dlsym, with the caller's arguments.
+            let theirs = unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
+            if !theirs.is_null() {
+                crate::shim::bump(&lookups::SERVED);
+                return ours;
+            }
+        }
+        crate::shim::bump(&lookups::PASSED);
+        null_mut()
+    })
+}
+
+/// `void *dlsym(void *handle, const char *symbol)`, as glibc's (which answers every lookup
+/// the shim does not, with the caller's return address, so `RTLD_NEXT` and `dlerror` behave
+/// as without the shim), except that a symbol the shim serves looked up in libcuda's handle
+/// gives the shim's function. Thread-safe, as glibc's.
+///
+/// # Safety
+/// As glibc's `dlsym`: `symbol` is NUL-terminated, `handle` is `RTLD_DEFAULT`, `RTLD_NEXT` or
+/// a handle `dlopen` returned and `dlclose` has not closed.
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // On entry rsp is 8 mod 16 (the return address); two pushes and 8 bytes make it 0 mod 16
+    // for the call, as the ABI wants. decide(handle, symbol, return address) in rdi, rsi, rdx.
+    core::arch::naked_asm!(
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "mov rdx, qword ptr [rsp + 24]",
+        "call {decide}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 2f",
+        "ret",
+        // glibc's dlsym, entered as if the program had called it.
+        "2:",
+        "jmp qword ptr [rip + {real}]",
+        decide = sym decide,
+        real = sym REAL_DLSYM,
+    )
+}

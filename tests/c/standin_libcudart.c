@@ -1,0 +1,47 @@
+/* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen: only the runtime's way
+ * to the driver's functions (cudaGetDriverEntryPoint, cudaGetDriverEntryPointByVersion and
+ * their _ptsz twins) and cudaRuntimeGetVersion. As the real runtime asks the driver, these
+ * give the stand-in driver's internal functions (standin_libcuda.c's standin_internal), never
+ * the shim's: the shim must put its own in their place. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define RUNTIME_VERSION 12080
+
+typedef void *(*internal_fn)(const char *, int, uint64_t);
+
+/* cudaError_t: 0 success, 1 cudaErrorInvalidValue, 500 cudaErrorSymbolNotFound. */
+static int lookup(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
+  internal_fn internal = NULL;
+  void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver) *(void **)(&internal) = dlsym(driver, "standin_internal");
+  int bad = symbol == NULL || fn == NULL || internal == NULL;
+  if (!bad) *fn = internal(symbol, version, flags);
+  if (driver) dlclose(driver); /* the program holds the driver open */
+  if (bad) return 1;
+  if (status) *status = *fn ? 0 : 1; /* cudaDriverEntryPointSuccess, ...SymbolNotFound */
+  return *fn ? 0 : 500;
+}
+
+EXPORT int cudaRuntimeGetVersion(int *v) {
+  *v = RUNTIME_VERSION;
+  return 0;
+}
+EXPORT int cudaGetDriverEntryPoint(const char *symbol, void **fn, uint64_t flags, int *status) {
+  return lookup(symbol, fn, RUNTIME_VERSION, flags, status);
+}
+/* cudaEnableDefault (0) means the per-thread default stream here: cudaEnablePerThreadDefaultStream. */
+EXPORT int cudaGetDriverEntryPoint_ptsz(const char *symbol, void **fn, uint64_t flags, int *status) {
+  return lookup(symbol, fn, RUNTIME_VERSION, flags & 1 ? flags : flags | 2, status);
+}
+EXPORT int cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned version, uint64_t flags,
+                                            int *status) {
+  return lookup(symbol, fn, (int)version, flags, status);
+}
+EXPORT int cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, void **fn, unsigned version, uint64_t flags,
+                                                 int *status) {
+  return lookup(symbol, fn, (int)version, flags & 1 ? flags : flags | 2, status);
+}
