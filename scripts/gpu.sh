@@ -340,6 +340,14 @@ if want preload; then
     grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
       grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||
       { echo "driver_app: not caught as claimed"; grep served "$out/driver-shim.err" || true; status=1; }
+    # The driver opened by the program (XLA's way): every cuMemAlloc it makes served, found by
+    # dlsym in its handle and through cuGetProcAddress.
+    run_without_and_with_shim dlopen_app dlopen
+    cat "$out/dlopen-shim.txt"
+    n=$(sed -n 's/^dlopen_app: ok, \([0-9]*\) cuMemAlloc$/\1/p' "$out/dlopen-shim.txt")
+    [ -n "$n" ] && grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, $n cuMemAlloc, 0 cuMemAllocAsync" "$out/dlopen-shim.err" &&
+      echo "dlopen_app: caught as claimed" ||
+      { echo "dlopen_app: not caught as claimed"; grep "served\|lookups" "$out/dlopen-shim.err" || true; status=1; }
   else
     echo "LD_PRELOAD tests did not build (see preload-build.log)"
     status=1
