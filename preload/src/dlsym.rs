@@ -173,3 +173,36 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         real = sym REAL_DLSYM,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glibcs_dlsym_is_found_and_answers() {
+        let real = real_dlsym();
+        assert!(!real.is_null() && real != not_found as DlsymFn as *mut c_void);
+        // SAFETY: glibc's dlsym with a NUL-terminated name.
+        let f = unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
+        assert!(!f.is_null());
+    }
+
+    #[test]
+    fn lookups_that_are_not_in_libcudas_handle_are_left_to_glibc() {
+        let foreign = libc::malloc as *const c_void; // libc's code: not this object's
+        assert!(!is_ours(foreign));
+        assert!(is_ours(decide as *const c_void));
+        for handle in [libc::RTLD_DEFAULT, libc::RTLD_NEXT] {
+            assert!(!is_libcuda(handle));
+            assert!(decide(handle, c"cuMemAlloc_v2".as_ptr(), foreign).is_null());
+        }
+        // No libcuda.so.1 is loaded in the test process: no handle is the driver's.
+        // SAFETY: opens this process's own handle, closed again.
+        let me = unsafe { libc::dlopen(std::ptr::null(), libc::RTLD_NOW) };
+        assert!(!is_libcuda(me));
+        assert!(decide(me, c"cuMemAlloc_v2".as_ptr(), foreign).is_null());
+        assert!(decide(me, std::ptr::null(), foreign).is_null());
+        // SAFETY: the handle opened above.
+        unsafe { libc::dlclose(me) };
+    }
+}

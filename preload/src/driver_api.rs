@@ -262,6 +262,8 @@ pub(crate) fn ours(symbol: &CStr, cuda_version: c_int, per_thread: bool) -> Opti
 
 /// The shim's definition of a driver symbol by its exported name (what `dlsym` is asked
 /// for: `cuMemAlloc_v2`, not `cuMemAlloc`), if the shim has one: the functions it exports.
+/// Used by `dlsym.rs`, built only where that is.
+#[cfg_attr(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")), allow(dead_code))]
 pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
     Some(match name {
         b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
