@@ -1,7 +1,9 @@
 //! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed. The real ones
-//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links.
+//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links, when it is in
+//! the global scope; else in the `libcudart.so*` loaded privately (`RTLD_LOCAL`, as Python
+//! loads an extension module and the runtime it links).
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 use gpupool::config::DriverKind;
@@ -14,11 +16,59 @@ type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) 
 type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
-/// The next definition of `name` after this library (the real runtime's), or null.
+/// The real runtime's definition of `name`, or null, looked up once: the next definition
+/// after this library (`RTLD_NEXT`, which sees only the global scope), else the one in a
+/// loaded `libcudart.so*` ([`in_loaded_runtime`]). A program that calls a runtime function
+/// has its runtime loaded by then, so the first lookup finds it if anything does.
 fn next(name: &CStr, slot: &OnceLock<usize>) -> usize {
-    // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted to
-    // the function type CUDA declares for that name.
-    *slot.get_or_init(|| unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize)
+    *slot.get_or_init(|| {
+        // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted
+        // to the function type CUDA declares for that name.
+        let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+        if f != 0 { f } else { in_loaded_runtime(name) }
+    })
+}
+
+/// `name` in a loaded library whose file name starts with `libcudart.so` (any version, any
+/// folder), or 0. A runtime loaded with `RTLD_LOCAL` (a Python extension module's) is not in
+/// the global scope that `RTLD_NEXT` searches, yet the program's calls reach the shim, whose
+/// exports come first. The names are gathered by `dl_iterate_phdr` first, then each library
+/// is asked through a handle of its own (`RTLD_NOLOAD`: nothing new is opened), outside the
+/// loader's lock that `dl_iterate_phdr` holds.
+fn in_loaded_runtime(name: &CStr) -> usize {
+    unsafe extern "C" fn gather(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> c_int {
+        // SAFETY: glibc passes a valid info whose name is NUL-terminated or null; data is the
+        // Vec below.
+        let (info, found) = unsafe { (&*info, &mut *data.cast::<Vec<CString>>()) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: as above.
+            let path = unsafe { CStr::from_ptr(info.dlpi_name) };
+            let file = path.to_bytes().rsplit(|&b| b == b'/').next().unwrap_or_default();
+            if file.starts_with(b"libcudart.so") {
+                found.push(path.to_owned());
+            }
+        }
+        0
+    }
+    let mut found: Vec<CString> = Vec::new();
+    // SAFETY: `gather` matches dl_iterate_phdr's callback and only reads its arguments.
+    unsafe { libc::dl_iterate_phdr(Some(gather), (&raw mut found).cast()) };
+    for path in found {
+        // SAFETY: NUL-terminated strings; RTLD_NOLOAD opens nothing, and the reference taken is
+        // given back once the symbol is found (the library stays loaded: the program holds it).
+        unsafe {
+            let h = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if h.is_null() {
+                continue;
+            }
+            let f = libc::dlsym(h, name.as_ptr()) as usize;
+            libc::dlclose(h);
+            if f != 0 {
+                return f;
+            }
+        }
+    }
+    0
 }
 
 macro_rules! real {

@@ -5,7 +5,8 @@
  * allocation functions, served by gpupool on the simulated device, and pass every other
  * lookup and call through to the stand-ins, which count what reaches them. Run as
  *   LD_PRELOAD=libgpupool_preload.so GPUPOOL_DRIVER=sim LD_LIBRARY_PATH=<stand-ins> \
- *     ./test_preload_dlopen
+ *     ./test_preload_dlopen local|global
+ * (the stand-in runtime opened RTLD_LOCAL or RTLD_GLOBAL).
  * Exit status 0 when every check passed; 77 (skipped) without the shim preloaded. It runs
  * itself once more, as `test_preload_dlopen report`, to read the shim's exit report. */
 #define _GNU_SOURCE
@@ -151,11 +152,13 @@ static void check_get_proc_address(void *cuda) {
   CHECK(CALL(cu_free_fn, dfree)(d) == 0);
 }
 
-/* cudaGetDriverEntryPoint and ...ByVersion, and their _ptsz twins, of the stand-in runtime
- * (opened RTLD_GLOBAL, as a program linked with it has it): the shim's functions for what it
- * serves, the driver's otherwise. */
-static void check_runtime_entry_points(void) {
-  void *rt = dlopen("libcudart.so.12", RTLD_NOW | RTLD_GLOBAL);
+/* cudaGetDriverEntryPoint and ...ByVersion, and their _ptsz twins, of the stand-in runtime:
+ * the shim's functions for what it serves, the driver's otherwise. The runtime is opened
+ * RTLD_GLOBAL (`global`: as a program linked with it has it), or RTLD_LOCAL, as Python opens
+ * an extension module and the runtime it links: out of RTLD_NEXT's reach, yet the shim must
+ * find it. */
+static void check_runtime_entry_points(int global) {
+  void *rt = dlopen("libcudart.so.12", RTLD_NOW | (global ? RTLD_GLOBAL : RTLD_LOCAL));
   CHECK(rt != NULL);
   void *entry = shim("cudaGetDriverEntryPoint"), *entry_ptsz = shim("cudaGetDriverEntryPoint_ptsz");
   void *by_version = shim("cudaGetDriverEntryPointByVersion");
@@ -357,7 +360,7 @@ int main(int argc, char **argv) {
   check_mixed_apis(cuda);
   check_pass_through(cuda);
   check_get_proc_address(cuda);
-  check_runtime_entry_points();
+  check_runtime_entry_points(argc > 1 && strcmp(argv[1], "global") == 0);
   check_reopen(cuda);
   check_exit_report();
   return checks_report("test_preload_dlopen");
