@@ -115,14 +115,17 @@ fn is_libcuda(handle: *mut c_void) -> bool {
 extern "C" fn decide(handle: *mut c_void, symbol: *const c_char, caller: *const c_void) -> *mut c_void {
     let real = real_dlsym();
     crate::shim::guard(null_mut(), || {
-        // Driver symbols all start with "cu"; the program's other lookups (Python's PyInit_*,
-        // and so on) go to glibc without a look at the handle.
+        // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress); the
+        // program's other lookups (Python's PyInit_*, cuBLAS's cublas*, the runtime's cuda*)
+        // go to glibc without a look at the handle, which may cost a search of the library
+        // path when the driver is not loaded.
         if symbol.is_null() || is_ours(caller) {
             return null_mut();
         }
         // SAFETY: dlsym's caller passes a NUL-terminated name (glibc would read it too).
         let name = unsafe { CStr::from_ptr(symbol) };
-        if !name.to_bytes().starts_with(b"cu") || !is_libcuda(handle) {
+        let driver_api_name = matches!(name.to_bytes(), [b'c', b'u', c, ..] if c.is_ascii_uppercase());
+        if !driver_api_name || !is_libcuda(handle) {
             return null_mut();
         }
         if let Some(ours) = crate::driver_api::served_by_name(name.to_bytes()) {
