@@ -2,7 +2,10 @@
 //! (`dlopen("libcuda.so.1")`, then `dlsym(handle, "cuMemAlloc_v2")`, as XLA, JAX and other
 //! runtimes do) gets the shim's functions: a lookup in a handle of a library whose soname is
 //! `libcuda.so.1` of a symbol the shim serves (`driver_api::served_by_name`) returns the shim's
-//! definition. Every other lookup is glibc's, unchanged.
+//! definition; so does a lookup of a runtime function the shim serves
+//! (`runtime_api::served_by_name`) that glibc finds in a `libcudart.so*` (the runtime opened
+//! by the program, as XLA's and cuda-python's loaders do). Every other lookup is glibc's,
+//! unchanged.
 //!
 //! `dlsym` depends on its caller: `RTLD_NEXT` means "the next object after the caller's", and
 //! glibc finds the caller from its own return address. So the exported `dlsym` is a naked
@@ -115,33 +118,66 @@ fn is_libcuda(handle: *mut c_void) -> bool {
 extern "C" fn decide(handle: *mut c_void, symbol: *const c_char, caller: *const c_void) -> *mut c_void {
     let real = real_dlsym();
     crate::shim::guard(null_mut(), || {
-        // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress); the
-        // program's other lookups (Python's PyInit_*, cuBLAS's cublas*, the runtime's cuda*)
-        // go to glibc without a look at the handle, which may cost a search of the library
-        // path when the driver is not loaded.
-        if symbol.is_null() || is_ours(caller) {
+        if symbol.is_null() || is_ours(caller) || handle.is_null() || handle == libc::RTLD_NEXT {
             return null_mut();
         }
         // SAFETY: dlsym's caller passes a NUL-terminated name (glibc would read it too).
-        let name = unsafe { CStr::from_ptr(symbol) };
-        let driver_api_name = matches!(name.to_bytes(), [b'c', b'u', c, ..] if c.is_ascii_uppercase());
-        if !driver_api_name || !is_libcuda(handle) {
-            return null_mut();
-        }
-        if let Some(ours) = crate::driver_api::served_by_name(name.to_bytes()) {
-            // Served only where the driver has the symbol too, so that a program probing for a
-            // function (null: too old a driver) sees what the driver has. The lookup's dlerror
-            // state is the answer's: cleared, as after a successful dlsym.
-            // SAFETY: glibc's dlsym, with the caller's arguments.
-            let theirs = unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
-            if !theirs.is_null() {
-                crate::shim::bump(&lookups::SERVED);
-                return ours;
+        let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+        // SAFETY: glibc's dlsym, with the caller's arguments.
+        let theirs = || unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
+        // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress), the
+        // runtime's "cuda" and a capital; the program's other lookups (Python's PyInit_*,
+        // cuBLAS's cublas*) go to glibc without a look at the handle, which may cost a search
+        // of the library path when the driver is not loaded.
+        match name {
+            [b'c', b'u', b'd', b'a', c, ..] if c.is_ascii_uppercase() => {
+                // The runtime has no one soname (libcudart.so.11.0, .12, .13, in a wheel's
+                // folder): served when glibc's answer is a libcudart.so*'s definition, so in its
+                // handle or in that of a library that links it.
+                match crate::runtime_api::served_by_name(name) {
+                    Some(ours) if defined_in(theirs(), b"libcudart.so") => {
+                        crate::shim::bump(&lookups::SERVED);
+                        ours
+                    }
+                    _ => null_mut(),
+                }
             }
+            [b'c', b'u', c, ..] if c.is_ascii_uppercase() && is_libcuda(handle) => {
+                // Served only where the driver has the symbol too, so that a program probing for
+                // a function (null: too old a driver) sees what the driver has. The lookup's
+                // dlerror state is the answer's: cleared, as after a successful dlsym.
+                match crate::driver_api::served_by_name(name) {
+                    Some(ours) if !theirs().is_null() => {
+                        crate::shim::bump(&lookups::SERVED);
+                        ours
+                    }
+                    _ => {
+                        crate::shim::bump(&lookups::PASSED);
+                        null_mut()
+                    }
+                }
+            }
+            _ => null_mut(),
         }
-        crate::shim::bump(&lookups::PASSED);
-        null_mut()
     })
+}
+
+/// Whether `f` (null, or an address glibc's dlsym gave) lies in a library whose file name
+/// starts with `prefix`.
+fn defined_in(f: *mut c_void, prefix: &[u8]) -> bool {
+    if f.is_null() {
+        return false;
+    }
+    // SAFETY: Dl_info is plain data; dladdr only reads the loader's tables, and its file name
+    // is NUL-terminated while the library is loaded (it holds `f`).
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(f, &mut info) == 0 || info.dli_fname.is_null() {
+            return false;
+        }
+        let path = CStr::from_ptr(info.dli_fname).to_bytes();
+        path.rsplit(|&b| b == b'/').next().is_some_and(|file| file.starts_with(prefix))
+    }
 }
 
 /// `void *dlsym(void *handle, const char *symbol)`, as glibc's (which answers every lookup

@@ -6,7 +6,8 @@
 
 use std::sync::atomic::AtomicU64;
 
-/// Driver lookups the shim answered with its own function. Relaxed counter, any thread.
+/// Lookups the shim answered with its own function (runtime functions found by `dlsym` in
+/// the runtime's handle included). Relaxed counter, any thread.
 pub(crate) static SERVED: AtomicU64 = AtomicU64::new(0);
 /// Driver lookups the shim passed through unchanged (a symbol it does not serve, one the
 /// driver does not have, or a lookup that failed). Relaxed counter, any thread.

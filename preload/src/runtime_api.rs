@@ -383,3 +383,23 @@ pub unsafe extern "C-unwind" fn cudaGetDriverEntryPointByVersion_ptsz(
         entry_point_by_version(real, (symbol, func, version, flags, status), true)
     })
 }
+
+/// The shim's definition of a runtime function by its exported name, if the shim has one,
+/// for `dlsym` in a handle that reaches the runtime (`dlsym.rs`).
+#[cfg_attr(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")), allow(dead_code))]
+pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
+    Some(match name {
+        b"cudaMalloc" => cudaMalloc as *mut c_void,
+        b"cudaFree" => cudaFree as *mut c_void,
+        b"cudaMallocAsync" => cudaMallocAsync as *mut c_void,
+        b"cudaFreeAsync" => cudaFreeAsync as *mut c_void,
+        b"cudaMallocHost" => cudaMallocHost as *mut c_void,
+        b"cudaHostAlloc" => cudaHostAlloc as *mut c_void,
+        b"cudaFreeHost" => cudaFreeHost as *mut c_void,
+        b"cudaGetDriverEntryPoint" => cudaGetDriverEntryPoint as *mut c_void,
+        b"cudaGetDriverEntryPoint_ptsz" => cudaGetDriverEntryPoint_ptsz as *mut c_void,
+        b"cudaGetDriverEntryPointByVersion" => cudaGetDriverEntryPointByVersion as *mut c_void,
+        b"cudaGetDriverEntryPointByVersion_ptsz" => cudaGetDriverEntryPointByVersion_ptsz as *mut c_void,
+        _ => return None,
+    })
+}

@@ -329,9 +329,9 @@ impl Shim {
                 n(&c.refused_async_frees)
             ),
             format!("passed through {} allocations and {} frees", n(&c.passed_allocs), n(&c.passed_frees)),
-            // dlsym in libcuda's handle, cuGetProcAddress, cudaGetDriverEntryPoint(ByVersion).
+            // dlsym of the driver and runtime, cuGetProcAddress, cudaGetDriverEntryPoint(ByVersion).
             format!(
-                "driver lookups: served {}, passed through {}",
+                "CUDA lookups: served {}, passed through {}",
                 n(&crate::lookups::SERVED),
                 n(&crate::lookups::PASSED)
             ),

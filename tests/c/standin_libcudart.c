@@ -1,6 +1,7 @@
-/* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen: only the runtime's way
- * to the driver's functions (cudaGetDriverEntryPoint, cudaGetDriverEntryPointByVersion and
- * their _ptsz twins) and cudaRuntimeGetVersion. As the real runtime asks the driver, these
+/* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen: the runtime's way to
+ * the driver's functions (cudaGetDriverEntryPoint, cudaGetDriverEntryPointByVersion and
+ * their _ptsz twins), cudaRuntimeGetVersion, and a cudaMalloc and cudaFree that count their
+ * calls and have no memory. As the real runtime asks the driver, these
  * give the stand-in driver's internal functions (standin_libcuda.c's standin_internal), never
  * the shim's: the shim must put its own in their place. */
 #define _GNU_SOURCE
@@ -44,4 +45,23 @@ EXPORT int cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsig
 EXPORT int cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, void **fn, unsigned version, uint64_t flags,
                                                  int *status) {
   return lookup(symbol, fn, (int)version, flags & 1 ? flags : flags | 2, status);
+}
+
+static unsigned long mallocs, frees;
+/* cudaErrorMemoryAllocation: this runtime has no memory. */
+EXPORT int cudaMalloc(void **p, size_t n) {
+  (void)p;
+  (void)n;
+  __atomic_fetch_add(&mallocs, 1, __ATOMIC_RELAXED);
+  return 2;
+}
+/* cudaErrorInvalidValue: no pointer is this runtime's. */
+EXPORT int cudaFree(void *p) {
+  (void)p;
+  __atomic_fetch_add(&frees, 1, __ATOMIC_RELAXED);
+  return 1;
+}
+/* The test's window: calls that reached cudaMalloc (`which` 0) or cudaFree (1). */
+EXPORT long standin_runtime_calls(int which) {
+  return (long)__atomic_load_n(which ? &frees : &mallocs, __ATOMIC_RELAXED);
 }

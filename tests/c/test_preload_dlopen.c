@@ -179,6 +179,29 @@ static void check_runtime_entry_points(int global) {
   CHECK(CALL(entry_fn, entry)("cuDeviceGetCount", &fn, 0, NULL) == 0 &&
         fn == standin_internal("cuDeviceGetCount", 12080, 0));
   CHECK(CALL(entry_fn, entry)("cuNoSuchFunction", &fn, 0, &status) == 500 && fn == NULL && status == 1);
+  /* dlsym in the runtime's handle, as XLA's and cuda-python's loaders resolve it: the shim's
+   * functions where it serves them, the runtime's otherwise, missing where the runtime lacks
+   * them. */
+  CHECK(dlsym(rt, "cudaGetDriverEntryPoint") == entry);
+  CHECK(dlsym(rt, "cudaGetDriverEntryPointByVersion_ptsz") == by_version_ptsz);
+  void *rt_malloc = dlsym(rt, "cudaMalloc"), *rt_free = dlsym(rt, "cudaFree");
+  void *rt_version = dlsym(rt, "cudaRuntimeGetVersion");
+  long (*rt_calls)(int) = NULL;
+  *(void **)(&rt_calls) = dlsym(rt, "standin_runtime_calls");
+  CHECK(rt_malloc != NULL && rt_malloc == shim("cudaMalloc") && rt_free == shim("cudaFree"));
+  int version = 0;
+  CHECK(rt_version && CALL(cu_count_fn, rt_version)(&version) == 0 && version == 12080);
+  dlerror();
+  CHECK(dlsym(rt, "cudaMallocHost") == NULL && dlerror() != NULL);
+  if (rt_malloc && rt_free && rt_calls) {
+    int64_t before = allocated();
+    void *p = NULL;
+    CHECK(CALL(malloc_fn, rt_malloc)(&p, 4096) == 0 && allocated() == before + 1);
+    CHECK(CALL(free_fn, rt_free)(p) == 0 && allocated() == before);
+    /* A pointer that is not gpupool's: the runtime's cudaFree, found however it was opened. */
+    CHECK(CALL(free_fn, rt_free)((void *)0x1234) == 1);
+    CHECK(rt_calls(0) == 0 && rt_calls(1) == 1);
+  }
   for (unsigned v = 11030; v <= 13000; v += 10) {
     CHECK(CALL(entry_by_version_fn, by_version)("cuMemFree", &fn, v, 0, NULL) == 0 && fn == shim("cuMemFree_v2"));
     CHECK(CALL(entry_by_version_fn, by_version)("cuGetProcAddress", &fn, v, 0, NULL) == 0 &&
@@ -332,7 +355,7 @@ static void check_exit_report(void) {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   int before = checks_failed;
   CHECK(strstr(report, "gpupool_preload: served 0 cudaMalloc, 0 cudaMallocAsync, 1 cuMemAlloc, 0 cuMemAllocAsync\n"));
-  CHECK(strstr(report, "gpupool_preload: driver lookups: served 4, passed through 2\n"));
+  CHECK(strstr(report, "gpupool_preload: CUDA lookups: served 4, passed through 2\n"));
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
 }
 
