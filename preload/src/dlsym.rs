@@ -118,11 +118,15 @@ fn is_libcuda(handle: *mut c_void) -> bool {
 extern "C" fn decide(handle: *mut c_void, symbol: *const c_char, caller: *const c_void) -> *mut c_void {
     let real = real_dlsym();
     crate::shim::guard(null_mut(), || {
-        if symbol.is_null() || is_ours(caller) || handle.is_null() || handle == libc::RTLD_NEXT {
+        if symbol.is_null() || handle.is_null() || handle == libc::RTLD_NEXT {
             return null_mut();
         }
         // SAFETY: dlsym's caller passes a NUL-terminated name (glibc would read it too).
         let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+        // The caller's object (dladdr) is asked only for CUDA's names.
+        if !name.starts_with(b"cu") || is_ours(caller) {
+            return null_mut();
+        }
         // SAFETY: glibc's dlsym, with the caller's arguments.
         let theirs = || unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
         // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress), the
