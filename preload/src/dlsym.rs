@@ -186,8 +186,9 @@ fn defined_in(f: *mut c_void, prefix: &[u8]) -> bool {
 
 /// `void *dlsym(void *handle, const char *symbol)`, as glibc's (which answers every lookup
 /// the shim does not, with the caller's return address, so `RTLD_NEXT` and `dlerror` behave
-/// as without the shim), except that a symbol the shim serves looked up in libcuda's handle
-/// gives the shim's function. Thread-safe, as glibc's.
+/// as without the shim), except that a driver symbol the shim serves looked up in libcuda's
+/// handle, or a runtime function it serves that glibc finds in a `libcudart.so*`, gives the
+/// shim's function. Thread-safe, as glibc's.
 ///
 /// # Safety
 /// As glibc's `dlsym`: `symbol` is NUL-terminated, `handle` is `RTLD_DEFAULT`, `RTLD_NEXT` or
@@ -197,21 +198,31 @@ fn defined_in(f: *mut c_void, prefix: &[u8]) -> bool {
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     // On entry rsp is 8 mod 16 (the return address); two pushes and 8 bytes make it 0 mod 16
     // for the call, as the ABI wants. decide(handle, symbol, return address) in rdi, rsi, rdx.
+    // The CFI lines describe the frame, so that debuggers, profilers and unwinders walk
+    // through this function (rustc writes none for a naked one).
     core::arch::naked_asm!(
+        ".cfi_startproc",
         "push rdi",
+        ".cfi_adjust_cfa_offset 8",
         "push rsi",
+        ".cfi_adjust_cfa_offset 8",
         "sub rsp, 8",
+        ".cfi_adjust_cfa_offset 8",
         "mov rdx, qword ptr [rsp + 24]",
         "call {decide}",
         "add rsp, 8",
+        ".cfi_adjust_cfa_offset -8",
         "pop rsi",
+        ".cfi_adjust_cfa_offset -8",
         "pop rdi",
+        ".cfi_adjust_cfa_offset -8",
         "test rax, rax",
         "jz 2f",
         "ret",
         // glibc's dlsym, entered as if the program had called it.
         "2:",
         "jmp qword ptr [rip + {real}]",
+        ".cfi_endproc",
         decide = sym decide,
         real = sym REAL_DLSYM,
     )
