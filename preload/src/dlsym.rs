@@ -1,11 +1,12 @@
 //! `dlsym`, interposed, so that a program which opens the driver itself
 //! (`dlopen("libcuda.so.1")`, then `dlsym(handle, "cuMemAlloc_v2")`, as XLA, JAX and other
-//! runtimes do) gets the shim's functions: a lookup in a handle of a library whose soname is
-//! `libcuda.so.1` of a symbol the shim serves (`driver_api::served_by_name`) returns the shim's
-//! definition; so does a lookup of a runtime function the shim serves
+//! runtimes do) gets the shim's functions: a lookup of a driver symbol the shim serves
+//! (`driver_api::served_by_name`) that glibc answers with a definition in `libcuda.so*`
+//! returns the shim's definition; so does a lookup of a runtime function the shim serves
 //! (`runtime_api::served_by_name`) that glibc finds in a `libcudart.so*` (the runtime opened
 //! by the program, as XLA's and cuda-python's loaders do). Every other lookup is glibc's,
-//! unchanged.
+//! unchanged; `RTLD_DEFAULT` and `RTLD_NEXT` are never answered by the shim (where the shim
+//! comes first, they find its definitions anyway).
 //!
 //! `dlsym` depends on its caller: `RTLD_NEXT` means "the next object after the caller's", and
 //! glibc finds the caller from its own return address. So the exported `dlsym` is a naked
@@ -88,29 +89,6 @@ fn is_ours(caller: *const c_void) -> bool {
     base != 0 && object_of(caller) == base
 }
 
-/// Whether `handle` (a `dlopen` handle, neither `RTLD_DEFAULT` nor `RTLD_NEXT`) is the
-/// driver's: the loaded object that `dlopen("libcuda.so.1", RTLD_NOLOAD)` names. glibc
-/// matches that name against each loaded object's file name and soname, so a program that
-/// opened the driver by another name or by path (`libcuda.so`, `/usr/lib/wsl/lib/libcuda.so.1`)
-/// gets the same handle. The handle is compared, never dereferenced: a handle that is not
-/// libcuda's, even a garbage one, is left for glibc to judge. Asked at every lookup rather
-/// than remembered, because `dlclose` and a later `dlopen` may put another library at the
-/// address of a closed one.
-fn is_libcuda(handle: *mut c_void) -> bool {
-    if handle.is_null() || handle == libc::RTLD_NEXT {
-        return false;
-    }
-    // SAFETY: RTLD_NOLOAD opens nothing; the reference it takes is given back at once.
-    unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
-        if h.is_null() {
-            return false;
-        }
-        libc::dlclose(h);
-        h == handle
-    }
-}
-
 /// What the exported `dlsym` returns for `dlsym(handle, symbol)` called from `caller`: the
 /// shim's function, or null for "ask glibc" (then the naked `dlsym` jumps to
 /// [`REAL_DLSYM`], which this function has set). No panic leaves it (`guard`); it never starts
@@ -123,45 +101,47 @@ extern "C" fn decide(handle: *mut c_void, symbol: *const c_char, caller: *const 
         }
         // SAFETY: dlsym's caller passes a NUL-terminated name (glibc would read it too).
         let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-        // The caller's object (dladdr) is asked only for CUDA's names.
-        if !name.starts_with(b"cu") || is_ours(caller) {
+        // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress), the
+        // runtime's "cuda" and a capital; other lookups (cuBLAS's cublas*, ...) go to glibc.
+        // Whether a lookup is the driver's or the runtime's is glibc's answer's: a definition
+        // in a library whose file name starts with libcuda.so or libcudart.so. So a handle of
+        // the driver opened by any name or path, and one of a library that links it, are
+        // served alike; the handle itself is never looked at (glibc judges it). The runtime
+        // has no one soname (libcudart.so.11.0, .12, .13, in a wheel's folder) either.
+        let runtime = match name {
+            [b'c', b'u', b'd', b'a', c, ..] if c.is_ascii_uppercase() => true,
+            [b'c', b'u', c, ..] if c.is_ascii_uppercase() => false,
+            _ => return null_mut(),
+        };
+        // The caller's object (dladdr, which walks the loaded objects) is asked only here.
+        if is_ours(caller) {
             return null_mut();
         }
-        // SAFETY: glibc's dlsym, with the caller's arguments.
-        let theirs = || unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
-        // The driver API's names are "cu" and a capital (cuMemAlloc_v2, cuGetProcAddress), the
-        // runtime's "cuda" and a capital; the program's other lookups (Python's PyInit_*,
-        // cuBLAS's cublas*) go to glibc without a look at the handle, which may cost a search
-        // of the library path when the driver is not loaded.
-        match name {
-            [b'c', b'u', b'd', b'a', c, ..] if c.is_ascii_uppercase() => {
-                // The runtime has no one soname (libcudart.so.11.0, .12, .13, in a wheel's
-                // folder): served when glibc's answer is a libcudart.so*'s definition, so in its
-                // handle or in that of a library that links it.
-                match crate::runtime_api::served_by_name(name) {
-                    Some(ours) if defined_in(theirs(), b"libcudart.so") => {
-                        crate::shim::bump(&lookups::SERVED);
-                        ours
-                    }
-                    _ => null_mut(),
-                }
+        // SAFETY: glibc's dlsym, with the caller's arguments. Its dlerror state is the
+        // answer's when the shim answers: cleared, as after a successful dlsym.
+        let theirs = unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(real)(handle, symbol) };
+        let (library, ours) = if runtime {
+            (&b"libcudart.so"[..], crate::runtime_api::served_by_name(name))
+        } else {
+            (&b"libcuda.so"[..], crate::driver_api::served_by_name(name))
+        };
+        if !defined_in(theirs, library) {
+            // Not the driver's or the runtime's (or missing: a program probing for a function
+            // that too old a driver lacks sees it missing): glibc's answer.
+            return null_mut();
+        }
+        match ours {
+            Some(ours) => {
+                crate::shim::bump(&lookups::SERVED);
+                ours
             }
-            [b'c', b'u', c, ..] if c.is_ascii_uppercase() && is_libcuda(handle) => {
-                // Served only where the driver has the symbol too, so that a program probing for
-                // a function (null: too old a driver) sees what the driver has. The lookup's
-                // dlerror state is the answer's: cleared, as after a successful dlsym.
-                match crate::driver_api::served_by_name(name) {
-                    Some(ours) if !theirs().is_null() => {
-                        crate::shim::bump(&lookups::SERVED);
-                        ours
-                    }
-                    _ => {
-                        crate::shim::bump(&lookups::PASSED);
-                        null_mut()
-                    }
+            None => {
+                // Runtime lookups the shim does not serve are not counted: only the driver's.
+                if !runtime {
+                    crate::shim::bump(&lookups::PASSED);
                 }
+                null_mut()
             }
-            _ => null_mut(),
         }
     })
 }
@@ -186,9 +166,9 @@ fn defined_in(f: *mut c_void, prefix: &[u8]) -> bool {
 
 /// `void *dlsym(void *handle, const char *symbol)`, as glibc's (which answers every lookup
 /// the shim does not, with the caller's return address, so `RTLD_NEXT` and `dlerror` behave
-/// as without the shim), except that a driver symbol the shim serves looked up in libcuda's
-/// handle, or a runtime function it serves that glibc finds in a `libcudart.so*`, gives the
-/// shim's function. Thread-safe, as glibc's.
+/// as without the shim), except that a driver or runtime function the shim serves, which
+/// glibc finds in `libcuda.so*` or `libcudart.so*`, gives the shim's function. Thread-safe,
+/// as glibc's.
 ///
 /// # Safety
 /// As glibc's `dlsym`: `symbol` is NUL-terminated, `handle` is `RTLD_DEFAULT`, `RTLD_NEXT` or
@@ -247,13 +227,13 @@ mod tests {
         assert!(!is_ours(foreign));
         assert!(is_ours(decide as *const c_void));
         for handle in [libc::RTLD_DEFAULT, libc::RTLD_NEXT] {
-            assert!(!is_libcuda(handle));
             assert!(decide(handle, c"cuMemAlloc_v2".as_ptr(), foreign).is_null());
         }
-        // No libcuda.so.1 is loaded in the test process: no handle is the driver's.
+        // No libcuda.so is loaded in the test process: nothing is the driver's.
         // SAFETY: opens this process's own handle, closed again.
         let me = unsafe { libc::dlopen(std::ptr::null(), libc::RTLD_NOW) };
-        assert!(!is_libcuda(me));
+        assert!(!defined_in(libc::malloc as *mut c_void, b"libcuda.so"));
+        assert!(defined_in(libc::malloc as *mut c_void, b"libc.so"));
         assert!(decide(me, c"cuMemAlloc_v2".as_ptr(), foreign).is_null());
         assert!(decide(me, std::ptr::null(), foreign).is_null());
         // SAFETY: the handle opened above.

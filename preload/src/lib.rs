@@ -19,7 +19,7 @@
 //! | `cuMemFreeAsync_ptsz` (the per-thread default stream's) | the pointer is gpupool's (NULL stream: as `cuMemFree`) | the real function |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2`, `cuGetProcAddress_v2_ptsz` | always: the real lookup, with gpupool's functions returned for the driver symbols above (`cuMemAllocAsync` not for the per-thread default stream) | - |
 //! | `cudaGetDriverEntryPoint`, `cudaGetDriverEntryPointByVersion` and their `_ptsz` twins | always: the runtime's lookup, with gpupool's functions returned as by `cuGetProcAddress` | - |
-//! | `dlsym` | a driver symbol above looked up in a handle of `libcuda.so.1` (`dlopen` by any name or path) that the driver has, or a runtime function above that glibc finds in a `libcudart.so*`: the shim's function | glibc's, unchanged (`RTLD_NEXT` too) |
+//! | `dlsym` | a driver or runtime function above that glibc finds in a `libcuda.so*` or `libcudart.so*` (a handle opened by any name or path, or of a library that links it): the shim's function | glibc's, unchanged (`RTLD_DEFAULT`, `RTLD_NEXT` too) |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without
 //! `libcuda.so` (the simulated device, `GPUPOOL_DRIVER=sim`), a driver call that would go to the

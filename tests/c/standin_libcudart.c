@@ -1,28 +1,24 @@
 /* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen: the runtime's way to
  * the driver's functions (cudaGetDriverEntryPoint, cudaGetDriverEntryPointByVersion and
  * their _ptsz twins), cudaRuntimeGetVersion, and a cudaMalloc and cudaFree that count their
- * calls and have no memory. As the real runtime asks the driver, these
- * give the stand-in driver's internal functions (standin_libcuda.c's standin_internal), never
- * the shim's: the shim must put its own in their place. */
-#define _GNU_SOURCE
-#include <dlfcn.h>
+ * calls and have no memory. As the real runtime asks the driver, the lookups give the
+ * stand-in driver's internal functions (standin_libcuda.c's standin_internal), never the
+ * shim's: the shim must put its own in their place. Unlike the real runtime it links the
+ * driver (DT_NEEDED), so that the test can look the driver up through a handle of a library
+ * that links it. */
 #include <stddef.h>
 #include <stdint.h>
 
 #define EXPORT __attribute__((visibility("default")))
 #define RUNTIME_VERSION 12080
 
-typedef void *(*internal_fn)(const char *, int, uint64_t);
+/* standin_libcuda.c's window into the driver's internal functions (linked: DT_NEEDED). */
+void *standin_internal(const char *symbol, int version, uint64_t flags);
 
 /* cudaError_t: 0 success, 1 cudaErrorInvalidValue, 500 cudaErrorSymbolNotFound. */
 static int lookup(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
-  internal_fn internal = NULL;
-  void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (driver) *(void **)(&internal) = dlsym(driver, "standin_internal");
-  int bad = symbol == NULL || fn == NULL || internal == NULL;
-  if (!bad) *fn = internal(symbol, version, flags);
-  if (driver) dlclose(driver); /* the program holds the driver open */
-  if (bad) return 1;
+  if (symbol == NULL || fn == NULL) return 1;
+  *fn = standin_internal(symbol, version, flags);
   if (status) *status = *fn ? 0 : 1; /* cudaDriverEntryPointSuccess, ...SymbolNotFound */
   return *fn ? 0 : 500;
 }

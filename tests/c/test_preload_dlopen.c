@@ -183,6 +183,8 @@ static void check_runtime_entry_points(int global) {
    * functions where it serves them, the runtime's otherwise, missing where the runtime lacks
    * them. */
   CHECK(dlsym(rt, "cudaGetDriverEntryPoint") == entry);
+  /* The driver, a dependency of the runtime, through the runtime's handle: the shim's too. */
+  CHECK(dlsym(rt, "cuMemAlloc_v2") == shim("cuMemAlloc_v2"));
   CHECK(dlsym(rt, "cudaGetDriverEntryPointByVersion_ptsz") == by_version_ptsz);
   void *rt_malloc = dlsym(rt, "cudaMalloc"), *rt_free = dlsym(rt, "cudaFree");
   void *rt_version = dlsym(rt, "cudaRuntimeGetVersion");
@@ -299,6 +301,7 @@ static void check_reopen(void *cuda) {
   CHECK(dladdr(dlsym(cuda, "cuInit"), &info) != 0 && info.dli_fname != NULL);
   char path[4096];
   snprintf(path, sizeof path, "%s", info.dli_fname ? info.dli_fname : "");
+  void *init = dlsym(cuda, "cuInit");
   CHECK(dlclose(cuda) == 0);
   const char *names[] = {path, "libcuda.so", "libcuda.so.1"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -306,7 +309,7 @@ static void check_reopen(void *cuda) {
     CHECK(h != NULL);
     if (!h) continue;
     CHECK(dlsym(h, "cuMemAlloc_v2") == shim("cuMemAlloc_v2"));
-    CHECK(dlsym(h, "cuInit") != NULL && dlsym(h, "cuInit") != shim("cuInit"));
+    CHECK(dlsym(h, "cuInit") != NULL && dlsym(h, "cuInit") == init);
     CHECK(dlclose(h) == 0);
   }
 }
