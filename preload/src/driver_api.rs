@@ -236,11 +236,13 @@ pub unsafe extern "C-unwind" fn cuMemFreeHost(p: *mut c_void) -> c_int {
 
 /// The shim's definition of a driver symbol as `cuGetProcAddress` names it (the base name,
 /// for the CUDA version the caller was built for), if the shim has one. `per_thread`: the
-/// lookup asked for the per-thread default stream's variants (`CU_GET_PROC_ADDRESS_PER_THREAD_
-/// DEFAULT_STREAM`, or the default flags through a `_ptsz` lookup function), for which the
-/// driver gives `cuMemAllocAsync_ptsz` and `cuMemFreeAsync_ptsz`, whose NULL stream is the
-/// calling thread's own: the allocation is not served (gpupool would take its NULL stream for
-/// the legacy one), and the driver's is returned; the free is [`cuMemFreeAsync_ptsz`].
+/// lookup asked for the per-thread default stream's variants (the flag
+/// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`, or the default flags through a `_ptsz`
+/// lookup function), for which the driver gives `cuMemAllocAsync_ptsz` and
+/// `cuMemFreeAsync_ptsz`, whose NULL stream is the calling thread's own: the allocation is not
+/// served (gpupool would take its NULL stream for the legacy one), and the driver's is
+/// returned; the free is [`cuMemFreeAsync_ptsz`], and `cuGetProcAddress` the `_ptsz` one, so
+/// that lookups through it keep asking for the per-thread variants.
 pub(crate) fn ours(symbol: &CStr, cuda_version: c_int, per_thread: bool) -> Option<*mut c_void> {
     // Before CUDA 3.2, "cuMemAlloc" and "cuMemFree" meant the 32-bit functions, which gpupool
     // does not serve.
@@ -254,6 +256,7 @@ pub(crate) fn ours(symbol: &CStr, cuda_version: c_int, per_thread: bool) -> Opti
         b"cuMemAllocHost" if v2 => cuMemAllocHost_v2 as *mut c_void,
         b"cuMemHostAlloc" => cuMemHostAlloc as *mut c_void,
         b"cuMemFreeHost" => cuMemFreeHost as *mut c_void,
+        b"cuGetProcAddress" if cuda_version >= 12000 && per_thread => cuGetProcAddress_v2_ptsz as *mut c_void,
         b"cuGetProcAddress" if cuda_version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         _ => return None,
@@ -418,6 +421,8 @@ mod tests {
         assert_eq!(ours(c"cuMemFreeAsync", 12080, true), Some(cuMemFreeAsync_ptsz as *mut c_void));
         assert_eq!(ours(c"cuMemAlloc", 12080, true), Some(cuMemAlloc_v2 as *mut c_void));
         assert_eq!(ours(c"cuMemFree", 12080, true), Some(cuMemFree_v2 as *mut c_void));
+        assert_eq!(ours(c"cuGetProcAddress", 12080, true), Some(cuGetProcAddress_v2_ptsz as *mut c_void));
+        assert_eq!(ours(c"cuGetProcAddress", 11080, true), Some(cuGetProcAddress as *mut c_void));
     }
 
     #[test]

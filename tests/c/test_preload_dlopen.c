@@ -127,7 +127,8 @@ static void check_get_proc_address(void *cuda) {
         CHECK(LOOK("cuMemAllocAsync") == 0 &&
               fn == (per_thread ? standin_internal("cuMemAllocAsync", v, 2) : shim("cuMemAllocAsync")));
         CHECK(LOOK("cuMemFreeAsync") == 0 && fn == shim(per_thread ? "cuMemFreeAsync_ptsz" : "cuMemFreeAsync"));
-        CHECK(LOOK("cuGetProcAddress") == 0 && fn == shim(v >= 12000 ? "cuGetProcAddress_v2" : "cuGetProcAddress"));
+        CHECK(LOOK("cuGetProcAddress") == 0 &&
+              fn == shim(v < 12000 ? "cuGetProcAddress" : per_thread ? "cuGetProcAddress_v2_ptsz" : "cuGetProcAddress_v2"));
         CHECK(LOOK("cuDeviceGetCount") == 0 && fn != NULL && fn == standin_internal("cuDeviceGetCount", v, 0));
         CHECK(LOOK("cuNoSuchFunction") == 500 && fn == NULL);
         CHECK(LOOK("") == 500 && fn == NULL);
