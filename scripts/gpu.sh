@@ -340,6 +340,27 @@ if want preload; then
     grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
       grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||
       { echo "driver_app: not caught as claimed"; grep served "$out/driver-shim.err" || true; status=1; }
+    # The driver opened by the program (XLA's way): every cuMemAlloc it makes served, found by
+    # dlsym in its handle and through cuGetProcAddress.
+    run_without_and_with_shim dlopen_app dlopen
+    cat "$out/dlopen-shim.txt"
+    n=$(sed -n 's/^dlopen_app: ok, \([0-9]*\) cuMemAlloc$/\1/p' "$out/dlopen-shim.txt")
+    [ -n "$n" ] && grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, $n cuMemAlloc, 0 cuMemAllocAsync" "$out/dlopen-shim.err" &&
+      echo "dlopen_app: caught as claimed" ||
+      { echo "dlopen_app: not caught as claimed"; grep "served\|lookups" "$out/dlopen-shim.err" || true; status=1; }
+    # JAX, where installed: XLA opens the driver itself, and with
+    # XLA_PYTHON_CLIENT_ALLOCATOR=platform every buffer is a cuMemAlloc, which the shim must
+    # serve, printing the same result (2^30, exact in float32).
+    if python3 -c "import jax" 2>/dev/null; then
+      jax_prog='import jax, jax.numpy as jnp; x = jnp.ones((1024, 1024)); print(float((x @ x).sum()), jax.devices()[0].platform)'
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" || status=1
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 python3 -c "$jax_prog" \
+        >"$out/jax-shim.txt" 2>"$out/jax-shim.err" || status=1
+      cat "$out/jax-shim.txt"
+      cmp -s "$out/jax-native.txt" "$out/jax-shim.txt" && grep -q " gpu$" "$out/jax-shim.txt" &&
+        grep -Eq "cudaMallocAsync, [1-9][0-9]* cuMemAlloc," "$out/jax-shim.err" && echo "jax: served by the shim, same output" ||
+        { echo "jax: not served as claimed"; grep "served\|lookups" "$out/jax-shim.err" || true; status=1; }
+    fi
   else
     echo "LD_PRELOAD tests did not build (see preload-build.log)"
     status=1

@@ -16,7 +16,10 @@
 //! | `cudaFree(NULL)` | on the simulated device: success, as CUDA's no-op | the real function (it initialises the runtime) |
 //! | `cudaMallocHost`, `cudaHostAlloc`, `cuMemAllocHost_v2`, `cuMemHostAlloc` | flags default or portable (gpupool started): gpupool's pinned host allocator | the real function (other flags: mapped, write-combined) |
 //! | `cudaFreeHost`, `cuMemFreeHost` | the pointer is one of gpupool's pinned blocks | the real function |
-//! | `cuGetProcAddress`, `cuGetProcAddress_v2` | always: the real lookup, with gpupool's functions returned for the seven driver symbols above | - |
+//! | `cuMemFreeAsync_ptsz` (the per-thread default stream's) | the pointer is gpupool's (NULL stream: as `cuMemFree`) | the real function |
+//! | `cuGetProcAddress`, `cuGetProcAddress_v2`, `cuGetProcAddress_v2_ptsz` | always: the real lookup, with gpupool's functions returned for the driver symbols above (`cuMemAllocAsync` not for the per-thread default stream) | - |
+//! | `cudaGetDriverEntryPoint`, `cudaGetDriverEntryPointByVersion` and their `_ptsz` twins | always: the runtime's lookup, with gpupool's functions returned as by `cuGetProcAddress` | - |
+//! | `dlsym` | a driver or runtime function above that glibc finds in a `libcuda.so*` or `libcudart.so*` (a handle opened by any name or path, or of a library that links it): the shim's function | glibc's, unchanged (`RTLD_DEFAULT`, `RTLD_NEXT` too) |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without
 //! `libcuda.so` (the simulated device, `GPUPOOL_DRIVER=sim`), a driver call that would go to the
@@ -76,18 +79,26 @@
 //! `libcuda.so`, so neither its runtime nor its driver calls reach the shim. Build with
 //! `-cudart shared` (PyTorch's libraries link `libcudart.so` dynamically). A program that calls
 //! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
-//! caught. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
+//! caught, and so is one that opens the driver itself (`dlopen("libcuda.so.1")`, then `dlsym`
+//! and `cuGetProcAddress`, as XLA does; x86-64 glibc only, see `dlsym.rs`), and one that
+//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
 //! other allocation functions are not interposed; their frees pass through.
 //!
 //! ## Statistics at exit
 //!
 //! `GPUPOOL_PRELOAD_STATS=1` writes to stderr, when the program exits, what the shim served,
 //! refused (frees gpupool answered with an error: a pointer inside one of its blocks, or one
-//! freed already; they are not counted as frees) and passed through, the deferred frees, every
+//! freed already; they are not counted as frees) and passed through, the lookups (`dlsym` of
+//! driver or runtime functions, `cuGetProcAddress`, `cudaGetDriverEntryPoint`) it answered
+//! with its own and the driver lookups it passed through, the deferred frees, every
 //! option with its value (`Config::options_text`), and gpupool's memory summary of each device
 //! it used, and the same for pinned host memory. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
 //! down by then.
 
+// glibc's dlsym is entered with the caller's return address by x86-64 assembly (dlsym.rs).
+#[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
+mod dlsym;
 mod driver_api;
+mod lookups;
 mod runtime_api;
 mod shim;

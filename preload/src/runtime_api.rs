@@ -1,7 +1,9 @@
 //! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed. The real ones
-//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links.
+//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links, when it is in
+//! the global scope; else in the `libcudart.so*` loaded privately (`RTLD_LOCAL`, as Python
+//! loads an extension module and the runtime it links).
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 use gpupool::config::DriverKind;
@@ -14,11 +16,59 @@ type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) 
 type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
-/// The next definition of `name` after this library (the real runtime's), or null.
+/// The real runtime's definition of `name`, or null, looked up once: the next definition
+/// after this library (`RTLD_NEXT`, which sees only the global scope), else the one in a
+/// loaded `libcudart.so*` ([`in_loaded_runtime`]). A program that calls a runtime function
+/// has its runtime loaded by then, so the first lookup finds it if anything does.
 fn next(name: &CStr, slot: &OnceLock<usize>) -> usize {
-    // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted to
-    // the function type CUDA declares for that name.
-    *slot.get_or_init(|| unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize)
+    *slot.get_or_init(|| {
+        // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted
+        // to the function type CUDA declares for that name.
+        let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+        if f != 0 { f } else { in_loaded_runtime(name) }
+    })
+}
+
+/// `name` in a loaded library whose file name starts with `libcudart.so` (any version, any
+/// folder), or 0. A runtime loaded with `RTLD_LOCAL` (a Python extension module's) is not in
+/// the global scope that `RTLD_NEXT` searches, yet the program's calls reach the shim, whose
+/// exports come first. The names are gathered by `dl_iterate_phdr` first, then each library
+/// is asked through a handle of its own (`RTLD_NOLOAD`: nothing new is opened), outside the
+/// loader's lock that `dl_iterate_phdr` holds.
+fn in_loaded_runtime(name: &CStr) -> usize {
+    unsafe extern "C" fn gather(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> c_int {
+        // SAFETY: glibc passes a valid info whose name is NUL-terminated or null; data is the
+        // Vec below.
+        let (info, found) = unsafe { (&*info, &mut *data.cast::<Vec<CString>>()) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: as above.
+            let path = unsafe { CStr::from_ptr(info.dlpi_name) };
+            let file = path.to_bytes().rsplit(|&b| b == b'/').next().unwrap_or_default();
+            if file.starts_with(b"libcudart.so") {
+                found.push(path.to_owned());
+            }
+        }
+        0
+    }
+    let mut found: Vec<CString> = Vec::new();
+    // SAFETY: `gather` matches dl_iterate_phdr's callback and only reads its arguments.
+    unsafe { libc::dl_iterate_phdr(Some(gather), (&raw mut found).cast()) };
+    for path in found {
+        // SAFETY: NUL-terminated strings; RTLD_NOLOAD opens nothing, and the reference taken is
+        // given back once the symbol is found (the library stays loaded: the program holds it).
+        unsafe {
+            let h = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if h.is_null() {
+                continue;
+            }
+            let f = libc::dlsym(h, name.as_ptr()) as usize;
+            libc::dlclose(h);
+            if f != 0 {
+                return f;
+            }
+        }
+    }
+    0
 }
 
 macro_rules! real {
@@ -202,5 +252,154 @@ pub unsafe extern "C-unwind" fn cudaFreeHost(ptr: *mut c_void) -> c_int {
         Some(s) => status(s.free_host(ptr as usize, free_device(s))),
         // SAFETY: the real function, with the caller's arguments.
         None => real!(c"cudaFreeHost", FreeFn).map_or(UNKNOWN, |f| unsafe { f(ptr) }),
+    })
+}
+
+// The runtime's way to the driver's functions: `cudaGetDriverEntryPoint` (CUDA 11.3; CUDA 12
+// added its `driverStatus` argument) and `cudaGetDriverEntryPointByVersion` (CUDA 12.5), each
+// with a `_ptsz` twin for programs built for the per-thread default stream. The real lookup
+// runs, then the shim's functions replace the driver's where it serves them, as for
+// `cuGetProcAddress` (`driver_api::substitute`).
+
+type EntryPointFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> c_int;
+type EntryPointByVersionFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, u32, u64, *mut c_int) -> c_int;
+type RuntimeVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The CUDA version the program's runtime was built as (`cudaRuntimeGetVersion`), which
+/// `cudaGetDriverEntryPoint` asks the driver for; CUDA 12.0 when the runtime cannot say (the
+/// version only picks which `cuGetProcAddress` the shim gives, CUDA 12's from 12.0 on).
+fn runtime_version() -> c_int {
+    let Some(get) = real!(c"cudaRuntimeGetVersion", RuntimeVersionFn) else { return 12000 };
+    let mut v = 0;
+    // SAFETY: writes one int.
+    if unsafe { get(&mut v) } == 0 && v > 0 { v } else { 12000 }
+}
+
+/// `cudaGetDriverEntryPoint` and its `_ptsz` twin (`ptsz`): the real function `real`, then the
+/// shim's driver functions where it serves them. The fourth argument is passed on as it came:
+/// a program built for CUDA 11 passes three, and its runtime reads three.
+fn entry_point(
+    real: Option<EntryPointFn>,
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+    ptsz: bool,
+) -> c_int {
+    // SAFETY: the real function, with the caller's arguments.
+    let Some(r) = real.map(|f| unsafe { f(symbol, func, flags, status) }) else { return UNKNOWN };
+    let per_thread = crate::driver_api::per_thread(flags, ptsz);
+    // SAFETY: as the caller of cudaGetDriverEntryPoint promised.
+    unsafe { crate::driver_api::substitute(r, symbol, func, runtime_version(), per_thread) }
+}
+
+/// `cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **funcPtr, unsigned long long
+/// flags, cudaDriverEntryPointQueryResult *driverStatus)`: the runtime's lookup, with the
+/// shim's functions for the driver symbols `cuGetProcAddress` gives them for (at the
+/// runtime's own CUDA version). Errors: the real function's; `cudaErrorUnknown` without a
+/// runtime.
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPoint`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPoint(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || entry_point(real!(c"cudaGetDriverEntryPoint", EntryPointFn), symbol, func, flags, status, false))
+}
+
+/// `cudaGetDriverEntryPoint_ptsz`, for programs built for the per-thread default stream: as
+/// [`cudaGetDriverEntryPoint`].
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPoint`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPoint_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        entry_point(real!(c"cudaGetDriverEntryPoint_ptsz", EntryPointFn), symbol, func, flags, status, true)
+    })
+}
+
+/// `cudaGetDriverEntryPointByVersion` and its `_ptsz` twin: as [`entry_point`], at the
+/// version the caller asks for.
+fn entry_point_by_version(
+    real: Option<EntryPointByVersionFn>,
+    args: (*const c_char, *mut *mut c_void, u32, u64, *mut c_int),
+    ptsz: bool,
+) -> c_int {
+    let (symbol, func, version, flags, status) = args;
+    // SAFETY: the real function, with the caller's arguments.
+    let Some(r) = real.map(|f| unsafe { f(symbol, func, version, flags, status) }) else { return UNKNOWN };
+    let per_thread = crate::driver_api::per_thread(flags, ptsz);
+    let version = c_int::try_from(version).unwrap_or(c_int::MAX);
+    // SAFETY: as the caller of cudaGetDriverEntryPointByVersion promised.
+    unsafe { crate::driver_api::substitute(r, symbol, func, version, per_thread) }
+}
+
+/// `cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr, unsigned
+/// int cudaVersion, unsigned long long flags, cudaDriverEntryPointQueryResult *driverStatus)`:
+/// the runtime's lookup, with the shim's functions where `cuGetProcAddress` at `cudaVersion`
+/// gives them. Errors: the real function's; `cudaErrorUnknown` without a runtime.
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPointByVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPointByVersion(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: u32,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        let real = real!(c"cudaGetDriverEntryPointByVersion", EntryPointByVersionFn);
+        entry_point_by_version(real, (symbol, func, version, flags, status), false)
+    })
+}
+
+/// `cudaGetDriverEntryPointByVersion_ptsz`, for programs built for the per-thread default
+/// stream: as [`cudaGetDriverEntryPointByVersion`].
+///
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPointByVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn cudaGetDriverEntryPointByVersion_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: u32,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guard(UNKNOWN, || {
+        let real = real!(c"cudaGetDriverEntryPointByVersion_ptsz", EntryPointByVersionFn);
+        entry_point_by_version(real, (symbol, func, version, flags, status), true)
+    })
+}
+
+/// The shim's definition of a runtime function by its exported name, if the shim has one,
+/// for `dlsym` in a handle that reaches the runtime (`dlsym.rs`).
+#[cfg_attr(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")), allow(dead_code))]
+pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
+    Some(match name {
+        b"cudaMalloc" => cudaMalloc as *mut c_void,
+        b"cudaFree" => cudaFree as *mut c_void,
+        b"cudaMallocAsync" => cudaMallocAsync as *mut c_void,
+        b"cudaFreeAsync" => cudaFreeAsync as *mut c_void,
+        b"cudaMallocHost" => cudaMallocHost as *mut c_void,
+        b"cudaHostAlloc" => cudaHostAlloc as *mut c_void,
+        b"cudaFreeHost" => cudaFreeHost as *mut c_void,
+        b"cudaGetDriverEntryPoint" => cudaGetDriverEntryPoint as *mut c_void,
+        b"cudaGetDriverEntryPoint_ptsz" => cudaGetDriverEntryPoint_ptsz as *mut c_void,
+        b"cudaGetDriverEntryPointByVersion" => cudaGetDriverEntryPointByVersion as *mut c_void,
+        b"cudaGetDriverEntryPointByVersion_ptsz" => cudaGetDriverEntryPointByVersion_ptsz as *mut c_void,
+        _ => return None,
     })
 }

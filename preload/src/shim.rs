@@ -329,6 +329,12 @@ impl Shim {
                 n(&c.refused_async_frees)
             ),
             format!("passed through {} allocations and {} frees", n(&c.passed_allocs), n(&c.passed_frees)),
+            // dlsym of the driver and runtime, cuGetProcAddress, cudaGetDriverEntryPoint(ByVersion).
+            format!(
+                "CUDA lookups: served {}, passed through {}",
+                n(&crate::lookups::SERVED),
+                n(&crate::lookups::PASSED)
+            ),
             format!("{} device synchronisations released {} deferred frees", d.syncs, d.released),
             format!("{} frees ({} bytes) still deferred at exit", d.blocks, d.bytes),
             format!(
