@@ -2,8 +2,8 @@
 //! with no GPU. Nothing here is C API; the Rust API is [`crate::Allocator`].
 //!
 //! - `allocator`: the front door, over every device.
-//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics, and
-//!   its consistency check.
+//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, and its
+//!   consistency check.
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
 //! - `block`, `pool`: blocks and the free lists they sit in; `size_set`: the sizes a pool
 //!   holds free blocks of, the best fit's first step; `rules`: the size rules.
@@ -11,9 +11,9 @@
 //!   `ExpandableSegment`).
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
-//! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
-//!   `cells`: the statistics' layout and the device's totals, which both use (a leaf);
-//!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
+//! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
+//!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
+//! - `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
 //!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
 //!   `observers`: the functions called when a request fails; `largest`: the largest request
 //!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
@@ -32,11 +32,10 @@
 //! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
 //!   modes, the allocator's, device's and shard's parts, the copy engine.
 
+mod accounting;
 pub(crate) mod allocator;
 mod block;
 mod capture;
-mod cells;
-pub(crate) mod counters;
 pub(crate) mod deferred;
 pub(crate) mod device;
 mod events;
@@ -49,7 +48,6 @@ mod observer_list;
 pub(crate) mod observers;
 mod oom;
 mod page_pool;
-mod peaks;
 mod pool;
 pub(crate) mod pool_source;
 pub(crate) mod rules;
@@ -59,3 +57,8 @@ mod shard;
 mod shard_table;
 mod size_set;
 pub(crate) mod sleep;
+
+// The statistics' modules under their names before they moved into `accounting`, for the files
+// being changed elsewhere now (`device/pools.rs`, `device/out_of_memory.rs`, `shard/expand/`);
+// every other file names `accounting`.
+use accounting::{counters, peaks};

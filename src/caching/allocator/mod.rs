@@ -6,7 +6,8 @@
 //! - `pools`: private pools and the routes to them;
 //! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
-//! - `stats`: the statistics, the summary and gpupool's diagnostics;
+//! - `caching::accounting::allocator`, in the statistics' folder: the statistics, the summary
+//!   and gpupool's diagnostics;
 //! - `history`: the allocation history, snapshots, tags and the live report;
 //! - `caching::ipc::allocator`, in IPC's folder: blocks shared with other processes
 //!   (`gpupool_ipc_*`);
@@ -36,7 +37,6 @@ mod history;
 mod hit;
 mod pools;
 mod release;
-mod stats;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 

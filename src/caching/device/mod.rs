@@ -1,14 +1,17 @@
 //! One device: its shards (one per stream), PyTorch's malloc with free-and-retry on
-//! out-of-memory, `empty_cache`, and the device-wide statistics.
+//! out-of-memory, `empty_cache`, and the memory fraction.
 //!
 //! Here: the device's state, what a call on a shard needs (`ctx`), and the memory fraction.
 //! The rest by mechanism: `serve.rs`: malloc up to its first failure; `out_of_memory.rs`: the
 //! rest of malloc (release-and-retry, observers); `free.rs`: free and `record_stream`;
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
-//! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
-//! of reads and `getStats`; `settle.rs`: a call's settle, one shard at a time; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
-//! consistency check. Two mechanisms keep their device part in their own folder: a pool's
+//! `garbage_collection_threshold`; `stranded.rs`: the cache of unused streams released before
+//! a growth past the high-water mark (`GPUPOOL_RELEASE_UNUSED_STREAMS`); `pools.rs`: private
+//! pools; `history.rs`: the allocation history and snapshots; `largest.rs`: the largest
+//! request a stream would be served now; `check.rs`: the consistency check. Three mechanisms
+//! keep their device part in their own folder: the statistics (`caching::accounting::device`:
+//! the end of each call, peak credit, the settles, `getStats`;
+//! `caching::accounting::device_call_settle`: a call's settle, one shard at a time), a pool's
 //! sleep and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in
 //! IPC limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
 //!
@@ -31,13 +34,13 @@ use std::sync::atomic::{AtomicI64, AtomicUsize};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use super::accounting::counters::DeviceCounters;
+use super::accounting::peaks::{SpareCredit, Totals};
 use super::capture::CaptureProbe;
-use super::counters::DeviceCounters;
 use super::deferred::DeferredFrees;
 use super::limit::MemoryLimit;
 use super::observers::OomObservers;
 use super::page_pool::PagePool;
-use super::peaks::{SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::SegmentObservers;
@@ -58,8 +61,6 @@ mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
-mod settle;
-mod stats;
 mod stranded;
 
 pub use pools::PoolStats;
@@ -67,12 +68,12 @@ pub(crate) use pools::{RouteFilter, RouteTo};
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
-struct PeakState {
-    totals: Totals,
-    holders: Vec<Arc<Shard>>,
+pub(in crate::caching) struct PeakState {
+    pub(in crate::caching) totals: Totals,
+    pub(in crate::caching) holders: Vec<Arc<Shard>>,
     /// Reused by each settle for the shards it visits (no allocation once warm).
-    visit: Vec<Arc<Shard>>,
-    holds: Vec<bool>,
+    pub(in crate::caching) visit: Vec<Arc<Shard>>,
+    pub(in crate::caching) holds: Vec<bool>,
 }
 
 pub(crate) struct DeviceAllocator {
@@ -83,10 +84,10 @@ pub(crate) struct DeviceAllocator {
     rules: SizeRules,
     pub max_split_size: usize,
     pub(in crate::caching) shards: ShardTable,
-    peaks: Mutex<PeakState>,
+    pub(in crate::caching) peaks: Mutex<PeakState>,
     /// Credit towards the peaks that no shard holds (see `peaks`).
-    spare: SpareCredit,
-    counters: DeviceCounters,
+    pub(in crate::caching) spare: SpareCredit,
+    pub(in crate::caching) counters: DeviceCounters,
     pub(in crate::caching) limit: MemoryLimit,
     /// Physical pages held unmapped for expandable segments (see `page_pool`).
     pub(in crate::caching) pages: PagePool,
@@ -105,7 +106,7 @@ pub(crate) struct DeviceAllocator {
     /// The allocator's out-of-memory observers, read only once a request has failed.
     observers: Arc<OomObservers>,
     /// The allocator's segment observers (see `segment_observers`).
-    segment_observers: Arc<SegmentObservers>,
+    pub(in crate::caching) segment_observers: Arc<SegmentObservers>,
     /// The allocation history: malloc and free read its flag.
     history: HistoryHook,
     /// Whether a CUDA graph capture may be under way (see `capture`).
@@ -234,10 +235,16 @@ impl DeviceAllocator {
         self.capture.routes() != 0
     }
 
-    /// Ends a call on a shard, as [`DeviceAllocator::finish`] (`stats.rs`), for the device's
+    /// Ends a call on a shard, as [`DeviceAllocator::finish`] (`caching::accounting::device`), for the device's
     /// parts kept in their mechanism's folder (`caching::sleep`), which `finish` does not reach.
     pub(in crate::caching) fn finish_shard_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
         self.finish(st, value)
+    }
+
+    /// [`DeviceAllocator::reset_pool_peaks`] (`pools.rs`), for the statistics' device part
+    /// (`caching::accounting::device`), which it does not reach.
+    pub(in crate::caching) fn reset_private_pool_peaks(&self) {
+        self.reset_pool_peaks()
     }
 
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its

@@ -46,8 +46,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
+use super::accounting::counters::ShardCounters;
 use super::block::{Arena, BlockId};
-use super::counters::ShardCounters;
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;

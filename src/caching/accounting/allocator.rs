@@ -1,7 +1,7 @@
-//! The statistics of a device, as `torch.cuda.memory_stats` and `memory_summary` report them,
-//! and gpupool's own diagnostics (settles, streams, size bins).
+//! The allocator's part of the statistics: a device's, as `torch.cuda.memory_stats` and
+//! `memory_summary` report them, and gpupool's own diagnostics (settles, streams, size bins).
 
-use super::Allocator;
+use crate::caching::allocator::Allocator;
 use crate::error::Error;
 use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
@@ -46,7 +46,7 @@ impl Allocator {
     }
 
     /// How many calls on `device` settled the peak statistics, visiting the shard of every
-    /// stream that moved since the last settle, one at a time (see `src/caching/peaks/`): a
+    /// stream that moved since the last settle, one at a time (see `src/caching/accounting/peaks/`): a
     /// diagnostic of the cost of exact peaks, not a PyTorch statistic. A call that runs past
     /// its stream's credit when the device's spare credit cannot cover it settles (a new peak,
     /// or credit sitting with other streams); in a steady state the count stays flat. Reads
