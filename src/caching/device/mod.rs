@@ -32,7 +32,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
 use super::accounting::counters::DeviceCounters;
 use super::accounting::peaks::{SpareCredit, Totals};
@@ -44,7 +44,7 @@ use super::page_pool::PagePool;
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::SegmentObservers;
-use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx, ShardState};
+use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
 use super::shard_table::ShardTable;
 use super::sleep::{Kept, Sleepers, Staging, StagingSettings, sleepable};
 use crate::config::Config;
@@ -233,12 +233,6 @@ impl DeviceAllocator {
     #[inline(always)]
     pub fn routes_active(&self) -> bool {
         self.capture.routes() != 0
-    }
-
-    /// Ends a call on a shard, as [`DeviceAllocator::finish`] (`caching::accounting::device`), for the device's
-    /// parts kept in their mechanism's folder (`caching::sleep`), which `finish` does not reach.
-    pub(in crate::caching) fn finish_shard_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
-        self.finish(st, value)
     }
 
     /// [`DeviceAllocator::reset_pool_peaks`] (`pools.rs`), for the statistics' device part
