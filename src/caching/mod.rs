@@ -15,8 +15,10 @@
 //!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
 //! - `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
 //!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
-//!   `observers`: the functions called when a request fails; `largest`: the largest request
-//!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
+//!   `observers`: the functions called when a request fails.
+//! - `largest`: the largest request that would succeed now, malloc's attempts replayed on a
+//!   copy of a stream's blocks, every part in one folder: the search and the allocator's,
+//!   device's and shard's parts.
 //! - `segment_observers`: the functions told of every segment made and given back, and of
 //!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
 //!   of observer use.

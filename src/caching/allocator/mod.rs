@@ -8,6 +8,8 @@
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
 //! - `caching::accounting::allocator`, in the statistics' folder: the statistics, the summary
 //!   and gpupool's diagnostics;
+//! - `caching::largest::allocator`, in the largest request's folder: the largest request a
+//!   stream would be served now (`gpupool_largest_allocatable`);
 //! - `history`: the allocation history, snapshots, tags and the live report;
 //! - `caching::ipc::allocator`, in IPC's folder: blocks shared with other processes
 //!   (`gpupool_ipc_*`);

@@ -7,13 +7,13 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stranded.rs`: the cache of unused streams released before
 //! a growth past the high-water mark (`GPUPOOL_RELEASE_UNUSED_STREAMS`); `pools.rs`: private
-//! pools; `history.rs`: the allocation history and snapshots; `largest.rs`: the largest
-//! request a stream would be served now; `check.rs`: the consistency check. Three mechanisms
-//! keep their device part in their own folder: the statistics (`caching::accounting::device`:
-//! the end of each call, peak credit, the settles, `getStats`;
-//! `caching::accounting::device_call_settle`: a call's settle, one shard at a time), a pool's
-//! sleep and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in
-//! IPC limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
+//! pools; `history.rs`: the allocation history and snapshots; `check.rs`: the consistency
+//! check. Four mechanisms keep their device part in their own folder: the statistics
+//! (`caching::accounting::device`: the end of each call, peak credit, the settles, `getStats`;
+//! `caching::accounting::device_call_settle`: a call's settle, one shard at a time), the
+//! largest request a stream would be served now (`caching::largest::device`), a pool's sleep
+//! and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in IPC
+//! limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -56,7 +56,6 @@ mod check;
 mod free;
 mod gc;
 mod history;
-mod largest;
 mod out_of_memory;
 mod pools;
 mod release;
@@ -81,7 +80,7 @@ pub(crate) struct DeviceAllocator {
     pub(in crate::caching) driver: Arc<dyn Driver>,
     pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
     /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
-    rules: SizeRules,
+    pub(in crate::caching) rules: SizeRules,
     pub max_split_size: usize,
     pub(in crate::caching) shards: ShardTable,
     pub(in crate::caching) peaks: Mutex<PeakState>,
@@ -91,7 +90,7 @@ pub(crate) struct DeviceAllocator {
     pub(in crate::caching) limit: MemoryLimit,
     /// Physical pages held unmapped for expandable segments (see `page_pool`).
     pub(in crate::caching) pages: PagePool,
-    deferred: DeferredFrees,
+    pub(in crate::caching) deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     pub(in crate::caching) expandable: Option<ExpandablePolicy>,
     /// Whether expandable segments keep to the device's high-water mark (see [`Reclaim`]).
