@@ -28,6 +28,8 @@
 //!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
+//! - `history`: the core's side of the allocation history (`crate::history`): what the
+//!   allocator, each device and each stream record, and the state they give a snapshot.
 //! - `ipc`: memory shared between processes (`gpupool_ipc_*`), every part in one folder: the
 //!   protocol (handle, shared record, export and import tables) and the allocator's, device's
 //!   and shard's parts.
@@ -43,6 +45,7 @@ pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
+mod history;
 pub(crate) mod ipc;
 mod largest;
 mod limit;

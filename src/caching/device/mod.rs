@@ -7,13 +7,14 @@
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
 //! `garbage_collection_threshold`; `stranded.rs`: the cache of unused streams released before
 //! a growth past the high-water mark (`GPUPOOL_RELEASE_UNUSED_STREAMS`); `pools.rs`: private
-//! pools; `history.rs`: the allocation history and snapshots; `check.rs`: the consistency
-//! check. Four mechanisms keep their device part in their own folder: the statistics
-//! (`caching::accounting::device`: the end of each call, peak credit, the settles, `getStats`;
-//! `caching::accounting::device_call_settle`: a call's settle, one shard at a time), the
-//! largest request a stream would be served now (`caching::largest::device`), a pool's sleep
-//! and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in IPC
-//! limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
+//! pools; `check.rs`: the consistency check. Five mechanisms keep their device part in their
+//! own folder: the statistics (`caching::accounting::device`: the end of each call, peak
+//! credit, the settles, `getStats`; `caching::accounting::device_call_settle`: a call's
+//! settle, one shard at a time), the allocation history and snapshots
+//! (`caching::history::device`), the largest request a stream would be served now
+//! (`caching::largest::device`), a pool's sleep and wake (`caching::sleep::device`,
+//! `caching::sleep::device_copy`), and the blocks in IPC limbo reclaimed on the out-of-memory
+//! path (`caching::ipc::device`).
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -55,7 +56,6 @@ use crate::history::HistoryHook;
 mod check;
 mod free;
 mod gc;
-mod history;
 mod out_of_memory;
 mod pools;
 mod release;
@@ -107,7 +107,7 @@ pub(crate) struct DeviceAllocator {
     /// The allocator's segment observers (see `segment_observers`).
     pub(in crate::caching) segment_observers: Arc<SegmentObservers>,
     /// The allocation history: malloc and free read its flag.
-    history: HistoryHook,
+    pub(in crate::caching) history: HistoryHook,
     /// Whether a CUDA graph capture may be under way (see `capture`).
     pub(in crate::caching) capture: CaptureProbe,
     /// The private pools and the routes to them (see `pools`).

@@ -19,7 +19,8 @@
 //! - [`gc`]: its side of `garbage_collection_threshold`: its wholly free segments with their
 //!   ages, and the release of one;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
-//! - [`record`]: its events in the allocation history, and its segments for a snapshot;
+//! - `caching::history::shard`, in the history's folder: its events in the allocation
+//!   history, and its segments for a snapshot;
 //! - `caching::largest::shard`, in the largest request's folder: its blocks copied for the
 //!   search (`gpupool_largest_allocatable`);
 //! - `caching::sleep::shard`, in sleep's folder: its pages given back and mapped again
@@ -34,7 +35,6 @@ mod free;
 mod front;
 mod gc;
 mod malloc;
-mod record;
 mod segments;
 mod waiting;
 
@@ -205,7 +205,7 @@ pub(crate) struct ShardState {
     frees: u32,
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
-    pending_ctx: u32,
+    pub(in crate::caching) pending_ctx: u32,
     /// Segment events of allocations and mappings made under the lock, for the call to deliver
     /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
     pub segment_events: Vec<SegmentEvent>,
