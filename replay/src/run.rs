@@ -42,8 +42,9 @@ pub struct Outcome {
     /// size would have failed the program.
     pub first_oom: Option<FirstOom>,
     /// Calls that had to lock every stream of the device to settle the exact peaks during the
-    /// warm pass (`Allocator::peak_settles`; see gpupool's `src/caching/peaks.rs`): a cost of
-    /// gpupool's exact peaks that the hit path pays now and then. Not a PyTorch statistic.
+    /// warm pass (`Allocator::peak_settles`; see gpupool's `src/caching/accounting/peaks/`): a
+    /// cost of gpupool's exact peaks that the hit path pays now and then. Not a PyTorch
+    /// statistic.
     pub peak_settles_warm: i64,
     /// Wall time of the cold pass over the trace's events, in nanoseconds per event (with the
     /// driver's calls).

@@ -2,8 +2,8 @@
 //! with no GPU. Nothing here is C API; the Rust API is [`crate::Allocator`].
 //!
 //! - `allocator`: the front door, over every device.
-//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, statistics, and
-//!   its consistency check.
+//! - `device`: one device's shards, malloc with free-and-retry, empty_cache, and its
+//!   consistency check.
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
 //! - `block`, `pool`: blocks and the free lists they sit in; `size_set`: the sizes a pool
 //!   holds free blocks of, the best fit's first step; `rules`: the size rules.
@@ -11,12 +11,14 @@
 //!   `ExpandableSegment`).
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
-//! - `counters`, `peaks`: statistics counted per shard, exact device peaks from credit;
-//!   `cells`: the statistics' layout and the device's totals, which both use (a leaf);
-//!   `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
+//! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
+//!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
+//! - `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
 //!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
-//!   `observers`: the functions called when a request fails; `largest`: the largest request
-//!   that would succeed now, malloc's attempts replayed on a copy of a stream's blocks.
+//!   `observers`: the functions called when a request fails.
+//! - `largest`: the largest request that would succeed now, malloc's attempts replayed on a
+//!   copy of a stream's blocks, every part in one folder: the search and the allocator's,
+//!   device's and shard's parts.
 //! - `segment_observers`: the functions told of every segment made and given back, and of
 //!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
 //!   of observer use.
@@ -26,22 +28,24 @@
 //!   pools and the routes to them.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
+//! - `history`: the core's side of the allocation history (`crate::history`): what the
+//!   allocator, each device and each stream record, and the state they give a snapshot.
 //! - `ipc`: memory shared between processes (`gpupool_ipc_*`), every part in one folder: the
 //!   protocol (handle, shared record, export and import tables) and the allocator's, device's
 //!   and shard's parts.
 //! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
 //!   modes, the allocator's, device's and shard's parts, the copy engine.
 
+mod accounting;
 pub(crate) mod allocator;
 mod block;
 mod capture;
-mod cells;
-pub(crate) mod counters;
 pub(crate) mod deferred;
 pub(crate) mod device;
 mod events;
 mod expandable;
 pub(crate) mod fork;
+mod history;
 pub(crate) mod ipc;
 mod largest;
 mod limit;
@@ -49,7 +53,6 @@ mod observer_list;
 pub(crate) mod observers;
 mod oom;
 mod page_pool;
-mod peaks;
 mod pool;
 pub(crate) mod pool_source;
 pub(crate) mod rules;
@@ -59,3 +62,8 @@ mod shard;
 mod shard_table;
 mod size_set;
 pub(crate) mod sleep;
+
+// The statistics' modules under their names before they moved into `accounting`, for the files
+// being changed elsewhere now (`device/pools.rs`, `device/out_of_memory.rs`, `shard/expand/`);
+// every other file names `accounting`.
+use accounting::{counters, peaks};

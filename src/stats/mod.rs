@@ -1,7 +1,7 @@
 //! Memory statistics as PyTorch reports them (`torch.cuda.memory_stats()`), and the text of
 //! `torch.cuda.memory_summary()`: what is reported, not how it is counted (the allocator core
-//! counts in `caching::counters` and keeps peaks in `caching::peaks`). Imports nothing from
-//! the core.
+//! counts in `caching::accounting::counters` and keeps peaks in `caching::accounting::peaks`).
+//! Imports nothing from the core.
 
 pub mod summary;
 

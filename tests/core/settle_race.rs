@@ -1,5 +1,5 @@
 //! Peak settles racing calls on other streams: a call's settle visits the shards one at a time
-//! while the other streams go on (see `src/caching/peaks/`). Threads churn their own streams of
+//! while the other streams go on (see `src/caching/accounting/peaks/`). Threads churn their own streams of
 //! one device, one of them reaching new peaks again and again, while another thread reads the
 //! statistics and resets the peaks: every snapshot is consistent, the invariant checker (which
 //! holds every statistic to `P = G + sum(h) + R`) passes at the end, and once the calls no

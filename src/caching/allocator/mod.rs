@@ -6,8 +6,12 @@
 //! - `pools`: private pools and the routes to them;
 //! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
-//! - `stats`: the statistics, the summary and gpupool's diagnostics;
-//! - `history`: the allocation history, snapshots, tags and the live report;
+//! - `caching::accounting::allocator`, in the statistics' folder: the statistics, the summary
+//!   and gpupool's diagnostics;
+//! - `caching::largest::allocator`, in the largest request's folder: the largest request a
+//!   stream would be served now (`gpupool_largest_allocatable`);
+//! - `caching::history::allocator`, in the history's folder: the allocation history,
+//!   snapshots, tags and the live report;
 //! - `caching::ipc::allocator`, in IPC's folder: blocks shared with other processes
 //!   (`gpupool_ipc_*`);
 //! - `check`: the consistency check, for tests.
@@ -32,11 +36,9 @@ use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
 mod check;
-mod history;
 mod hit;
 mod pools;
 mod release;
-mod stats;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -63,15 +65,15 @@ pub struct Allocator {
     config: ArcSwap<Config>,
     /// Held while a device starts and while the configuration is replaced, so that no device
     /// starts with a configuration that `set_config` is replacing, nor after it was refused.
-    starting: Mutex<()>,
+    pub(in crate::caching) starting: Mutex<()>,
     pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
-    devices: Box<[OnceLock<DeviceAllocator>]>,
+    pub(in crate::caching) devices: Box<[OnceLock<DeviceAllocator>]>,
     /// Shared with every device, which calls them when a request fails.
     observers: Arc<OomObservers>,
     /// Shared with every device, told of segments made and given back.
     segment_observers: Arc<SegmentObservers>,
     /// The allocation history of every device.
-    recorder: Arc<Recorder>,
+    pub(in crate::caching) recorder: Arc<Recorder>,
     /// What this allocator imported of other processes' exports (`caching::ipc::import`).
     pub(in crate::caching) ipc_imports: crate::caching::ipc::import::Imports,
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use parking_lot::MutexGuard;
 
 use super::DeviceAllocator;
-use crate::caching::counters::{self, Metric, StatType, cell};
-use crate::caching::peaks;
+use crate::caching::accounting::counters::{self, Metric, StatType, cell};
+use crate::caching::accounting::peaks;
 use crate::caching::shard::{Shard, ShardState};
 
 impl DeviceAllocator {

@@ -164,7 +164,7 @@ impl DeviceAllocator {
     /// Inside a cold path that ends the call itself ([`crate::callout::Deferred`]), nothing.
     #[cold]
     #[inline(never)]
-    pub(super) fn end_exiting_call(&self, grown: DevicePtr) {
+    pub(in crate::caching) fn end_exiting_call(&self, grown: DevicePtr) {
         if crate::callout::deferred() {
             return;
         }

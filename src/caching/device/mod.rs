@@ -1,16 +1,20 @@
 //! One device: its shards (one per stream), PyTorch's malloc with free-and-retry on
-//! out-of-memory, `empty_cache`, and the device-wide statistics.
+//! out-of-memory, `empty_cache`, and the memory fraction.
 //!
 //! Here: the device's state, what a call on a shard needs (`ctx`), and the memory fraction.
 //! The rest by mechanism: `serve.rs`: malloc up to its first failure; `out_of_memory.rs`: the
 //! rest of malloc (release-and-retry, observers); `free.rs`: free and `record_stream`;
 //! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
-//! `garbage_collection_threshold`; `stats.rs`: the end of each call (peak credit), the settles
-//! of reads and `getStats`; `settle.rs`: a call's settle, one shard at a time; `pools.rs`: private pools; `history.rs`: the allocation history and
-//! snapshots; `largest.rs`: the largest request a stream would be served now; `check.rs`: the
-//! consistency check. Two mechanisms keep their device part in their own folder: a pool's
-//! sleep and wake (`caching::sleep::device`, `caching::sleep::device_copy`), and the blocks in
-//! IPC limbo reclaimed on the out-of-memory path (`caching::ipc::device`).
+//! `garbage_collection_threshold`; `stranded.rs`: the cache of unused streams released before
+//! a growth past the high-water mark (`GPUPOOL_RELEASE_UNUSED_STREAMS`); `pools.rs`: private
+//! pools; `check.rs`: the consistency check. Five mechanisms keep their device part in their
+//! own folder: the statistics (`caching::accounting::device`: the end of each call, peak
+//! credit, the settles, `getStats`; `caching::accounting::device_call_settle`: a call's
+//! settle, one shard at a time), the allocation history and snapshots
+//! (`caching::history::device`), the largest request a stream would be served now
+//! (`caching::largest::device`), a pool's sleep and wake (`caching::sleep::device`,
+//! `caching::sleep::device_copy`), and the blocks in IPC limbo reclaimed on the out-of-memory
+//! path (`caching::ipc::device`).
 //!
 //! Lock order, which makes deadlock impossible: a thread holding a shard's lock takes no other
 //! lock but the segment index's writer lock, the dirty list's (`shard_table`) and the
@@ -29,19 +33,19 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
+use super::accounting::counters::DeviceCounters;
+use super::accounting::peaks::{SpareCredit, Totals};
 use super::capture::CaptureProbe;
-use super::counters::DeviceCounters;
 use super::deferred::DeferredFrees;
 use super::limit::MemoryLimit;
 use super::observers::OomObservers;
 use super::page_pool::PagePool;
-use super::peaks::{SpareCredit, Totals};
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::SegmentObservers;
-use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx, ShardState};
+use super::shard::{ExpandablePolicy, Reclaim, Shard, ShardCtx};
 use super::shard_table::ShardTable;
 use super::sleep::{Kept, Sleepers, Staging, StagingSettings, sleepable};
 use crate::config::Config;
@@ -52,14 +56,10 @@ use crate::history::HistoryHook;
 mod check;
 mod free;
 mod gc;
-mod history;
-mod largest;
 mod out_of_memory;
 mod pools;
 mod release;
 mod serve;
-mod settle;
-mod stats;
 mod stranded;
 
 pub use pools::PoolStats;
@@ -67,12 +67,12 @@ pub(crate) use pools::{RouteFilter, RouteTo};
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
-struct PeakState {
-    totals: Totals,
-    holders: Vec<Arc<Shard>>,
+pub(in crate::caching) struct PeakState {
+    pub(in crate::caching) totals: Totals,
+    pub(in crate::caching) holders: Vec<Arc<Shard>>,
     /// Reused by each settle for the shards it visits (no allocation once warm).
-    visit: Vec<Arc<Shard>>,
-    holds: Vec<bool>,
+    pub(in crate::caching) visit: Vec<Arc<Shard>>,
+    pub(in crate::caching) holds: Vec<bool>,
 }
 
 pub(crate) struct DeviceAllocator {
@@ -80,17 +80,17 @@ pub(crate) struct DeviceAllocator {
     pub(in crate::caching) driver: Arc<dyn Driver>,
     pub(in crate::caching) index: Arc<SegmentIndex<Arc<Shard>>>,
     /// The size rules of `GPUPOOL_CONF`, fixed when the device started.
-    rules: SizeRules,
+    pub(in crate::caching) rules: SizeRules,
     pub max_split_size: usize,
     pub(in crate::caching) shards: ShardTable,
-    peaks: Mutex<PeakState>,
+    pub(in crate::caching) peaks: Mutex<PeakState>,
     /// Credit towards the peaks that no shard holds (see `peaks`).
-    spare: SpareCredit,
-    counters: DeviceCounters,
+    pub(in crate::caching) spare: SpareCredit,
+    pub(in crate::caching) counters: DeviceCounters,
     pub(in crate::caching) limit: MemoryLimit,
     /// Physical pages held unmapped for expandable segments (see `page_pool`).
     pub(in crate::caching) pages: PagePool,
-    deferred: DeferredFrees,
+    pub(in crate::caching) deferred: DeferredFrees,
     /// Expandable segments' layout; `None`: ordinary segments.
     pub(in crate::caching) expandable: Option<ExpandablePolicy>,
     /// Whether expandable segments keep to the device's high-water mark (see [`Reclaim`]).
@@ -105,9 +105,9 @@ pub(crate) struct DeviceAllocator {
     /// The allocator's out-of-memory observers, read only once a request has failed.
     observers: Arc<OomObservers>,
     /// The allocator's segment observers (see `segment_observers`).
-    segment_observers: Arc<SegmentObservers>,
+    pub(in crate::caching) segment_observers: Arc<SegmentObservers>,
     /// The allocation history: malloc and free read its flag.
-    history: HistoryHook,
+    pub(in crate::caching) history: HistoryHook,
     /// Whether a CUDA graph capture may be under way (see `capture`).
     pub(in crate::caching) capture: CaptureProbe,
     /// The private pools and the routes to them (see `pools`).
@@ -234,10 +234,10 @@ impl DeviceAllocator {
         self.capture.routes() != 0
     }
 
-    /// Ends a call on a shard, as [`DeviceAllocator::finish`] (`stats.rs`), for the device's
-    /// parts kept in their mechanism's folder (`caching::sleep`), which `finish` does not reach.
-    pub(in crate::caching) fn finish_shard_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
-        self.finish(st, value)
+    /// [`DeviceAllocator::reset_pool_peaks`] (`pools.rs`), for the statistics' device part
+    /// (`caching::accounting::device`), which it does not reach.
+    pub(in crate::caching) fn reset_private_pool_peaks(&self) {
+        self.reset_pool_peaks()
     }
 
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its

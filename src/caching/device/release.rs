@@ -5,10 +5,10 @@
 use std::sync::atomic::Ordering;
 
 use super::{DeviceAllocator, PeakState};
+use crate::caching::accounting::counters::bump;
+use crate::caching::accounting::peaks;
 use crate::caching::capture;
-use crate::caching::counters::bump;
 use crate::caching::deferred::DeferredStats;
-use crate::caching::peaks;
 use crate::error::Error;
 
 impl DeviceAllocator {

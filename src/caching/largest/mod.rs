@@ -26,7 +26,18 @@
 //! MiB segment, PyTorch's `kLargeBuffer`). So the search does not bisect: the largest size
 //! that succeeds lies at one of a few bounds (a cached block's size, the room left for new
 //! memory, the size classes' edges), each tried from the largest down.
+//!
+//! Every part is here, in reading order: this file, the copy of a stream (`ShardModel`), the
+//! attempts replayed on it and the search; `shard.rs`: a shard's blocks copied under its lock;
+//! `device.rs`: the situation read from the device (its shards one at a time, the driver's
+//! free memory, the memory fraction, captures); `allocator.rs`:
+//! `Allocator::largest_allocatable`, over every device; `tests.rs`: the search on copies made
+//! by hand. The search imports nothing of the allocator but the size rules and the layout of
+//! expandable segments.
 
+mod allocator;
+mod device;
+mod shard;
 #[cfg(test)]
 mod tests;
 

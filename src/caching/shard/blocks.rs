@@ -2,8 +2,8 @@
 //! PyTorch's `inactive_split` bookkeeping.
 
 use super::ShardState;
+use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
-use crate::caching::counters::Metric;
 use crate::caching::rules;
 use crate::driver::DevicePtr;
 

@@ -4,8 +4,8 @@
 use rustc_hash::FxHashMap;
 
 use super::ShardState;
+use crate::caching::accounting::counters::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 use crate::caching::block::{BlockId, BlockState, NIL};
-use crate::caching::counters::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::driver::{DevicePtr, StreamHandle};

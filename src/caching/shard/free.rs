@@ -5,8 +5,8 @@
 
 use super::front::FRONT_BYTES;
 use super::{ShardCtx, ShardState};
+use crate::caching::accounting::counters::{Metric, OVERSIZE_ALLOCATIONS};
 use crate::caching::block::{BlockId, BlockState};
-use crate::caching::counters::{Metric, OVERSIZE_ALLOCATIONS};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
 

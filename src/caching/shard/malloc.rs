@@ -4,8 +4,8 @@
 //! runs through here.
 
 use super::ShardState;
+use crate::caching::accounting::counters::OVERSIZE_ALLOCATIONS;
 use crate::caching::block::{BlockId, BlockState};
-use crate::caching::counters::OVERSIZE_ALLOCATIONS;
 use crate::caching::rules::{self, PoolKind, SizeRules};
 use crate::driver::DevicePtr;
 use crate::error::Error;

@@ -16,9 +16,13 @@
 //! - [`front`]: blocks freed on the hit path, held whole by exact size in front of the pools;
 //! - [`segments`]: segments from and back to the driver;
 //! - [`expand`]: expandable segments, grown and shrunk a page at a time;
+//! - [`gc`]: its side of `garbage_collection_threshold`: its wholly free segments with their
+//!   ages, and the release of one;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
-//! - [`record`]: its events in the allocation history, and its segments for a snapshot;
-//! - [`largest`]: its blocks copied for the largest-request search (`caching::largest`);
+//! - `caching::history::shard`, in the history's folder: its events in the allocation
+//!   history, and its segments for a snapshot;
+//! - `caching::largest::shard`, in the largest request's folder: its blocks copied for the
+//!   search (`gpupool_largest_allocatable`);
 //! - `caching::sleep::shard`, in sleep's folder: its pages given back and mapped again
 //!   (`gpupool_sleep`, `gpupool_wake`);
 //! - `caching::ipc::shard`, in IPC's folder: its blocks exported to other processes
@@ -30,9 +34,7 @@ mod expand;
 mod free;
 mod front;
 mod gc;
-mod largest;
 mod malloc;
-mod record;
 mod segments;
 mod waiting;
 
@@ -46,8 +48,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
+use super::accounting::counters::ShardCounters;
 use super::block::{Arena, BlockId};
-use super::counters::ShardCounters;
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
@@ -156,7 +158,7 @@ pub(crate) enum Growth {
 }
 
 pub(in crate::caching) struct SegmentInfo {
-    head: BlockId,
+    pub(in crate::caching) head: BlockId,
     /// Bytes: the segment's size, or an expandable segment's address range.
     pub(in crate::caching) size: usize,
     /// An expandable segment's page table.
@@ -167,7 +169,7 @@ pub(in crate::caching) struct SegmentInfo {
     /// A block of it was handed out while the allocating stream captured a CUDA graph: the
     /// graph's kernels use its addresses at every replay, so it stays reserved, wholly free or
     /// not, until its private pool is released (see `device::pools`).
-    graph: bool,
+    pub(in crate::caching) graph: bool,
 }
 
 /// The state behind a shard's lock.
@@ -203,7 +205,7 @@ pub(crate) struct ShardState {
     frees: u32,
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
-    pending_ctx: u32,
+    pub(in crate::caching) pending_ctx: u32,
     /// Segment events of allocations and mappings made under the lock, for the call to deliver
     /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
     pub segment_events: Vec<SegmentEvent>,

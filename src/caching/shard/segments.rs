@@ -2,8 +2,8 @@
 //! free (`empty_cache`, the out-of-memory path).
 
 use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
+use crate::caching::accounting::counters::{Metric, OVERSIZE_SEGMENTS};
 use crate::caching::block::{Block, BlockId, BlockState};
-use crate::caching::counters::{Metric, OVERSIZE_SEGMENTS};
 use crate::caching::segment_index::SegmentEntry;
 use crate::caching::segment_observers::{SegmentEvent, SegmentEventKind};
 use crate::driver::DriverError;

@@ -167,7 +167,7 @@ impl DeviceAllocator {
                     let mut st = self.shards.lock_for_change(shard);
                     st.wait_for_work(&ctx)?;
                     let prep = st.prepare_discard();
-                    self.finish_shard_call(st, ());
+                    self.finish(st, ());
                     copies.push((shard.clone(), prep));
                 }
             }
@@ -191,7 +191,7 @@ impl DeviceAllocator {
                 if let Err(e) = st.sleep_pages(&ctx, prep, &mut handles) {
                     failure.get_or_insert(e);
                 }
-                self.finish_shard_call(st, ());
+                self.finish(st, ());
             }));
             gone = gone.and(r);
         }
@@ -313,7 +313,7 @@ impl DeviceAllocator {
                 let ctx = self.ctx(shard);
                 let mut st = self.shards.lock_for_change(shard);
                 let r = st.map_slept(&ctx, &mut spare);
-                self.finish_shard_call(st, ());
+                self.finish(st, ());
                 r.map_err(|e| match e {
                     DriverError::OutOfMemory => oom(),
                     e => Error::driver(e, "mapping a sleeping pool's pages again"),
@@ -334,7 +334,7 @@ impl DeviceAllocator {
                     let ctx = self.ctx(shard);
                     let mut st = self.shards.lock_for_change(shard);
                     let _ = st.unmap_woken(&ctx, &mut spare);
-                    self.finish_shard_call(st, ());
+                    self.finish(st, ());
                 }));
                 if let Err(p) = r {
                     unwound.get_or_insert(p);

@@ -67,7 +67,7 @@ impl DeviceAllocator {
                     scopeguard::ScopeGuard::into_inner(host);
                     Ok(prep)
                 });
-                self.finish_shard_call(st, ());
+                self.finish(st, ());
                 into.push((shard.clone(), r?));
             }
             copies.finish().map_err(fail)

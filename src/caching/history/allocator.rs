@@ -1,9 +1,10 @@
-//! The allocation history of every device, snapshots, the statistics of tags and the live
-//! report (PyTorch `_record_memory_history` and `_snapshot`; see `crate::history`).
+//! The allocator's part of the allocation history: recording on every device, snapshots, the
+//! statistics of tags and the live report (PyTorch `_record_memory_history` and `_snapshot`;
+//! see `crate::history`).
 
 use std::sync::Arc;
 
-use super::Allocator;
+use crate::caching::allocator::Allocator;
 use crate::error::Error;
 use crate::history::{AllocatorSettings, HistorySettings, Snapshot, TagStats, tags};
 

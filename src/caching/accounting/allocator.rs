@@ -1,7 +1,7 @@
-//! The statistics of a device, as `torch.cuda.memory_stats` and `memory_summary` report them,
-//! and gpupool's own diagnostics (settles, streams, size bins).
+//! The allocator's part of the statistics: a device's, as `torch.cuda.memory_stats` and
+//! `memory_summary` report them, and gpupool's own diagnostics (settles, streams, size bins).
 
-use super::Allocator;
+use crate::caching::allocator::Allocator;
 use crate::error::Error;
 use crate::stats::DeviceStats;
 use crate::stats::summary::memory_summary;
@@ -25,28 +25,8 @@ impl Allocator {
         Ok(())
     }
 
-    /// The largest single request in bytes that [`Allocator::malloc`] on `device` (-1:
-    /// current) and `stream` would serve now, counting the stream's cached free blocks, the
-    /// free pages and unmapped room of its expandable segments, what the driver has free
-    /// (`cuMemGetInfo`) within the memory fraction, and what release-and-retry would give
-    /// back (every stream's wholly free cached segments and pages); 0 when every request but
-    /// one of 0 bytes would fail. RMM's `available_device_memory` (rapidsai/rmm#813) answers
-    /// with `cudaMemGetInfo` alone; PyTorch has no equivalent. Success is not monotone in the
-    /// size (see `docs/c-and-cpp.md`): a smaller request may fail where this one succeeds.
-    ///
-    /// Changes nothing: no allocation, release, synchronisation or statistic. Each shard of the
-    /// device is locked in turn, briefly, so the answer is a snapshot that other threads may
-    /// make stale at once (see `gpupool_largest_allocatable` for what makes it too high or too
-    /// low). The answer is for the device's default pools, not a private pool a route takes.
-    ///
-    /// Errors: [`Error::InvalidValue`] (device out of range), [`Error::Cuda`] (`cuMemGetInfo`,
-    /// `cuStreamGetCaptureInfo` or `cuEventQuery` failed), [`Error::DriverUnavailable`].
-    pub fn largest_allocatable(&self, device: i32, stream: crate::driver::StreamHandle) -> Result<usize, Error> {
-        self.device_or_init(device)?.largest_allocatable(stream)
-    }
-
     /// How many calls on `device` settled the peak statistics, visiting the shard of every
-    /// stream that moved since the last settle, one at a time (see `src/caching/peaks/`): a
+    /// stream that moved since the last settle, one at a time (see `src/caching/accounting/peaks/`): a
     /// diagnostic of the cost of exact peaks, not a PyTorch statistic. A call that runs past
     /// its stream's credit when the device's spare credit cannot cover it settles (a new peak,
     /// or credit sitting with other streams); in a steady state the count stays flat. Reads

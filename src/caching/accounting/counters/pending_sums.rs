@@ -13,7 +13,7 @@
 //! cell's `low` as the eager count does.
 
 use super::{Cell, SURPLUS_FACTOR, ShardCounters};
-use crate::caching::cells::{Metric, StatType, cell};
+use crate::caching::accounting::cell_layout::{Metric, StatType, cell};
 use crate::caching::rules::PoolKind;
 
 /// Amounts a hit changes: blocks, bytes kept, bytes requested.
@@ -253,7 +253,7 @@ impl ShardCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::caching::cells::CELLS;
+    use crate::caching::accounting::cell_layout::CELLS;
 
     /// The eager count of the same calls, for comparison.
     fn eager(c: &mut ShardCounters, pool: PoolKind, kept: i64, requested: i64, sign: i64) {

@@ -1,17 +1,18 @@
 //! The settle at the end of a call that ran past its peak credit and could not borrow (see
-//! `crate::caching::peaks`), one shard at a time: each shard it visits is locked alone, for
-//! the few hundred instructions its visit takes, so that no stream waits for every other, as
-//! streams did while a settle held every shard's lock at once. `stats()`, `reset_peak_stats()`
-//! and `empty_cache` still settle over every shard locked at once: they read one consistent
-//! snapshot, as PyTorch does under its device lock.
+//! `accounting::peaks`): the steps of `peaks::settle_steps` run one shard at a time, each
+//! shard locked alone for the few hundred instructions its visit takes, so that no stream
+//! waits for every other, as streams did while a settle held every shard's lock at once.
+//! `stats()`, `reset_peak_stats()` and `empty_cache` still settle over every shard locked at
+//! once (`device.rs`): they read one consistent snapshot, as PyTorch does under its device
+//! lock.
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{DeviceAllocator, PeakState};
-use crate::caching::counters::bump;
-use crate::caching::peaks::Settle;
+use super::counters::bump;
+use super::peaks::Settle;
+use crate::caching::device::{DeviceAllocator, PeakState};
 use crate::caching::shard::ShardState;
 
 impl DeviceAllocator {

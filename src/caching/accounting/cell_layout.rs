@@ -6,7 +6,7 @@
 //! credit) both build on it and it uses neither, so that they depend one way only, `peaks`
 //! on `counters`.
 
-use super::rules::PoolKind;
+use crate::caching::rules::PoolKind;
 
 /// The statistics that have a `StatArray` in PyTorch, in `DeviceStats` order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,11 +1,11 @@
-//! A shard's blocks copied for the largest-request search (`caching::largest`), read under its
-//! lock without changing anything.
+//! The shard's part of the largest-request search: its blocks copied for the search
+//! (`largest/mod.rs`), read under its lock without changing anything.
 
 use rustc_hash::FxHashMap;
 
-use super::ShardState;
+use super::{Kind, SegModel, ShardModel};
 use crate::caching::block::{BlockId, BlockState, NIL};
-use crate::caching::largest::{Kind, SegModel, ShardModel};
+use crate::caching::shard::ShardState;
 use crate::driver::Driver;
 use crate::error::Error;
 

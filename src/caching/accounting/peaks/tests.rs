@@ -2,7 +2,7 @@
 //! shards' counters with no device.
 
 use super::*;
-use crate::caching::counters::Metric;
+use crate::caching::accounting::counters::Metric;
 
 const BYTES: usize = cell(Metric::AllocatedBytes, StatType::All);
 

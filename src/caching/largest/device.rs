@@ -1,9 +1,9 @@
-//! The largest single request a stream of the device would be served now
-//! (`gpupool_largest_allocatable`): what `caching::largest` needs, read from the shards one
-//! at a time, the driver and the memory fraction, with nothing changed.
+//! The device's part of the largest single request a stream would be served now
+//! (`gpupool_largest_allocatable`): what the search (`largest/mod.rs`) needs, read from the
+//! shards one at a time, the driver and the memory fraction, with nothing changed.
 
-use super::DeviceAllocator;
-use crate::caching::largest::{self, ShardModel, Situation};
+use super::{ShardModel, Situation};
+use crate::caching::device::DeviceAllocator;
 use crate::driver::StreamHandle;
 use crate::error::Error;
 
@@ -42,7 +42,7 @@ impl DeviceAllocator {
                 others_release += copy.settled().release_bytes();
             }
         }
-        Ok(largest::largest(&Situation {
+        Ok(super::largest(&Situation {
             rules: self.rules,
             pages: self.expandable,
             now,

@@ -1,18 +1,18 @@
 //! The counting cells behind PyTorch's statistics: each shard counts its own blocks here under
-//! its lock; the device's totals (`cells::Totals`) add them up, and [`collect`] turns those
+//! its lock; the device's totals (`cell_layout::Totals`) add them up, and [`collect`] turns those
 //! into the [`DeviceStats`] that `stats/` reports.
 //!
 //! A statistic with a `StatArray` in PyTorch has three cells (all pools, small pool, large
-//! pool); [`cell`] (in `cells`, re-exported here) is the one place that says where each lives.
+//! pool); [`cell`] (in `cell_layout`, re-exported here) is the one place that says where each lives.
 
-pub(crate) use super::cells::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
+pub(crate) use super::cell_layout::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 
-mod lazy;
+mod pending_sums;
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::cells::Totals;
-use super::rules::PoolKind;
+use super::cell_layout::Totals;
+use crate::caching::rules::PoolKind;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
 /// One shard's share of a statistic, the part the hot path writes. `headroom`, `low` and
@@ -61,7 +61,7 @@ pub(crate) struct Seen {
 /// it. On the H100 machine's host (16 cores, `thread_scaling` on the simulated device, 16
 /// threads on one device, three runs each, 2026-11-27): at 8, 40-41 M ops/s and 148-172 settles
 /// per million calls; at 4, 72-77 and 2.7-2.8 (with the borrow's share of the spare credit,
-/// [`crate::caching::peaks::borrow`], 76-85 and 6-9); at 2, 47-51 and 1.4-1.9, the give-backs'
+/// [`crate::caching::accounting::peaks::borrow`], 76-85 and 6-9); at 2, 47-51 and 1.4-1.9, the give-backs'
 /// shared atomics now the cost.
 const SURPLUS_FACTOR: i64 = 4;
 
@@ -69,9 +69,9 @@ const SURPLUS_FACTOR: i64 = 4;
 #[derive(Debug)]
 pub(crate) struct ShardCounters {
     /// Read and changed through [`ShardCounters::cell`], [`ShardCounters::cells_mut`] and
-    /// the counting methods, which add the hit path's pending sums first (see `lazy`).
+    /// the counting methods, which add the hit path's pending sums first (see `pending_sums`).
     cells: [Cell; CELLS],
-    lazy: lazy::Lazy,
+    lazy: pending_sums::Lazy,
     pub seen: [Seen; CELLS],
     /// Some cell went past its headroom: the device peak must be settled before the call
     /// that did it returns.
@@ -95,7 +95,7 @@ impl Default for ShardCounters {
     fn default() -> Self {
         ShardCounters {
             cells: [Cell::default(); CELLS],
-            lazy: lazy::Lazy::default(),
+            lazy: pending_sums::Lazy::default(),
             seen: [Seen::default(); CELLS],
             needs_settle: false,
             has_surplus: false,
@@ -116,7 +116,7 @@ impl ShardCounters {
     }
 
     /// The cells, the hit path's pending sums added first, for a caller that may change them
-    /// (the hit path then takes its minimums of headroom again: see `lazy`).
+    /// (the hit path then takes its minimums of headroom again: see `pending_sums`).
     #[inline]
     pub fn cells_mut(&mut self) -> &mut [Cell; CELLS] {
         self.touch();

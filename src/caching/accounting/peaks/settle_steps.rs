@@ -4,8 +4,9 @@
 //! and any debt the spare credit holds), [`Settle::cover`] what is still owed from the shards
 //! that hold credit, last visited first, and [`Settle::end`]. [`settle`] runs the steps over
 //! shards that are all locked at once (PyTorch `getStats`' one consistent snapshot);
-//! `DeviceAllocator`'s call-end settle runs them locking one shard at a time, so that no stream
-//! waits for every other (see the module `peaks`, "What a settle costs").
+//! `DeviceAllocator`'s call-end settle (`accounting::device_call_settle`) runs them locking one
+//! shard at a time, so that no stream waits for every other (see the module `peaks`, "What a
+//! settle costs"). The callers take and drop the locks; the steps take none.
 //!
 //! Every step moves credit, never makes or loses any: what a visit takes from a shard, or a
 //! debt it leaves there, goes into the settle's own account, which starts at zero, and from

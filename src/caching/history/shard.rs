@@ -1,4 +1,4 @@
-//! A shard's part of the allocation history (`crate::history`): the events of its blocks and
+//! The shard's part of the allocation history (`crate::history`): the events of its blocks and
 //! segments, recorded under its lock as they happen, and its segments for a snapshot (PyTorch
 //! `DeviceCachingAllocator::snapshot`).
 //!
@@ -6,10 +6,10 @@
 //! block's allocation and free, while tags are in use (`crate::history::tags::in_use`); but for
 //! [`ShardState::snapshot_into`], [`ShardState::live_into`] and [`ShardState::clear_contexts`].
 
-use super::{ShardCtx, ShardState};
 use crate::caching::block::{BlockId, BlockState, NIL};
 use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
+use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::history::{
     Action, BlockState as SnapState, ContextTable, HistoryContext, HistoryHook, RawSegment, SnapshotBlock,
@@ -41,7 +41,7 @@ impl ShardState {
     /// the stack captured for it (0 if stacks are not kept), left for the `alloc` event of the
     /// block handed out from it.
     #[cold]
-    pub(super) fn record_segment(&mut self, ctx: &ShardCtx, addr: DevicePtr, size: usize) -> u32 {
+    pub(in crate::caching) fn record_segment(&mut self, ctx: &ShardCtx, addr: DevicePtr, size: usize) -> u32 {
         let c = ctx.history.capture(HistoryContext::State);
         ctx.history.record(Action::SegmentAlloc, addr, size, size, ctx.shard.stream, c);
         self.pending_ctx = c;
@@ -65,7 +65,7 @@ impl ShardState {
     /// The `free_completed` event of block `id`, freed earlier, now that its events completed
     /// or the device was synchronised, with its allocation's stack. Call before it is merged.
     #[cold]
-    pub(super) fn record_free_completed(&self, h: &HistoryHook, stream: StreamHandle, id: BlockId) {
+    pub(in crate::caching) fn record_free_completed(&self, h: &HistoryHook, stream: StreamHandle, id: BlockId) {
         let b = &self.blocks[id];
         h.record(Action::FreeCompleted, b.addr, b.requested, b.size, stream, b.ctx);
     }
@@ -74,7 +74,7 @@ impl ShardState {
     /// `offset` into the expandable segment at `base` that are now mapped (or unmapped), one
     /// per run of pages (PyTorch `map_block`, `unmap_block`).
     #[cold]
-    pub(super) fn record_pages(
+    pub(in crate::caching) fn record_pages(
         &self,
         ctx: &ShardCtx,
         base: DevicePtr,

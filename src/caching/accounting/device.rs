@@ -1,15 +1,16 @@
-//! The device's statistics: the end of every call on a shard, which keeps the peak credit
-//! (see `crate::caching::peaks`), the settles that visit the shards, PyTorch `getStats` and
-//! `resetPeakStats`, and gpupool's diagnostics.
+//! The device's part of the statistics: the end of every call on a shard, which keeps the
+//! peak credit (see `accounting::peaks`), the settles of reads, which visit the shards all
+//! locked at once, PyTorch `getStats` and `resetPeakStats`, and gpupool's diagnostics. A
+//! call's own settle, one shard locked at a time, is `device_call_settle.rs`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use parking_lot::MutexGuard;
 
-use super::{DeviceAllocator, PeakState};
-use crate::caching::counters::{self, ShardCounters};
-use crate::caching::peaks::{self, Totals};
+use super::counters::{self, ShardCounters};
+use super::peaks::{self, Totals};
+use crate::caching::device::{DeviceAllocator, PeakState};
 use crate::caching::shard::ShardState;
 use crate::stats::DeviceStats;
 
@@ -27,7 +28,7 @@ impl DeviceAllocator {
 
     /// Ends a call on a shard the calling thread uses repeatedly (or a slow path).
     #[inline(always)]
-    pub(super) fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
+    pub(in crate::caching) fn finish<T>(&self, st: MutexGuard<'_, ShardState>, value: T) -> T {
         self.finish_call(st, value, true)
     }
 
@@ -39,7 +40,7 @@ impl DeviceAllocator {
     /// Inlined, with its rare work out of line ([`DeviceAllocator::finish_slow`]): a call to
     /// it cost the hit path about 35 instructions a pair (callgrind, `tests/c/hit_loop.c`).
     #[inline(always)]
-    pub(super) fn finish_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T, hot: bool) -> T {
+    pub(in crate::caching) fn finish_call<T>(&self, st: MutexGuard<'_, ShardState>, value: T, hot: bool) -> T {
         let c = &st.counters;
         if !hot || c.settle_or_surplus() {
             self.finish_slow(st, hot);
@@ -126,7 +127,7 @@ impl DeviceAllocator {
         r
     }
 
-    pub(super) fn settle_locked(&self, ps: &mut PeakState) {
+    pub(in crate::caching) fn settle_locked(&self, ps: &mut PeakState) {
         self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
     }
 
@@ -150,7 +151,7 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
-        self.reset_pool_peaks();
+        self.reset_private_pool_peaks();
         self.pages.reset_peak();
         self.sleepers.reset_peak();
         self.limit.reset_mark();

@@ -5,7 +5,7 @@
 
 use parking_lot::MutexGuard;
 
-use super::DeviceAllocator;
+use crate::caching::device::DeviceAllocator;
 use crate::caching::shard::{Request, ShardState};
 use crate::driver::StreamHandle;
 use crate::history::{Action, Entry, HistoryContext, RawSegment};
@@ -28,7 +28,7 @@ impl DeviceAllocator {
     /// retry (PyTorch `malloc`): the device's free bytes (`cuMemGetInfo`; 0 if it cannot say)
     /// and the rounded size asked for, with the caller's stack if events keep stacks.
     #[cold]
-    pub(super) fn record_oom(&self, stream: StreamHandle, req: &Request) {
+    pub(in crate::caching) fn record_oom(&self, stream: StreamHandle, req: &Request) {
         let free = self.driver.mem_info(self.device).map_or(0, |i| i.free);
         let c = self.history.capture(HistoryContext::Alloc);
         self.history.record(Action::Oom, free as u64, req.rounded, req.rounded, stream, c);

@@ -90,14 +90,14 @@
 //! credit. A read of the statistics settles with every shard locked, so that what it reports
 //! always has every current value at most its peak.
 
-pub(crate) use super::cells::Totals;
-pub(crate) use settle::{Settle, settle};
+pub(crate) use super::cell_layout::Totals;
+pub(crate) use settle_steps::{Settle, settle};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::cells::{CELLS, METRICS, StatType, cell};
+use super::cell_layout::{CELLS, METRICS, StatType, cell};
 use super::counters::ShardCounters;
-use super::rules::PoolKind;
+use crate::caching::rules::PoolKind;
 
 /// The device's credit not held by any shard (`R` above), one atomic per statistic.
 pub(crate) type SpareCredit = [AtomicI64; CELLS];
@@ -113,7 +113,7 @@ pub(crate) type SpareCredit = [AtomicI64; CELLS];
 /// spare credit at each borrow raised the settles of 16 threads on one device from 148-172 to
 /// 220-240 per million calls, and twice the need settled four streams in rotation on one
 /// thread at one call in four. With one stream the share is all of it; what a stream holds
-/// beyond [`crate::caching::counters`]' surplus factor goes back at its next free, and a settle
+/// beyond [`crate::caching::accounting::counters`]' surplus factor goes back at its next free, and a settle
 /// takes back what it holds beyond what it keeps.
 pub(crate) fn borrow(shard: &mut ShardCounters, spare: &SpareCredit, streams: usize) -> bool {
     let mut all = true;
@@ -241,6 +241,6 @@ pub(crate) fn spare_credit(spare: &SpareCredit, cell: usize) -> i64 {
     spare[cell].load(Ordering::Relaxed)
 }
 
-mod settle;
+mod settle_steps;
 #[cfg(test)]
 mod tests;
