@@ -8,7 +8,11 @@
 //! event (the rule unmapping the growing stream's own pages waits for that stream), handles
 //! created, pages mapped, access grants, pages unmapped, handles released; then the pages
 //! held unmapped in the device's pool after the pass and at most (2 MiB pages; the peak is
-//! since the start).
+//! since the start); then where the bytes between live and reserved go, at the pass's peak of
+//! reserved and at its peak of live (`gpupool_replay::breakdown::line`: MiB; free bytes of
+//! expandable segments by page size, whole pages between live blocks / at a range's mapped
+//! edge, then bytes sharing a page with a live block, between / at an edge; by stream when
+//! there are several). The ns/event include reading those breakdowns.
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
@@ -29,7 +33,7 @@ use std::sync::Arc;
 
 use gpupool::Allocator;
 use gpupool::driver::sim::{SimCounts, SimDriver};
-use gpupool_replay::{Event, Trace, cuda, input, run, setting};
+use gpupool_replay::{Event, Trace, breakdown, cuda, input, setting};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -55,7 +59,8 @@ fn main() {
             let c0 = drv.counts();
             // The counts include the frees after the pass: with expandable segments a free
             // calls the driver for nothing, so they count what the events did.
-            let ns = run::pass(&a, 0, t, &streams, &mut ptrs).expect("replay").ns;
+            let (done, peaks) = breakdown::pass(&a, &drv, 0, t, &streams, &mut ptrs).expect("replay");
+            let ns = done.ns;
             let c1 = drv.counts();
             let ns = ns as f64 / t.events.len() as f64;
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
@@ -74,6 +79,8 @@ fn main() {
                 s.unmapped_held_bytes.peak >> 21,
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
             );
+            println!("  at peak reserved: {}", breakdown::line(&peaks.at_reserved));
+            println!("  at peak live:     {}", breakdown::line(&peaks.at_live));
         }
     }
 }

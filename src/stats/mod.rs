@@ -3,6 +3,7 @@
 //! counts in `caching::counters` and keeps peaks in `caching::peaks`). Imports nothing from
 //! the core.
 
+pub mod breakdown;
 pub mod summary;
 
 /// One statistic (PyTorch `Stat`): its value now, its highest value since the last

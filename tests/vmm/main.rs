@@ -7,6 +7,7 @@ mod common;
 #[path = "../common/ipc.rs"]
 mod ipc;
 
+mod breakdown;
 mod expandable;
 mod ladder_hostile;
 mod page_ladder;

@@ -30,6 +30,7 @@
 //! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
 //! growth of any stream to map (`caching::page_pool`; PyTorch releases it).
 
+mod breakdown;
 mod grow;
 mod mark;
 mod pages;
