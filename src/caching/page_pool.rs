@@ -148,6 +148,47 @@ impl PagePool {
         (released, failure)
     }
 
+    /// Releases held handles of the page sizes below `page` (`cuMemRelease`), the newest of
+    /// each size first, until at least `want` bytes are released or none of those is left,
+    /// each uncharged from `limit` once the driver has it back: for a growth in `page`-byte
+    /// pages, which cannot map them, the physical memory they hold (the high-water rule
+    /// across page sizes, `shard::expand::cross`). Returns the bytes released and the first
+    /// failure: a handle the driver refuses stays held and counted, the others are still tried.
+    pub fn release_smaller(
+        &self,
+        driver: &dyn Driver,
+        device: i32,
+        limit: &MemoryLimit,
+        page: usize,
+        want: usize,
+    ) -> (usize, Option<DriverError>) {
+        let mut st = self.state.lock();
+        let (mut released, mut failure) = (0, None);
+        for l in 0..st.free.len() {
+            let size = st.free[l].0;
+            if size >= page {
+                continue;
+            }
+            let mut i = st.free[l].1.len();
+            while i > 0 && released < want {
+                i -= 1;
+                let handle = st.free[l].1[i];
+                match driver.mem_release(device, handle) {
+                    Ok(()) => {
+                        st.free[l].1.swap_remove(i);
+                        st.add(-(size as i64));
+                        limit.uncharge(size);
+                        released += size;
+                    }
+                    Err(e) => {
+                        failure.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        (released, failure)
+    }
+
     /// The bound after a growth: the pool exists to carry pages from an unmapping to the
     /// growth it serves (the high-water rule unmaps what the growth passes its mark by, and
     /// the growth maps those handles at once), so what a growth leaves held is a leftover (of

@@ -8,6 +8,7 @@ mod common;
 mod ipc;
 
 mod breakdown;
+mod cross_sizes;
 mod expandable;
 mod ladder_hostile;
 mod page_ladder;

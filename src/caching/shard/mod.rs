@@ -36,7 +36,7 @@ mod segments;
 mod sleep;
 mod waiting;
 
-pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
+pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim, release_smaller, smaller_pages};
 pub(crate) use ipc::Shape;
 pub(crate) use malloc::Request;
 pub(crate) use sleep::{ShardSleep, SleepHost};

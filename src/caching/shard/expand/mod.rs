@@ -31,6 +31,7 @@
 //! growth of any stream to map (`caching::page_pool`; PyTorch releases it).
 
 mod breakdown;
+mod cross;
 mod grow;
 mod mark;
 mod pages;
@@ -39,6 +40,7 @@ mod unmap;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use cross::{release_smaller, smaller_pages};
 pub(crate) use mark::Reclaim;
 pub(crate) use unmap::PageWait;
 
