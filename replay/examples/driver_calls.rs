@@ -195,7 +195,13 @@ fn synthetic_bert() -> Trace {
     };
     let free = |events: &mut Vec<Event>, id: u32| events.push(Event::Free { id });
     for k in 0..200 {
-        let size = if k == 0 { 30522 * 768 * 2 } else if k % 8 < 4 { 768 * 768 * 2 } else { 768 * 3072 * 2 };
+        let size = if k == 0 {
+            30522 * 768 * 2
+        } else if k % 8 < 4 {
+            768 * 768 * 2
+        } else {
+            768 * 3072 * 2
+        };
         alloc(&mut events, size);
     }
     for _ in 0..300 {

@@ -11,12 +11,7 @@ use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SimDriver, SimFault, SimOp};
 
 fn config(reclaim: bool) -> Config {
-    Config {
-        expandable_segments: true,
-        expandable_large_pages: true,
-        expandable_reclaim: reclaim,
-        ..Config::default()
-    }
+    Config { expandable_segments: true, expandable_large_pages: true, expandable_reclaim: reclaim, ..Config::default() }
 }
 
 fn given_back(a: &gpupool::Allocator, drv: &SimDriver) {
@@ -48,7 +43,17 @@ fn free_small_pages_make_room_for_a_large_page_growth() {
         // The other stream may be gone: the device is synchronised; the growing stream's own
         // work is waited for with an event.
         let waits = (c1.device_synchronize - c0.device_synchronize, c1.event_synchronize - c0.event_synchronize);
-        assert_eq!(waits, if !reclaim { (0, 0) } else if other { (1, 0) } else { (0, 1) }, "{what}");
+        assert_eq!(
+            waits,
+            if !reclaim {
+                (0, 0)
+            } else if other {
+                (1, 0)
+            } else {
+                (0, 1)
+            },
+            "{what}"
+        );
         assert_eq!(s.unmapped_held_bytes.current, 0, "{what}");
         check(&a);
         a.free(large).unwrap();
@@ -67,7 +72,10 @@ fn a_free_large_page_is_kept_for_large_requests() {
     let c0 = drv.counts();
     let small = a.malloc(512 << 10, 0, 0x10).unwrap();
     let c1 = drv.counts();
-    assert_eq!((c1.mem_unmap - c0.mem_unmap, c1.mem_release - c0.mem_release, c1.mem_create - c0.mem_create), (0, 0, 1));
+    assert_eq!(
+        (c1.mem_unmap - c0.mem_unmap, c1.mem_release - c0.mem_release, c1.mem_create - c0.mem_create),
+        (0, 0, 1)
+    );
     assert_eq!(a.stats(0).unwrap().reserved_bytes.all.peak as usize, 22 * MIB);
     let again = a.malloc(20 * MIB, 0, 0x10).unwrap();
     assert_eq!(again, large, "served by the page kept");
@@ -101,7 +109,8 @@ fn a_fault_on_the_way_leaves_a_consistent_allocator() {
             let small = a.malloc(10 * MIB, 0, 0x10).unwrap();
             a.free(small).unwrap();
             drv.inject(op, skip, SimFault::Fail(DriverError::OutOfMemory));
-            let large = a.malloc(20 * MIB, 0, if other { 0x20 } else { 0x10 }).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let large =
+                a.malloc(20 * MIB, 0, if other { 0x20 } else { 0x10 }).unwrap_or_else(|e| panic!("{what}: {e}"));
             // A fault the way did not reach stays armed: not for the checks after.
             drv.clear_faults();
             check(&a);

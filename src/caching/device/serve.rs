@@ -8,7 +8,9 @@ use std::sync::Arc;
 use super::DeviceAllocator;
 use crate::caching::block::BlockId;
 use crate::caching::capture;
-use crate::caching::shard::{Growth, PageWait, Reclaim, Request, Shard, ShardCtx, ShardState, release_smaller, smaller_pages};
+use crate::caching::shard::{
+    Growth, PageWait, Reclaim, Request, Shard, ShardCtx, ShardState, release_smaller, smaller_pages,
+};
 use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryContext, tags};
