@@ -264,6 +264,31 @@ mod tests {
     }
 
     #[test]
+    fn only_smaller_handles_are_released_for_a_growth_and_only_what_it_wants() {
+        let sim = SimDriver::new(1, 256 << 20);
+        let limit = MemoryLimit::default();
+        let pool = PagePool::default();
+        let mut small: Vec<PhysHandle> = (0..4).map(|_| sim.mem_create(0, P).unwrap()).collect();
+        let mut large: Vec<PhysHandle> = (0..2).map(|_| sim.mem_create(0, 4 * P).unwrap()).collect();
+        limit.try_charge(12 * P).unwrap().commit();
+        pool.put(P, &mut small);
+        pool.put(4 * P, &mut large);
+        // A growth in pages of 4 P wanting 2 P: two small handles go, the large ones stay.
+        assert_eq!(pool.release_smaller(&sim, 0, &limit, 4 * P, 2 * P), (2 * P, None));
+        assert_eq!((pool.held(), limit.reserved(), sim.used(0)), (10 * P, 10 * P as i64, 10 * P));
+        // A growth in pages of P releases nothing: no size is smaller.
+        assert_eq!(pool.release_smaller(&sim, 0, &limit, P, 8 * P), (0, None));
+        // A release the driver refuses leaves that handle held and counted; the next is tried.
+        sim.inject(SimOp::MemRelease, 0, SimFault::Fail(DriverError::OutOfMemory));
+        let (bytes, err) = pool.release_smaller(&sim, 0, &limit, 4 * P, 8 * P);
+        assert_eq!((bytes, err), (P, Some(DriverError::OutOfMemory)));
+        assert_eq!((pool.held(), limit.reserved()), (9 * P, 9 * P as i64));
+        pool.check(&sim).unwrap();
+        assert_eq!(pool.release(&sim, 0, &limit, 0, None).0, 9 * P);
+        assert_eq!(sim.live_vmm(), (0, 0));
+    }
+
+    #[test]
     fn a_growth_leaves_at_most_an_eighth_of_the_other_reserved_bytes() {
         let sim = SimDriver::new(1, 256 << 20);
         let limit = MemoryLimit::default();
