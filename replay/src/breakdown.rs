@@ -111,8 +111,8 @@ fn mib(n: usize) -> String {
 }
 
 /// One line of `b`, MiB: reserved and its share of requested, then each cause; the expandable
-/// segments' free bytes summed by page size (whole pages between / at an edge, partial pages
-/// between / at an edge), and, with several streams, by stream; the pages held unmapped.
+/// segments' free bytes summed by page size and pool (whole pages between / at an edge,
+/// partial pages between / at an edge), and, with several streams, by stream; the pages held unmapped.
 pub fn line(b: &Breakdown) -> String {
     let mut s = format!(
         "reserved {} = live {} ({:.3}) + rounding {} + pending {} + ordinary free {}",
@@ -123,15 +123,16 @@ pub fn line(b: &Breakdown) -> String {
         mib(b.pending),
         mib(b.ordinary_free)
     );
-    let mut pages: Vec<usize> = b.ranges.iter().map(|r| r.page).collect();
-    pages.sort_unstable();
-    pages.dedup();
-    for page in pages {
-        let rows = b.ranges.iter().filter(|r| r.page == page);
+    let mut kinds: Vec<(usize, bool)> = b.ranges.iter().map(|r| (r.page, r.large)).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    for (page, large) in kinds {
+        let rows = b.ranges.iter().filter(|r| (r.page, r.large) == (page, large));
         let sum = |f: fn(&gpupool::stats::breakdown::RangeBytes) -> usize| rows.clone().map(f).sum::<usize>();
         s += &format!(
-            " + {}M pages: whole {}/{} partial {}/{}",
+            " + {}M {} pages: whole {}/{} partial {}/{}",
             page >> 20,
+            if large { "large" } else { "small" },
             mib(sum(|r| r.whole_between)),
             mib(sum(|r| r.whole_edge)),
             mib(sum(|r| r.partial_between)),
