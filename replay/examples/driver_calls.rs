@@ -8,7 +8,11 @@
 //! event (the rule unmapping the growing stream's own pages waits for that stream), handles
 //! created, pages mapped, access grants, pages unmapped, handles released; then the pages
 //! held unmapped in the device's pool after the pass and at most (2 MiB pages; the peak is
-//! since the start).
+//! since the start); then where the bytes between live and reserved go, at the pass's peak of
+//! reserved and at its peak of live (`gpupool_replay::breakdown::line`: MiB; free bytes of
+//! expandable segments by page size, whole pages between live blocks / at a range's mapped
+//! edge, then bytes sharing a page with a live block, between / at an edge; by stream when
+//! there are several). The ns/event include reading those breakdowns.
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
@@ -21,6 +25,11 @@
 //! the environment (gpupool's defaults otherwise: requests of 20 MiB and more map 20 MiB
 //! pages, or larger ones past 16 a request, in ranges of their own).
 //!
+//! TRACE `synthetic-bert`: a synthetic dynamic-shape trace, made up here and not recorded
+//! (`synthetic_bert`): BERT-base inference in fp16 at random batches (1-32) and sequence
+//! lengths (16-512), the tensors of each layer allocated and freed in the order a forward pass
+//! makes and drops them. For tests of dynamic shapes until recorded traces replace it.
+//!
 //! CAPACITY_GIB: the simulated device's memory (default 80, an H100's), which sizes the
 //! expandable segments' address ranges. With `--cuda`, the same replays on device 0 of this
 //! machine's GPU instead (a fresh allocator each, `REPEATS` times, default 3), timed: cold and
@@ -29,7 +38,7 @@ use std::sync::Arc;
 
 use gpupool::Allocator;
 use gpupool::driver::sim::{SimCounts, SimDriver};
-use gpupool_replay::{Event, Trace, cuda, input, run, setting};
+use gpupool_replay::{Event, Trace, breakdown, cuda, input, setting};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -55,7 +64,8 @@ fn main() {
             let c0 = drv.counts();
             // The counts include the frees after the pass: with expandable segments a free
             // calls the driver for nothing, so they count what the events did.
-            let ns = run::pass(&a, 0, t, &streams, &mut ptrs).expect("replay").ns;
+            let (done, peaks) = breakdown::pass(&a, &drv, 0, t, &streams, &mut ptrs).expect("replay");
+            let ns = done.ns;
             let c1 = drv.counts();
             let ns = ns as f64 / t.events.len() as f64;
             let d = |f: fn(&SimCounts) -> u64| f(&c1) - f(&c0);
@@ -74,6 +84,8 @@ fn main() {
                 s.unmapped_held_bytes.peak >> 21,
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
             );
+            println!("  at peak reserved: {}", breakdown::line(&peaks.at_reserved));
+            println!("  at peak live:     {}", breakdown::line(&peaks.at_live));
         }
     }
 }
@@ -124,6 +136,9 @@ fn load(arg: &str) -> Vec<Trace> {
     if arg == "random" {
         return vec![random_working_set()];
     }
+    if arg == "synthetic-bert" {
+        return vec![synthetic_bert()];
+    }
     input::load(std::path::Path::new(arg), None).expect("trace")
 }
 
@@ -156,4 +171,69 @@ fn random_working_set() -> Trace {
         }
     }
     Trace { name: "random working set".into(), events, streams: vec![0], blocks: id, ..Trace::default() }
+}
+
+/// A synthetic BERT-base inference trace (not recorded; sizes as PyTorch would request them,
+/// order roughly a forward pass's): 220 MB of fp16 weights in 200 tensors allocated first,
+/// then 300 steps, each a batch `b` in 1..=32 and a length `l` in 16..=512 drawn by xorshift64,
+/// through 12 layers: q, k and v (`b*l*768` halves each), attention scores and their softmax
+/// (`b*12*l*l`), the context, the output projection, the feed-forward pair (`b*l*3072`), each
+/// freed once the next tensor that reads it is made.
+fn synthetic_bert() -> Trace {
+    let mut rng: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut events, mut id) = (Vec::new(), 0u32);
+    let mut alloc = |events: &mut Vec<Event>, size: usize| {
+        events.push(Event::Alloc { id, size, stream: 0 });
+        id += 1;
+        id - 1
+    };
+    let free = |events: &mut Vec<Event>, id: u32| events.push(Event::Free { id });
+    for k in 0..200 {
+        let size = if k == 0 {
+            30522 * 768 * 2
+        } else if k % 8 < 4 {
+            768 * 768 * 2
+        } else {
+            768 * 3072 * 2
+        };
+        alloc(&mut events, size);
+    }
+    for _ in 0..300 {
+        let b = 1 + (next() % 32) as usize;
+        let l = 16 + (next() % 497) as usize;
+        let h = b * l * 768 * 2;
+        let mut hidden = alloc(&mut events, h);
+        for _ in 0..12 {
+            let (q, k, v) = (alloc(&mut events, h), alloc(&mut events, h), alloc(&mut events, h));
+            let scores = alloc(&mut events, b * 12 * l * l * 2);
+            free(&mut events, q);
+            free(&mut events, k);
+            let probs = alloc(&mut events, b * 12 * l * l * 2);
+            free(&mut events, scores);
+            let ctx = alloc(&mut events, h);
+            free(&mut events, probs);
+            free(&mut events, v);
+            let out = alloc(&mut events, h);
+            free(&mut events, ctx);
+            let normed = alloc(&mut events, h);
+            free(&mut events, out);
+            free(&mut events, hidden);
+            let up = alloc(&mut events, b * l * 3072 * 2);
+            let act = alloc(&mut events, b * l * 3072 * 2);
+            free(&mut events, up);
+            let down = alloc(&mut events, h);
+            free(&mut events, act);
+            hidden = alloc(&mut events, h);
+            free(&mut events, down);
+            free(&mut events, normed);
+        }
+        free(&mut events, hidden);
+    }
+    Trace { name: "synthetic bert".into(), events, streams: vec![0], blocks: id, ..Trace::default() }
 }

@@ -24,6 +24,7 @@
 
 #![warn(missing_docs)]
 
+pub mod breakdown;
 pub mod cli;
 pub mod cuda;
 pub mod input;

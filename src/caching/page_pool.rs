@@ -148,6 +148,47 @@ impl PagePool {
         (released, failure)
     }
 
+    /// Releases held handles of the page sizes below `page` (`cuMemRelease`), the newest of
+    /// each size first, until at least `want` bytes are released or none of those is left,
+    /// each uncharged from `limit` once the driver has it back: for a growth in `page`-byte
+    /// pages, which cannot map them, the physical memory they hold (the high-water rule
+    /// across page sizes, `shard::expand::cross`). Returns the bytes released and the first
+    /// failure: a handle the driver refuses stays held and counted, the others are still tried.
+    pub fn release_smaller(
+        &self,
+        driver: &dyn Driver,
+        device: i32,
+        limit: &MemoryLimit,
+        page: usize,
+        want: usize,
+    ) -> (usize, Option<DriverError>) {
+        let mut st = self.state.lock();
+        let (mut released, mut failure) = (0, None);
+        for l in 0..st.free.len() {
+            let size = st.free[l].0;
+            if size >= page {
+                continue;
+            }
+            let mut i = st.free[l].1.len();
+            while i > 0 && released < want {
+                i -= 1;
+                let handle = st.free[l].1[i];
+                match driver.mem_release(device, handle) {
+                    Ok(()) => {
+                        st.free[l].1.swap_remove(i);
+                        st.add(-(size as i64));
+                        limit.uncharge(size);
+                        released += size;
+                    }
+                    Err(e) => {
+                        failure.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        (released, failure)
+    }
+
     /// The bound after a growth: the pool exists to carry pages from an unmapping to the
     /// growth it serves (the high-water rule unmaps what the growth passes its mark by, and
     /// the growth maps those handles at once), so what a growth leaves held is a leftover (of
@@ -220,6 +261,31 @@ mod tests {
         assert_eq!((s.allocated, s.freed, s.peak), (7 * P as i64, 7 * P as i64, 4 * P as i64));
         pool.reset_peak();
         assert_eq!(pool.stat().peak, 0);
+    }
+
+    #[test]
+    fn only_smaller_handles_are_released_for_a_growth_and_only_what_it_wants() {
+        let sim = SimDriver::new(1, 256 << 20);
+        let limit = MemoryLimit::default();
+        let pool = PagePool::default();
+        let mut small: Vec<PhysHandle> = (0..4).map(|_| sim.mem_create(0, P).unwrap()).collect();
+        let mut large: Vec<PhysHandle> = (0..2).map(|_| sim.mem_create(0, 4 * P).unwrap()).collect();
+        limit.try_charge(12 * P).unwrap().commit();
+        pool.put(P, &mut small);
+        pool.put(4 * P, &mut large);
+        // A growth in pages of 4 P wanting 2 P: two small handles go, the large ones stay.
+        assert_eq!(pool.release_smaller(&sim, 0, &limit, 4 * P, 2 * P), (2 * P, None));
+        assert_eq!((pool.held(), limit.reserved(), sim.used(0)), (10 * P, 10 * P as i64, 10 * P));
+        // A growth in pages of P releases nothing: no size is smaller.
+        assert_eq!(pool.release_smaller(&sim, 0, &limit, P, 8 * P), (0, None));
+        // A release the driver refuses leaves that handle held and counted; the next is tried.
+        sim.inject(SimOp::MemRelease, 0, SimFault::Fail(DriverError::OutOfMemory));
+        let (bytes, err) = pool.release_smaller(&sim, 0, &limit, 4 * P, 8 * P);
+        assert_eq!((bytes, err), (P, Some(DriverError::OutOfMemory)));
+        assert_eq!((pool.held(), limit.reserved()), (9 * P, 9 * P as i64));
+        pool.check(&sim).unwrap();
+        assert_eq!(pool.release(&sim, 0, &limit, 0, None).0, 9 * P);
+        assert_eq!(sim.live_vmm(), (0, 0));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! counts in `caching::accounting::counters` and keeps peaks in `caching::accounting::peaks`).
 //! Imports nothing from the core.
 
+pub mod breakdown;
 pub mod summary;
 
 /// One statistic (PyTorch `Stat`): its value now, its highest value since the last

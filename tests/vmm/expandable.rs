@@ -489,11 +489,13 @@ fn large_requests_map_large_pages_in_ranges_of_their_own() {
     }
 }
 
-/// With large pages and the rule, a growth unmaps only free pages of its own page size (the
-/// only handles it can map): free 2 MiB pages stay mapped while a 20 MiB-page range grows past
-/// the mark, and free 20 MiB pages move to it without a handle created.
+/// With large pages and the rule, a growth moves free pages of its own page size first (the
+/// only handles it can map: free 20 MiB pages move to it without a handle created), then
+/// unmaps and releases free pages of the smaller size, so that it creates within the mark what
+/// their memory covers (`shard::expand::cross`; until 2026-11-28 the 2 MiB pages stayed mapped
+/// while the range grew past the mark).
 #[test]
-fn the_rule_unmaps_only_pages_a_growth_can_map() {
+fn the_rule_moves_pages_a_growth_can_map_and_releases_smaller_ones() {
     const HUGE: usize = 20 * MIB;
     let config = Config { expandable_large_pages: true, ..reclaiming() };
     let (a, drv) = sim_with(1, 1 << 30, config);
@@ -509,10 +511,13 @@ fn the_rule_unmaps_only_pages_a_growth_can_map() {
     let grown = a.malloc(3 * HUGE, 0, 0x10).unwrap();
     touch(grown, 3 * HUGE, 9);
     let c1 = drv.counts();
-    assert_eq!(c1.mem_unmap - c0.mem_unmap, 2, "the two free 20 MiB pages, not the 2 MiB ones");
+    assert_eq!(c1.mem_unmap - c0.mem_unmap, 2 + 4, "the two free 20 MiB pages, then the four of 2 MiB");
+    assert_eq!(c1.mem_release - c0.mem_release, 4, "the 2 MiB pages' handles go back to the driver");
     assert_eq!(c1.mem_create - c0.mem_create, 1, "one 20 MiB page made, two moved");
     let s = a.stats(0).unwrap();
-    assert_eq!(s.reserved_bytes.all.current, (8 * MIB + 4 * HUGE) as i64);
+    assert_eq!(s.reserved_bytes.all.current, (4 * HUGE) as i64);
+    assert_eq!(s.unmapped_held_bytes.current, 0);
+    assert_eq!(drv.used(0), 4 * HUGE, "the growth passed the mark by what the small pages did not cover");
     check(&a);
     for p in [kept, grown] {
         a.free(p).unwrap();

@@ -7,6 +7,8 @@ mod common;
 #[path = "../common/ipc.rs"]
 mod ipc;
 
+mod breakdown;
+mod cross_sizes;
 mod expandable;
 mod ladder_hostile;
 mod page_ladder;

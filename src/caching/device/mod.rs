@@ -53,6 +53,7 @@ use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 
+mod breakdown;
 mod check;
 mod free;
 mod gc;

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use super::DeviceAllocator;
 use crate::caching::block::BlockId;
 use crate::caching::capture;
-use crate::caching::shard::{Growth, PageWait, Reclaim, Request, Shard, ShardCtx, ShardState};
+use crate::caching::shard::{
+    Growth, PageWait, Reclaim, Request, Shard, ShardCtx, ShardState, release_smaller, smaller_pages,
+};
 use crate::driver::{CaptureMode, CaptureStatus, DevicePtr, DriverError, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryContext, tags};
@@ -196,27 +198,37 @@ impl DeviceAllocator {
 
     /// [`Reclaim::Device`]'s second step: the free pages of the device's other streams'
     /// expandable segments, of the page size `req` grows, are unmapped, `want` bytes of them
-    /// if they have that many, each shard locked in turn (the caller holds none). A failure
-    /// leaves those pages cached.
+    /// if they have that many, each shard locked in turn (the caller holds none); if they are
+    /// too few, their free pages of the smaller sizes too, whose handles are released until
+    /// `want` bytes are (the rule across page sizes, `shard::expand::cross`). A failure
+    /// leaves those pages cached, or those handles held.
     fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize, req: &Request) {
         // Only pages of the size the growth maps serve it (see `ExpandablePolicy::page_for`).
         let page = self.expandable.map(|p| p.page_for(req.pool, req.rounded));
         let mut left = want;
-        for other in self.shards.all() {
-            if left == 0 {
-                break;
+        // Then, if the growth's size was not enough, each smaller size, released (`cross`).
+        let smaller = page.map_or(Vec::new(), |p| smaller_pages(&self.ctx(shard), p));
+        for only in std::iter::once(page).chain(smaller.iter().map(|&s| Some(s))) {
+            for other in self.shards.all() {
+                if left == 0 {
+                    return;
+                }
+                if Arc::ptr_eq(&other, shard) {
+                    continue;
+                }
+                let ctx = self.ctx(&other);
+                let mut st = self.shards.lock_for_change(&other);
+                if other.is_retired() {
+                    continue;
+                }
+                // The other stream may have been destroyed: the device is synchronised.
+                let unmapped = st.unmap_free_pages(&ctx, left, None, only, PageWait::Device).unwrap_or(0);
+                left = left.saturating_sub(match page {
+                    Some(page) if only != Some(page) => release_smaller(&ctx, page, left),
+                    _ => unmapped,
+                });
+                self.finish(st, ());
             }
-            if Arc::ptr_eq(&other, shard) {
-                continue;
-            }
-            let ctx = self.ctx(&other);
-            let mut st = self.shards.lock_for_change(&other);
-            if other.is_retired() {
-                continue;
-            }
-            // The other stream may have been destroyed: the device is synchronised.
-            left = left.saturating_sub(st.unmap_free_pages(&ctx, left, None, page, PageWait::Device).unwrap_or(0));
-            self.finish(st, ());
         }
     }
 

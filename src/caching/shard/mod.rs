@@ -38,7 +38,7 @@ mod malloc;
 mod segments;
 mod waiting;
 
-pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim};
+pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim, release_smaller, smaller_pages};
 pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;

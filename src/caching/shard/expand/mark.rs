@@ -35,7 +35,9 @@ impl ShardState {
     /// (those its held handles do not cover) for a request of `rounded` bytes whose plan
     /// starts at block `start` in a range of `page`-byte pages: with the rule on, free pages
     /// of that size of this shard are unmapped into the device's pool, as many as the growth
-    /// passes the mark by, for the growth to map. Returns the bytes it
+    /// passes the mark by, for the growth to map; if they are too few, this shard's free pages
+    /// of the smaller sizes are unmapped and their handles released for the growth to create
+    /// its own within the mark (`cross`). Returns the bytes it
     /// would still pass the mark by when the caller must unmap other streams' pages before it
     /// grows ([`Reclaim::Device`]; a range the growth reserved and left empty is given back
     /// then), `None` when the growth goes on.
@@ -58,15 +60,12 @@ impl ShardState {
             let at = self.blocks[start].addr;
             // The call is on this shard's stream (a growth serves a malloc on it), so only that
             // stream's work is waited for (see `PageWait::for_stream`).
-            let unmapped = self
-                .unmap_free_pages(
-                    ctx,
-                    over,
-                    Some(at..at + rounded as u64),
-                    Some(page),
-                    PageWait::for_stream(ctx.shard.stream),
-                )
-                .unwrap_or(0);
+            let (keep, wait) = (at..at + rounded as u64, PageWait::for_stream(ctx.shard.stream));
+            let mut unmapped = self.unmap_free_pages(ctx, over, Some(keep.clone()), Some(page), wait).unwrap_or(0);
+            // Then the smaller page sizes' free pages, released (see `cross`).
+            if unmapped < over {
+                unmapped += self.reclaim_smaller_pages(ctx, over - unmapped, Some(keep), page, wait);
+            }
             if unmapped < over && ctx.reclaim == Reclaim::Device {
                 let base = self.expandable_of(at).0;
                 self.free_range_if_empty(ctx, base);

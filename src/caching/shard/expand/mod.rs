@@ -30,6 +30,8 @@
 //! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
 //! growth of any stream to map (`caching::page_pool`; PyTorch releases it).
 
+mod breakdown;
+mod cross;
 mod grow;
 mod mark;
 mod pages;
@@ -38,6 +40,7 @@ mod unmap;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use cross::{release_smaller, smaller_pages};
 pub(crate) use mark::Reclaim;
 pub(crate) use unmap::PageWait;
 
