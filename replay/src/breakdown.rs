@@ -7,7 +7,7 @@ use gpupool::driver::sim::SimDriver;
 use gpupool::stats::breakdown::Breakdown;
 use gpupool::{Allocator, Error};
 
-use crate::run::{FirstOom, Pass};
+use crate::run::Pass;
 use crate::trace::{Event, Trace};
 
 /// The device's [`Breakdown`] at two moments of one pass. Peaks are of the pass alone.
@@ -61,25 +61,8 @@ pub fn pass(
         c.mem_map + c.mem_unmap + c.mem_alloc + c.mem_free
     };
     let mut peaks = Peaks::default();
-    let (mut seen, mut ooms, mut first_oom) = (calls(), 0, None);
-    let t0 = std::time::Instant::now();
-    for (i, e) in trace.events.iter().enumerate() {
-        match *e {
-            Event::Alloc { id, size, stream } => match a.malloc(size, device, streams[stream as usize]) {
-                Ok(p) => ptrs[id as usize] = p,
-                Err(Error::OutOfMemory(_)) => {
-                    ooms += 1;
-                    first_oom.get_or_insert(FirstOom { event: i, size });
-                }
-                Err(e) => return Err(e),
-            },
-            Event::Free { id } => {
-                let p = std::mem::take(&mut ptrs[id as usize]);
-                if p != 0 {
-                    a.free(p)?;
-                }
-            }
-        }
+    let mut seen = calls();
+    let pass = crate::run::pass_watched(a, device, trace, streams, ptrs, |i, e| {
         if matches!(e, Event::Alloc { .. }) {
             let now = calls();
             if now != seen {
@@ -93,16 +76,13 @@ pub fn pass(
         if live_at == Some(i) {
             peaks.at_live = a.breakdown(device)?;
         }
-    }
-    let ns = t0.elapsed().as_nanos();
+        Ok(())
+    })?;
     // No driver call in the pass: reserved stayed as the pass found it, its peak all along.
     if peaks.at_reserved == Breakdown::default() || peaks.at_reserved.reserved < peaks.at_live.reserved {
         peaks.at_reserved = peaks.at_live.clone();
     }
-    for p in ptrs.iter_mut().filter(|p| **p != 0) {
-        a.free(std::mem::take(p))?;
-    }
-    Ok((Pass { ns, ooms, first_oom }, peaks))
+    Ok((pass, peaks))
 }
 
 /// MiB, one decimal.

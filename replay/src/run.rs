@@ -150,6 +150,22 @@ pub fn pass(
     streams: &[StreamHandle],
     ptrs: &mut [u64],
 ) -> Result<Pass, Error> {
+    pass_watched(a, device, trace, streams, ptrs, |_, _| Ok(()))
+}
+
+/// [`pass`], calling `after(i, event)` after each event `i` (in the timed part: a watcher that
+/// reads the allocator is timed with it). The one loop both [`pass`] and the breakdown's pass
+/// (`crate::breakdown::pass`) run, so that both lay blocks out alike.
+///
+/// Errors: any failure of the allocator other than out-of-memory, and the watcher's.
+pub fn pass_watched(
+    a: &Allocator,
+    device: i32,
+    trace: &Trace,
+    streams: &[StreamHandle],
+    ptrs: &mut [u64],
+    mut after: impl FnMut(usize, &Event) -> Result<(), Error>,
+) -> Result<Pass, Error> {
     let mut ooms = 0;
     let mut first_oom = None;
     let t0 = Instant::now();
@@ -170,6 +186,7 @@ pub fn pass(
                 }
             }
         }
+        after(i, e)?;
     }
     let ns = t0.elapsed().as_nanos();
     for p in ptrs.iter_mut().filter(|p| **p != 0) {
