@@ -22,6 +22,7 @@
 
 pub(crate) mod allocator;
 mod block;
+mod budget;
 mod capture;
 mod cells;
 mod copy;

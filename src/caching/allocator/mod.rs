@@ -30,6 +30,7 @@ use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
+mod budget;
 mod check;
 mod history;
 mod hit;

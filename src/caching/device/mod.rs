@@ -47,6 +47,7 @@ use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 
+mod budget;
 mod check;
 mod free;
 mod gc;

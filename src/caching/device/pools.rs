@@ -247,6 +247,7 @@ impl DeviceAllocator {
                 ps.pools.remove(&pool);
                 ps.released.insert(pool);
                 self.sleepers.forget(pool);
+                self.shards.budgets.forget(pool);
             }
         }
     }
@@ -354,7 +355,8 @@ impl DeviceAllocator {
         let t = Totals { peak, current, allocated, freed, ..Totals::default() };
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
         stats.max_split_size = i64::try_from(self.max_split_size).unwrap_or(i64::MAX);
-        stats.sleeping_bytes = self.sleepers.pool_stat(pool);
+        (stats.sleeping_bytes, stats.pool_limit) =
+            (self.sleepers.pool_stat(pool), self.pool_limit(pool).unwrap_or(i64::MAX));
         PoolStats { pool, stats, released, routes }
     }
 
