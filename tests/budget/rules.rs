@@ -206,3 +206,27 @@ fn a_sleepable_pool_counts_its_pages_across_a_sleep() {
     a.free(p).unwrap();
     check(&a);
 }
+
+/// An observer that frees a block of the refused pool and asks for another attempt gets the
+/// request served: the attempt releases the pool's cache again, the freed segment with it.
+#[test]
+fn an_observer_that_frees_the_pools_block_gets_the_request_served() {
+    let (a, _drv) = sim(1, 1 << 30);
+    let a = Arc::new(a);
+    let pool = a.pool_create();
+    a.pool_set_limit(0, pool, Some(32 * MIB as u64)).unwrap();
+    a.begin_allocate_to_pool_thread(0, pool).unwrap();
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(a.malloc(20 * MIB, 0, S).unwrap()));
+    let (a2, h2) = (a.clone(), held.clone());
+    a.attach_oom_observer(move |_| {
+        let p = h2.swap(0, Ordering::SeqCst);
+        p != 0 && a2.free(p).is_ok()
+    });
+    // 20 held + 24 new passes 32; once the observer frees the 20, they go back and 24 fits.
+    let p = a.malloc(24 * MIB, 0, S).expect("served after the observer freed the pool's block");
+    assert_eq!(held.load(Ordering::SeqCst), 0);
+    assert_eq!(reserved(&a, pool), 24 * MIB as i64);
+    a.free(p).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    check(&a);
+}

@@ -37,7 +37,8 @@ impl DeviceAllocator {
     /// refused: the pool's own free cache goes back to the driver (every stream's shard of the
     /// pool, one at a time) and the request is tried again; if the budget still refuses, the
     /// request counts in `num_ooms`, the out-of-memory observers are called, one more attempt
-    /// is made if one of them asked, and the error names the pool, its limit and its use.
+    /// (the pool's cache released again) is made if one of them asked, and the error names the
+    /// pool, its limit and its use.
     /// Other pools' caches are not released. `Ok(None)`: the last refusal was the device's (the
     /// driver or the memory fraction), whose path the caller takes.
     ///
@@ -48,8 +49,7 @@ impl DeviceAllocator {
         stream: StreamHandle,
         req: &Request,
     ) -> Result<Option<DevicePtr>, Error> {
-        self.release_pool_cache(pool);
-        if let Some(ptr) = self.serve_stream(pool, stream, req)? {
+        if let Some(ptr) = self.retry_within_budget(pool, stream, req)? {
             return Ok(Some(ptr));
         }
         if !budget::take_refusal() {
@@ -59,15 +59,24 @@ impl DeviceAllocator {
             self.record_oom(stream, req);
         }
         bump(&self.counters.num_ooms);
+        // An observer may have freed blocks of the pool (cached now), or raised its limit.
         if self.observers.notify(self.device, req.size, || self.stats()) && !crate::callout::exiting() {
-            if let Some(ptr) = self.serve_stream(pool, stream, req)? {
+            if let Some(ptr) = self.retry_within_budget(pool, stream, req)? {
                 return Ok(Some(ptr));
             }
             if !budget::take_refusal() {
+                // The device refused the last attempt: its message (the observers ran once).
                 return Err(self.out_of_memory(req));
             }
         }
         Err(self.over_budget(pool, req))
+    }
+
+    /// The pool's own free cache released ([`DeviceAllocator::release_pool_cache`]), then the
+    /// request tried again on `stream`'s current shard of the pool.
+    fn retry_within_budget(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
+        self.release_pool_cache(pool);
+        self.serve_stream(pool, stream, req)
     }
 
     /// The error of a request of `pool` its budget refused, with the pool's limit and use now.
