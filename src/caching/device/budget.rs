@@ -73,9 +73,11 @@ impl DeviceAllocator {
     }
 
     /// The pool's own free cache released ([`DeviceAllocator::release_pool_cache`]), then the
-    /// request tried again on `stream`'s current shard of the pool.
+    /// request tried again on `stream`'s current shard of the pool: a flush and a retry, which
+    /// `num_alloc_retries` counts (PyTorch counts there the failures that flushed the cache).
     fn retry_within_budget(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<Option<DevicePtr>, Error> {
         self.release_pool_cache(pool);
+        bump(&self.counters.num_alloc_retries);
         self.serve_stream(pool, stream, req)
     }
 
