@@ -180,7 +180,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             max_split_size,
             unmapped_held_bytes: stat(&unmapped_held_bytes),
             sleeping_bytes: stat(&sleeping_bytes),
-            pool_limit,
+            pool_limit: pool_limit.unwrap_or(i64::MAX),
         }
     }
 }

@@ -124,7 +124,7 @@ fn two_tenants(config: Config, greedy_pool: bool, churn: bool) {
     }
     assert_eq!(a.stats(0).unwrap().num_ooms, gt.refused, "only the greedy tenant's refusals");
     if !churn {
-        assert_eq!(gs.pool_limit, 64 * MIB as i64);
+        assert_eq!(gs.pool_limit, Some(64 * MIB as i64));
     }
     check(&a);
 }

@@ -355,9 +355,8 @@ impl DeviceAllocator {
         let t = Totals { peak, current, allocated, freed, ..Totals::default() };
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
         stats.max_split_size = i64::try_from(self.max_split_size).unwrap_or(i64::MAX);
-        (stats.sleeping_bytes, stats.pool_limit) =
-            (self.sleepers.pool_stat(pool), self.pool_limit(pool).unwrap_or(i64::MAX));
-        PoolStats { pool, stats, released, routes }
+        stats.sleeping_bytes = self.sleepers.pool_stat(pool);
+        PoolStats { pool, stats: DeviceStats { pool_limit: self.pool_limit(pool), ..stats }, released, routes }
     }
 
     /// Every pool routed to on this device, by id, with its statistics.
