@@ -230,3 +230,25 @@ fn an_observer_that_frees_the_pools_block_gets_the_request_served() {
     a.end_allocate_to_pool(0, pool).unwrap();
     check(&a);
 }
+
+/// A private pool refused by its budget while its stream captures: the error names the budget,
+/// nothing is released (that would synchronise) and the capture survives.
+#[test]
+fn a_refusal_during_capture_names_the_budget_and_keeps_the_capture() {
+    use gpupool::driver::CaptureMode;
+    let (a, drv) = sim(1, 1 << 30);
+    let pool = a.pool_create();
+    a.pool_set_limit(0, pool, Some(32 * MIB as u64)).unwrap();
+    a.begin_allocate_to_pool(0, pool, S).unwrap();
+    let p = a.malloc(20 * MIB, 0, S).unwrap();
+    a.free(p).unwrap();
+    drv.begin_capture(S, CaptureMode::Global).unwrap();
+    let frees = drv.counts().mem_free;
+    let msg = oom_message(a.malloc(24 * MIB, 0, S));
+    assert!(msg.contains("gpupool_pool_set_limit") && msg.contains(&format!("pool {pool:#x}")), "{msg}");
+    assert_eq!(drv.counts().mem_free, frees, "nothing released during the capture");
+    assert!(drv.end_capture(S).unwrap(), "the capture survived");
+    assert_eq!(drv.counts().capture_violations, 0);
+    a.end_allocate_to_pool(0, pool).unwrap();
+    check(&a);
+}
