@@ -134,9 +134,15 @@
 
 /**
  * The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
- * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
+ * adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`; 4 adds `pool_limit`.
  */
-#define GPUPOOL_STATS_VERSION 3
+#define GPUPOOL_STATS_VERSION 4
+
+/**
+ * The `bytes` of `gpupool_pool_set_limit` that removes a pool's limit, and what
+ * `gpupool_pool_get_limit` writes for a pool without one.
+ */
+#define GPUPOOL_NO_LIMIT UINT64_MAX
 
 /**
  * `gpupool_sleep`'s mode: the live blocks' contents are copied to host memory first,
@@ -465,6 +471,13 @@ typedef struct gpupool_stats_t {
    * 2 passes a smaller `size` and gets every field before this one.
    */
   struct gpupool_stat_t sleeping_bytes;
+  /**
+   * Version 4. The most bytes the pool may reserve (`gpupool_pool_set_limit`; not in
+   * PyTorch), INT64_MAX when no limit is set: in `gpupool_pool_stats`, the pool's; in
+   * `gpupool_stats`, the default pools' (pool 0). A caller built against version 3 passes a
+   * smaller `size` and gets every field before this one.
+   */
+  int64_t pool_limit;
 } gpupool_stats_t;
 
 /**
@@ -1225,6 +1238,50 @@ gpupool_status gpupool_release_pool(int device, uint64_t pool);
  * `out` must be NULL or point to writable storage of at least `out->size` bytes.
  */
 gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stats_t *out);
+
+/**
+ * Sets the most bytes pool `pool` may reserve on `device` (-1: current): its budget (not in
+ * PyTorch, whose one limit is the process's `set_per_process_memory_fraction`). `pool` 0 names
+ * the default pools (every stream's, together); any other id a pool made by
+ * `gpupool_pool_create*`. `bytes` `GPUPOOL_NO_LIMIT` (UINT64_MAX) removes the limit.
+ *
+ * What counts: the pool's `reserved_bytes` (its segments, and the pages mapped in its
+ * expandable segments; not the device's unmapped held pages). Once a new segment or new pages
+ * would take them past the limit, the pool's own free cache on the device goes back to the
+ * driver and the request is tried again; if the limit still refuses it, the request fails
+ * with `GPUPOOL_ERROR_OUT_OF_MEMORY` (counted in `num_ooms`, the out-of-memory observers
+ * called first, one more attempt if one asks), the message naming the pool, its limit and its
+ * use. Other pools' caches and the driver are not touched. Requests served from the pool's
+ * cache are never checked: a limit costs the hit path nothing. The device's memory fraction
+ * still applies: the first limit reached refuses.
+ *
+ * The call releases nothing: a pool over its new limit keeps what it holds, and its growths
+ * are refused until it shrinks. 0 lets the pool grow no more; a limit over the device's memory
+ * never binds (the device runs out first). Growths already under way on other threads were
+ * checked against the old limit. A released pool's limit stays until the pool is forgotten.
+ *
+ * Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for a pool never created, a pool
+ * released on this device, `bytes` over INT64_MAX but UINT64_MAX, a device out of range;
+ * `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe, with allocations of the pool under way on other threads.
+ */
+gpupool_status gpupool_pool_set_limit(int device, uint64_t pool, uint64_t bytes);
+
+/**
+ * Reads the limit of pool `pool` (0: the default pools) on `device` (-1: current) into
+ * `*bytes`: `GPUPOOL_NO_LIMIT` (UINT64_MAX) when none is set. `gpupool_pool_stats` reports it
+ * too (`pool_limit`, INT64_MAX for none).
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, a pool never created, a device out of
+ * range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `bytes` must be NULL or point to writable storage for one `uint64_t`.
+ */
+gpupool_status gpupool_pool_get_limit(int device, uint64_t pool, uint64_t *bytes);
 
 /**
  * Creates a private pool whose segments come from `alloc` and go back through `free` instead

@@ -174,6 +174,17 @@ inline void sleep_default_pools(int device, sleep_mode mode) {
 }
 inline void wake_default_pools(int device) { check(gpupool_wake(device, 0)); }
 
+// The limit of `device`'s default pools (pool 0, every stream's together: gpupool_pool_set_limit
+// and gpupool_pool_get_limit); GPUPOOL_NO_LIMIT for none.
+inline void set_default_pools_limit(int device, std::uint64_t bytes) {
+  check(gpupool_pool_set_limit(device, 0, bytes));
+}
+inline std::uint64_t default_pools_limit(int device) {
+  std::uint64_t bytes = 0;
+  check(gpupool_pool_get_limit(device, 0, &bytes));
+  return bytes;
+}
+
 class pool {
  public:
   explicit pool(int device) : device_(device) { check(gpupool_pool_create(&id_)); }
@@ -200,6 +211,20 @@ class pool {
     gpupool_stats_t s = GPUPOOL_STATS_INIT;
     check(gpupool_pool_stats(device_, id_, &s));
     return s;
+  }
+
+  // Caps the bytes the pool may reserve on its device (gpupool_pool_set_limit); past it, an
+  // allocation of the pool releases the pool's own free cache, then throws gpupool::error
+  // (OUT_OF_MEMORY, naming the pool, its limit and its use); other pools are not touched.
+  // GPUPOOL_NO_LIMIT removes the limit. Throws INVALID_VALUE for a released pool or a limit
+  // over INT64_MAX (but GPUPOOL_NO_LIMIT).
+  void set_limit(std::uint64_t bytes) const { check(gpupool_pool_set_limit(device_, id_, bytes)); }
+
+  // The pool's limit in bytes, GPUPOOL_NO_LIMIT for none (gpupool_pool_get_limit).
+  std::uint64_t limit() const {
+    std::uint64_t bytes = 0;
+    check(gpupool_pool_get_limit(device_, id_, &bytes));
+    return bytes;
   }
 
   // Gives the pool's memory back to the driver, keeping its blocks' addresses

@@ -39,7 +39,10 @@ import tempfile
 from . import _structs
 from ._lib import (Error, OutOfMemoryError, bind, bound_path, check, device as _device, find_library, lib, path as _path,
                    real, size as _size, stream_handle, text, unsigned)
-from ._pools import Pool, pool_create, release_kept, release_pool, sleep, sleep_host_bytes, use_pool, wake
+from ._pools import (
+    Pool, pool_create, pool_limit, release_kept, release_pool, set_pool_limit, sleep, sleep_host_bytes, use_pool,
+    wake,
+)
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
@@ -48,7 +51,7 @@ __all__ = [
     "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
     "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
     "host_stats", "host_reset_peak_stats", "Pool", "pool_create", "release_pool", "use_pool", "sleep",
-    "wake", "sleep_host_bytes", "release_kept",
+    "wake", "sleep_host_bytes", "release_kept", "set_pool_limit", "pool_limit",
 ]
 _SUBMODULES = ("torch", "cupy", "numba", "onnxruntime")
 

@@ -258,6 +258,8 @@ def _declare(lib):
         "gpupool_begin_allocate_to_pool_thread": [_INT, ctypes.c_uint64],
         "gpupool_end_allocate_to_pool": [_INT, ctypes.c_uint64],
         "gpupool_release_pool": [_INT, ctypes.c_uint64],
+        "gpupool_pool_set_limit": [_INT, ctypes.c_uint64, ctypes.c_uint64],
+        "gpupool_pool_get_limit": [_INT, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)],
         "gpupool_sleep": [_INT, ctypes.c_uint64, ctypes.c_uint32],
         "gpupool_wake": [_INT, ctypes.c_uint64],
         "gpupool_sleep_host_bytes": [_INT, ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)],

@@ -13,7 +13,7 @@ builds PyTorch's idioms on these.
 import contextlib
 import ctypes
 
-from ._lib import check, device as _device, lib, unsigned
+from ._lib import check, device as _device, integer, lib, unsigned
 
 # gpupool_sleep's modes (GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_DISCARD,
 # GPUPOOL_SLEEP_OFFLOAD_PINNED).
@@ -38,6 +38,33 @@ def release_pool(pool, device=-1):
     """Gives private pool `pool`'s memory on `device` (-1: current) back (gpupool_release_pool):
     its free segments at once, the rest as its blocks are freed. Raises Error for a sleeping pool."""
     check(lib().gpupool_release_pool(_device(device), unsigned(pool, "pool")), "gpupool_release_pool")
+
+
+# gpupool_pool_set_limit's "no limit" (GPUPOOL_NO_LIMIT, UINT64_MAX).
+NO_LIMIT = 2**64 - 1
+INT64_MAX = 2**63 - 1
+
+
+def set_pool_limit(pool, limit, device=-1):
+    """Sets the most bytes `pool` (0: the device's default pools, every stream's) may reserve on
+    `device` (-1: current) (gpupool_pool_set_limit; PyTorch has only the process-wide
+    set_per_process_memory_fraction); None removes the limit. Past it, an allocation of the pool
+    releases the pool's own free cache, then raises OutOfMemoryError naming the pool, its limit
+    and its use; other pools are not touched. Releases nothing now. Raises ValueError for a
+    negative limit or one over 2**63 - 1, Error for a pool never made or released."""
+    raw = NO_LIMIT if limit is None else integer(limit, "limit", 0, INT64_MAX)
+    check(lib().gpupool_pool_set_limit(_device(device), unsigned(pool, "pool"), raw), "gpupool_pool_set_limit")
+
+
+def pool_limit(pool, device=-1):
+    """The limit in bytes of `pool` (0: the default pools) on `device` (-1: current), or None
+    (gpupool_pool_get_limit)."""
+    out = ctypes.c_uint64(0)
+    check(
+        lib().gpupool_pool_get_limit(_device(device), unsigned(pool, "pool"), ctypes.byref(out)),
+        "gpupool_pool_get_limit",
+    )
+    return None if out.value == NO_LIMIT else out.value
 
 
 @contextlib.contextmanager
@@ -112,12 +139,30 @@ class Pool:
     """A private pool of `device` (-1: current) that owns its id: use() routes the calling
     thread's allocations to it, sleep()/wake() put it to sleep and back (sleepable=True), stats()
     gives its statistics, release() (or the end of a `with Pool(...)` block) gives its memory
-    back. The id is the `pool` argument of the functions above."""
+    back. `limit`: the most bytes it may reserve on its device (set_pool_limit; None: none),
+    read and changed through the `limit` attribute. The id is the `pool` argument of the
+    functions above."""
 
-    def __init__(self, sleepable=True, device=-1):
+    def __init__(self, sleepable=True, device=-1, limit=None):
         self.device = _device(device)
         self.sleepable = bool(sleepable)
         self.id = pool_create(self.sleepable)
+        if limit is not None:
+            try:
+                set_pool_limit(self.id, limit, self.device)
+            except BaseException:
+                # A bad limit leaves no pool behind.
+                self.release()
+                raise
+
+    @property
+    def limit(self):
+        """The most bytes the pool may reserve on its device, or None (pool_limit)."""
+        return pool_limit(self._live(), self.device)
+
+    @limit.setter
+    def limit(self, value):
+        set_pool_limit(self._live(), value, self.device)
 
     def use(self):
         """A context manager routing the calling thread's allocations here (use_pool)."""

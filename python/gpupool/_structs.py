@@ -22,7 +22,7 @@ class StatArray(ctypes.Structure):
 
 
 class Stats(ctypes.Structure):
-    """gpupool_stats_t (include/gpupool.h), version 3."""
+    """gpupool_stats_t (include/gpupool.h), version 4."""
 
     _fields_ = (
         [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)]
@@ -33,6 +33,8 @@ class Stats(ctypes.Structure):
         + [("unmapped_held_bytes", Stat)]
         # Version 3: bytes of pages sleeping pools gave back (gpupool_sleep; not in PyTorch).
         + [("sleeping_bytes", Stat)]
+        # Version 4: the pool's limit (gpupool_pool_set_limit), INT64_MAX for none.
+        + [("pool_limit", ctypes.c_int64)]
     )
 
 
@@ -79,7 +81,7 @@ def flat_stats(s):
     for name in ("oversize_allocations", "oversize_segments", "unmapped_held_bytes", "sleeping_bytes"):
         for field in _FIELDS:
             out[f"{name}.{field}"] = getattr(getattr(s, name), field)
-    for name in COUNTERS:
+    for name in COUNTERS + ["pool_limit"]:
         out[name] = getattr(s, name)
     return out
 

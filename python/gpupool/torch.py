@@ -34,6 +34,13 @@ made with gpupool.Pool(sleepable=True), or the default pools (0), to sleep and b
     ...
     gpupool.torch.wake(cache); gpupool.torch.wake(weights)
 
+Budgets: set_pool_limit(pool, bytes) caps what one pool (a tenant: a model, an adapter, a
+request's cache) may reserve on a device, its out-of-memory kept to itself (gpupool.Pool(
+limit=...) sets it at creation); PyTorch has only the process-wide
+set_per_process_memory_fraction. A refusal under the pluggable allocator is PyTorch's
+out-of-memory there: gpupool's message (the pool, its limit, its use) on stderr and a NULL
+storage.
+
 With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
 gpupool's figures; stats() and summary() here do (gpupool.stats, gpupool.memory_summary).
 Likewise record_history() and dump_snapshot() are gpupool's torch.cuda.memory.
@@ -168,6 +175,23 @@ def use_pool(pool, device=None):
     from . import use_pool as core_use_pool
 
     return core_use_pool(_pool_id(pool), _torch_device(device))
+
+
+def set_pool_limit(pool, limit, device=None):
+    """Sets the most bytes `pool` (a gpupool.Pool, its id, or 0 for the default pools) may
+    reserve on `device` (None: torch.cuda.current_device()); None removes the limit
+    (gpupool.set_pool_limit). The tensors of a pool over its limit are refused once its own free
+    cache is released; other pools' tensors are not touched."""
+    from . import set_pool_limit as core_set_pool_limit
+
+    core_set_pool_limit(_pool_id(pool), limit, _torch_device(device))
+
+
+def pool_limit(pool, device=None):
+    """The limit of `pool` on `device` (None: current) in bytes, or None (gpupool.pool_limit)."""
+    from . import pool_limit as core_pool_limit
+
+    return core_pool_limit(_pool_id(pool), _torch_device(device))
 
 
 def sleep(pool=0, offload=True, device=None):

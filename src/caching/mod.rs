@@ -39,6 +39,7 @@
 mod accounting;
 pub(crate) mod allocator;
 mod block;
+mod budget;
 mod capture;
 pub(crate) mod deferred;
 pub(crate) mod device;

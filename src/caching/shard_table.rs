@@ -28,6 +28,9 @@ pub(crate) struct ShardTable {
     dirty: Mutex<Vec<Arc<Shard>>>,
     /// Shards in `by_stream`, kept with it under its lock, read without it (see [`ShardTable::count`]).
     count: AtomicUsize,
+    /// The device's pool budgets (see `caching::budget`), which a new shard takes its pool's
+    /// from.
+    pub budgets: super::budget::Budgets,
 }
 
 impl Default for ShardTable {
@@ -37,6 +40,7 @@ impl Default for ShardTable {
             epoch: AtomicU64::new(1),
             dirty: Mutex::default(),
             count: AtomicUsize::new(0),
+            budgets: Default::default(),
         }
     }
 }
@@ -46,7 +50,10 @@ impl ShardTable {
     /// its last one was retired).
     pub fn get_or_create(&self, pool: u64, stream: StreamHandle) -> Arc<Shard> {
         let mut table = self.by_stream.lock();
-        let shard = table.entry((pool, stream)).or_insert_with(|| Arc::new(Shard::new(pool, stream))).clone();
+        let shard = table
+            .entry((pool, stream))
+            .or_insert_with(|| Arc::new(Shard::new(pool, stream, self.budgets.get_or_create(pool))))
+            .clone();
         self.count.store(table.len(), Ordering::Relaxed);
         shard
     }

@@ -259,3 +259,59 @@ pub unsafe extern "C-unwind" fn gpupool_pool_stats(
         unsafe { super::stats::write_stats(out, &stats) }
     })
 }
+
+/// The `bytes` of `gpupool_pool_set_limit` that removes a pool's limit, and what
+/// `gpupool_pool_get_limit` writes for a pool without one.
+pub const GPUPOOL_NO_LIMIT: u64 = u64::MAX;
+
+/// Sets the most bytes pool `pool` may reserve on `device` (-1: current): its budget (not in
+/// PyTorch, whose one limit is the process's `set_per_process_memory_fraction`). `pool` 0 names
+/// the default pools (every stream's, together); any other id a pool made by
+/// `gpupool_pool_create*`. `bytes` `GPUPOOL_NO_LIMIT` (UINT64_MAX) removes the limit.
+///
+/// What counts: the pool's `reserved_bytes` (its segments, and the pages mapped in its
+/// expandable segments; not the device's unmapped held pages). Once a new segment or new pages
+/// would take them past the limit, the pool's own free cache on the device goes back to the
+/// driver and the request is tried again; if the limit still refuses it, the request fails
+/// with `GPUPOOL_ERROR_OUT_OF_MEMORY` (counted in `num_ooms`, the out-of-memory observers
+/// called first, one more attempt if one asks), the message naming the pool, its limit and its
+/// use. Other pools' caches and the driver are not touched. Requests served from the pool's
+/// cache are never checked: a limit costs the hit path nothing. The device's memory fraction
+/// still applies: the first limit reached refuses.
+///
+/// The call releases nothing: a pool over its new limit keeps what it holds, and its growths
+/// are refused until it shrinks. 0 lets the pool grow no more; a limit over the device's memory
+/// never binds (the device runs out first). Growths already under way on other threads were
+/// checked against the old limit. A released pool's limit stays until the pool is forgotten.
+///
+/// Errors (nothing changed): `GPUPOOL_ERROR_INVALID_VALUE` for a pool never created, a pool
+/// released on this device, `bytes` over INT64_MAX but UINT64_MAX, a device out of range;
+/// `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe, with allocations of the pool under way on other threads.
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn gpupool_pool_set_limit(device: c_int, pool: u64, bytes: u64) -> gpupool_status {
+    boundary("gpupool_pool_set_limit", || runtime()?.allocator.pool_set_limit(device, pool, Some(bytes)))
+}
+
+/// Reads the limit of pool `pool` (0: the default pools) on `device` (-1: current) into
+/// `*bytes`: `GPUPOOL_NO_LIMIT` (UINT64_MAX) when none is set. `gpupool_pool_stats` reports it
+/// too (`pool_limit`, INT64_MAX for none).
+///
+/// Errors: `GPUPOOL_ERROR_INVALID_VALUE` (NULL `bytes`, a pool never created, a device out of
+/// range); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe.
+///
+/// # Safety
+/// `bytes` must be NULL or point to writable storage for one `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn gpupool_pool_get_limit(device: c_int, pool: u64, bytes: *mut u64) -> gpupool_status {
+    boundary("gpupool_pool_get_limit", || {
+        let out = out_ptr(bytes, "bytes")?;
+        let limit = runtime()?.allocator.pool_limit(device, pool)?;
+        // SAFETY: the caller passes storage for one uint64_t.
+        unsafe { out.write(limit.unwrap_or(GPUPOOL_NO_LIMIT)) };
+        Ok(())
+    })
+}

@@ -8,8 +8,8 @@ use crate::error::Error;
 use crate::stats::{DeviceStats, Stat, StatArray};
 
 /// The layout version of `gpupool_stats_t` this library writes: 1 up to `max_split_size`; 2
-/// adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`.
-pub const GPUPOOL_STATS_VERSION: u32 = 3;
+/// adds `unmapped_held_bytes` at the end; 3 adds `sleeping_bytes`; 4 adds `pool_limit`.
+pub const GPUPOOL_STATS_VERSION: u32 = 4;
 
 /// One statistic, as PyTorch's `Stat`: `current` value, `peak` (highest since the last
 /// `gpupool_reset_peak_stats`), and the sums of every increase (`allocated`) and decrease
@@ -114,6 +114,11 @@ pub struct gpupool_stats_t {
     /// own (`current` only; `peak` and `allocated` equal it). A caller built against version
     /// 2 passes a smaller `size` and gets every field before this one.
     pub sleeping_bytes: gpupool_stat_t,
+    /// Version 4. The most bytes the pool may reserve (`gpupool_pool_set_limit`; not in
+    /// PyTorch), INT64_MAX when no limit is set: in `gpupool_pool_stats`, the pool's; in
+    /// `gpupool_stats`, the default pools' (pool 0). A caller built against version 3 passes a
+    /// smaller `size` and gets every field before this one.
+    pub pool_limit: i64,
 }
 
 // Each conversion names every field of both sides, with no `..`: a field added to the core's
@@ -151,6 +156,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             max_split_size,
             unmapped_held_bytes,
             sleeping_bytes,
+            pool_limit,
         } = *s;
         gpupool_stats_t {
             size: size_of::<gpupool_stats_t>() as u32,
@@ -174,6 +180,7 @@ impl From<&DeviceStats> for gpupool_stats_t {
             max_split_size,
             unmapped_held_bytes: stat(&unmapped_held_bytes),
             sleeping_bytes: stat(&sleeping_bytes),
+            pool_limit: pool_limit.unwrap_or(i64::MAX),
         }
     }
 }

@@ -82,4 +82,8 @@ pub struct DeviceStats {
     /// their addresses), not device memory now. `allocated` sums the bytes put to sleep,
     /// `freed` those woken. In a pool's statistics, its own (current only).
     pub sleeping_bytes: Stat,
+    /// The most bytes the pool may reserve (`gpupool_pool_set_limit`; not in PyTorch), or
+    /// `None` when no limit is set (INT64_MAX in C). In a pool's statistics, the pool's; in the
+    /// device's, the default pools' (pool 0).
+    pub pool_limit: Option<i64>,
 }

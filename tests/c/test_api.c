@@ -167,7 +167,8 @@ static void test_stats_struct(void) {
   s = stats(0);
   CHECK(s.size == sizeof(gpupool_stats_t));
   CHECK(s.max_split_size > 0);
-  CHECK(s.version == 3 && s.unmapped_held_bytes.current == 0 && s.sleeping_bytes.current == 0);
+  CHECK(s.version == 4 && s.unmapped_held_bytes.current == 0 && s.sleeping_bytes.current == 0);
+  CHECK(s.pool_limit == INT64_MAX);
 }
 
 static void test_summary(void) {

@@ -108,7 +108,7 @@ static void test_bad_input(void) {
   CHECK_OK(gpupool_stats(0, &s));
   const unsigned char *tail = (const unsigned char *)&s.sleeping_bytes;
   CHECK(tail[0] == 0xab && tail[sizeof s.sleeping_bytes - 1] == 0xab);
-  CHECK(s.version == GPUPOOL_STATS_VERSION && GPUPOOL_STATS_VERSION == 3);
+  CHECK(s.version == GPUPOOL_STATS_VERSION && GPUPOOL_STATS_VERSION == 4);
 }
 
 int main(void) {

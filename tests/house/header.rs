@@ -44,6 +44,8 @@ const SECTIONS: &[(&str, &[&str])] = &[
             "gpupool_end_allocate_to_pool",
             "gpupool_release_pool",
             "gpupool_pool_stats",
+            "gpupool_pool_set_limit",
+            "gpupool_pool_get_limit",
             "gpupool_pool_create_with_allocator",
             "gpupool_pool_create_with_allocator_aligned",
         ],

@@ -78,6 +78,12 @@ enum Op {
     ReleasePool {
         pool: usize,
     },
+    /// Sets the limit of the default pools (0) or of a private pool (1, 2) in MiB; `None`
+    /// removes it (`gpupool_pool_set_limit`, issue 43).
+    SetLimit {
+        pool: usize,
+        mib: Option<u64>,
+    },
 }
 
 fn size() -> impl Strategy<Value = usize> {
@@ -105,6 +111,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..2).prop_map(|pool| Op::RouteThread { pool }),
         1 => (0usize..2).prop_map(|pool| Op::EndRoutes { pool }),
         1 => (0usize..2).prop_map(|pool| Op::ReleasePool { pool }),
+        1 => (0usize..3, proptest::option::of(0u64..96)).prop_map(|(pool, mib)| Op::SetLimit { pool, mib }),
     ]
 }
 
@@ -228,6 +235,11 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
                 a.release_pool(0, pools[pool]).unwrap();
                 pools[pool] = a.pool_create();
                 simple = false;
+            }
+            Op::SetLimit { pool, mib } => {
+                let id = if pool == 0 { 0 } else { pools[pool - 1] };
+                a.pool_set_limit(0, id, mib.map(|m| m << 20)).unwrap();
+                assert_eq!(a.pool_limit(0, id).unwrap(), mib.map(|m| m << 20));
             }
             Op::Malloc { size, stream } => {
                 if let Ok(p) = a.malloc(size, 0, streams[stream]) {

@@ -144,6 +144,7 @@ impl DeviceAllocator {
             let mut s = counters::collect(t, &self.counters, self.max_split_size);
             s.unmapped_held_bytes = self.pages.stat();
             s.sleeping_bytes = self.sleepers.stat();
+            s.pool_limit = self.pool_limit(0);
             s
         })
     }

@@ -35,6 +35,7 @@ use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
+mod budget;
 mod check;
 mod hit;
 mod pools;

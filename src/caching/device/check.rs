@@ -28,6 +28,7 @@ impl DeviceAllocator {
         }
         let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
+        self.check_budgets(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;
         let reserved_cell = cell(Metric::ReservedBytes, StatType::All);
         let reserved: i64 = guards.iter().map(|g| g.counters.cell(reserved_cell).current()).sum();
         // Reserved bytes count the pages sleeping pools gave back; the limit does not.

@@ -54,6 +54,7 @@ use crate::error::Error;
 use crate::history::HistoryHook;
 
 mod breakdown;
+mod budget;
 mod check;
 mod free;
 mod gc;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use super::DeviceAllocator;
+use crate::caching::budget;
 use crate::caching::counters::bump;
 use crate::caching::oom;
 use crate::caching::shard::{Request, Shard};
@@ -22,6 +23,8 @@ use crate::history::tags;
 
 impl DeviceAllocator {
     /// The out-of-memory path of `malloc` for `req` on `stream`:
+    /// 0. when the request's pool's budget refused it, the pool's own path first
+    ///    ([`DeviceAllocator::malloc_over_budget`]);
     /// 1. release-and-retry ([`DeviceAllocator::release_and_retry`]);
     /// 2. if that fails, the request counts in `num_ooms` (once, as PyTorch counts before its
     ///    observers run), and `observers` are called in the order attached;
@@ -36,6 +39,13 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     pub fn malloc_after_oom(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
+        // The pool's budget refused: its own path (`budget.rs`), the device's if that finds
+        // the device out of memory instead.
+        if budget::take_refusal()
+            && let Some(ptr) = self.malloc_over_budget(pool, stream, req)?
+        {
+            return Ok(ptr);
+        }
         if let Some(ptr) = self.release_and_retry(pool, stream, req)? {
             return Ok(ptr);
         }
@@ -84,6 +94,9 @@ impl DeviceAllocator {
     #[cold]
     pub(super) fn out_of_memory_capturing(&self, shard: &Arc<Shard>, req: &Request) -> Error {
         bump(&self.counters.num_ooms);
+        if budget::take_refusal() {
+            return self.over_budget(shard.pool, req);
+        }
         let base = self.out_of_memory(req);
         Error::OutOfMemory(format!(
             "{} (private pool {} could not grow while stream {:#x} captures a CUDA graph; gpupool does not release              its cache during capture: free memory or call gpupool_empty_cache before capturing)",
@@ -95,7 +108,7 @@ impl DeviceAllocator {
 
     /// PyTorch's out-of-memory error for `req`, with the device's figures as they are now (not
     /// counted here: `malloc_after_oom` counted the request).
-    fn out_of_memory(&self, req: &Request) -> Error {
+    pub(super) fn out_of_memory(&self, req: &Request) -> Error {
         let largest_free = self.largest_free_blocks();
         let stats = self.stats();
         oom::message(

@@ -247,6 +247,7 @@ impl DeviceAllocator {
                 ps.pools.remove(&pool);
                 ps.released.insert(pool);
                 self.sleepers.forget(pool);
+                self.shards.budgets.forget(pool);
             }
         }
     }
@@ -355,7 +356,7 @@ impl DeviceAllocator {
         let mut stats = counters::collect(&t, &DeviceCounters::default(), self.max_split_size);
         stats.max_split_size = i64::try_from(self.max_split_size).unwrap_or(i64::MAX);
         stats.sleeping_bytes = self.sleepers.pool_stat(pool);
-        PoolStats { pool, stats, released, routes }
+        PoolStats { pool, stats: DeviceStats { pool_limit: self.pool_limit(pool), ..stats }, released, routes }
     }
 
     /// Every pool routed to on this device, by id, with its statistics.

@@ -341,6 +341,8 @@ impl DeviceAllocator {
                 req.size, ctx.device
             )));
         }
+        // A refusal of a budget's seen by an earlier call is no news for this one.
+        crate::caching::budget::take_refusal();
         let status = self.capture.status(ctx.shard.stream)?;
         if status.is_capturing() {
             if ctx.shard.pool == 0 || st.released {

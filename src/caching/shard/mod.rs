@@ -76,13 +76,17 @@ pub(crate) struct Shard {
     retired: AtomicBool,
     /// The program's allocator of the pool's segments (`pool_source`); `None`: the driver.
     pub source: Option<Arc<super::pool_source::PoolSource>>,
+    /// The budget of the shard's pool on its device, shared by the pool's shards (see
+    /// `caching::budget`): charged where a segment is made or pages mapped.
+    pub budget: Arc<super::budget::PoolBudget>,
     state: Mutex<ShardState>,
 }
 
 impl Shard {
-    pub fn new(pool: u64, stream: StreamHandle) -> Shard {
+    pub fn new(pool: u64, stream: StreamHandle, budget: Arc<super::budget::PoolBudget>) -> Shard {
         let source = super::pool_source::get(pool);
-        Shard { stream, pool, retired: AtomicBool::new(false), source, state: Mutex::new(ShardState::default()) }
+        let state = Mutex::new(ShardState::default());
+        Shard { stream, pool, retired: AtomicBool::new(false), source, budget, state }
     }
 
     /// The lock, with the front cache merged into the pools (see `front`): what every call

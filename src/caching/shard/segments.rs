@@ -36,7 +36,8 @@ impl ShardState {
     /// A device with a memory fraction set refuses a segment that would take its reserved
     /// bytes past the limit, as out of memory (PyTorch `alloc_block` with `set_fraction`).
     /// The bytes are counted against the limit before the driver is asked, and given back if
-    /// it fails or its call unwinds.
+    /// it fails or its call unwinds; against the pool's budget too (`caching::budget`), whose
+    /// refusal is out of memory as well.
     ///
     /// A sleepable private pool's segments are expandable, during a capture too (see
     /// `caching::sleep`): its memory is always on the virtual memory API.
@@ -48,12 +49,15 @@ impl ShardState {
             };
         }
         let size = req.segment;
+        // The pool's budget first (`caching::budget`), then the device's fraction.
+        let budget = ctx.shard.budget.try_charge(size).ok_or(DriverError::OutOfMemory)?;
         let charge = ctx.limit.try_charge(size).ok_or(DriverError::OutOfMemory)?;
         let addr = match &ctx.shard.source {
             Some(s) => (s.alloc)(size, ctx.device, ctx.shard.stream).ok_or(DriverError::OutOfMemory)?,
             None => ctx.driver.mem_alloc(ctx.device, size)?,
         };
         charge.commit();
+        budget.commit();
         let id = self.blocks.insert(Block::new(addr, size, BlockState::Free, req.pool, false));
         let c = if ctx.history.on() { self.record_segment(ctx, addr, size) } else { 0 };
         self.segments.insert(addr, SegmentInfo { head: id, size, exp: None, ctx: c, graph: false });
@@ -148,6 +152,7 @@ impl ShardState {
             self.counters.decrease_single(OVERSIZE_SEGMENTS);
         }
         ctx.limit.uncharge(size);
+        ctx.shard.budget.uncharge(size);
         self.counters.device_frees += 1;
         Ok(())
     }

@@ -134,3 +134,38 @@ def test_torch_helpers_take_a_pool_or_its_id():
         gpupool.free(p)
     finally:
         pool.release()
+
+
+def test_a_pool_limit_refuses_its_pool_only_and_reads_back():
+    """gpupool.Pool(limit=...), set_pool_limit and pool_limit (issue 43): a pool past its limit
+    raises OutOfMemoryError naming it while another pool allocates; bad limits raise and change
+    nothing; gpupool.torch's route takes a Pool object."""
+    import gpupool.torch as gt
+
+    with gpupool.Pool(sleepable=False, device=0, limit=32 * MIB) as tenant, \
+            gpupool.Pool(sleepable=False, device=0) as other:
+        assert tenant.limit == 32 * MIB and other.limit is None
+        assert tenant.stats()["pool_limit"] == 32 * MIB
+        with tenant.use():
+            a = gpupool.malloc(20 * MIB, 0, 0x10)
+            with pytest.raises(gpupool.OutOfMemoryError) as refused:
+                gpupool.malloc(20 * MIB, 0, 0x10)
+        assert f"pool {tenant.id:#x}" in str(refused.value) and "limited to 32.00 MiB" in str(refused.value)
+        with other.use():
+            b = gpupool.malloc(64 * MIB, 0, 0x10)
+        for bad, err in [(-1, ValueError), (2**63, ValueError), (1.5, TypeError), ("1", TypeError)]:
+            with pytest.raises(err):
+                tenant.limit = bad
+        assert tenant.limit == 32 * MIB, "unchanged by the bad limits"
+        with pytest.raises(ValueError):
+            gpupool.Pool(sleepable=False, device=0, limit=-5)
+        tenant.limit = None
+        assert gpupool.pool_limit(tenant.id, 0) is None
+        gt.set_pool_limit(tenant, 64 * MIB, device=0)
+        assert gt.pool_limit(tenant.id, device=0) == 64 * MIB
+        gpupool.set_pool_limit(0, 0, 0)
+        assert gpupool.pool_limit(0, 0) == 0 and gpupool.stats(0)["pool_limit"] == 0
+        gpupool.set_pool_limit(0, None, 0)
+        assert gpupool.stats(0)["pool_limit"] == 2**63 - 1
+        gpupool.free(a)
+        gpupool.free(b)

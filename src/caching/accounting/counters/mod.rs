@@ -265,5 +265,6 @@ pub(crate) fn collect(t: &Totals, counters: &DeviceCounters, max_split_size: usi
         // The device's page pool's, not the shards': the caller fills it in.
         unmapped_held_bytes: Stat::default(),
         sleeping_bytes: Stat::default(),
+        pool_limit: None,
     }
 }

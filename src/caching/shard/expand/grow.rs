@@ -86,6 +86,12 @@ impl ShardState {
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
         let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, page, c)?;
         let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
+        let base = self.expandable_of(self.blocks[start].addr).0;
+        // The pool's budget counts every page mapped, held handles too (`caching::budget`).
+        let Some(budget) = ctx.shard.budget.try_charge(pages * page) else {
+            self.free_range_if_empty(ctx, base);
+            return Err(DriverError::OutOfMemory);
+        };
         // Held handles first: they are device memory counted already, so only the pages
         // still wanted count towards the high-water mark and the memory limit. Whatever
         // happens, unwinding included, those not mapped go back to the pool.
@@ -97,7 +103,6 @@ impl ShardState {
         }
         // What the rule unmapped waits in the pool.
         taken += ctx.pages.take(page, pages - taken, &mut spare);
-        let base = self.expandable_of(self.blocks[start].addr).0;
         let Some(charge) = ctx.limit.try_charge((pages - taken) * page) else {
             drop(spare);
             self.free_range_if_empty(ctx, base);
@@ -110,9 +115,10 @@ impl ShardState {
             // handles not mapped go back to the pool, and the memory limit keeps what the
             // device's physical bytes changed by.
             let mut g = scopeguard::guard(
-                (&mut *self, &mut attempted, &mut *spare, charge),
-                |(st, attempted, spare, charge)| {
+                (&mut *self, &mut attempted, &mut *spare, charge, budget),
+                |(st, attempted, spare, charge, budget)| {
                     let grown = st.adopt(base, plan[..*attempted].iter().map(|p| p.0), mapped_before);
+                    budget.settle(grown);
                     let back = spare.len();
                     ctx.pages.put(page, spare);
                     charge.settle(grown + (back as isize - taken as isize) * page as isize);
@@ -123,7 +129,7 @@ impl ShardState {
                     }
                 },
             );
-            let (st, attempted, spare, _) = &mut *g;
+            let (st, attempted, spare, _, _) = &mut *g;
             let e = st.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
             map_plan(ctx, e, &plan, attempted, spare)
         };

@@ -174,7 +174,7 @@ impl ShardState {
             }
             let mut spare = Vec::new();
             let mut g = scopeguard::guard((&mut *self, &mut spare), |(st, spare)| {
-                st.adopt(base, std::iter::once(id), before);
+                ctx.shard.budget.adjust(st.adopt(base, std::iter::once(id), before));
                 ctx.pages.put(page, spare);
                 if ctx.history.on() {
                     let c = st.segments[&base].ctx;

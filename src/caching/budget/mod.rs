@@ -1,0 +1,139 @@
+//! Per-pool memory budgets (`gpupool_pool_set_limit`; issue 43): the most bytes one pool of a
+//! device may reserve, its out-of-memory kept to itself. PyTorch has one process-wide fraction
+//! (`set_per_process_memory_fraction`, `caching::limit`); an inference server that puts several
+//! models, adapters or requests on one GPU needs one budget per tenant.
+//!
+//! What counts against a pool: its reserved bytes, as `reserved_bytes` of its statistics count
+//! them: the ordinary segments of its shards and the pages mapped in their expandable segments
+//! (and the pages a sleeping pool gave back and will map again at wake, so that a wake never
+//! fails on the budget). Handles the device's page pool holds unmapped are the device's, not a
+//! pool's (as `unmapped_held_bytes` in a pool's statistics is 0): the device's memory fraction
+//! counts them.
+//!
+//! The design is `caching::limit`'s: one atomic count per pool, shared by the pool's shards (a
+//! shard per stream), charged before the driver is asked ([`BudgetCharge`], committed, settled
+//! or dropped), checked against the limit. Only where a segment is made or pages are mapped
+//! (`shard::segments`, `shard::expand::grow`), and given back where a segment is freed or pages
+//! unmapped: the hit path never looks at it. Every pool is counted, limit or not, so that a
+//! limit set later is checked against the right use.
+//!
+//! A refused charge is out of memory for the shard (`DriverError::OutOfMemory`), and flags the
+//! calling thread ([`take_refusal`]): the out-of-memory path (`device::budget`) then releases
+//! the pool's own free cache and retries, then calls the out-of-memory observers and fails with
+//! the message of [`message`], naming the pool, its limit and its use. Other pools' caches and
+//! the driver are not touched (the device's path releases every pool's cache).
+//!
+//! - this file: the count and the charge;
+//! - [`table`]: a device's budgets by pool;
+//! - [`message`]: the limit's checks and the out-of-memory message;
+//! - `device::budget` and `allocator::budget`: the calls; `ffi::pools`: the C functions.
+
+mod message;
+mod table;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use message::{limit_from_c, over_budget, pool_name};
+pub(crate) use table::Budgets;
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+thread_local! {
+    /// The last charge of this thread was refused by a pool's budget (cleared by a charge that
+    /// passed, and by [`take_refusal`]).
+    static REFUSED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the last budget charge of the calling thread was refused; clears the flag. The
+/// out-of-memory path asks it to tell a budget's refusal from the device's.
+pub(crate) fn take_refusal() -> bool {
+    REFUSED.with(|r| r.replace(false))
+}
+
+/// One pool's reserved bytes on one device, and the most it may reserve.
+#[derive(Debug)]
+pub(crate) struct PoolBudget {
+    /// The pool's id; 0: the device's default pools (every stream's).
+    pub pool: u64,
+    /// The pool's reserved bytes, counted before the driver is asked.
+    reserved: AtomicI64,
+    /// The most bytes the pool may reserve; `i64::MAX`: no limit.
+    limit: AtomicI64,
+}
+
+/// Bytes counted against a pool's budget for memory the driver has not given yet. Dropped
+/// without [`BudgetCharge::commit`] or [`BudgetCharge::settle`] (the driver failed, or the call
+/// unwound), it gives the bytes back.
+#[must_use]
+pub(crate) struct BudgetCharge<'a> {
+    budget: &'a PoolBudget,
+    size: i64,
+}
+
+impl BudgetCharge<'_> {
+    /// The memory exists: its bytes stay counted until [`PoolBudget::uncharge`].
+    pub fn commit(self) {
+        std::mem::forget(self);
+    }
+
+    /// Keeps `change` bytes of the charge (what a growth changed of the pool's reserved bytes,
+    /// at most the charge) and gives the rest back.
+    pub fn settle(self, change: isize) {
+        debug_assert!(change as i64 <= self.size);
+        self.budget.reserved.fetch_sub(self.size - change as i64, Ordering::Relaxed);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for BudgetCharge<'_> {
+    fn drop(&mut self) {
+        self.budget.reserved.fetch_sub(self.size, Ordering::Relaxed);
+    }
+}
+
+impl PoolBudget {
+    /// The budget of `pool`, with no limit and nothing counted.
+    pub fn new(pool: u64) -> Self {
+        PoolBudget { pool, reserved: AtomicI64::new(0), limit: AtomicI64::new(i64::MAX) }
+    }
+
+    /// Counts `size` more bytes reserved by the pool, unless that would take it past its
+    /// limit: `None` then, and the calling thread is flagged ([`take_refusal`]). Two threads
+    /// cannot both pass the limit: each sees the other's charge.
+    pub fn try_charge(&self, size: usize) -> Option<BudgetCharge<'_>> {
+        let size = size as i64;
+        let before = self.reserved.fetch_add(size, Ordering::Relaxed);
+        let charge = BudgetCharge { budget: self, size };
+        let refused = before.saturating_add(size) > self.limit.load(Ordering::Relaxed);
+        REFUSED.with(|r| r.set(refused));
+        // Refused, `charge` drops here and gives the bytes back.
+        (!refused).then_some(charge)
+    }
+
+    /// Counts `size` bytes no longer reserved (a segment went back to the driver).
+    pub fn uncharge(&self, size: usize) {
+        self.reserved.fetch_sub(size as i64, Ordering::Relaxed);
+    }
+
+    /// Counts a change of the pool's reserved bytes made without a charge: pages unmapped
+    /// (negative).
+    pub fn adjust(&self, change: isize) {
+        self.reserved.fetch_add(change as i64, Ordering::Relaxed);
+    }
+
+    /// Sets the limit in bytes; `None`: no limit.
+    pub fn set_limit(&self, bytes: Option<i64>) {
+        self.limit.store(bytes.unwrap_or(i64::MAX), Ordering::Relaxed);
+    }
+
+    /// The limit in bytes, or `None` when none is set.
+    pub fn limit(&self) -> Option<i64> {
+        Some(self.limit.load(Ordering::Relaxed)).filter(|&l| l != i64::MAX)
+    }
+
+    /// The pool's reserved bytes as counted (with charges in flight).
+    pub fn reserved(&self) -> i64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,11 @@
+//! Per-pool memory budgets (`gpupool_pool_set_limit`, issue 43) on the simulated device: the
+//! rules of a pool over its limit, the red team's bad arguments and races, and two tenants of
+//! one device, one over its budget in a loop while the other allocates at full speed. One test
+//! binary, a module per file.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod c_api;
+mod rules;
+mod tenants;
