@@ -63,8 +63,3 @@ mod shard;
 mod shard_table;
 mod size_set;
 pub(crate) mod sleep;
-
-// The statistics' modules under their names before they moved into `accounting`, for the files
-// being changed elsewhere now (`device/pools.rs`, `device/out_of_memory.rs`, `shard/expand/`);
-// every other file names `accounting`.
-use accounting::{counters, peaks};

@@ -152,7 +152,7 @@ impl DeviceAllocator {
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
         self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
-        self.reset_private_pool_peaks();
+        self.reset_pool_peaks();
         self.pages.reset_peak();
         self.sleepers.reset_peak();
         self.limit.reset_mark();

@@ -35,7 +35,6 @@ use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
-mod budget;
 mod check;
 mod hit;
 mod pools;
@@ -176,12 +175,6 @@ impl Allocator {
     /// Number of devices.
     pub fn device_count(&self) -> i32 {
         self.devices.len() as i32
-    }
-
-    /// [`Allocator::check_pool`] (`pools.rs`), for the allocator's parts kept in their
-    /// mechanism's folder (`caching::sleep`), which `check_pool` does not reach.
-    pub(in crate::caching) fn check_private_pool(pool: u64) -> Result<(), Error> {
-        Self::check_pool(pool)
     }
 
     /// The device `device` names (-1: the calling thread's current one), started on first use.

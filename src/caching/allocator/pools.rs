@@ -95,7 +95,7 @@ impl Allocator {
 
     /// `pool` names a pool made by [`Allocator::pool_create`] or
     /// [`Allocator::pool_create_sleepable`], exactly as it was handed out.
-    pub(super) fn check_pool(pool: u64) -> Result<(), Error> {
+    pub(in crate::caching) fn check_pool(pool: u64) -> Result<(), Error> {
         if pool == 0 {
             return Err(Error::InvalidValue(
                 "pool 0 names the default pools, which are not a private pool: create one with gpupool_pool_create"

@@ -18,7 +18,7 @@
 //! limit set later is checked against the right use.
 //!
 //! A refused charge is out of memory for the shard (`DriverError::OutOfMemory`), and flags the
-//! calling thread ([`take_refusal`]): the out-of-memory path (`device::budget`) then releases
+//! calling thread ([`take_refusal`]): the out-of-memory path ([`device`]) then releases
 //! the pool's own free cache and retries, then calls the out-of-memory observers and fails with
 //! the message of [`message`], naming the pool, its limit and its use. Other pools' caches and
 //! the driver are not touched (the device's path releases every pool's cache).
@@ -26,8 +26,11 @@
 //! - this file: the count and the charge;
 //! - [`table`]: a device's budgets by pool;
 //! - [`message`]: the limit's checks and the out-of-memory message;
-//! - `device::budget` and `allocator::budget`: the calls; `ffi::pools`: the C functions.
+//! - [`device`]: a device's budgets set and read, and the out-of-memory path of a request its
+//!   pool's budget refused; [`allocator`]: the calls by device; `ffi::pools`: the C functions.
 
+mod allocator;
+mod device;
 mod message;
 mod table;
 #[cfg(test)]

@@ -54,7 +54,7 @@ use crate::error::Error;
 use crate::history::HistoryHook;
 
 mod breakdown;
-mod budget;
+
 mod check;
 mod free;
 mod gc;
@@ -105,7 +105,7 @@ pub(crate) struct DeviceAllocator {
     /// Bytes grown past the high-water mark since the last scan for unused streams.
     grown_past_mark: AtomicUsize,
     /// The allocator's out-of-memory observers, read only once a request has failed.
-    observers: Arc<OomObservers>,
+    pub(in crate::caching) observers: Arc<OomObservers>,
     /// The allocator's segment observers (see `segment_observers`).
     pub(in crate::caching) segment_observers: Arc<SegmentObservers>,
     /// The allocation history: malloc and free read its flag.
@@ -234,12 +234,6 @@ impl DeviceAllocator {
     #[inline(always)]
     pub fn routes_active(&self) -> bool {
         self.capture.routes() != 0
-    }
-
-    /// [`DeviceAllocator::reset_pool_peaks`] (`pools.rs`), for the statistics' device part
-    /// (`caching::accounting::device`), which it does not reach.
-    pub(in crate::caching) fn reset_private_pool_peaks(&self) {
-        self.reset_pool_peaks()
     }
 
     /// PyTorch `setMemoryFraction`: from now on the device reserves at most `fraction` of its

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use super::DeviceAllocator;
+use crate::caching::accounting::counters::bump;
 use crate::caching::budget;
-use crate::caching::counters::bump;
 use crate::caching::oom;
 use crate::caching::shard::{Request, Shard};
 use crate::driver::{DevicePtr, StreamHandle};
@@ -108,7 +108,7 @@ impl DeviceAllocator {
 
     /// PyTorch's out-of-memory error for `req`, with the device's figures as they are now (not
     /// counted here: `malloc_after_oom` counted the request).
-    pub(super) fn out_of_memory(&self, req: &Request) -> Error {
+    pub(in crate::caching) fn out_of_memory(&self, req: &Request) -> Error {
         let largest_free = self.largest_free_blocks();
         let stats = self.stats();
         oom::message(

@@ -33,8 +33,8 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::DeviceAllocator;
-use crate::caching::counters::{self, CELLS, DeviceCounters};
-use crate::caching::peaks::Totals;
+use crate::caching::accounting::counters::{self, CELLS, DeviceCounters};
+use crate::caching::accounting::peaks::Totals;
 use crate::caching::shard::{Request, Shard};
 use crate::caching::shard_table::ShardTable;
 use crate::driver::{DevicePtr, StreamHandle};
@@ -328,7 +328,7 @@ impl DeviceAllocator {
 
     /// Sets each pool's peaks to their current values (with the device's,
     /// `reset_peak_stats`).
-    pub(super) fn reset_pool_peaks(&self) {
+    pub(in crate::caching) fn reset_pool_peaks(&self) {
         let ids: Vec<u64> = self.pools.state.lock().pools.keys().copied().collect();
         for pool in ids {
             let (current, _, _) = sum_pool(&self.shards, pool);

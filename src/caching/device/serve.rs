@@ -236,7 +236,7 @@ impl DeviceAllocator {
     /// retired by `empty_cache` meanwhile), growing past the high-water mark once this
     /// shard's free pages are unmapped ([`Reclaim::Shard`]): the other streams' were, or
     /// the device is out of memory.
-    pub(super) fn serve_stream(
+    pub(in crate::caching) fn serve_stream(
         &self,
         pool: u64,
         stream: StreamHandle,

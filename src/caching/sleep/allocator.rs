@@ -25,7 +25,7 @@ impl Allocator {
     /// is refused ([`Error::InvalidValue`]): their importers would keep the old pages.
     pub fn sleep(&self, device: i32, pool: u64, mode: SleepMode) -> Result<(), Error> {
         if pool != 0 {
-            Self::check_private_pool(pool)?;
+            Self::check_pool(pool)?;
         }
         let dev = self.device_or_init(device)?;
         self.reclaim_limbo();
@@ -42,7 +42,7 @@ impl Allocator {
     /// [`Error::OutOfMemory`]; [`Error::Cuda`].
     pub fn wake(&self, device: i32, pool: u64) -> Result<(), Error> {
         if pool != 0 {
-            Self::check_private_pool(pool)?;
+            Self::check_pool(pool)?;
         }
         self.device_or_init(device)?.wake(pool)
     }
@@ -67,7 +67,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] for a device out of range or a pool never made.
     pub fn sleep_kept_bytes(&self, device: i32, pool: Option<u64>) -> Result<usize, Error> {
         if let Some(p) = pool.filter(|&p| p != 0) {
-            Self::check_private_pool(p)?;
+            Self::check_pool(p)?;
         }
         Ok(self.device_or_init(device)?.kept_bytes(pool))
     }
@@ -80,7 +80,7 @@ impl Allocator {
     /// Errors: [`Error::InvalidValue`] for a device out of range or a pool never made.
     pub fn sleep_release_kept(&self, device: i32, pool: u64) -> Result<usize, Error> {
         if pool != 0 {
-            Self::check_private_pool(pool)?;
+            Self::check_pool(pool)?;
         }
         Ok(self.device_or_init(device)?.release_kept(pool))
     }

@@ -3,8 +3,8 @@
 //! blocks, or in a new range, and mapping the pages it needs.
 
 use super::{ExpandablePolicy, round_up};
+use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
-use crate::caching::counters::Metric;
 use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;

@@ -2,8 +2,8 @@
 //! unmapped, mapped stretches become free blocks in the pool and unmapped ones unmapped blocks,
 //! and the change is counted (PyTorch `map_block` and `unmap_block` do this block by block).
 
+use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{BlockId, BlockState, NIL};
-use crate::caching::counters::Metric;
 use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;

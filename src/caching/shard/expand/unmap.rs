@@ -2,8 +2,8 @@
 //! `release_blocks`, with `unmap_block`), and giving back a range left with nothing mapped.
 
 use super::round_up;
+use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{BlockId, NIL};
-use crate::caching::counters::Metric;
 use crate::caching::segment_index::SegmentEntry;
 use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};

@@ -1,9 +1,9 @@
 //! A device's pool budgets (`caching::budget`): their limits set and read, the out-of-memory
 //! path of a request its pool's budget refused, and the consistency check of their counts.
 
-use super::DeviceAllocator;
+use crate::caching::accounting::counters::{Metric, StatType, bump, cell};
 use crate::caching::budget;
-use crate::caching::counters::{Metric, StatType, bump, cell};
+use crate::caching::device::DeviceAllocator;
 use crate::caching::shard::{Request, Shard, ShardState};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
@@ -43,7 +43,7 @@ impl DeviceAllocator {
     /// driver or the memory fraction), whose path the caller takes.
     ///
     /// Errors: [`Error::OutOfMemory`] as above; [`Error::Cuda`] when a driver call fails.
-    pub(super) fn malloc_over_budget(
+    pub(in crate::caching) fn malloc_over_budget(
         &self,
         pool: u64,
         stream: StreamHandle,
@@ -82,7 +82,7 @@ impl DeviceAllocator {
     }
 
     /// The error of a request of `pool` its budget refused, with the pool's limit and use now.
-    pub(super) fn over_budget(&self, pool: u64, req: &Request) -> Error {
+    pub(in crate::caching) fn over_budget(&self, pool: u64, req: &Request) -> Error {
         let b = self.shards.budgets.get_or_create(pool);
         budget::over_budget(self.device, pool, b.limit().unwrap_or(i64::MAX), b.reserved(), req)
     }
@@ -105,7 +105,11 @@ impl DeviceAllocator {
 
     /// The budgets' rule: each pool's count is the reserved bytes of its shards (`list`, locked
     /// as `states`; a retired shard holds nothing).
-    pub(super) fn check_budgets(&self, list: &[std::sync::Arc<Shard>], states: &[&ShardState]) -> Result<(), String> {
+    pub(in crate::caching) fn check_budgets(
+        &self,
+        list: &[std::sync::Arc<Shard>],
+        states: &[&ShardState],
+    ) -> Result<(), String> {
         let reserved = cell(Metric::ReservedBytes, StatType::All);
         for b in self.shards.budgets.all() {
             let sum: i64 = list

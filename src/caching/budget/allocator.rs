@@ -1,7 +1,7 @@
 //! Per-pool memory budgets (`caching::budget`): the calls that set and read a pool's limit on
 //! a device.
 
-use super::Allocator;
+use crate::caching::allocator::Allocator;
 use crate::error::Error;
 
 impl Allocator {
