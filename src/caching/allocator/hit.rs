@@ -270,8 +270,13 @@ impl Allocator {
         // (`free_recent`), so a thread's first read could come at its exit, from a
         // pthread-key destructor that frees, after its thread-locals were destroyed: the node
         // made then is never freed (`tests/c/test_thread_exit.c` under valgrind). Read once
-        // here, while the thread runs.
-        self.index.with_segment(0, |_| ());
+        // here, while the thread runs, until its cache is owned: the node serves every index,
+        // and an owned cache was stored by a call that read one already (a read at each
+        // store cost a cold malloc about 60 instructions, callgrind,
+        // `examples/stream_rotation.rs`).
+        if OWNER.get() != OWNED {
+            self.index.with_segment(0, |_| ());
+        }
         ShardCache::get().store(self.id, dev, stream, shard);
     }
 

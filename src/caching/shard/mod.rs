@@ -177,39 +177,56 @@ pub(in crate::caching) struct SegmentInfo {
 }
 
 /// The state behind a shard's lock.
+///
+/// In declaration order (`repr(C)`), the fields a malloc or free reads on every call first,
+/// so that they share cache lines: at 1,000 streams in rotation each call finds its shard's
+/// lines cold, and the compiler's order spread these over five lines of the struct's 74
+/// (cachegrind, `examples/stream_rotation.rs`, issue 42).
 #[derive(Default)]
+#[repr(C)]
 pub(crate) struct ShardState {
-    pub(in crate::caching) blocks: Arena,
-    small: FreePool,
-    large: FreePool,
-    /// Blocks freed on the hit path, not merged yet (see `front`).
-    front: FrontCache,
-    /// Allocated blocks by address (PyTorch `allocated_blocks`), and the front cache's blocks,
-    /// which stay listed while cached so that a free and a malloc of the same block touch
-    /// the map neither time ([`ShardState::allocated`] tells the two apart).
-    pub(in crate::caching) live: FxHashMap<DevicePtr, BlockId>,
+    /// The settle epoch in which the shard last joined its device's dirty list.
+    pub dirty_epoch: u64,
     /// The address and id of the block handed out last: [`ShardState::allocated`] looks here
     /// before `live`, because a program that allocates and frees in a loop frees the block it
     /// took last (the hash probe cost the hit pair about 30 instructions, callgrind). A hint
     /// only: checked against the block before it is believed.
     last_out: (DevicePtr, BlockId),
-    pub(in crate::caching) segments: FxHashMap<DevicePtr, SegmentInfo>,
-    /// The bases of the expandable segments among `segments`.
-    pub(in crate::caching) expandables: Vec<DevicePtr>,
-    /// Unmapped blocks of expandable segments, per pool, by address (PyTorch
-    /// `BlockPool::unmapped`).
-    unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
-    pub(in crate::caching) events: StreamEvents,
-    pub(in crate::caching) deferred: DeferredList,
-    pub counters: ShardCounters,
-    /// The settle epoch in which the shard last joined its device's dirty list.
-    pub dirty_epoch: u64,
     /// Blocks freed on this shard, wrapping (the clock of `garbage_collection_threshold`'s
     /// ages, see `device::gc`).
     frees: u32,
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.
     pub(in crate::caching) pending_ctx: u32,
+    /// Allocated blocks by address (PyTorch `allocated_blocks`), and the front cache's blocks,
+    /// which stay listed while cached so that a free and a malloc of the same block touch
+    /// the map neither time ([`ShardState::allocated`] tells the two apart).
+    pub(in crate::caching) live: FxHashMap<DevicePtr, BlockId>,
+    pub(in crate::caching) events: StreamEvents,
+    /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
+    /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
+    pub released: bool,
+    /// A sleep copies the shard's live blocks (its first half ran, [`ShardState::prepare_sleep`])
+    /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
+    /// no page may be unmapped by anyone else, for the copies read them and the wake maps and
+    /// restores exactly the pages the sleep unmapped (see `caching::sleep::shard`).
+    pub(in crate::caching) sleep_prepared: bool,
+    /// Blocks freed on the hit path, not merged yet (see `front`).
+    front: FrontCache,
+    pub(in crate::caching) blocks: Arena,
+    small: FreePool,
+    large: FreePool,
+    /// The shard's pool sleeps (`gpupool_sleep`, see `caching::sleep::shard`): its pages are
+    /// given back, its blocks keep their addresses, and nothing may unmap, release or hand out
+    /// its memory.
+    pub(in crate::caching) asleep: Option<Box<ShardSleep>>,
+    pub(in crate::caching) segments: FxHashMap<DevicePtr, SegmentInfo>,
+    /// The bases of the expandable segments among `segments`.
+    pub(in crate::caching) expandables: Vec<DevicePtr>,
+    /// Unmapped blocks of expandable segments, per pool, by address (PyTorch
+    /// `BlockPool::unmapped`).
+    unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
+    pub(in crate::caching) deferred: DeferredList,
     /// Segment events of allocations and mappings made under the lock, for the call to deliver
     /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
     pub segment_events: Vec<SegmentEvent>,
@@ -218,18 +235,7 @@ pub(crate) struct ShardState {
     /// is (PyTorch `needs_events_deferred_until_no_capture`). Each is in
     /// [`BlockState::AwaitingEvents`](super::block::BlockState::AwaitingEvents) with no event yet.
     capture_deferred: Vec<BlockId>,
-    /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
-    /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
-    pub released: bool,
-    /// The shard's pool sleeps (`gpupool_sleep`, see `caching::sleep::shard`): its pages are
-    /// given back, its blocks keep their addresses, and nothing may unmap, release or hand out
-    /// its memory.
-    pub(in crate::caching) asleep: Option<Box<ShardSleep>>,
-    /// A sleep copies the shard's live blocks (its first half ran, [`ShardState::prepare_sleep`])
-    /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
-    /// no page may be unmapped by anyone else, for the copies read them and the wake maps and
-    /// restores exactly the pages the sleep unmapped (see `caching::sleep::shard`).
-    pub(in crate::caching) sleep_prepared: bool,
+    pub counters: ShardCounters,
 }
 
 impl ShardState {
@@ -338,5 +344,28 @@ impl ShardState {
         }
         let &id = self.live.get(&ptr)?;
         (self.blocks[id].state == super::block::BlockState::Allocated).then_some(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::mem::{offset_of, size_of};
+
+    use super::*;
+
+    /// What every malloc and free reads of a shard's state stays in the struct's first two
+    /// cache lines (issue 42: at 1,000 streams each of them is a miss).
+    #[test]
+    fn the_fields_each_call_reads_end_within_the_first_two_cache_lines() {
+        let ends = [
+            ("dirty_epoch", offset_of!(ShardState, dirty_epoch) + size_of::<u64>()),
+            ("last_out", offset_of!(ShardState, last_out) + size_of::<(DevicePtr, BlockId)>()),
+            ("live", offset_of!(ShardState, live) + size_of::<FxHashMap<DevicePtr, BlockId>>()),
+            ("events", offset_of!(ShardState, events) + size_of::<StreamEvents>()),
+        ];
+        for (field, end) in ends {
+            assert!(end <= 128, "{field} ends at byte {end}");
+        }
+        assert!(offset_of!(ShardState, front) <= 128, "the front cache starts in the third line at the latest");
     }
 }
