@@ -69,7 +69,7 @@ impl ShardState {
     /// The block is looked up once, for its statistics and the front cache both (the fields
     /// borrowed apart): a look-up in each cost a bounds check each (callgrind,
     /// `tests/c/hit_loop.c`). Its statistics are [`ShardState::count_free`] and
-    /// `count_inactive` at once, counted as the hit path counts (see `counters::lazy`).
+    /// `count_inactive` at once, counted as the hit path counts (see `accounting::counters::pending_sums`).
     #[inline(always)]
     fn free_whole(&mut self, ptr: DevicePtr, id: BlockId, max_split_size: usize) {
         let ShardState { blocks, counters, front, frees, .. } = self;

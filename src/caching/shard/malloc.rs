@@ -105,7 +105,7 @@ impl ShardState {
         let (addr, pool) = (b.addr, b.pool);
         self.last_out = (addr, id);
         // allocation, allocated_bytes, active, active_bytes and requested_bytes (see
-        // `counters::lazy`).
+        // `accounting::counters::pending_sums`).
         let c = &mut self.counters;
         c.hit_increase(pool, kept as i64, req.size as i64);
         if kept >= max_split_size {
