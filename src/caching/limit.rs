@@ -25,7 +25,7 @@ pub(crate) struct MemoryLimit {
     /// its cache was last released or its peak statistics were last reset (its high-water
     /// mark). Physical memory, as the rest: unmapping a page into the pool does not lower
     /// what counts, and mapping a held handle does not raise it, so the high-water rule
-    /// (`shard::expand::mark`) keeps what the device holds from the driver under its mark, and
+    /// (`expandable::high_water`) keeps what the device holds from the driver under its mark, and
     /// a growth that maps the pages the rule unmapped passes no mark.
     mark: AtomicI64,
 }

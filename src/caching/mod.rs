@@ -7,14 +7,14 @@
 //! - `shard`: one stream of one device behind its own lock (blocks, segments, the check).
 //! - `block`, `pool`: blocks and the free lists they sit in; `size_set`: the sizes a pool
 //!   holds free blocks of, the best fit's first step; `rules`: the size rules.
-//! - `expandable`: one expandable segment's address range and page table (PyTorch
-//!   `ExpandableSegment`).
+//! - `expandable`: expandable segments, every part in one folder: a range's page table
+//!   (PyTorch `ExpandableSegment`), the device's held pages, a shard's growth and unmapping,
+//!   the high-water rule.
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
 //!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
 //! - `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
-//!   `page_pool`: the physical pages a device holds unmapped for expandable segments;
 //!   `observers`: the functions called when a request fails.
 //! - `largest`: the largest request that would succeed now, malloc's attempts replayed on a
 //!   copy of a stream's blocks, every part in one folder: the search and the allocator's,
@@ -53,7 +53,6 @@ mod limit;
 mod observer_list;
 pub(crate) mod observers;
 mod oom;
-mod page_pool;
 mod pool;
 pub(crate) mod pool_source;
 pub(crate) mod rules;

@@ -210,12 +210,12 @@ pub struct Config {
     pub expandable_reclaim: bool,
     /// `GPUPOOL_EXPANDABLE_LARGE_PAGES` (on by default): with expandable segments, requests of
     /// 20 MiB and more grow address ranges of their own mapped in 20 MiB pages (PyTorch's page
-    /// in its large pool), the rest 2 MiB pages (see `caching::shard::expand`).
+    /// in its large pool), the rest 2 MiB pages (see `caching::expandable`).
     pub expandable_large_pages: bool,
     /// `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` (16 by default): with large pages, a request of
     /// 20 MiB or more maps at most this many pages, its range's page doubled until it does;
     /// 0, or with `expandable_reclaim`: 20 MiB pages at any size (see
-    /// `caching::shard::expand::ExpandablePolicy::page_for`).
+    /// `caching::expandable::ExpandablePolicy::page_for`).
     pub expandable_pages_per_request: usize,
     /// `GPUPOOL_RELEASE_UNUSED_STREAMS` (see `caching::device::stranded`).
     pub release_unused_streams: bool,

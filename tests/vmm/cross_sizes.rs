@@ -1,4 +1,4 @@
-//! The high-water rule across page sizes (`shard::expand::cross`) on the simulated device:
+//! The high-water rule across page sizes (`expandable::cross`) on the simulated device:
 //! free 2 MiB pages, of the growing stream or of another, are unmapped and their handles
 //! released so that a growth in 20 MiB pages creates its pages within the mark; never the
 //! reverse; and a fault in any of the calls on the way leaves a consistent allocator that

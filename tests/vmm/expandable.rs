@@ -1,7 +1,7 @@
 //! Expandable segments (`expandable_segments:True`) on the simulated device: growth across
 //! pages, giving every page back, out of memory while growing, faults in the virtual memory
 //! calls, the fallback to ordinary segments, and the device's pool of physical pages held
-//! unmapped (`caching::page_pool`).
+//! unmapped (`caching::expandable::page_pool`).
 use crate::common;
 
 use std::sync::Arc;
@@ -492,7 +492,7 @@ fn large_requests_map_large_pages_in_ranges_of_their_own() {
 /// With large pages and the rule, a growth moves free pages of its own page size first (the
 /// only handles it can map: free 20 MiB pages move to it without a handle created), then
 /// unmaps and releases free pages of the smaller size, so that it creates within the mark what
-/// their memory covers (`shard::expand::cross`; until 2026-11-28 the 2 MiB pages stayed mapped
+/// their memory covers (`expandable::cross`; until 2026-11-28 the 2 MiB pages stayed mapped
 /// while the range grew past the mark).
 #[test]
 fn the_rule_moves_pages_a_growth_can_map_and_releases_smaller_ones() {

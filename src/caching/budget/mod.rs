@@ -13,7 +13,7 @@
 //! The design is `caching::limit`'s: one atomic count per pool, shared by the pool's shards (a
 //! shard per stream), charged before the driver is asked ([`BudgetCharge`], committed, settled
 //! or dropped), checked against the limit. Only where a segment is made or pages are mapped
-//! (`shard::segments`, `shard::expand::grow`), and given back where a segment is freed or pages
+//! (`shard::segments`, `expandable::grow`), and given back where a segment is freed or pages
 //! unmapped: the hit path never looks at it. Every pool is counted, limit or not, so that a
 //! limit set later is checked against the right use.
 //!

@@ -200,7 +200,7 @@ impl DeviceAllocator {
     /// expandable segments, of the page size `req` grows, are unmapped, `want` bytes of them
     /// if they have that many, each shard locked in turn (the caller holds none); if they are
     /// too few, their free pages of the smaller sizes too, whose handles are released until
-    /// `want` bytes are (the rule across page sizes, `shard::expand::cross`). A failure
+    /// `want` bytes are (the rule across page sizes, `expandable::cross`). A failure
     /// leaves those pages cached, or those handles held.
     fn unmap_other_streams(&self, shard: &Arc<Shard>, want: usize, req: &Request) {
         // Only pages of the size the growth maps serve it (see `ExpandablePolicy::page_for`).

@@ -50,7 +50,13 @@ impl ShardState {
     /// after `prev`, in `prev`'s pool and kind of segment (the upper part of a block that is
     /// split: the caller shrinks `prev`). Not filed in any pool or set.
     #[inline]
-    pub(super) fn insert_after(&mut self, prev: BlockId, addr: DevicePtr, size: usize, state: BlockState) -> BlockId {
+    pub(in crate::caching) fn insert_after(
+        &mut self,
+        prev: BlockId,
+        addr: DevicePtr,
+        size: usize,
+        state: BlockState,
+    ) -> BlockId {
         let p = &self.blocks[prev];
         let (pool, expandable, next) = (p.pool, p.expandable, p.next);
         let id = self.blocks.insert(Block { prev, next, ..Block::new(addr, size, state, pool, expandable) });
@@ -132,7 +138,7 @@ impl ShardState {
     /// (PyTorch `map_block`/`unmap_block` with `try_merge_blocks`; no statistic changes: the
     /// caller counts the mapping, and expandable blocks have no `inactive_split`). Returns the
     /// id of the merged block.
-    pub(super) fn insert_free(&mut self, id: BlockId) -> BlockId {
+    pub(in crate::caching) fn insert_free(&mut self, id: BlockId) -> BlockId {
         debug_assert!(self.blocks[id].expandable);
         let mut id = id;
         let prev = self.blocks[id].prev;
@@ -167,7 +173,7 @@ impl ShardState {
 
     /// Merges the block after `id` into `id` (the lower block survives, so a segment's head
     /// keeps its id).
-    pub(super) fn absorb_next(&mut self, id: BlockId) {
+    pub(in crate::caching) fn absorb_next(&mut self, id: BlockId) {
         let next = self.blocks[id].next;
         let (nsize, nnext) = (self.blocks[next].size, self.blocks[next].next);
         let b = &mut self.blocks[id];

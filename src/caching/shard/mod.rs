@@ -15,7 +15,7 @@
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`front`]: blocks freed on the hit path, held whole by exact size in front of the pools;
 //! - [`segments`]: segments from and back to the driver;
-//! - [`expand`]: expandable segments, grown and shrunk a page at a time;
+//! - expandable segments, grown and shrunk a page at a time, are `caching::expandable`;
 //! - [`gc`]: its side of `garbage_collection_threshold`: its wholly free segments with their
 //!   ages, and the release of one;
 //! - [`check`]: the consistency check and the diagnosis of a bad pointer;
@@ -30,7 +30,6 @@
 
 mod blocks;
 mod check;
-mod expand;
 mod free;
 mod front;
 mod gc;
@@ -38,7 +37,7 @@ mod malloc;
 mod segments;
 mod waiting;
 
-pub(crate) use expand::{ExpandablePolicy, PageWait, Reclaim, release_smaller, smaller_pages};
+pub(crate) use super::expandable::{ExpandablePolicy, PageWait, Reclaim, release_smaller, smaller_pages};
 pub(crate) use malloc::Request;
 
 use std::collections::BTreeSet;
@@ -53,8 +52,8 @@ use super::block::{Arena, BlockId};
 use super::deferred::{DeferredFrees, DeferredList};
 use super::events::StreamEvents;
 use super::expandable::Expandable;
+use super::expandable::PagePool;
 use super::limit::MemoryLimit;
-use super::page_pool::PagePool;
 use super::pool::FreePool;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
@@ -214,8 +213,8 @@ pub(crate) struct ShardState {
     /// Blocks freed on the hit path, not merged yet (see `front`).
     front: FrontCache,
     pub(in crate::caching) blocks: Arena,
-    small: FreePool,
-    large: FreePool,
+    pub(in crate::caching) small: FreePool,
+    pub(in crate::caching) large: FreePool,
     /// The shard's pool sleeps (`gpupool_sleep`, see `caching::sleep::shard`): its pages are
     /// given back, its blocks keep their addresses, and nothing may unmap, release or hand out
     /// its memory.
@@ -225,7 +224,7 @@ pub(crate) struct ShardState {
     pub(in crate::caching) expandables: Vec<DevicePtr>,
     /// Unmapped blocks of expandable segments, per pool, by address (PyTorch
     /// `BlockPool::unmapped`).
-    unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
+    pub(in crate::caching) unmapped: [BTreeSet<(DevicePtr, BlockId)>; 2],
     pub(in crate::caching) deferred: DeferredList,
     /// Segment events of allocations and mappings made under the lock, for the call to deliver
     /// once the lock is dropped (see `segment_observers`); empty with no observer attached.
@@ -239,7 +238,7 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
-    fn pool(&mut self, kind: PoolKind) -> &mut FreePool {
+    pub(in crate::caching) fn pool(&mut self, kind: PoolKind) -> &mut FreePool {
         match kind {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
@@ -294,7 +293,7 @@ impl ShardState {
 
     /// Whether the segment at `base` may go back to the driver when wholly free: not while a
     /// live CUDA graph may use it.
-    fn releasable(&self, base: DevicePtr) -> bool {
+    pub(in crate::caching) fn releasable(&self, base: DevicePtr) -> bool {
         self.segments.get(&base).is_none_or(|s| !s.graph)
     }
 

@@ -7,8 +7,8 @@
 //! can be unmapped (`cuMemUnmap`) while the rest of the segment stays in use. Where PyTorch
 //! creates a handle for each page it maps and releases it when it unmaps (`cuMemCreate`,
 //! `cuMemRelease`), this type maps the handles its caller hands it first (the device's page
-//! pool, `page_pool`) and hands back the handles it unmaps, creating only what it lacks. It
-//! knows pages only; the blocks over them are the shard's (`shard/expand/`).
+//! pool, [`super::page_pool`]) and hands back the handles it unmaps, creating only what it lacks. It
+//! knows pages only; the blocks over them are the shard's (the rest of [`super`]).
 //!
 //! Failures leave the page table true to the driver: a page counts as mapped exactly when its
 //! memory is mapped at its address with access set. [`Expandable::map`] is all or nothing: it

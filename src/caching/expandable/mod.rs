@@ -1,4 +1,4 @@
-//! Expandable segments in a shard (PyTorch's `expandable_segments:True`): a segment is an
+//! Expandable segments (PyTorch's `expandable_segments:True`), every part: a segment is an
 //! address range reserved per (stream, pool) whose pages are mapped as requests need them, so
 //! that it grows instead of a new segment being allocated, and whose wholly free pages are
 //! unmapped when the cache is released.
@@ -9,13 +9,21 @@
 //! the pool's set of unmapped blocks ordered by address). Two unmapped blocks are never
 //! neighbours, nor are two free ones.
 //!
-//! - this file: how ranges are sized ([`ExpandablePolicy`]), and which range holds an address;
+//! In reading order:
+//! - [`segment`]: one range and its page table on the driver's virtual memory calls (PyTorch
+//!   `ExpandableSegment`); it knows pages only;
+//! - [`page_pool`]: the device's physical pages held unmapped, which growths map before they
+//!   create any;
+//! - this file: how ranges are sized ([`ExpandablePolicy`]), and which range of a shard holds
+//!   an address;
 //! - [`grow`]: [`ShardState::grow_expandable`], PyTorch `try_allocate_expandable_block` with
 //!   `find_expandable_block` and `map_block`;
+//! - [`pages`]: a shard's blocks following the page table once pages are mapped or unmapped;
 //! - [`unmap`]: [`ShardState::release_pages`], the expandable half of PyTorch `release_blocks`,
 //!   with `unmap_block`;
-//! - [`pages`]: blocks following the page table once pages are mapped or unmapped;
-//! - [`mark`]: gpupool's high-water rule, [`Reclaim`].
+//! - [`high_water`]: gpupool's high-water rule, [`Reclaim`]; [`cross`]: the rule across page
+//!   sizes (smaller free pages released for a growth);
+//! - [`breakdown`]: a shard's free mapped bytes by page size, for `Allocator::breakdown`.
 //!
 //! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
 //! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
@@ -28,26 +36,29 @@
 //! (PyTorch counts none); a segment does not grow past the device's high-water mark while
 //! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
 //! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
-//! growth of any stream to map (`caching::page_pool`; PyTorch releases it).
+//! growth of any stream to map ([`page_pool`]; PyTorch releases it).
 
 mod breakdown;
 mod cross;
 mod grow;
-mod mark;
+mod high_water;
+mod page_pool;
 mod pages;
+mod segment;
 mod unmap;
 
 #[cfg(test)]
 mod tests;
 
 pub(crate) use cross::{release_smaller, smaller_pages};
-pub(crate) use mark::Reclaim;
+pub(crate) use high_water::Reclaim;
+pub(crate) use page_pool::PagePool;
+pub(crate) use segment::Expandable;
 pub(crate) use unmap::PageWait;
 
-use super::ShardState;
 use crate::caching::block::BlockId;
-use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
+use crate::caching::shard::ShardState;
 use crate::driver::DevicePtr;
 
 /// How a device's expandable segments are laid out. Sizes in bytes.

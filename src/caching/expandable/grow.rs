@@ -47,7 +47,7 @@ impl ShardState {
     /// The pages are mapped with the handles the device's page pool holds first, then new
     /// ones: only those count towards the high-water mark and the memory fraction, which
     /// count physical memory. After a growth the pool keeps at most its bound
-    /// ([`PagePool::trim`](crate::caching::page_pool::PagePool::trim)).
+    /// ([`PagePool::trim`](crate::caching::expandable::PagePool::trim)).
     ///
     /// Errors: [`DriverError::OutOfMemory`] when the device (or the memory fraction) has no
     /// room for the pages; any other failure of the virtual memory calls. The pages mapped

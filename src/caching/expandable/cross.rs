@@ -55,7 +55,7 @@ pub(crate) fn smaller_pages(ctx: &ShardCtx, page: usize) -> Vec<usize> {
 /// are released or none is left ([`PagePool::release_smaller`]). Returns the bytes
 /// released; a handle the driver refuses stays held, for the next release.
 ///
-/// [`PagePool::release_smaller`]: crate::caching::page_pool::PagePool::release_smaller
+/// [`PagePool::release_smaller`]: crate::caching::expandable::PagePool::release_smaller
 pub(crate) fn release_smaller(ctx: &ShardCtx, page: usize, want: usize) -> usize {
     ctx.pages.release_smaller(ctx.driver, ctx.device, ctx.limit, page, want).0
 }

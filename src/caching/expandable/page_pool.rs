@@ -17,7 +17,7 @@
 
 use parking_lot::Mutex;
 
-use super::limit::MemoryLimit;
+use crate::caching::limit::MemoryLimit;
 use crate::driver::{Driver, DriverError, PhysHandle};
 use crate::stats::Stat;
 
@@ -152,7 +152,7 @@ impl PagePool {
     /// each size first, until at least `want` bytes are released or none of those is left,
     /// each uncharged from `limit` once the driver has it back: for a growth in `page`-byte
     /// pages, which cannot map them, the physical memory they hold (the high-water rule
-    /// across page sizes, `shard::expand::cross`). Returns the bytes released and the first
+    /// across page sizes, `expandable::cross`). Returns the bytes released and the first
     /// failure: a handle the driver refuses stays held and counted, the others are still tried.
     pub fn release_smaller(
         &self,
