@@ -36,9 +36,9 @@ pub mod stats;
 
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
-pub use caching::device::PoolStats;
 pub use caching::ipc::IPC_HANDLE_SIZE;
 pub use caching::observers::{OomEvent, OomObserverId};
 pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use caching::sleep::SleepMode;
 pub use error::Error;
+pub use stats::PoolStats;

@@ -32,7 +32,7 @@ use crate::error::Error;
 pub(crate) struct CaptureProbe {
     driver: Arc<dyn Driver>,
     device: i32,
-    /// Routes to private pools active on the device (see `device::pools`), plus one while the
+    /// Routes to private pools active on the device (see `caching::pools`), plus one while the
     /// default pools sleep (`caching::sleep`); malloc reads it with one relaxed load to know
     /// whether to look for a route (and so finds, at no cost to the hit path, that the default
     /// pools refuse it).
@@ -87,7 +87,7 @@ impl CaptureProbe {
     }
 
     /// Sets whether the default pools sleep: while they do, every allocation looks for a
-    /// route, and one that no route takes is refused (see `device::pools::route_for`).
+    /// route, and one that no route takes is refused (see `pools::device::route_for`).
     pub fn set_default_asleep(&self, asleep: bool) {
         let _w = self.writer.lock();
         self.default_asleep.store(asleep, Ordering::Relaxed);

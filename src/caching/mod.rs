@@ -22,10 +22,10 @@
 //! - `segment_observers`: the functions told of every segment made and given back, and of
 //!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
 //!   of observer use.
-//! - `pool_source`: the program's allocators of private pools' segments, by pool id.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
-//! - `capture`: knowing whether a CUDA graph capture is under way; `device::pools`: private
-//!   pools and the routes to them.
+//! - `capture`: knowing whether a CUDA graph capture is under way; `pools`: private pools
+//!   (PyTorch's graph pools and `MemPool`), every part in one folder: the routes to them, the
+//!   calls by device, pools whose segments come from the program's allocator.
 //! - `segment_index`: from an address to the shard that owns it; `fork`: refusing service in
 //!   a forked child.
 //! - `history`: the core's side of the allocation history (`crate::history`): what the
@@ -54,7 +54,7 @@ mod observer_list;
 pub(crate) mod observers;
 mod oom;
 mod pool;
-pub(crate) mod pool_source;
+mod pools;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 pub(crate) mod segment_observers;

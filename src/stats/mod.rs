@@ -4,7 +4,10 @@
 //! Imports nothing from the core.
 
 pub mod breakdown;
+mod pool;
 pub mod summary;
+
+pub use pool::PoolStats;
 
 /// One statistic (PyTorch `Stat`): its value now, its highest value since the last
 /// `reset_peak_stats`, and the sums of all increases and all decreases. Bytes or counts,

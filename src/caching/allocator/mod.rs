@@ -37,7 +37,6 @@ use crate::history::{HistoryHook, Recorder};
 
 mod check;
 mod hit;
-mod pools;
 mod release;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

@@ -59,13 +59,9 @@ mod check;
 mod free;
 mod gc;
 mod out_of_memory;
-mod pools;
 mod release;
 mod serve;
 mod stranded;
-
-pub use pools::PoolStats;
-pub(crate) use pools::{RouteFilter, RouteTo};
 
 /// What the peak lock guards: the device's totals and the shards that still hold credit.
 #[derive(Default)]
@@ -113,7 +109,7 @@ pub(crate) struct DeviceAllocator {
     /// Whether a CUDA graph capture may be under way (see `capture`).
     pub(in crate::caching) capture: CaptureProbe,
     /// The private pools and the routes to them (see `pools`).
-    pools: pools::Pools,
+    pub(in crate::caching) pools: crate::caching::pools::Pools,
     /// The pools that sleep (see `caching::sleep`).
     pub(in crate::caching) sleepers: Sleepers,
     /// The expandable layout of sleepable private pools when the default pools have none
@@ -189,7 +185,7 @@ impl DeviceAllocator {
             segment_observers,
             history,
             capture: CaptureProbe::new(driver.clone(), device),
-            pools: pools::Pools::default(),
+            pools: crate::caching::pools::Pools::default(),
             sleepers: Sleepers::default(),
             sleep_policy: std::sync::OnceLock::new(),
             staging: Staging::new(StagingSettings::from_config(config)),

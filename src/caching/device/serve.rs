@@ -68,7 +68,7 @@ impl DeviceAllocator {
     /// (callgrind, `examples/hit_loop`). While history is on, out of line
     /// ([`DeviceAllocator::malloc_recorded`]).
     #[inline(always)]
-    pub(super) fn malloc_req(
+    pub(in crate::caching) fn malloc_req(
         &self,
         shard: &Arc<Shard>,
         req: &Request,
@@ -179,7 +179,7 @@ impl DeviceAllocator {
     /// route by stream or filter is active, or the stream captures.
     /// Inlined: the hit path tests one length.
     #[inline(always)]
-    pub(super) fn process_events<'c>(
+    pub(in crate::caching) fn process_events<'c>(
         &self,
         st: &mut ShardState,
         ctx: impl FnOnce() -> ShardCtx<'c>,

@@ -56,7 +56,7 @@ impl ShardState {
         not_ours()
     }
 
-    /// The rule of a pool not split below `align` bytes (`pool_source::PoolSource::
+    /// The rule of a pool not split below `align` bytes (`pools::source::PoolSource::
     /// split_alignment`): every segment and every block of it, free or allocated, is a multiple
     /// of `align`, so each block starts at a multiple of it from its segment's start.
     pub fn check_alignment(&self, owner: StreamHandle, align: usize) -> Result<(), String> {

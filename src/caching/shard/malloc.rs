@@ -51,7 +51,7 @@ impl Request {
 
 impl Request {
     /// The request rounded up to a multiple of `align` bytes, its segment too (a pool whose
-    /// blocks are not split below `align`: `pool_source::PoolSource::split_alignment`), and
+    /// blocks are not split below `align`: `pools::source::PoolSource::split_alignment`), and
     /// placed in the pool its new size belongs to.
     ///
     /// Errors: [`Error::InvalidValue`] when rounding overflows.

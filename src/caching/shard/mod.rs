@@ -64,7 +64,7 @@ use crate::history::HistoryHook;
 use front::FrontCache;
 
 /// A shard: the state of one (device, stream) pair of a pool behind its own lock: the
-/// device's default pools (pool 0) or a private pool (see `device::pools`).
+/// device's default pools (pool 0) or a private pool (see `caching::pools`).
 pub(crate) struct Shard {
     pub stream: StreamHandle,
     /// The private pool the shard belongs to; 0 for the device's default pools.
@@ -73,8 +73,8 @@ pub(crate) struct Shard {
     /// `shard_table`); a thread that kept it in its cache of recent shards then fetches the
     /// stream's new shard.
     retired: AtomicBool,
-    /// The program's allocator of the pool's segments (`pool_source`); `None`: the driver.
-    pub source: Option<Arc<super::pool_source::PoolSource>>,
+    /// The program's allocator of the pool's segments (`pools::source`); `None`: the driver.
+    pub source: Option<Arc<super::pools::source::PoolSource>>,
     /// The budget of the shard's pool on its device, shared by the pool's shards (see
     /// `caching::budget`): charged where a segment is made or pages mapped.
     pub budget: Arc<super::budget::PoolBudget>,
@@ -83,7 +83,7 @@ pub(crate) struct Shard {
 
 impl Shard {
     pub fn new(pool: u64, stream: StreamHandle, budget: Arc<super::budget::PoolBudget>) -> Shard {
-        let source = super::pool_source::get(pool);
+        let source = super::pools::source::get(pool);
         let state = Mutex::new(ShardState::default());
         Shard { stream, pool, retired: AtomicBool::new(false), source, budget, state }
     }
@@ -171,7 +171,7 @@ pub(in crate::caching) struct SegmentInfo {
     pub(in crate::caching) ctx: u32,
     /// A block of it was handed out while the allocating stream captured a CUDA graph: the
     /// graph's kernels use its addresses at every replay, so it stays reserved, wholly free or
-    /// not, until its private pool is released (see `device::pools`).
+    /// not, until its private pool is released (see `caching::pools`).
     pub(in crate::caching) graph: bool,
 }
 

@@ -1,30 +1,5 @@
-//! Private pools (PyTorch's graph pools and `MemPool`): memory that the allocations routed to
-//! a pool share with nothing else, so that a CUDA graph captured with it finds its buffers
-//! where it left them at every replay.
-//!
-//! A pool is a set of shards of the device keyed by (pool id, stream), next to the default
-//! pools' (pool 0): the same blocks, segments, rules and statistics, found through the segment
-//! index on free like any other. Only malloc's routing differs: while a route is active
-//! (`gpupool_begin_allocate_to_pool` and its variants, PyTorch `beginAllocateToPool`), an
-//! allocation that matches it goes to the pool's shard of its stream. Without routes, malloc
-//! pays one relaxed load (`CaptureProbe::routes`).
-//!
-//! The rules, PyTorch's unless said:
-//! - Inside a pool, a block freed is reused by the next allocation of the same stream routed
-//!   there, during a capture too (a captured forward pass takes no more memory than an eager
-//!   one); graphs that share a pool must replay in the order they were captured.
-//! - A segment that served a block while the stream captured is kept reserved until the pool
-//!   is released (the graph replays into it). Other wholly free segments of a live pool go
-//!   back to the driver at `empty_cache` (PyTorch cannot release a live pool's memory, issue
-//!   #167745).
-//! - `release_pool` (PyTorch `releasePool`, for a graph destroyed or a capture that failed):
-//!   routes to the pool end, its wholly free segments go back to the driver now and the others
-//!   when their last block is freed; nothing is allocated from it again, and its id may not be
-//!   routed to on this device again. PyTorch frees a pool only once its blocks are all free
-//!   and leaks the pool of a failed capture (PR #190348).
-//! - A private pool's segments are ordinary ones (never expandable): unmapping a free page would
-//!   take away an address a graph uses. A sleepable pool's are expandable (`caching::sleep`),
-//!   and keep the free pages of a segment a graph uses mapped.
+//! A device's private pools (`caching::pools`): their table, routes and the pool a malloc
+//! goes to, statistics per pool, release.
 
 use std::sync::Arc;
 use std::thread::ThreadId;
@@ -32,14 +7,14 @@ use std::thread::ThreadId;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::DeviceAllocator;
 use crate::caching::accounting::counters::{self, CELLS, DeviceCounters};
 use crate::caching::accounting::peaks::Totals;
+use crate::caching::device::DeviceAllocator;
 use crate::caching::shard::{Request, Shard};
 use crate::caching::shard_table::ShardTable;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
-use crate::stats::DeviceStats;
+use crate::stats::{DeviceStats, PoolStats};
 
 /// A route's test of a stream (PyTorch's `std::function<bool(cudaStream_t)>` filter). Called
 /// only while the route is active, on allocations of the device, with no lock of gpupool's held.
@@ -95,23 +70,8 @@ impl PoolsState {
 
 /// A device's private pools and the routes to them.
 #[derive(Default)]
-pub(super) struct Pools {
+pub(in crate::caching) struct Pools {
     state: Mutex<PoolsState>,
-}
-
-/// The statistics of one private pool on one device, with its state.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolStats {
-    /// The pool's id.
-    pub pool: u64,
-    /// The counters of `torch.cuda.memory_stats()` over the pool's blocks and segments. Peaks
-    /// are the highest values seen after an allocation from the pool or at a read; the event
-    /// counts (`num_*`) are 0: they count the device's events.
-    pub stats: DeviceStats,
-    /// Whether `release_pool` released it on this device.
-    pub released: bool,
-    /// Routes to it active now.
-    pub routes: usize,
 }
 
 impl DeviceAllocator {
@@ -235,7 +195,7 @@ impl DeviceAllocator {
     /// Forgets the released pools that hold nothing any more but their ids (see
     /// `PoolsState::released`), so that churning pools grows neither the device's state nor its
     /// summary.
-    pub(super) fn prune_released(&self) {
+    pub(in crate::caching) fn prune_released(&self) {
         let candidates: Vec<u64> =
             self.pools.state.lock().pools.iter().filter(|(_, e)| e.released).map(|(&id, _)| id).collect();
         let seg = counters::cell(counters::Metric::Segment, counters::StatType::All);
@@ -256,7 +216,7 @@ impl DeviceAllocator {
     /// events processed first (without waiting), unless a capture may be under way (see
     /// `capture`): freeing device memory then would break it.
     /// Best effort: what fails stays cached, for `empty_cache`.
-    pub(super) fn release_emptied(
+    pub(in crate::caching) fn release_emptied(
         &self,
         st: &mut crate::caching::shard::ShardState,
         ctx: &crate::caching::shard::ShardCtx,
@@ -370,7 +330,7 @@ impl DeviceAllocator {
     /// The pool-level invariants: the route count matches the routes; no route to a released
     /// pool; every private shard's pool is known, and released exactly when its pool is; a
     /// segment is kept for a graph only in a live private pool.
-    pub(super) fn check_pools(
+    pub(in crate::caching) fn check_pools(
         &self,
         list: &[Arc<Shard>],
         states: &[&crate::caching::shard::ShardState],

@@ -1,5 +1,5 @@
 //! Private pools (PyTorch's graph pools and `MemPool`) and the routes that send allocations
-//! to them; the rules are in `device::pools`.
+//! to them, by device; the rules are in `caching::pools`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -7,11 +7,12 @@ use std::sync::{Arc, LazyLock};
 use parking_lot::RwLock;
 use rustc_hash::FxHashSet;
 
-use super::Allocator;
-use crate::caching::device::{PoolStats, RouteFilter, RouteTo};
+use super::{RouteFilter, RouteTo};
+use crate::caching::allocator::Allocator;
 use crate::caching::sleep::SLEEPABLE_BIT;
 use crate::driver::StreamHandle;
 use crate::error::Error;
+use crate::stats::PoolStats;
 
 /// The next private pool id: ids are process-wide (one id names the pool on every device and
 /// in every allocator), never 0 (the default pools).
@@ -79,9 +80,9 @@ impl Allocator {
             )));
         }
         let pool = self.pool_create();
-        crate::caching::pool_source::set(
+        super::source::set(
             pool,
-            crate::caching::pool_source::PoolSource { alloc: Box::new(alloc), free: Box::new(free), split_alignment },
+            super::source::PoolSource { alloc: Box::new(alloc), free: Box::new(free), split_alignment },
         );
         Ok(pool)
     }
@@ -118,7 +119,7 @@ impl Allocator {
 
     /// Routes the allocations on `stream` of `device` (-1: current), from any thread, to
     /// `pool` until [`Allocator::end_allocate_to_pool`] (PyTorch `beginAllocateToPool` with
-    /// `torch.cuda.graph`'s capture stream). See `device::pools` for the rules.
+    /// `torch.cuda.graph`'s capture stream). See `caching::pools` for the rules.
     ///
     /// Errors: [`Error::InvalidValue`], nothing changed: pool 0, a pool never created, a pool
     /// released on the device, a stream routed already, a device out of range.

@@ -1,7 +1,7 @@
 //! Private pools whose segments come from the program's allocator instead of the driver (the C
 //! equivalent of `torch.cuda.MemPool(allocator)`, with which PyTorch takes a pool's segments
 //! from `ncclMemAlloc` for NVLink SHARP). Everything else (caching, splitting, `record_stream`,
-//! statistics, routes) is a private pool's (`device::pools`).
+//! statistics, routes) is a private pool's (`caching::pools`).
 //!
 //! Pool ids are process-wide, so the sources are one process-wide table, read once per shard
 //! when a pool's shard is made (`Shard::new`), never on the hit path.
