@@ -37,7 +37,7 @@ pub mod stats;
 pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use caching::ipc::IPC_HANDLE_SIZE;
-pub use caching::observers::{OomEvent, OomObserverId};
+pub use caching::out_of_memory::observers::{OomEvent, OomObserverId};
 pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use caching::sleep::SleepMode;
 pub use error::Error;

@@ -14,8 +14,9 @@
 //!   synchronisation.
 //! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
 //!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
-//! - `limit`: the memory fraction's byte limit; `oom`: the out-of-memory message;
-//!   `observers`: the functions called when a request fails.
+//! - `limit`: the memory fraction's byte limit; `out_of_memory`: a malloc that failed after
+//!   the cache and a new segment (release-and-retry, the observers called, the error and its
+//!   message), every part in one folder.
 //! - `largest`: the largest request that would succeed now, malloc's attempts replayed on a
 //!   copy of a stream's blocks, every part in one folder: the search and the allocator's,
 //!   device's and shard's parts.
@@ -51,8 +52,7 @@ pub(crate) mod ipc;
 mod largest;
 mod limit;
 mod observer_list;
-pub(crate) mod observers;
-mod oom;
+pub(crate) mod out_of_memory;
 mod pool;
 mod pools;
 pub(crate) mod rules;

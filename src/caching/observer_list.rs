@@ -1,5 +1,5 @@
 //! A list of callbacks that threads attach and detach while others call them: the one
-//! mechanism behind the out-of-memory observers (`observers`) and the segment observers
+//! mechanism behind the out-of-memory observers (`out_of_memory::observers`) and the segment observers
 //! (`segment_observers`), generic over the callback's type.
 //!
 //! The list is copy-on-write behind an `ArcSwap`: a call reads it without a lock. A detach

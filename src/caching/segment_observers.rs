@@ -15,7 +15,7 @@
 //! The list is copy-on-write behind an `ArcSwap`, read only when `on` says some observer is
 //! attached (one relaxed load, on the slow paths that create and free segments). A detach waits
 //! for the calls of its observer under way, as the out-of-memory observers' does
-//! (`observers`): each entry counts its calls and has a `detached` flag; a panic in an
+//! (`out_of_memory::observers`): each entry counts its calls and has a `detached` flag; a panic in an
 //! observer is caught, as there.
 
 use std::cell::Cell;

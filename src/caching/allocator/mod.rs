@@ -24,7 +24,7 @@ use arc_swap::{ArcSwap, Guard};
 use parking_lot::Mutex;
 
 use super::device::DeviceAllocator;
-use super::observers::{OomEvent, OomObserverId, OomObservers};
+use super::out_of_memory::observers::{OomEvent, OomObserverId, OomObservers};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::{SegmentEvent, SegmentObserverId, SegmentObservers};
 use super::shard::Shard;

@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
-use super::DeviceAllocator;
+use super::message;
 use crate::caching::accounting::counters::bump;
 use crate::caching::budget;
-use crate::caching::oom;
+use crate::caching::device::DeviceAllocator;
 use crate::caching::shard::{Request, Shard};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Error;
@@ -92,7 +92,7 @@ impl DeviceAllocator {
     /// would break the capture). Counted in `num_ooms`; the observers are not called (they
     /// may empty the cache).
     #[cold]
-    pub(super) fn out_of_memory_capturing(&self, shard: &Arc<Shard>, req: &Request) -> Error {
+    pub(in crate::caching) fn out_of_memory_capturing(&self, shard: &Arc<Shard>, req: &Request) -> Error {
         bump(&self.counters.num_ooms);
         if budget::take_refusal() {
             return self.over_budget(shard.pool, req);
@@ -111,15 +111,15 @@ impl DeviceAllocator {
     pub(in crate::caching) fn out_of_memory(&self, req: &Request) -> Error {
         let largest_free = self.largest_free_blocks();
         let stats = self.stats();
-        oom::message(
+        message::message(
             &*self.driver,
-            &oom::Report {
+            &message::Report {
                 device: self.device,
                 req,
                 stats: &stats,
                 limit: self.limit.get(),
                 largest_free,
-                top_tags: self.top_tags(oom::TOP_TAGS),
+                top_tags: self.top_tags(message::TOP_TAGS),
             },
         )
     }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::shard::Request;
+use crate::caching::shard::Request;
 use crate::driver::Driver;
 use crate::error::Error;
 use crate::stats::DeviceStats;
