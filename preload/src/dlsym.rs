@@ -173,8 +173,14 @@ fn defined_in(f: *mut c_void, prefix: &[u8]) -> bool {
 /// # Safety
 /// As glibc's `dlsym`: `symbol` is NUL-terminated, `handle` is `RTLD_DEFAULT`, `RTLD_NEXT` or
 /// a handle `dlopen` returned and `dlclose` has not closed.
+///
+/// Not exported from the crate's own unit-test binary: there, nothing needs it, and a
+/// sanitizer's runtime (AddressSanitizer's interceptors, set up before `main`) would resolve
+/// its functions through it before anything of the shim can run (SIGSEGV). The C tests
+/// (`tests/c/test_preload_dlopen.c`) test the exported one, in `libgpupool_preload.so`.
 #[unsafe(naked)]
-#[unsafe(no_mangle)]
+#[cfg_attr(not(test), unsafe(no_mangle))]
+#[cfg_attr(test, allow(dead_code))]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     // On entry rsp is 8 mod 16 (the return address); two pushes and 8 bytes make it 0 mod 16
     // for the call, as the ABI wants. decide(handle, symbol, return address) in rdi, rsi, rdx.
