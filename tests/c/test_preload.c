@@ -24,6 +24,7 @@ static const char *shim_last_error(void) {
 }
 #define gpupool_last_error_message shim_last_error
 #include "check.h"
+#include "child_report.h"
 
 #define MIB ((size_t)1 << 20)
 
@@ -87,28 +88,8 @@ static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_f
  * GPUPOOL_PRELOAD_STATS=on, and checks its exit report: a free is counted only when gpupool
  * took it, a refused one apart. */
 static void check_exit_report(void) {
-  int fds[2];
-  CHECK(pipe(fds) == 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 2);
-    close(fds[0]);
-    close(fds[1]);
-    setenv("GPUPOOL_PRELOAD_STATS", "on", 1);
-    execl("/proc/self/exe", "test_preload", "report", (char *)NULL);
-    _exit(127);
-  }
-  close(fds[1]);
   static char report[1 << 16];
-  size_t n = 0;
-  ssize_t got;
-  while (n < sizeof report - 1 && (got = read(fds[0], report + n, sizeof report - 1 - n)) > 0) n += (size_t)got;
-  report[n] = '\0';
-  close(fds[0]);
-  int status = -1;
-  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
-  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(child_report("test_preload", report, sizeof report));
   int before = checks_failed;
   CHECK(strstr(report, "gpupool_preload: served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync\n"
                        "gpupool_preload: 1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered "

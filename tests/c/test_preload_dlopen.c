@@ -29,6 +29,7 @@ static const char *shim_last_error(void) {
 }
 #define gpupool_last_error_message shim_last_error
 #include "check.h"
+#include "child_report.h"
 
 typedef int (*cu_alloc_fn)(uint64_t *, size_t);
 typedef int (*cu_free_fn)(uint64_t);
@@ -335,28 +336,8 @@ static int report_child(void) {
 }
 
 static void check_exit_report(void) {
-  int fds[2];
-  CHECK(pipe(fds) == 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 2);
-    close(fds[0]);
-    close(fds[1]);
-    setenv("GPUPOOL_PRELOAD_STATS", "on", 1);
-    execl("/proc/self/exe", "test_preload_dlopen", "report", (char *)NULL);
-    _exit(127);
-  }
-  close(fds[1]);
   static char report[1 << 16];
-  size_t n = 0;
-  ssize_t got;
-  while (n < sizeof report - 1 && (got = read(fds[0], report + n, sizeof report - 1 - n)) > 0) n += (size_t)got;
-  report[n] = '\0';
-  close(fds[0]);
-  int status = -1;
-  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
-  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(child_report("test_preload_dlopen", report, sizeof report));
   int before = checks_failed;
   CHECK(strstr(report, "gpupool_preload: served 0 cudaMalloc, 0 cudaMallocAsync, 1 cuMemAlloc, 0 cuMemAllocAsync\n"));
   CHECK(strstr(report, "gpupool_preload: CUDA lookups: served 4, passed through 2\n"));
