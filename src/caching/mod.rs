@@ -10,6 +10,7 @@
 //! - `expandable`: expandable segments, every part in one folder: a range's page table
 //!   (PyTorch `ExpandableSegment`), the device's held pages, a shard's growth and unmapping,
 //!   the high-water rule.
+//! - `breakdown`: where a device's reserved bytes go (`Allocator::breakdown`), every part.
 //! - `events`: the events of `record_stream`; `deferred`: frees that wait for a device
 //!   synchronisation.
 //! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
@@ -40,6 +41,7 @@
 mod accounting;
 pub(crate) mod allocator;
 mod block;
+mod breakdown;
 mod budget;
 mod capture;
 pub(crate) mod deferred;

@@ -4,7 +4,6 @@
 use crate::caching::allocator::Allocator;
 use crate::error::Error;
 use crate::stats::DeviceStats;
-use crate::stats::breakdown::Breakdown;
 use crate::stats::summary::memory_summary;
 
 impl Allocator {
@@ -15,19 +14,6 @@ impl Allocator {
     /// current device for -1).
     pub fn stats(&self, device: i32) -> Result<DeviceStats, Error> {
         Ok(self.device_or_init(device)?.stats())
-    }
-
-    /// Where the reserved bytes of `device` (-1: current) go beyond what live blocks asked
-    /// for: rounding, blocks awaiting events, free bytes of ordinary segments, and the free
-    /// mapped bytes of each stream's expandable segments by pool and page size, whole pages
-    /// or sharing a page with a block in use (see [`Breakdown`]); and the pages held unmapped.
-    /// gpupool's diagnostic (PyTorch's snapshot shows the blocks, not the pages). Changes
-    /// nothing: every shard of the device is locked at once, briefly, and the front caches
-    /// are read, not merged.
-    ///
-    /// Errors: as [`Allocator::stats`].
-    pub fn breakdown(&self, device: i32) -> Result<Breakdown, Error> {
-        Ok(self.device_or_init(device)?.breakdown())
     }
 
     /// Sets every peak of `device` (-1: current) to its current value (PyTorch

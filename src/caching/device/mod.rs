@@ -53,8 +53,6 @@ use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 
-mod breakdown;
-
 mod check;
 mod free;
 mod gc;

@@ -22,8 +22,10 @@
 //! - [`unmap`]: [`ShardState::release_pages`], the expandable half of PyTorch `release_blocks`,
 //!   with `unmap_block`;
 //! - [`high_water`]: gpupool's high-water rule, [`Reclaim`]; [`cross`]: the rule across page
-//!   sizes (smaller free pages released for a growth);
-//! - [`breakdown`]: a shard's free mapped bytes by page size, for `Allocator::breakdown`.
+//!   sizes (smaller free pages released for a growth).
+//!
+//! A shard's free mapped bytes by page size are read for `Allocator::breakdown` in
+//! `caching::breakdown`.
 //!
 //! Where gpupool differs: the address range is sized by use (see [`ExpandablePolicy`]) rather
 //! than 1.125 times the device's memory per stream and pool, so that thousands of streams do
@@ -38,7 +40,6 @@
 //! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
 //! growth of any stream to map ([`page_pool`]; PyTorch releases it).
 
-mod breakdown;
 mod cross;
 mod grow;
 mod high_water;

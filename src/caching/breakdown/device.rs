@@ -1,9 +1,9 @@
-//! The device's [`Breakdown`]: where its reserved bytes go, every shard read under its lock
+//! A device's [`Breakdown`]: where its reserved bytes go, every shard read under its lock
 //! (see `stats::breakdown`).
 
 use parking_lot::MutexGuard;
 
-use super::DeviceAllocator;
+use crate::caching::device::DeviceAllocator;
 use crate::caching::shard::ShardState;
 use crate::stats::breakdown::Breakdown;
 
