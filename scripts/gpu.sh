@@ -57,8 +57,12 @@
 #               with expandable segments and with ordinary ones (nccl.h from the CUDA toolkit,
 #               PyTorch's include dir or the nvidia-nccl package; /usr/lib/x86_64-linux-gnu/libnccl.so.2)
 #   preload     the LD_PRELOAD shim's programs
+#   jax         examples/python/jax_workload.py (a training step, an inference loop over changing
+#               shapes) under XLA's BFC pool, cuda_async, platform, and platform under the shim:
+#               results bit for bit, time, the device's peak use; OUT/jax.log
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
-#   traces      examples/python/record_trace.py into build-gpu/traces
+#   traces      examples/python/record_trace.py into build-gpu/traces (RECORD_WORKLOADS: which, e.g.
+#               t5_generate,bert_train; default all)
 #   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
 #               under PyTorch's allocator and under gpupool, both rendered by PyTorch's viewer
 #               (trace_plot, segment_plot) into OUT/snapshot
@@ -155,7 +159,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload python traces snapshot frames bench threads ab replay host plugins nccl"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -404,12 +408,44 @@ if want traces; then
   echo "== traces: recorded from models with dynamic shapes"
   if python3 -c "import torch, transformers" 2>/dev/null; then
     rm -rf build-gpu/traces
-    python3 examples/python/record_trace.py --out build-gpu/traces 2>&1 | tee "$out/traces.log" || status=1
+    python3 examples/python/record_trace.py --out build-gpu/traces ${RECORD_WORKLOADS:+--workloads "$RECORD_WORKLOADS"} 2>&1 | tee "$out/traces.log" || status=1
     mkdir -p "$out/traces"
     find build-gpu/traces -maxdepth 1 \( -name '*.txt.gz' -o -name '*.md' -o -name '*.log' -o -name '*.json' \) \
       -exec cp {} "$out/traces/" \;
   else
     echo "skipped: python3 lacks torch or transformers"
+  fi
+fi
+
+# JAX (XLA) with its allocators, and with XLA_PYTHON_CLIENT_ALLOCATOR=platform under the shim:
+# the same results bit for bit (XLA's choices made deterministic), the time and the device's peak
+# use; OUT/jax.log.
+if want jax; then
+  echo "== jax: XLA's allocators and the shim"
+  if python3 -c "import jax" 2>/dev/null; then
+    export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
+    : >"$out/jax.log"
+    for run in bfc cuda_async platform shim platform-again shim-again; do
+      case $run in
+        bfc) env=() ;;
+        cuda_async) env=(XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async XLA_PYTHON_CLIENT_PREALLOCATE=false) ;;
+        platform*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform) ;;
+        shim*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1) ;;
+      esac
+      echo "-- $run: ${env[*]}" >>"$out/jax.log"
+      env "${env[@]}" python3 examples/python/jax_workload.py >"build-gpu/jax-$run.txt" 2>"build-gpu/jax-$run.err" || status=1
+      grep -v "^result:" "build-gpu/jax-$run.txt" >>"$out/jax.log"
+      grep -E "served|passed through|lookups|peak|reserved" "build-gpu/jax-$run.err" >>"$out/jax.log" || true
+      if [ "$run" != bfc ]; then
+        cmp -s <(grep "^result:" build-gpu/jax-bfc.txt) <(grep "^result:" "build-gpu/jax-$run.txt") &&
+          echo "$run: results identical to bfc" >>"$out/jax.log" ||
+          { echo "$run: results DIFFER from bfc" >>"$out/jax.log"; tail -3 "build-gpu/jax-$run.err" >>"$out/jax.log"; status=1; }
+      fi
+    done
+    unset XLA_FLAGS
+    cat "$out/jax.log"
+  else
+    echo "skipped: no jax"
   fi
 fi
 

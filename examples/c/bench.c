@@ -493,9 +493,10 @@ static void cuda_setup(int with_torch) {
 /* --- fragmentation: each configuration in a child process --- */
 static const char *frag_specs[] = {
     "gpupool",
-    "gpupool:expandable_segments:True",
-    "gpupool:expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES=1",
-    "gpupool:expandable_segments:True;GPUPOOL_EXPANDABLE_LARGE_PAGES=1;GPUPOOL_EXPANDABLE_RECLAIM=1",
+    "gpupool:expandable_segments:False",
+    "gpupool;GPUPOOL_EXPANDABLE_LARGE_PAGES=0",
+    "gpupool;GPUPOOL_EXPANDABLE_LARGE_PAGES=0;GPUPOOL_EXPANDABLE_RECLAIM=1",
+    "gpupool;GPUPOOL_EXPANDABLE_RECLAIM=1",
 #ifdef GPUPOOL_BENCH_TORCH
     "pytorch",
     "pytorch:expandable_segments:True",
