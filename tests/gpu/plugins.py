@@ -8,8 +8,9 @@ bytes); on gpupool it also requires that gpupool's statistics saw the framework'
 
 - cupy        CuPy on its default stream and on two streams of its own (matrix products,
               element-wise kernels, reductions, an FFT, arrays freed and made again each
-              step), through gpupool.cupy.install() (CuPy's current stream), and again through
-              install(stream=...) (gpupool's C functions under CFunctionAllocator); every
+              step), through gpupool.cupy.install() (CuPy's current stream, the compiled hook:
+              route() must say "hook", and the child's exit must print nothing), and again
+              through install(stream=...) (the hook on one stream); every
               array's bytes in gpupool's allocated bytes while it lives; pinned memory from
               gpupool's pinned cache
 - numba       a Numba kernel (saxpy and a reduction) on device arrays, with
@@ -40,7 +41,9 @@ def run_child(check, allocator, extra_env=None):
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{check} on {allocator} failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr  # what the child printed there, at exit too
+    return result
 
 
 def digest(h, array):
@@ -88,6 +91,7 @@ def child_cupy(allocator):
         import gpupool
 
         gpupool.cupy.install()
+        result["route"] = gpupool.cupy.route()
     elif allocator == "gpupool-fixed-stream":
         import gpupool
 
@@ -271,6 +275,9 @@ def main():
     def cupy_check():
         own, ours = run_child("cupy", "cupy"), run_child("cupy", "gpupool")
         ok = own["sha256"] == ours["sha256"] and ours["allocations"] > 0 and ours["array_seen"]
+        report(ours["route"] == "hook", f"cupy route: {ours['route']} (the compiled hook, 'hook', expected)")
+        # Arrays (and cuFFT plans' work areas) alive at exit go back without a word.
+        report(not ours["stderr"], f"cupy exit: {'silent' if not ours['stderr'] else 'NOT silent: ' + ours['stderr'][-300:]}")
         report(ok, f"cupy (current stream, 3 streams): {'identical' if own['sha256'] == ours['sha256'] else 'DIFFERENT'} "
                    f"results under CuPy's pool and gpupool ({ours['sha256'][:16]}); gpupool served "
                    f"{ours['allocations']} allocations, peak {ours['peak_mib']:.1f} MiB; a 1,000,003-byte array "
