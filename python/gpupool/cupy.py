@@ -46,9 +46,15 @@ STREAM_GETTERS = (("cupy_backends.cuda.stream", "get_current_stream_ptr"),
 # The name Cython gives a cdef function's capsule: its C signature.
 STREAM_GETTER_SIGNATURE = b"intptr_t (void)"
 
-_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+def _capsule_functions():
+    """CPython's PyCapsule_GetName and PyCapsule_GetPointer, called with the GIL held; None
+    where there is no CPython C API (ctypes.pythonapi)."""
+    api = getattr(ctypes, "pythonapi", None)
+    if api is None:
+        return None
+    return (ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", api)),
+            ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer", api)))
 
 
 def _cupy():
@@ -64,14 +70,19 @@ def _address(fn):
 def stream_getter():
     """(address, "module.name") of CuPy's C function `intptr_t get_current_stream_ptr(void)`,
     read from a Cython module's __pyx_capi__ capsule (STREAM_GETTERS, checked against
-    STREAM_GETTER_SIGNATURE); (None, None) when no CuPy module exports it so."""
+    STREAM_GETTER_SIGNATURE); (None, None) when no CuPy module exports it so, or without
+    CPython's C API."""
+    functions = _capsule_functions()
+    if functions is None:
+        return None, None
+    capsule_name, capsule_pointer = functions
     for module, name in STREAM_GETTERS:
         try:
             capi = getattr(importlib.import_module(module), "__pyx_capi__", None) or {}
             capsule = capi.get(name)
-            if capsule is None or _capsule_name(capsule) != STREAM_GETTER_SIGNATURE:
+            if capsule is None or capsule_name(capsule) != STREAM_GETTER_SIGNATURE:
                 continue
-            address = _capsule_pointer(capsule, STREAM_GETTER_SIGNATURE)
+            address = capsule_pointer(capsule, STREAM_GETTER_SIGNATURE)
         except Exception:  # noqa: BLE001 (no such module, or not a capsule: try the next)
             continue
         if address:

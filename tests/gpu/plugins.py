@@ -16,7 +16,8 @@ bytes); on gpupool it also requires that gpupool's statistics saw the framework'
 - numba       a Numba kernel (saxpy and a reduction) on device arrays, with
               NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba against Numba's own manager
 - together    PyTorch, CuPy and Numba on gpupool in one process: one set of statistics counts
-              the blocks of all three, and empty_cache gives their cache back
+              the blocks of all three, and empty_cache gives their cache back; arrays of all
+              three alive at exit (a module's globals, a cycle), and nothing on stderr
 - onnxruntime a two-node model on the CUDA execution provider with gpupool's external
               allocator, where onnxruntime has that provider (the CPU package does not: said)
 
@@ -210,6 +211,10 @@ def child_together(_allocator):
     result["after_free_mib"] = (gpupool.stats(0)["allocated_bytes.all.current"] - base) / MIB
     gpupool.empty_cache(0)
     result["reserved_after_empty_cache_mib"] = gpupool.stats(0)["reserved_bytes.all.current"] / MIB
+    # Alive at exit, in a module's globals and in a reference cycle: freed by the teardown.
+    gpupool._kept_at_exit = [torch.ones(1000, device="cuda"), cp.ones(1000), cuda.to_device(np.ones(1000))]
+    cycle = {"arrays": [torch.zeros(3000, device="cuda"), cp.zeros(3000)]}
+    cycle["self"] = cycle
     print(json.dumps(result))
 
 
@@ -304,6 +309,8 @@ def main():
         r = run_child("together", "gpupool")
         ok = r["allocated_mib"] >= 14 and r["after_free_mib"] == 0 and r["reserved_after_empty_cache_mib"] == 0 \
             and r["sum"] == float(8 * MIB // 4 + 4 * MIB // 4 + 2 * MIB // 4)
+        report(not r["stderr"], f"together exit (PyTorch, CuPy and Numba arrays alive): "
+                                f"{'silent' if not r['stderr'] else 'NOT silent: ' + r['stderr'][-300:]}")
         report(ok, f"together (PyTorch 8 MiB, CuPy 4 MiB, Numba 2 MiB on one gpupool): {r['allocated_mib']:.2f} MiB "
                    f"allocated, {r['after_free_mib']:.2f} MiB after the frees, {r['reserved_after_empty_cache_mib']:.2f} "
                    f"MiB reserved after empty_cache")
