@@ -199,15 +199,23 @@ def install(stream=None, pinned=True, compiled=None):
     Python route. route() says which was taken. Out of memory raises out_of_memory_type(), a
     cupy.cuda.memory.OutOfMemoryError and a gpupool.OutOfMemoryError; another failure of the
     hook raises HookError (a gpupool.Error)."""
-    global _installed, _route
     cupy = _cupy()
     lib = _lib.lib()
     getter = None
+    # A library older than the package (an older LD_PRELOAD shim's) may lack the hook.
+    hook_malloc = getattr(lib, "gpupool_cupy_hook_malloc", None)
+    hook_free = getattr(lib, "gpupool_cupy_hook_free", None)
+    if stream is not None and hook_malloc is None:
+        allocator = cupy.cuda.memory.CFunctionAllocator(
+            _lib.stream_handle(stream), _address(lib.gpupool_cupy_malloc), _address(lib.gpupool_cupy_free), stream)
+        return _set(cupy, allocator, "stream", pinned)
     if stream is None and compiled is not False:
-        getter, _ = stream_getter()
+        getter, _ = stream_getter() if hook_malloc is not None else (None, None)
         if getter is None:
             why = ("CuPy exports no C getter of its current stream (cupy_backends.cuda.stream."
                    "__pyx_capi__['get_current_stream_ptr'], signature 'intptr_t (void)')")
+            if hook_malloc is None:
+                why = f"the library {_lib.bound_path() or '(the process)'} has no gpupool_cupy_hook_malloc"
             if compiled:
                 raise RuntimeError(f"gpupool.cupy.install(compiled=True): {why}")
             _warn_once(f"gpupool.cupy: {why}; each allocation calls Python instead, which is slower")
@@ -226,9 +234,13 @@ def install(stream=None, pinned=True, compiled=None):
         # the allocator; the free function never reads `param`.
         owner = (hook, oom, HookError, stream)
         allocator = cupy.cuda.memory.CFunctionAllocator(
-            ctypes.addressof(hook), _address(lib.gpupool_cupy_hook_malloc), _address(lib.gpupool_cupy_hook_free),
-            owner)
+            ctypes.addressof(hook), _address(hook_malloc), _address(hook_free), owner)
         route = "hook" if stream is None else "stream"
+    return _set(cupy, allocator, route, pinned)
+
+
+def _set(cupy, allocator, route, pinned):
+    global _installed, _route
     cupy.cuda.set_allocator(allocator.malloc)
     if pinned:
         cupy.cuda.set_pinned_memory_allocator(pinned_allocator)

@@ -132,6 +132,29 @@ def test_without_the_capsule_the_python_route_with_one_warning(fake, capsule_nam
         gcupy.install(compiled=True)
 
 
+def test_a_library_without_the_hook_gets_the_older_routes(fake, monkeypatch):
+    real = gpupool._lib.lib()
+
+    class OlderLibrary:  # a libgpupool from before the hook (an older LD_PRELOAD shim's)
+        def __getattr__(self, name):
+            if name.startswith("gpupool_cupy_hook"):
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(gpupool._lib, "lib", lambda: OlderLibrary())
+    with pytest.warns(RuntimeWarning, match="no gpupool_cupy_hook_malloc"):
+        gcupy.install()
+    assert gcupy.route() == "python"
+    gcupy.install(stream=0x64)
+    assert gcupy.route() == "stream"
+    assert fake.state["allocator"].__self__.malloc_address == ctypes.cast(real.gpupool_cupy_malloc, ctypes.c_void_p).value
+    a = fake.state["allocator"](MIB)
+    ptr = a.ptr
+    del a
+    assert gpupool.malloc(MIB, 0, 0x64) == ptr
+    gpupool.free(ptr)
+
+
 def test_python_route_on_request(fake):
     gcupy.install(compiled=False)
     assert gcupy.route() == "python"
