@@ -93,6 +93,13 @@
 #               allocator, gpupool's statistics seeing the blocks; OUT/plugins.txt; then
 #               tests/rmm/test_rmm_gpu.cpp (rmm::device_buffer on gpupool) against the librmm
 #               wheel `prepare` downloaded
+#   cupy        examples/python/cupy_mixed.py: a mixed CuPy workload (matrix products, FFTs,
+#               sorts, reductions over changing shapes on three streams, 300 steps) under CuPy's
+#               MemoryPool, gpupool's compiled hook (gpupool.cupy.install()) and gpupool's Python
+#               route (install(compiled=False)), fresh processes alternating, 5 runs each
+#               (CUPY_MIXED_REPS): median seconds and the ratio to CuPy's, ns per cupy.empty and
+#               free, peak reserved, identical results, a silent exit with arrays alive;
+#               OUT/cupy_mixed.txt and .json (the package as the plugins section finds it)
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -159,7 +166,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins nccl"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl"
 # Every section but ab, which needs DIR/base, by default.
 sections=${GPU_SECTIONS:-${all_sections/ ab / }}
 sections=${sections//,/ }
@@ -648,6 +655,19 @@ if want plugins; then
   else
     echo "RMM skipped: no librmm wheel in $dir/wheels (scripts/gpu.sh prepare downloads it)"
   fi
+fi
+
+# CuPy's mixed workload under CuPy's pool and gpupool's two routes (issue 41).
+if want cupy; then
+  echo "== cupy: a mixed CuPy workload on three streams, CuPy's pool against gpupool"
+  pydir=build-gpu/python-cupy
+  rm -rf "$pydir"
+  wheel=$(ls "$dir"/wheels/gpupool-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$wheel" ] || ! python3 -m pip install --no-deps --no-index --target "$pydir" "$wheel" >"$out/cupy-install.log" 2>&1; then
+    pydir="$prefix/share/gpupool/python"
+  fi
+  PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}" python3 examples/python/cupy_mixed.py \
+    --reps "${CUPY_MIXED_REPS:-5}" --out "$out" 2>&1 | tee "$out/cupy_mixed.log" || status=1
 fi
 
 if want nccl; then

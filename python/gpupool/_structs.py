@@ -103,3 +103,13 @@ def flat_host_stats(s):
 def flat_tag(s):
     """A gpupool_tag_stats_t as {'bytes.current': ..., 'blocks.peak': ...}."""
     return {f"{n}.{f}": getattr(getattr(s, n), f) for n in ("bytes", "blocks") for f in _FIELDS}
+
+
+class CupyHook(ctypes.Structure):
+    """gpupool_cupy_hook_t (include/gpupool_plugins.h): the `param` of gpupool_cupy_hook_malloc,
+    CuPy's CFunctionAllocator malloc. Addresses: CuPy's C getter of its current stream (or 0,
+    `stream` then), CPython's PyErr_Occurred and PyErr_SetString, and the two exception types
+    (borrowed PyObject pointers: the allocator's owner keeps them alive)."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "current_stream", "stream", "err_occurred", "err_set_string", "out_of_memory", "error")]

@@ -78,7 +78,9 @@ class GpupoolNumbaManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
         return _cuda.MemoryPointer(self.context, ctypes.c_void_p(ptr), size, finalizer=self._finalizer(ptr))
 
     def _finalizer(self, ptr):
-        def release():
+        # free bound here: a block Numba frees while the interpreter exits finds the module's
+        # globals gone.
+        def release(free=free):
             with self._lock:
                 if self._defer_depth:
                     self._deferred.append(ptr)
@@ -95,7 +97,7 @@ class GpupoolNumbaManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
             return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
         ptr = host_malloc(max(size, 1))
 
-        def release():
+        def release(host_free=host_free):
             host_free(ptr)
 
         return _driver.PinnedMemory(self.context, ptr, size, finalizer=release)

@@ -110,6 +110,8 @@ int main(void) {
       (any_fn)gpupool_torch_malloc,
       (any_fn)gpupool_cupy_malloc,
       (any_fn)gpupool_cupy_free,
+      (any_fn)gpupool_cupy_hook_malloc,
+      (any_fn)gpupool_cupy_hook_free,
       (any_fn)gpupool_ort_alloc,
       (any_fn)gpupool_ort_free,
       (any_fn)gpupool_ort_empty_cache,

@@ -1,7 +1,7 @@
 //! The C API through the process-wide allocator, on the simulated device: the device calls and
 //! the pinned host calls fuzzed, the pinned hit path attacked through the exports, the
 //! history, segment observers, sleep's pinned mode, and the other frameworks' allocator
-//! functions. One test binary, a module per file.
+//! functions (CuPy's compiled hook: `cupy_hook.rs`). One test binary, a module per file.
 //!
 //! The process-wide allocator reads `GPUPOOL_*` once, at its first use, and each file sets them
 //! its own way: every test here runs in a process of its own, a child of this binary
@@ -11,6 +11,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod cupy_hook;
 mod fuzz;
 mod history;
 mod host_fuzz;

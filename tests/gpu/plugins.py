@@ -8,14 +8,16 @@ bytes); on gpupool it also requires that gpupool's statistics saw the framework'
 
 - cupy        CuPy on its default stream and on two streams of its own (matrix products,
               element-wise kernels, reductions, an FFT, arrays freed and made again each
-              step), through gpupool.cupy.install() (CuPy's current stream), and again through
-              install(stream=...) (gpupool's C functions under CFunctionAllocator); every
+              step), through gpupool.cupy.install() (CuPy's current stream, the compiled hook:
+              route() must say "hook", and the child's exit must print nothing), and again
+              through install(stream=...) (the hook on one stream); every
               array's bytes in gpupool's allocated bytes while it lives; pinned memory from
               gpupool's pinned cache
 - numba       a Numba kernel (saxpy and a reduction) on device arrays, with
               NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba against Numba's own manager
 - together    PyTorch, CuPy and Numba on gpupool in one process: one set of statistics counts
-              the blocks of all three, and empty_cache gives their cache back
+              the blocks of all three, and empty_cache gives their cache back; arrays of all
+              three alive at exit (a module's globals, a cycle), and nothing on stderr
 - onnxruntime a two-node model on the CUDA execution provider with gpupool's external
               allocator, where onnxruntime has that provider (the CPU package does not: said)
 
@@ -40,7 +42,9 @@ def run_child(check, allocator, extra_env=None):
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{check} on {allocator} failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr  # what the child printed there, at exit too
+    return result
 
 
 def digest(h, array):
@@ -88,6 +92,7 @@ def child_cupy(allocator):
         import gpupool
 
         gpupool.cupy.install()
+        result["route"] = gpupool.cupy.route()
     elif allocator == "gpupool-fixed-stream":
         import gpupool
 
@@ -206,6 +211,10 @@ def child_together(_allocator):
     result["after_free_mib"] = (gpupool.stats(0)["allocated_bytes.all.current"] - base) / MIB
     gpupool.empty_cache(0)
     result["reserved_after_empty_cache_mib"] = gpupool.stats(0)["reserved_bytes.all.current"] / MIB
+    # Alive at exit, in a module's globals and in a reference cycle: freed by the teardown.
+    gpupool._kept_at_exit = [torch.ones(1000, device="cuda"), cp.ones(1000), cuda.to_device(np.ones(1000))]
+    cycle = {"arrays": [torch.zeros(3000, device="cuda"), cp.zeros(3000)]}
+    cycle["self"] = cycle
     print(json.dumps(result))
 
 
@@ -271,6 +280,9 @@ def main():
     def cupy_check():
         own, ours = run_child("cupy", "cupy"), run_child("cupy", "gpupool")
         ok = own["sha256"] == ours["sha256"] and ours["allocations"] > 0 and ours["array_seen"]
+        report(ours["route"] == "hook", f"cupy route: {ours['route']} (the compiled hook, 'hook', expected)")
+        # Arrays (and cuFFT plans' work areas) alive at exit go back without a word.
+        report(not ours["stderr"], f"cupy exit: {'silent' if not ours['stderr'] else 'NOT silent: ' + ours['stderr'][-300:]}")
         report(ok, f"cupy (current stream, 3 streams): {'identical' if own['sha256'] == ours['sha256'] else 'DIFFERENT'} "
                    f"results under CuPy's pool and gpupool ({ours['sha256'][:16]}); gpupool served "
                    f"{ours['allocations']} allocations, peak {ours['peak_mib']:.1f} MiB; a 1,000,003-byte array "
@@ -297,6 +309,8 @@ def main():
         r = run_child("together", "gpupool")
         ok = r["allocated_mib"] >= 14 and r["after_free_mib"] == 0 and r["reserved_after_empty_cache_mib"] == 0 \
             and r["sum"] == float(8 * MIB // 4 + 4 * MIB // 4 + 2 * MIB // 4)
+        report(not r["stderr"], f"together exit (PyTorch, CuPy and Numba arrays alive): "
+                                f"{'silent' if not r['stderr'] else 'NOT silent: ' + r['stderr'][-300:]}")
         report(ok, f"together (PyTorch 8 MiB, CuPy 4 MiB, Numba 2 MiB on one gpupool): {r['allocated_mib']:.2f} MiB "
                    f"allocated, {r['after_free_mib']:.2f} MiB after the frees, {r['reserved_after_empty_cache_mib']:.2f} "
                    f"MiB reserved after empty_cache")
