@@ -30,7 +30,9 @@
 //!
 //! Its options are `GPUPOOL_PRELOAD_MODE`, `GPUPOOL_PRELOAD_SYNC_BYTES` and
 //! `GPUPOOL_PRELOAD_STATS`, read with gpupool's own options by the one reader of
-//! `gpupool::config`, whose list gives their syntax and defaults. A value that does not parse
+//! `gpupool::config`, whose list gives their syntax and defaults; gpupool's own apply to the
+//! shim's allocator too (`GPUPOOL_RECORD_HISTORY` with `GPUPOOL_SNAPSHOT_AT_EXIT` writes a
+//! snapshot for PyTorch's viewer at exit). A value that does not parse
 //! stops gpupool from starting: every call then passes through to CUDA, and the reason is
 //! written to stderr once.
 //!
