@@ -19,6 +19,7 @@
 //! | `cuMemFreeAsync_ptsz` (the per-thread default stream's) | the pointer is gpupool's (NULL stream: as `cuMemFree`) | the real function |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2`, `cuGetProcAddress_v2_ptsz` | always: the real lookup, with gpupool's functions returned for the driver symbols above (`cuMemAllocAsync` not for the per-thread default stream) | - |
 //! | `cudaGetDriverEntryPoint`, `cudaGetDriverEntryPointByVersion` and their `_ptsz` twins | always: the runtime's lookup, with gpupool's functions returned as by `cuGetProcAddress` | - |
+//! | `cuMemCreate` | never: counted for the exit report, then the real function (memory a program maps itself, as ggml's VMM pool does) | - |
 //! | `dlsym` | a driver or runtime function above that glibc finds in a `libcuda.so*` or `libcudart.so*` (a handle opened by any name or path, or of a library that links it): the shim's function | glibc's, unchanged (`RTLD_DEFAULT`, `RTLD_NEXT` too) |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without
@@ -83,8 +84,8 @@
 //! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
 //! caught, and so is one that opens the driver itself (`dlopen("libcuda.so.1")`, then `dlsym`
 //! and `cuGetProcAddress`, as XLA does; x86-64 glibc only, see `dlsym.rs`), and one that
-//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
-//! other allocation functions are not interposed; their frees pass through.
+//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch` and the
+//! other allocation functions are not interposed (`cuMemCreate` only counted); their frees pass through.
 //!
 //! ## Statistics at exit
 //!
@@ -104,3 +105,4 @@ mod driver_api;
 mod lookups;
 mod runtime_api;
 mod shim;
+mod vmm;

@@ -70,7 +70,7 @@ static long capture_end(void) {
 
 /* The frees of `test_preload report`, run by check_exit_report in a child process with
  * GPUPOOL_PRELOAD_STATS=on: one taken and two refused by cudaFree, one taken and one refused by
- * cudaFreeAsync. Its exit report goes to stderr, which the parent reads. */
+ * cudaFreeAsync; and one cuMemCreate. Its exit report goes to stderr, which the parent reads. */
 static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_fn cuda_malloc_async,
                         free_async_fn cuda_free_async) {
   void *p = NULL, *a = NULL;
@@ -81,6 +81,12 @@ static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_f
   CHECK(cuda_malloc_async(&a, 1 << 20, (void *)0x10) == 0);
   CHECK(cuda_free_async(a, (void *)0x20) == 0);
   CHECK(cuda_free_async(a, (void *)0x20) == 1);
+  /* cuMemCreate, as ggml's VMM pool calls it: the driver's (none here: not initialised, 3),
+   * counted in the report. */
+  int (*cu_mem_create)(unsigned long long *, size_t, const void *, unsigned long long) = NULL;
+  LOOKUP(cu_mem_create, "cuMemCreate");
+  unsigned long long handle = 0;
+  CHECK(cu_mem_create != NULL && cu_mem_create(&handle, 2 * MIB, NULL, 0) == 3);
   return checks_report("test_preload (exit report child)");
 }
 
@@ -132,6 +138,7 @@ static void check_exit_report(void) {
   CHECK(strstr(report, "gpupool_preload: served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync\n"
                        "gpupool_preload: 1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered "
                        "frees\n") != NULL);
+  CHECK(strstr(report, "gpupool_preload: passed through 1 cuMemCreate (0 MiB created)\n") != NULL);
   CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
   CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
