@@ -108,6 +108,11 @@
  * - GPUPOOL_LIVE_REPORT_AT_EXIT (boolean; default `off`): At exit, print the live report of
  *   each device used (stderr): its allocated blocks grouped by tag and by call stack, largest
  *   first, as `gpupool_live_report` prints it; what a leak hunt reads
+ * - GPUPOOL_SNAPSHOT_AT_EXIT (a file's path; default unset): At exit, write the snapshot of
+ *   every device used to this file, as `gpupool_dump_snapshot` writes it (PyTorch's pickle,
+ *   with the history `GPUPOOL_RECORD_HISTORY` recorded): how a program that never calls
+ *   gpupool, run under the LD_PRELOAD shim, gets one. A file that cannot be written: one line
+ *   on stderr naming it
  * - GPUPOOL_CONF (PyTorch's configuration string, `key:value,key:value`; default empty): the
  *   allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native
  *   backend (docs/configuration.md lists the keys; `gpupool_set_config` sets them at run time);

@@ -17,7 +17,8 @@
 #                                  DIR/traces; logs go to OUT (default DIR/out), the recorded
 #                                  traces to OUT/traces
 #
-# GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all but ab):
+# GPU_SECTIONS picks what `run` does, names separated by spaces or commas (default: all but ab
+# and llama):
 #   rust        the Rust tests (simulated device)
 #   c           the C API tests on the real driver
 #   ipc         tests/c/test_ipc.c on the GPU (memory shared between processes: a producer and
@@ -100,6 +101,12 @@
 #               (CUPY_MIXED_REPS): median seconds and the ratio to CuPy's, ns per cupy.empty and
 #               free, peak reserved, identical results, a silent exit with arrays alive;
 #               OUT/cupy_mixed.txt and .json (the package as the plugins section finds it)
+#   llama       llama.cpp's CUDA backend (built here from DIR/llama.tar.gz, which
+#               scripts/llama_src.sh makes, with ggml's VMM pool and with its legacy pool) on a
+#               random Llama model: greedy generation without the shim and under it, the same
+#               tokens required, tokens/s, peak device memory, what the shim served, and its
+#               snapshot at exit read as PyTorch's (scripts/gpu_llama.sh); OUT/llama.log,
+#               OUT/llama-runs.log, OUT/llama-*.pickle
 #   replay      gpupool-replay --driver cuda on DIR/traces/llama_decode.txt.gz, with the
 #               defaults (expandable segments) and with expandable_segments:False (PyTorch's
 #               ordinary segments), then the same on the simulated
@@ -166,9 +173,10 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl"
-# Every section but ab, which needs DIR/base, by default.
-sections=${GPU_SECTIONS:-${all_sections/ ab / }}
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
+# Every section but ab, which needs DIR/base, and llama (minutes of building), by default.
+default_sections=${all_sections/ ab / }
+sections=${GPU_SECTIONS:-${default_sections% llama}}
 sections=${sections//,/ }
 for s in $sections; do
   case " $all_sections " in
@@ -184,7 +192,8 @@ want() { case " $sections " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$out" build-gpu
 prefix=$(cd "$dir/prefix" && pwd)
 export GPUPOOL_DRIVER=cuda
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" ||
+  echo "no nvidia-smi here"
 status=0
 
 if want rust; then
@@ -695,5 +704,8 @@ if want nccl; then
     echo "examples/cpp/nccl_register.cpp did not build (see nccl-build.log)"
     status=1
   fi
+fi
+if want llama; then
+  source scripts/gpu_llama.sh
 fi
 exit $status

@@ -34,7 +34,7 @@ type GetProcV2Fn = unsafe extern "C" fn(
 ) -> c_int;
 
 /// Whether `libcuda.so` can be opened (as cudarc looks for it), checked once.
-fn have_libcuda() -> bool {
+pub(crate) fn have_libcuda() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only opens and closes the library; nothing is called through it.
     *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })

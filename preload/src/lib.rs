@@ -19,6 +19,7 @@
 //! | `cuMemFreeAsync_ptsz` (the per-thread default stream's) | the pointer is gpupool's (NULL stream: as `cuMemFree`) | the real function |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2`, `cuGetProcAddress_v2_ptsz` | always: the real lookup, with gpupool's functions returned for the driver symbols above (`cuMemAllocAsync` not for the per-thread default stream) | - |
 //! | `cudaGetDriverEntryPoint`, `cudaGetDriverEntryPointByVersion` and their `_ptsz` twins | always: the runtime's lookup, with gpupool's functions returned as by `cuGetProcAddress` | - |
+//! | `cuMemCreate` | never: counted for the exit report, then the real function (memory a program maps itself, as ggml's VMM pool does) | - |
 //! | `dlsym` | a driver or runtime function above that glibc finds in a `libcuda.so*` or `libcudart.so*` (a handle opened by any name or path, or of a library that links it): the shim's function | glibc's, unchanged (`RTLD_DEFAULT`, `RTLD_NEXT` too) |
 //!
 //! Everything else is the real library's: the shim defines nothing else. On a machine without
@@ -30,7 +31,9 @@
 //!
 //! Its options are `GPUPOOL_PRELOAD_MODE`, `GPUPOOL_PRELOAD_SYNC_BYTES` and
 //! `GPUPOOL_PRELOAD_STATS`, read with gpupool's own options by the one reader of
-//! `gpupool::config`, whose list gives their syntax and defaults. A value that does not parse
+//! `gpupool::config`, whose list gives their syntax and defaults; gpupool's own apply to the
+//! shim's allocator too (`GPUPOOL_RECORD_HISTORY` with `GPUPOOL_SNAPSHOT_AT_EXIT` writes a
+//! snapshot for PyTorch's viewer at exit). A value that does not parse
 //! stops gpupool from starting: every call then passes through to CUDA, and the reason is
 //! written to stderr once.
 //!
@@ -81,8 +84,8 @@
 //! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
 //! caught, and so is one that opens the driver itself (`dlopen("libcuda.so.1")`, then `dlsym`
 //! and `cuGetProcAddress`, as XLA does; x86-64 glibc only, see `dlsym.rs`), and one that
-//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
-//! other allocation functions are not interposed; their frees pass through.
+//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch` and the
+//! other allocation functions are not interposed (`cuMemCreate` only counted); their frees pass through.
 //!
 //! ## Statistics at exit
 //!
@@ -102,3 +105,4 @@ mod driver_api;
 mod lookups;
 mod runtime_api;
 mod shim;
+mod vmm;

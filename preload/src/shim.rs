@@ -329,6 +329,12 @@ impl Shim {
                 n(&c.refused_async_frees)
             ),
             format!("passed through {} allocations and {} frees", n(&c.passed_allocs), n(&c.passed_frees)),
+            // Memory the program maps itself (ggml's VMM pool), beside gpupool's.
+            format!(
+                "passed through {} cuMemCreate ({} MiB created)",
+                n(&crate::lookups::VMM_CREATES),
+                n(&crate::lookups::VMM_BYTES) >> 20
+            ),
             // dlsym of the driver and runtime, cuGetProcAddress, cudaGetDriverEntryPoint(ByVersion).
             format!(
                 "CUDA lookups: served {}, passed through {}",

@@ -55,6 +55,7 @@
 //! | `GPUPOOL_SLEEP_HUGE_PAGES` | boolean | `on` | `gpupool_sleep` with offload: the host copy (ordinary memory, an anonymous mapping unmapped at `gpupool_wake`) asks for transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults when it is first written |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
+//! | `GPUPOOL_SNAPSHOT_AT_EXIT` | a file's path | unset | At exit, write the snapshot of every device used to this file, as `gpupool_dump_snapshot` writes it (PyTorch's pickle, with the history `GPUPOOL_RECORD_HISTORY` recorded): how a program that never calls gpupool, run under the LD_PRELOAD shim, gets one. A file that cannot be written: one line on stderr naming it |
 //! | `GPUPOOL_CONF` | PyTorch's configuration string, `key:value,key:value` | empty | the allocator's settings, as `PYTORCH_CUDA_ALLOC_CONF` holds them for PyTorch 2.11's native backend (the keys are listed below); an unknown key or a bad value is an error naming it |
 //!
 //! A new option is a row of [`OPTIONS`] and a field of [`Config`].
@@ -226,6 +227,10 @@ pub struct Config {
     /// The process-wide allocator prints the live report of each device it used to stderr at
     /// exit (`GPUPOOL_LIVE_REPORT_AT_EXIT`; see [`Allocator::live_report`](crate::Allocator::live_report)).
     pub live_report_at_exit: bool,
+    /// The file the process-wide allocator writes its snapshot to at exit
+    /// (`GPUPOOL_SNAPSHOT_AT_EXIT`; `None`, the default: none is written). A `&'static str`
+    /// so that the config stays cheap to copy around; the reader leaks the text once.
+    pub snapshot_at_exit: Option<&'static str>,
     /// Bytes of each pinned staging buffer of sleep and wake with offload
     /// (`GPUPOOL_SLEEP_CHUNK`, 32 MiB; see `caching::sleep::staging`).
     pub sleep_chunk: usize,
@@ -268,6 +273,7 @@ impl Default for Config {
             release_unused_streams: false,
             record_history: None,
             live_report_at_exit: false,
+            snapshot_at_exit: None,
             sleep_chunk: 32 * MIB,
             sleep_buffers: 4,
             sleep_threads: 0,

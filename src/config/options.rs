@@ -22,6 +22,9 @@ pub enum Kind {
     /// left out, PyTorch's default) and which frames they hold (`all`, `python`, `native`; `all`
     /// when left out).
     History,
+    /// A file's path: any text that does not end with `/` (a folder's). Not read as a path
+    /// until it is used; UTF-8 only, as every value.
+    Path,
 }
 
 /// An option's value, as [`Kind`] reads it.
@@ -37,6 +40,9 @@ pub enum Value {
     Word(&'static str),
     /// History settings (`None`: off).
     History(Option<HistorySettings>),
+    /// A path (`None`: unset). The text lives as long as the process: [`Kind::parse`] leaks
+    /// it, which costs its bytes once per read of the option (once per process, outside tests).
+    Path(Option<&'static str>),
 }
 
 /// One option: a row of [`OPTIONS`].
@@ -55,7 +61,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 18] = [
+pub static OPTIONS: [Opt; 19] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -230,6 +236,21 @@ pub static OPTIONS: [Opt; 18] = [
               by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads",
         set: |c, v| c.live_report_at_exit = v == Value::Bool(true),
         get: |c| Value::Bool(c.live_report_at_exit),
+    },
+    Opt {
+        name: "GPUPOOL_SNAPSHOT_AT_EXIT",
+        kind: Kind::Path,
+        default: Value::Path(None),
+        doc: "At exit, write the snapshot of every device used to this file, as `gpupool_dump_snapshot` writes it \
+              (PyTorch's pickle, with the history `GPUPOOL_RECORD_HISTORY` recorded): how a program that never \
+              calls gpupool, run under the LD_PRELOAD shim, gets one. A file that cannot be written: one line on \
+              stderr naming it",
+        set: |c, v| {
+            if let Value::Path(p) = v {
+                c.snapshot_at_exit = p;
+            }
+        },
+        get: |c| Value::Path(c.snapshot_at_exit),
     },
 ];
 

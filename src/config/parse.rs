@@ -25,6 +25,9 @@ impl Kind {
             },
             Kind::Word(words) => words.iter().find(|w| w.eq_ignore_ascii_case(text)).map(|&w| Value::Word(w)),
             Kind::History => parse_history(text).map(Value::History),
+            // Leaked: the value lives with the Config, which holds `&'static str`s (module
+            // `options`, `Value::Path`).
+            Kind::Path => (!text.ends_with('/')).then(|| Value::Path(Some(String::from(text).leak()))),
         }
     }
 
@@ -48,6 +51,7 @@ impl Kind {
                               100000:alloc or 100000:all:python (contexts none, state, alloc, all; frames all, \
                               python, native; all when left out)"
                 .to_string(),
+            Kind::Path => "a file's path (not a folder's: it ends with /)".to_string(),
         }
     }
 
@@ -65,6 +69,8 @@ impl Kind {
                 format!("{}:{}", h.max_entries, h.context.name())
             }
             (_, Value::History(Some(h))) => format!("{}:{}:{}", h.max_entries, h.context.name(), h.stacks.name()),
+            // Unset: empty, which reads back as unset.
+            (_, Value::Path(p)) => p.unwrap_or_default().to_string(),
         }
     }
 }

@@ -39,7 +39,11 @@ fn rows(keys: &str) -> Vec<Row> {
         .iter()
         .map(|opt| {
             let d = opt.kind.show(opt.default);
-            let default = if opt.default == Value::Size(usize::MAX) { d } else { format!("`{d}`") };
+            let default = match opt.default {
+                Value::Size(usize::MAX) => d,
+                Value::Path(None) => "unset".to_string(),
+                _ => format!("`{d}`"),
+            };
             Row { name: opt.name, kind: opt.kind.describe(), default, doc: opt.doc.to_string() }
         })
         .collect();
@@ -62,6 +66,7 @@ impl Kind {
             Kind::Bool => "boolean".to_string(),
             Kind::Word(words) => words.iter().map(|w| format!("`{w}`")).collect::<Vec<_>>().join(" or "),
             Kind::History => "`off` or `<max_entries>[:<context>[:<stacks>]]`".to_string(),
+            Kind::Path => "a file's path".to_string(),
         }
     }
 }

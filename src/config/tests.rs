@@ -205,6 +205,7 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
         ("GPUPOOL_SLEEP_HUGE_PAGES", "2M", "a boolean"),
         ("GPUPOOL_RECORD_HISTORY", "100000:stacks", "100000:alloc"),
         ("GPUPOOL_LIVE_REPORT_AT_EXIT", "later", "a boolean"),
+        ("GPUPOOL_SNAPSHOT_AT_EXIT", "/tmp/snapshots/", "not a folder's"),
     ];
     assert_eq!(cases.len(), OPTIONS.len());
     for (name, value, want) in cases {
@@ -248,6 +249,23 @@ fn history_settings_parse() {
 }
 
 #[test]
+fn the_snapshot_path_is_kept_as_written_and_a_folder_is_refused() {
+    let p = |t: &str| one("GPUPOOL_SNAPSHOT_AT_EXIT", t).map(|c| c.snapshot_at_exit);
+    assert_eq!(p(""), Ok(None));
+    assert_eq!(p("   "), Ok(None));
+    assert_eq!(p(" out/run 1.pickle "), Ok(Some("out/run 1.pickle")), "inner spaces kept, outer ones trimmed");
+    assert_eq!(p("snapshot"), Ok(Some("snapshot")));
+    for bad in ["/", "out/", "./"] {
+        let e = p(bad).unwrap_err();
+        let m = e.message();
+        assert!(m.contains("GPUPOOL_SNAPSHOT_AT_EXIT") && m.contains("not a folder's"), "{bad}: {m}");
+    }
+    assert!(p("a\tb").is_err(), "a tab is refused, as in every value");
+    let c = one("GPUPOOL_SNAPSHOT_AT_EXIT", "x.pickle").unwrap();
+    assert!(c.options_text().contains("\nGPUPOOL_SNAPSHOT_AT_EXIT=x.pickle\n"), "{}", c.options_text());
+}
+
+#[test]
 fn options_text_shows_every_option_with_its_value() {
     let c = Config::from_lookup(table(&[
         ("GPUPOOL_DRIVER", "sim"),
@@ -276,6 +294,7 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_SLEEP_HUGE_PAGES=on (default)\n\
          GPUPOOL_RECORD_HISTORY=off (default)\n\
          GPUPOOL_LIVE_REPORT_AT_EXIT=off (default)\n\
+         GPUPOOL_SNAPSHOT_AT_EXIT= (default)\n\
          GPUPOOL_CONF=backend:native,large_segment_size_mb:20,max_split_size_mb:17592186044415,\
          max_non_split_rounding_mb:20,roundup_power2_divisions:[1:0,>:0],expandable_segments:True,\
          release_lock_on_cudamalloc:False,per_process_memory_fraction:1,\
@@ -287,10 +306,12 @@ fn options_text_shows_every_option_with_its_value() {
     assert!(last.starts_with("GPUPOOL_CONF=backend:native,"), "{last}");
     assert!(last.contains(",max_split_size_mb:64,") && last.contains(",expandable_segments:False,"), "{last}");
     assert!(!last.ends_with("(default)"), "{last}");
-    // Every shown value reads back to itself.
+    // Every shown value reads back to itself; an unset path, shown empty, as unset.
     for o in &OPTIONS {
         for v in [o.default, o.get(&c)] {
-            if v != Value::Size(usize::MAX) {
+            if v == Value::Path(None) {
+                assert_eq!(o.parse_text(o.name, &o.kind.show(v)), Ok(None), "{}", o.name);
+            } else if v != Value::Size(usize::MAX) {
                 assert_eq!(o.parse_text(o.name, &o.kind.show(v)), Ok(Some(v)), "{}", o.name);
             }
         }

@@ -173,17 +173,37 @@ pub unsafe extern "C-unwind" fn gpupool_dump_snapshot(path: *const c_char) -> gp
         }
         // SAFETY: non-NULL and NUL-terminated, per this function's contract.
         let path = std::path::Path::new(std::ffi::OsStr::from_bytes(unsafe { CStr::from_ptr(path) }.to_bytes()));
-        let allocator = &runtime()?.allocator;
-        let cannot = |e: std::io::Error| {
-            Error::InvalidValue(format!("the snapshot cannot be written to {}: {e}", path.display()))
-        };
-        // Created first: a path that cannot be written takes no snapshot (and records no
-        // `snapshot` event).
-        let file = std::fs::File::create(path).map_err(cannot)?;
-        let mut out = std::io::BufWriter::new(file);
-        allocator.snapshot()?.write_pickle(&mut out).map_err(|e| {
-            Error::InvalidValue(format!("the snapshot cannot be written to {}: {}", path.display(), e.message()))
-        })?;
-        out.flush().map_err(cannot)
+        write_snapshot(&runtime()?.allocator, path)
     })
+}
+
+/// Writes `allocator`'s snapshot to `path` (created or replaced), as `gpupool_dump_snapshot`
+/// does; its errors are that function's.
+fn write_snapshot(allocator: &crate::Allocator, path: &std::path::Path) -> Result<(), Error> {
+    let cannot =
+        |e: std::io::Error| Error::InvalidValue(format!("the snapshot cannot be written to {}: {e}", path.display()));
+    // Created first: a path that cannot be written takes no snapshot (and records no
+    // `snapshot` event).
+    let file = std::fs::File::create(path).map_err(cannot)?;
+    let mut out = std::io::BufWriter::new(file);
+    allocator.snapshot()?.write_pickle(&mut out).map_err(|e| {
+        Error::InvalidValue(format!("the snapshot cannot be written to {}: {}", path.display(), e.message()))
+    })?;
+    out.flush().map_err(cannot)
+}
+
+/// `GPUPOOL_SNAPSHOT_AT_EXIT`: registered with `atexit` when the process-wide allocator starts
+/// with it set; writes the snapshot of every device used to that file, as
+/// `gpupool_dump_snapshot` would (under the LD_PRELOAD shim too, whose allocator this is).
+/// Reads gpupool's own state only and calls nothing in CUDA, which may have shut down by then.
+/// A file that cannot be written: one line on stderr naming it and why. A panic stops here (no
+/// unwinding into libc).
+pub(crate) extern "C" fn snapshot_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let Ok(rt) = runtime() else { return };
+        let Some(path) = rt.allocator.config().snapshot_at_exit else { return };
+        if let Err(e) = write_snapshot(&rt.allocator, std::path::Path::new(path)) {
+            let _ = writeln!(std::io::stderr(), "gpupool: GPUPOOL_SNAPSHOT_AT_EXIT: {}", e.message());
+        }
+    });
 }

@@ -208,11 +208,16 @@ pub(crate) fn runtime() -> Result<&'static Runtime, Error> {
     let rt = RUNTIME.get_or_init(|| {
         let config = Config::from_env()?;
         let report_at_exit = config.live_report_at_exit;
+        let snapshot_at_exit = config.snapshot_at_exit.is_some();
         let (allocator, sim) = Allocator::from_config(config)?;
         if report_at_exit {
             // SAFETY: registers a function of the signature `atexit` takes; it touches only
             // the process-wide allocator, a static that outlives every `atexit` handler.
             unsafe { libc::atexit(tags::live_report_at_exit) };
+        }
+        if snapshot_at_exit {
+            // SAFETY: as above.
+            unsafe { libc::atexit(history::snapshot_at_exit) };
         }
         Ok(Runtime { allocator, sim })
     });

@@ -70,7 +70,7 @@ static long capture_end(void) {
 
 /* The frees of `test_preload report`, run by check_exit_report in a child process with
  * GPUPOOL_PRELOAD_STATS=on: one taken and two refused by cudaFree, one taken and one refused by
- * cudaFreeAsync. Its exit report goes to stderr, which the parent reads. */
+ * cudaFreeAsync; and one cuMemCreate. Its exit report goes to stderr, which the parent reads. */
 static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_fn cuda_malloc_async,
                         free_async_fn cuda_free_async) {
   void *p = NULL, *a = NULL;
@@ -81,19 +81,64 @@ static int report_child(malloc_fn cuda_malloc, free_fn cuda_free, malloc_async_f
   CHECK(cuda_malloc_async(&a, 1 << 20, (void *)0x10) == 0);
   CHECK(cuda_free_async(a, (void *)0x20) == 0);
   CHECK(cuda_free_async(a, (void *)0x20) == 1);
+  /* cuMemCreate, as ggml's VMM pool calls it: the driver's (none here: not initialised, 3),
+   * counted in the report. */
+  int (*cu_mem_create)(unsigned long long *, size_t, const void *, unsigned long long) = NULL;
+  LOOKUP(cu_mem_create, "cuMemCreate");
+  unsigned long long handle = 0;
+  CHECK(cu_mem_create != NULL && cu_mem_create(&handle, 2 * MIB, NULL, 0) == 3);
   return checks_report("test_preload (exit report child)");
+}
+
+/* Whether the `len` bytes at `data` hold the `n` bytes of `what`. */
+static int holds(const char *data, size_t len, const char *what) {
+  size_t n = strlen(what);
+  for (size_t i = 0; i + n <= len; i++)
+    if (memcmp(data + i, what, n) == 0) return 1;
+  return 0;
+}
+
+/* The snapshot the report child wrote at exit: PyTorch's pickle (protocol 2 or later, opcode
+ * PROTO first) with the keys its viewer reads and the child's allocations and frees in the
+ * trace (tests/capi/history.rs reads one back value by value). */
+static void check_snapshot_file(const char *path) {
+  static char data[1 << 16];
+  FILE *f = fopen(path, "rb");
+  CHECK(f != NULL);
+  if (!f) return;
+  size_t len = fread(data, 1, sizeof data, f);
+  fclose(f);
+  CHECK(len > 2 && (unsigned char)data[0] == 0x80);
+  /* No free_completed: in the safe mode the child's cudaFree waits for a device synchronisation. */
+  const char *keys[] = {"segments", "device_traces", "segment_map", "alloc", "free_requested"};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+    CHECK(holds(data, len, keys[i]));
+    if (!holds(data, len, keys[i])) fprintf(stderr, "no %s in %s\n", keys[i], path);
+  }
 }
 
 /* Runs this program as `test_preload report` under the same LD_PRELOAD with
  * GPUPOOL_PRELOAD_STATS=on, and checks its exit report: a free is counted only when gpupool
- * took it, a refused one apart. */
+ * took it, a refused one apart; and the snapshot it writes at exit (GPUPOOL_SNAPSHOT_AT_EXIT). */
 static void check_exit_report(void) {
   static char report[1 << 16];
+  /* The child also records its history and writes its snapshot at exit (the shim's allocator is
+   * the process-wide one, whose GPUPOOL_SNAPSHOT_AT_EXIT this is). */
+  char snapshot[128];
+  snprintf(snapshot, sizeof snapshot, "/tmp/gpupool_test_preload_%d.pickle", (int)getpid());
+  remove(snapshot);
+  setenv("GPUPOOL_RECORD_HISTORY", "1000:none", 1);
+  setenv("GPUPOOL_SNAPSHOT_AT_EXIT", snapshot, 1);
   CHECK(child_report("test_preload", report, sizeof report));
+  unsetenv("GPUPOOL_RECORD_HISTORY");
+  unsetenv("GPUPOOL_SNAPSHOT_AT_EXIT");
+  check_snapshot_file(snapshot);
+  remove(snapshot);
   int before = checks_failed;
   CHECK(strstr(report, "gpupool_preload: served 1 cudaMalloc, 1 cudaMallocAsync, 0 cuMemAlloc, 0 cuMemAllocAsync\n"
                        "gpupool_preload: 1 frees, 1 stream-ordered frees; refused 2 frees and 1 stream-ordered "
                        "frees\n") != NULL);
+  CHECK(strstr(report, "gpupool_preload: passed through 1 cuMemCreate (0 MiB created)\n") != NULL);
   CHECK(strstr(report, "gpupool_preload: option GPUPOOL_PRELOAD_STATS=on\n") != NULL);
   CHECK(strstr(report, "gpupool memory summary, device ID 0") != NULL);
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);

@@ -116,3 +116,83 @@ fn the_c_api_records_from_the_start_dumps_and_stops() {
     assert_eq!(list(get(&snap, "segments")).len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Set in the child process of `the_snapshot_at_exit_is_written_when_the_process_exits`: its
+/// body runs only there. Not a `GPUPOOL_*` name: the library warns about unknown ones.
+const AT_EXIT_CHILD: &str = "TEST_SNAPSHOT_AT_EXIT_CHILD";
+
+/// The child's body: a block of 3000 bytes left allocated, one of 1000 freed, then the process
+/// exits, and `GPUPOOL_SNAPSHOT_AT_EXIT` writes the snapshot.
+#[test]
+fn snapshot_at_exit_child() {
+    if std::env::var_os(AT_EXIT_CHILD).is_none() {
+        return;
+    }
+    let (mut kept, mut freed): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: each is storage for one pointer; `freed` is freed once, `kept` never.
+    unsafe {
+        assert_eq!(gpupool_malloc(&mut kept, 3000, 0, std::ptr::null_mut()), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_malloc(&mut freed, 1000, 0, std::ptr::null_mut()), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_free(freed), GPUPOOL_SUCCESS);
+    }
+    println!("kept {}", kept as usize);
+}
+
+/// Runs `snapshot_at_exit_child` in a process of its own with `GPUPOOL_SNAPSHOT_AT_EXIT=path`;
+/// returns its stdout and stderr, after checking that it passed.
+fn run_at_exit_child(path: &std::path::Path) -> (String, String) {
+    let name = common::process::test_path(module_path!(), "snapshot_at_exit_child");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", &name, "--test-threads=1", "--nocapture"])
+        .env(AT_EXIT_CHILD, "1")
+        .env("GPUPOOL_DRIVER", "sim")
+        .env("GPUPOOL_SIM_CAPACITY", "256MiB")
+        .env("GPUPOOL_RECORD_HISTORY", "1000:alloc")
+        .env("GPUPOOL_SNAPSHOT_AT_EXIT", path)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("1 passed"), "the child failed: {stdout}\n{stderr}");
+    (stdout.into_owned(), stderr.into_owned())
+}
+
+#[test]
+fn the_snapshot_at_exit_is_written_when_the_process_exits() {
+    let dir = std::env::temp_dir().join(format!("gpupool-snapshot-at-exit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("at exit.pickle");
+    let (stdout, _) = run_at_exit_child(&path);
+    // libtest prints the test's name on the same line, before what the test prints.
+    let kept = stdout.lines().find_map(|l| l.split_once("kept ")).expect("the child's block").1;
+    let kept: i64 = kept.split_whitespace().next().unwrap().parse().unwrap();
+    let bytes = std::fs::read(&path).expect("the child wrote the snapshot at exit");
+    let snap = serde_pickle::value_from_slice(&bytes, DeOptions::new().replace_recursive_structures()).unwrap();
+    let trace = list(&list(get(&snap, "device_traces"))[0]).clone();
+    let actions: Vec<_> = trace.iter().map(|e| get(e, "action").clone()).collect();
+    let s = |a: &str| Value::String(a.into());
+    assert_eq!(
+        actions,
+        [s("segment_map"), s("alloc"), s("alloc"), s("free_requested"), s("free_completed"), s("snapshot")]
+    );
+    assert_eq!(get(&trace[1], "addr"), &Value::I64(kept));
+    // The block left allocated is in the snapshot's segment, active.
+    let segments = list(get(&snap, "segments"));
+    assert_eq!(segments.len(), 1);
+    let active: Vec<_> = list(get(&segments[0], "blocks"))
+        .iter()
+        .filter(|b| get(b, "state") == &s("active_allocated"))
+        .map(|b| get(b, "address").clone())
+        .collect();
+    assert_eq!(active, [Value::I64(kept)]);
+
+    // A file that cannot be written: the child still exits 0, and says why on stderr.
+    let nowhere = dir.join("no/such/dir/x.pickle");
+    let (_, stderr) = run_at_exit_child(&nowhere);
+    assert!(
+        stderr.contains("gpupool: GPUPOOL_SNAPSHOT_AT_EXIT: the snapshot cannot be written to")
+            && stderr.contains("no/such/dir"),
+        "{stderr}"
+    );
+    assert!(!nowhere.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
