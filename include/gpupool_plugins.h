@@ -91,10 +91,10 @@ extern "C" {
  * size, device_id, param)`.
  *
  * CuPy calls it with its current device and never with `size` 0. The allocator has no stream
- * argument, so the stream is fixed when the allocator is made: `gpupool.cupy.install(stream=s)`
- * passes `s.ptr`. CuPy's own memory pool follows CuPy's current stream instead, which only
- * Python can read: `gpupool.cupy.install()` without a stream does that through CuPy's
- * `PythonFunctionAllocator` and `gpupool_malloc`.
+ * argument, so the stream is fixed when the allocator is made, for C code that runs CuPy on
+ * one stream. CuPy's own memory pool follows CuPy's current stream instead:
+ * [`gpupool_cupy_hook_malloc`] does that (`gpupool.cupy.install()`, and `install(stream=s)`
+ * with the stream in its `gpupool_cupy_hook_t`).
  *
  * Returns NULL on failure (out of memory, a bad device), after writing gpupool's message to
  * stderr. CuPy 14's `CFunctionAllocator` does not check for NULL: the array's first use then

@@ -62,7 +62,9 @@ fi
 step "C tests (CTest, simulated device), built over target/"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUPOOL_BUILD_TESTS=ON -DGPUPOOL_CARGO_DIR="$PWD/target" >/dev/null
 cmake --build build -j"$jobs"
-ctest --test-dir build --output-on-failure
+# In parallel, a test a core: every C test runs its own process on its own simulated device, and
+# the hit path's budget counts instructions (callgrind), which other processes do not change.
+ctest --test-dir build --output-on-failure -j"$jobs"
 if command -v valgrind >/dev/null 2>&1; then
   step "C API tests under valgrind"
   # Only memory lost for good fails (see c_thread_exit in tests/c/CMakeLists.txt): the
