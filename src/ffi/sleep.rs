@@ -30,7 +30,7 @@ pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
 /// after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
 /// wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
 /// memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
-/// three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+/// three times the copy's time, unless `gpupool_sleep_prepare` did it beforehand. The pool's live bytes stay pinned in host memory while it is
 /// awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
 /// `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
 /// keeps them. For engines that sleep and wake the same weights again and again (vLLM's
