@@ -167,7 +167,7 @@
  * after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
  * wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
  * memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
- * three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+ * three times the copy's time, unless `gpupool_sleep_prepare` did it beforehand. The pool's live bytes stay pinned in host memory while it is
  * awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
  * `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
  * keeps them. For engines that sleep and wake the same weights again and again (vLLM's
@@ -1357,8 +1357,9 @@ gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
  * of memory, so that memory freed by one shape can serve another: pages of 2 MiB, of 20 MiB and
  * more for requests of 20 MiB and more (`GPUPOOL_EXPANDABLE_LARGE_PAGES`,
  * `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`, `GPUPOOL_EXPANDABLE_RECLAIM`; docs/fragmentation.md).
- * They take no call of their own. `gpupool_largest_allocatable` says how large a request would
- * succeed now, for sizing a KV cache or a workspace from what is left.
+ * Their pages are mapped for their own device and the peers `gpupool_enable_peer_access`
+ * enabled (PyTorch's rule). `gpupool_largest_allocatable` says how large a request would succeed
+ * now, for sizing a KV cache or a workspace from what is left.
  *
  * --------------------------------------------------------------------------------------------
  *
@@ -1423,6 +1424,38 @@ gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
  * `bytes` must be NULL or point to a writable `size_t`.
  */
 gpupool_status gpupool_largest_allocatable(int device, gpupool_stream_t stream, size_t *bytes);
+
+/**
+ * Makes the memory gpupool maps on device `peer` reachable from kernels and copies on
+ * `device`: mirrors PyTorch's `CUDACachingAllocator::enablePeerAccess(dev, dev_to_access)`
+ * (`device` = `dev`, `peer` = `dev_to_access`), as the argument order of
+ * `cudaDeviceEnablePeerAccess(peer)` called on `device` ("`device` may access `peer`'s
+ * memory"). One-way: call it again with the devices swapped for the other direction.
+ *
+ * The rule, PyTorch's for expandable segments: memory on CUDA's virtual memory API (expandable
+ * segments, sleepable pools, imported expandable segments of other processes) is reachable
+ * from exactly the devices `cuMemSetAccess` names, and `cudaDeviceEnablePeerAccess` does not
+ * apply to it. gpupool maps each page for the device that owns it and for the peers enabled by
+ * this call, no others: a map costs the same on a host of eight GPUs as on one, until the
+ * program enables peers. This call grants `device` every page of `peer` mapped now (one
+ * `cuMemSetAccess` per run of mapped pages; PyTorch's `ExpandableSegment::addPeer`) and every
+ * page mapped from now on, a page mapped by another thread during the call included; it stays
+ * enabled for the process's life, as in PyTorch. A second call for the same pair does nothing.
+ * Unlike PyTorch's, it does not call `cudaDeviceEnablePeerAccess`: memory of ordinary segments
+ * (`cuMemAlloc`, `expandable_segments:False`) and the program's own memory still need it from
+ * the program. Under PyTorch's pluggable allocator (`gpupool_torch.h`) PyTorch's
+ * `enablePeerAccess` does not reach gpupool (`CUDAPluggableAllocator` has no hook for it): a
+ * program that copies or reads across devices calls this (Python: `gpupool.enable_peer_access`).
+ *
+ * Errors, each leaving every mapping as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a device or
+ * peer out of range, `device == peer`, or a pair that cannot reach each other
+ * (`cuDeviceCanAccessPeer` is 0); `GPUPOOL_ERROR_CUDA` when the driver refuses a grant, naming
+ * both devices: the grants of the call are revoked and the peer is not enabled (call again).
+ *
+ * Thread-safe; takes each of `peer`'s stream locks in turn (an allocation on `peer` that maps
+ * pages waits for it), never two at once.
+ */
+gpupool_status gpupool_enable_peer_access(int device, int peer);
 
 /**
  * --------------------------------------------------------------------------------------------
@@ -1514,6 +1547,39 @@ gpupool_status gpupool_pool_create_sleepable(uint64_t *pool);
  * pool's own locks meanwhile).
  */
 gpupool_status gpupool_sleep(int device, uint64_t pool, uint32_t mode);
+
+/**
+ * Makes the host memory of a later `gpupool_sleep(device, pool, mode)` ready now, so that
+ * the pool's first sleep runs as fast as the next ones (vLLM allocates its pinned backup
+ * before sleeping likewise; not in PyTorch). For an engine's start-up, once the weights are
+ * loaded: `device` -1 is the current device, `pool` 0 the default pools or a pool from
+ * `gpupool_pool_create_sleepable`, `mode` a `GPUPOOL_SLEEP_*` constant.
+ *
+ * With `GPUPOOL_SLEEP_OFFLOAD_PINNED`: for each of the pool's streams holding live blocks, a
+ * host copy of its allocated bytes now is mapped, faulted in by the copy threads
+ * (`GPUPOOL_SLEEP_THREADS`) and page-locked (`cuMemHostRegister`), as that sleep would do
+ * at its start, and kept for the sleep. While the pool is awake it holds those bytes of pinned
+ * host memory (`gpupool_sleep_host_bytes`'s `*kept`, `gpupool_sleep_release_kept` gives them
+ * back). A stream that holds more by the sleep (or less than half) pins a new copy then, as
+ * with no prepare, and the sleep gives back the prepared copies it did not use; a stream that
+ * keeps a fitting copy already pins nothing (a second call costs no driver call). With
+ * `GPUPOOL_SLEEP_OFFLOAD`: the device's staging ring is pinned (kept until
+ * `gpupool_empty_cache`). With `GPUPOOL_SLEEP_DISCARD`: nothing. `*pinned` (may be NULL)
+ * receives the pinned bytes held for the pool's sleep now (the kept copies, or the ring).
+ *
+ * Errors, each leaving the pool awake with what it kept before: `GPUPOOL_ERROR_INVALID_VALUE`
+ * for a mode that is not one, a pool never created or released, a device out of range, a pool
+ * that cannot sleep (as `gpupool_sleep` says why) or that sleeps (its copy is in use);
+ * `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot map or pin the memory;
+ * `GPUPOOL_ERROR_CUDA` when page-locking fails. Nothing is written to `*pinned` then.
+ *
+ * Thread-safe; takes each of the pool's stream locks only to read its live bytes. Not to be
+ * called while the same pool's sleep runs in another thread.
+ *
+ * # Safety
+ * `pinned` must be NULL or point to writable storage for one `size_t`.
+ */
+gpupool_status gpupool_sleep_prepare(int device, uint64_t pool, uint32_t mode, size_t *pinned);
 
 /**
  * Wakes `pool` on `device` (-1: current) from `gpupool_sleep`: new physical memory is

@@ -40,7 +40,13 @@
 #               (offload and restore against the pinned copy bandwidth of the run, 80% the
 #               target, and the host's resident memory before, during and after; the same with
 #               GPUPOOL_SLEEP_OFFLOAD_PINNED, and the unmap and map times alone; sizes from
-#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16 40"), into OUT/sleep.log; with two GPUs,
+#               GPUPOOL_SLEEP_BENCH_GIB, default "1 4 16 40"), into OUT/sleep.log;
+#               tests/gpu/test_first_sleep (the first pinned sleep's GB/s with and without
+#               gpupool_sleep_prepare, GPUPOOL_FIRST_SLEEP_GIB default "4 16"), into
+#               OUT/first-sleep.log; with two GPUs, tests/gpu/test_peers (peer access only after
+#               gpupool_enable_peer_access, by cuMemGetAccess and copies, and the map cost per
+#               page of GPUPOOL_PEERS_GIB GiB, default 4, with no peer, one, and every device),
+#               into OUT/peers.log, and
 #               tests/gpu/test_two_gpus (a pool on each slept and woken at once from two
 #               threads), into OUT/two-gpus.log
 #   sleep_tune  the sleep benchmark alone (`test_sleep bench`, sizes from GPUPOOL_SLEEP_BENCH_GIB,
@@ -264,7 +270,9 @@ if want gpu || want expandable || want graphs || want streams || want sleep || w
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
     if want sleep; then
       run_gpu_test test_sleep sleep.log
+      run_gpu_test test_first_sleep first-sleep.log
       run_gpu_test test_two_gpus two-gpus.log
+      run_gpu_test test_peers peers.log
     fi
     if want sleep_tune && cmake --build build-gpu/gpu -j --target test_sleep >>"$out/gpu-tests-build.log" 2>&1; then
       echo "== sleep_tune"

@@ -148,6 +148,10 @@ inline std::string summary(int device = -1) {
 
 inline void empty_cache(int device = -1) { check(gpupool_empty_cache(device)); }
 
+// Makes the memory gpupool maps on `peer` reachable from `device` (gpupool_enable_peer_access;
+// PyTorch's enablePeerAccess(dev, dev_to_access)): pages mapped now and from now on.
+inline void enable_peer_access(int device, int peer) { check(gpupool_enable_peer_access(device, peer)); }
+
 // A private pool on one device (PyTorch's graph pool, `torch.cuda.graph_pool_handle()`): memory
 // for CUDA graphs, whose blocks keep their addresses for as long as the graphs replay. The pool
 // is released when the object is destroyed (gpupool_release_pool): destroy it after the graphs
@@ -173,6 +177,13 @@ inline void sleep_default_pools(int device, sleep_mode mode) {
   check(gpupool_sleep(device, 0, static_cast<std::uint32_t>(mode)));
 }
 inline void wake_default_pools(int device) { check(gpupool_wake(device, 0)); }
+// The host memory of a later sleep_default_pools(device, mode) made ready now
+// (gpupool_sleep_prepare): returns the pinned bytes held for it while the pools are awake.
+inline std::size_t prepare_default_pools_sleep(int device, sleep_mode mode) {
+  std::size_t pinned = 0;
+  check(gpupool_sleep_prepare(device, 0, static_cast<std::uint32_t>(mode), &pinned));
+  return pinned;
+}
 
 // The limit of `device`'s default pools (pool 0, every stream's together: gpupool_pool_set_limit
 // and gpupool_pool_get_limit); GPUPOOL_NO_LIMIT for none.
@@ -232,6 +243,17 @@ class pool {
   // (INVALID_VALUE for a pool not made sleepable, or asleep already).
   void sleep(sleep_mode mode = sleep_mode::offload) const {
     check(gpupool_sleep(device_, id_, static_cast<std::uint32_t>(mode)));
+  }
+
+  // Makes the host memory of a later sleep(mode) ready now, so that the first sleep runs as
+  // fast as the next ones (gpupool_sleep_prepare): with offload_pinned, a pinned copy of the
+  // pool's live bytes, held while it is awake. Returns the pinned bytes held for the sleep.
+  // Throws gpupool::error (INVALID_VALUE for a pool that cannot sleep or sleeps; OUT_OF_MEMORY
+  // when the host cannot pin the copy), the pool as it was.
+  std::size_t sleep_prepare(sleep_mode mode = sleep_mode::offload_pinned) const {
+    std::size_t pinned = 0;
+    check(gpupool_sleep_prepare(device_, id_, static_cast<std::uint32_t>(mode), &pinned));
+    return pinned;
   }
 
   // Maps memory back at the same addresses and restores offloaded contents (gpupool_wake).

@@ -40,18 +40,18 @@ from . import _structs
 from ._lib import (Error, OutOfMemoryError, bind, bound_path, check, device as _device, find_library, lib, path as _path,
                    real, size as _size, stream_handle, text, unsigned)
 from ._pools import (
-    Pool, pool_create, pool_limit, release_kept, release_pool, set_pool_limit, sleep, sleep_host_bytes, use_pool,
-    wake,
+    Pool, pool_create, pool_limit, release_kept, release_pool, set_pool_limit, sleep, sleep_host_bytes, sleep_prepare,
+    use_pool, wake,
 )
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
-    "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable",
+    "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable", "enable_peer_access",
     "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
     "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
     "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
     "host_stats", "host_reset_peak_stats", "Pool", "pool_create", "release_pool", "use_pool", "sleep",
-    "wake", "sleep_host_bytes", "release_kept", "set_pool_limit", "pool_limit",
+    "wake", "sleep_host_bytes", "sleep_prepare", "release_kept", "set_pool_limit", "pool_limit",
 ]
 _SUBMODULES = ("torch", "cupy", "numba", "onnxruntime")
 
@@ -118,6 +118,17 @@ def largest_allocatable(device=-1, stream=None):
     check(lib().gpupool_largest_allocatable(_device(device), stream_handle(stream), ctypes.byref(n)),
           "gpupool_largest_allocatable")
     return n.value
+
+
+def enable_peer_access(device, peer):
+    """Makes the memory gpupool maps on `peer` reachable from kernels and copies on `device`
+    (gpupool_enable_peer_access; PyTorch's CUDACachingAllocator::enablePeerAccess(dev,
+    dev_to_access)): pages mapped now and from now on. PyTorch's pluggable allocator does not
+    pass its enablePeerAccess on to gpupool, so a program under gpupool.torch that reads or copies
+    across devices calls this. cudaDeviceEnablePeerAccess stays the program's job for other
+    memory. Raises Error for a device out of range, device == peer, or a pair that cannot reach
+    each other."""
+    check(lib().gpupool_enable_peer_access(_device(device), _device(peer)), "gpupool_enable_peer_access")
 
 
 def stats(device=0):

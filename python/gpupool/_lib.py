@@ -234,6 +234,7 @@ def _declare(lib):
         "gpupool_device_count": [ctypes.POINTER(_INT)],
         "gpupool_set_memory_fraction": [ctypes.c_double, _INT],
         "gpupool_largest_allocatable": [_INT, _P, ctypes.POINTER(_SZ)],
+        "gpupool_enable_peer_access": [_INT, _INT],
         "gpupool_stats": [_INT, ctypes.POINTER(s.Stats)],
         "gpupool_pool_stats": [_INT, ctypes.c_uint64, ctypes.POINTER(s.Stats)],
         "gpupool_reset_peak_stats": [_INT],
@@ -264,6 +265,7 @@ def _declare(lib):
         "gpupool_wake": [_INT, ctypes.c_uint64],
         "gpupool_sleep_host_bytes": [_INT, ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)],
         "gpupool_sleep_release_kept": [_INT, ctypes.c_uint64, ctypes.POINTER(_SZ)],
+        "gpupool_sleep_prepare": [_INT, ctypes.c_uint64, ctypes.c_uint32, ctypes.POINTER(_SZ)],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)

@@ -92,16 +92,37 @@ def sleep(pool=0, offload=True, device=-1):
     that its next sleeps and wakes copy at the bus's speed (see release_kept). Raises Error
     (nothing changed) for a pool that cannot sleep or sleeps already, ValueError for an
     `offload` that is none of True, False and "pinned" (None and 0 included), OutOfMemoryError when the host has no room for the copy."""
-    if offload is True:
-        mode = SLEEP_OFFLOAD
-    elif offload is False:
-        mode = SLEEP_DISCARD
-    elif offload == "pinned":
-        mode = SLEEP_OFFLOAD_PINNED
-    else:
-        # Not truthiness: None or 0 would drop the contents without a word.
-        raise ValueError(f"offload must be True, False or 'pinned', not {offload!r}")
+    mode = _sleep_mode(offload)
     check(lib().gpupool_sleep(_device(device), unsigned(pool, "pool"), mode), "gpupool_sleep")
+
+
+def _sleep_mode(offload):
+    if offload is True:
+        return SLEEP_OFFLOAD
+    if offload is False:
+        return SLEEP_DISCARD
+    if offload == "pinned":
+        return SLEEP_OFFLOAD_PINNED
+    # Not truthiness: None or 0 would drop the contents without a word.
+    raise ValueError(f"offload must be True, False or 'pinned', not {offload!r}")
+
+
+def sleep_prepare(pool=0, offload="pinned", device=-1):
+    """Makes the host memory of a later sleep(pool, offload) ready now, so that the pool's first
+    sleep runs as fast as the next ones (gpupool_sleep_prepare; vLLM allocates its backup before
+    sleeping likewise): with offload="pinned", a pinned copy of each of the pool's streams' live
+    bytes, held while the pool is awake (sleep_host_bytes()'s kept, release_kept() gives it
+    back); with True, the staging ring; with False, nothing. Returns the pinned bytes held for
+    the sleep. Raises Error (nothing changed) for a pool that cannot sleep or sleeps,
+    OutOfMemoryError when the host cannot pin the copy, ValueError for an `offload` that is none
+    of True, False and "pinned"."""
+    mode = _sleep_mode(offload)
+    n = ctypes.c_size_t(0)
+    check(
+        lib().gpupool_sleep_prepare(_device(device), unsigned(pool, "pool"), mode, ctypes.byref(n)),
+        "gpupool_sleep_prepare",
+    )
+    return n.value
 
 
 def wake(pool=0, device=-1):
@@ -171,6 +192,10 @@ class Pool:
     def sleep(self, offload=True):
         """sleep(self.id, offload, device)."""
         sleep(self._live(), offload, self.device)
+
+    def sleep_prepare(self, offload="pinned"):
+        """sleep_prepare(self.id, offload, device): the pinned bytes held for the sleep."""
+        return sleep_prepare(self._live(), offload, self.device)
 
     def wake(self):
         """wake(self.id, device)."""

@@ -37,6 +37,8 @@
 //!   and shard's parts.
 //! - `sleep`: sleep and wake (`gpupool_sleep`, `gpupool_wake`), every part in one folder: the
 //!   modes, the allocator's, device's and shard's parts, the copy engine.
+//! - `peers`: the devices a device's mapped memory is granted to besides itself
+//!   (`gpupool_enable_peer_access`, PyTorch's `enablePeerAccess`), every part in one folder.
 
 mod accounting;
 pub(crate) mod allocator;
@@ -55,6 +57,7 @@ mod largest;
 mod limit;
 mod observer_list;
 pub(crate) mod out_of_memory;
+mod peers;
 mod pool;
 mod pools;
 pub(crate) mod rules;

@@ -139,11 +139,29 @@ pub trait Driver: Send + Sync {
     /// Maps all of `handle` (`size` bytes) at `ptr`, inside a reserved range (`cuMemMap`).
     /// The memory is not accessible until [`Driver::mem_set_access`].
     fn mem_map(&self, device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError>;
-    /// Makes the mapped range readable and writable from `device` and from every device that
-    /// can access `device`'s memory as a peer (`cuMemSetAccess`; peers from
-    /// `cuDeviceCanAccessPeer`), so a kernel or copy on a peer device works on it as on memory
-    /// from `cuMemAlloc` with peer access enabled.
-    fn mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;
+    /// Sets the access of each device of `to` (ordinals, as `device`) to the mapped range of
+    /// `device`'s memory, in one `cuMemSetAccess`: readable and writable with `read_write`,
+    /// none without (`CU_MEM_ACCESS_FLAGS_PROT_READWRITE`, `_PROT_NONE`); the other devices'
+    /// access is left as it was. A map grants `device` itself and the peers enabled
+    /// (`caching::peers`, PyTorch `ExpandableSegment::setAccess` for the device and its
+    /// `peers_`); enabling a peer later grants it alone over each mapped range (PyTorch
+    /// `ExpandableSegment::addPeer`). Mapped memory is reachable from exactly the devices granted
+    /// here: `cudaDeviceEnablePeerAccess` does not apply to it.
+    fn mem_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: usize,
+        to: &[i32],
+        read_write: bool,
+    ) -> Result<(), DriverError>;
+    /// Whether kernels and copies on `accessor` can reach memory of `owner` directly
+    /// (`cuDeviceCanAccessPeer(&can, accessor, owner)`; a device reaches its own): what
+    /// `gpupool_enable_peer_access` asks before it grants a peer. The default: every device can.
+    fn can_access_peer(&self, accessor: i32, owner: i32) -> Result<bool, DriverError> {
+        let _ = (accessor, owner);
+        Ok(true)
+    }
     /// Unmaps `size` bytes at `ptr` (`cuMemUnmap`). Does not wait for work that may still
     /// use the memory: the caller has made sure none does.
     fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError>;

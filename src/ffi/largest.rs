@@ -15,8 +15,9 @@ use super::status::{boundary, gpupool_status, out_ptr};
 /// of memory, so that memory freed by one shape can serve another: pages of 2 MiB, of 20 MiB and
 /// more for requests of 20 MiB and more (`GPUPOOL_EXPANDABLE_LARGE_PAGES`,
 /// `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`, `GPUPOOL_EXPANDABLE_RECLAIM`; docs/fragmentation.md).
-/// They take no call of their own. `gpupool_largest_allocatable` says how large a request would
-/// succeed now, for sizing a KV cache or a workspace from what is left.
+/// Their pages are mapped for their own device and the peers `gpupool_enable_peer_access`
+/// enabled (PyTorch's rule). `gpupool_largest_allocatable` says how large a request would succeed
+/// now, for sizing a KV cache or a workspace from what is left.
 ///
 /// --------------------------------------------------------------------------------------------
 ///

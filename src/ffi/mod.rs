@@ -46,6 +46,7 @@ pub mod pool_allocator;
 
 // Expandable segments and the largest allocatable request.
 pub mod largest;
+pub mod peers;
 
 // Sleep and wake.
 pub mod sleep;

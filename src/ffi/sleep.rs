@@ -30,7 +30,7 @@ pub const GPUPOOL_SLEEP_DISCARD: u32 = 2;
 /// after `gpupool_wake` for its next sleep in this mode: from the second sleep on, sleep and
 /// wake copy at the bus's speed (on an H100: see docs/sleep.md). The first sleep maps the
 /// memory, faults it in from several threads and page-locks it (`cuMemHostRegister`), about
-/// three times the copy's time. The pool's live bytes stay pinned in host memory while it is
+/// three times the copy's time, unless `gpupool_sleep_prepare` did it beforehand. The pool's live bytes stay pinned in host memory while it is
 /// awake (`gpupool_sleep_host_bytes`), until `gpupool_sleep_release_kept`,
 /// `gpupool_release_pool`, or a sleep of the pool in another mode; `gpupool_empty_cache`
 /// keeps them. For engines that sleep and wake the same weights again and again (vLLM's
@@ -133,19 +133,65 @@ pub unsafe extern "C-unwind" fn gpupool_pool_create_sleepable(pool: *mut u64) ->
 /// pool's own locks meanwhile).
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn gpupool_sleep(device: c_int, pool: u64, mode: u32) -> gpupool_status {
-    boundary("gpupool_sleep", || {
-        let mode = match mode {
-            GPUPOOL_SLEEP_OFFLOAD => SleepMode::Offload,
-            GPUPOOL_SLEEP_DISCARD => SleepMode::Discard,
-            GPUPOOL_SLEEP_OFFLOAD_PINNED => SleepMode::OffloadPinned,
-            m => {
-                return Err(Error::InvalidValue(format!(
-                    "mode {m} is not a sleep mode: pass GPUPOOL_SLEEP_OFFLOAD (1), GPUPOOL_SLEEP_DISCARD (2) or \
-                     GPUPOOL_SLEEP_OFFLOAD_PINNED (3)"
-                )));
-            }
-        };
-        runtime()?.allocator.sleep(device, pool, mode)
+    boundary("gpupool_sleep", || runtime()?.allocator.sleep(device, pool, sleep_mode(mode)?))
+}
+
+/// The [`SleepMode`] of a `GPUPOOL_SLEEP_*` constant.
+fn sleep_mode(mode: u32) -> Result<SleepMode, Error> {
+    match mode {
+        GPUPOOL_SLEEP_OFFLOAD => Ok(SleepMode::Offload),
+        GPUPOOL_SLEEP_DISCARD => Ok(SleepMode::Discard),
+        GPUPOOL_SLEEP_OFFLOAD_PINNED => Ok(SleepMode::OffloadPinned),
+        m => Err(Error::InvalidValue(format!(
+            "mode {m} is not a sleep mode: pass GPUPOOL_SLEEP_OFFLOAD (1), GPUPOOL_SLEEP_DISCARD (2) or \
+             GPUPOOL_SLEEP_OFFLOAD_PINNED (3)"
+        ))),
+    }
+}
+
+/// Makes the host memory of a later `gpupool_sleep(device, pool, mode)` ready now, so that
+/// the pool's first sleep runs as fast as the next ones (vLLM allocates its pinned backup
+/// before sleeping likewise; not in PyTorch). For an engine's start-up, once the weights are
+/// loaded: `device` -1 is the current device, `pool` 0 the default pools or a pool from
+/// `gpupool_pool_create_sleepable`, `mode` a `GPUPOOL_SLEEP_*` constant.
+///
+/// With `GPUPOOL_SLEEP_OFFLOAD_PINNED`: for each of the pool's streams holding live blocks, a
+/// host copy of its allocated bytes now is mapped, faulted in by the copy threads
+/// (`GPUPOOL_SLEEP_THREADS`) and page-locked (`cuMemHostRegister`), as that sleep would do
+/// at its start, and kept for the sleep. While the pool is awake it holds those bytes of pinned
+/// host memory (`gpupool_sleep_host_bytes`'s `*kept`, `gpupool_sleep_release_kept` gives them
+/// back). A stream that holds more by the sleep (or less than half) pins a new copy then, as
+/// with no prepare, and the sleep gives back the prepared copies it did not use; a stream that
+/// keeps a fitting copy already pins nothing (a second call costs no driver call). With
+/// `GPUPOOL_SLEEP_OFFLOAD`: the device's staging ring is pinned (kept until
+/// `gpupool_empty_cache`). With `GPUPOOL_SLEEP_DISCARD`: nothing. `*pinned` (may be NULL)
+/// receives the pinned bytes held for the pool's sleep now (the kept copies, or the ring).
+///
+/// Errors, each leaving the pool awake with what it kept before: `GPUPOOL_ERROR_INVALID_VALUE`
+/// for a mode that is not one, a pool never created or released, a device out of range, a pool
+/// that cannot sleep (as `gpupool_sleep` says why) or that sleeps (its copy is in use);
+/// `GPUPOOL_ERROR_OUT_OF_MEMORY` when the host cannot map or pin the memory;
+/// `GPUPOOL_ERROR_CUDA` when page-locking fails. Nothing is written to `*pinned` then.
+///
+/// Thread-safe; takes each of the pool's stream locks only to read its live bytes. Not to be
+/// called while the same pool's sleep runs in another thread.
+///
+/// # Safety
+/// `pinned` must be NULL or point to writable storage for one `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn gpupool_sleep_prepare(
+    device: c_int,
+    pool: u64,
+    mode: u32,
+    pinned: *mut usize,
+) -> gpupool_status {
+    boundary("gpupool_sleep_prepare", || {
+        let n = runtime()?.allocator.sleep_prepare(device, pool, sleep_mode(mode)?)?;
+        if !pinned.is_null() {
+            // SAFETY: per this function's contract, writable for one size_t.
+            unsafe { pinned.write(n) };
+        }
+        Ok(())
     })
 }
 

@@ -17,5 +17,6 @@ mod history;
 mod host_fuzz;
 mod host_hit_hostile;
 mod plugins;
+mod prepare_peers;
 mod segment_observers;
 mod sleep_pinned;

@@ -125,7 +125,9 @@ fn parse(s: &str) -> u64 {
 /// The consumer's loop: `import H`, `check P LEN SEED`, `fill P LEN SEED`, `close P`,
 /// `cycle H LEN SEED` (import, check, close), `threads N H...` (N import-check-close cycles on
 /// each handle, a thread each), `faults H LEN SEED` (an import and a close with a fault at
-/// each of their driver calls, then a clean one), `export` (a block of its own, 1 MiB filled with seed 77, its handle answered), `state`, `exit`,
+/// each of their driver calls, then a clean one), `export` (a block of its own, 1 MiB filled with seed 77, its handle answered), `peer D P`
+/// (`enable_peer_access(D, P)`), `access D` (the devices granted at each mapped piece of device
+/// D, `.`-joined, the pieces space-separated), `state`, `exit`,
 /// `quit` (exits with imports open, nothing dropped).
 pub fn serve() {
     let driver = Arc::new(SimDriver::new(2, 1 << 30));
@@ -178,6 +180,15 @@ pub fn serve() {
                 let p = alloc.malloc(1 << 20, 0, 0).unwrap();
                 fill(p, 1 << 20, 77);
                 reply(hex(&alloc.ipc_export(p).unwrap()))
+            }
+            "peer" => reply(result(alloc.enable_peer_access(num(1) as i32, num(2) as i32).map(u64::from))),
+            "access" => {
+                let map = driver.access_map(num(1) as i32);
+                let pieces: Vec<String> = map
+                    .iter()
+                    .map(|(_, _, to)| to.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("."))
+                    .collect();
+                reply(pieces.join(" "))
             }
             "faults" => reply(faults(&alloc, &driver, &handle_of(w[1]), num(2), num(3) as u8)),
             "state" => {

@@ -308,9 +308,11 @@ static void test_destroyed_stream() {
 }
 
 // A block of device 0 written by a kernel on device 1 and read back by one on device 0, and
-// copied to device 1 with cudaMemcpyPeer: virtual-memory mappings are made accessible to the
-// peer by gpupool (cuMemSetAccess), so no cudaDeviceEnablePeerAccess is needed; the round is
-// run again with peer access enabled both ways, on pages mapped after enabling it.
+// copied to device 1 with cudaMemcpyPeer. gpupool maps a page for its device and the peers
+// enabled by gpupool_enable_peer_access (PyTorch's rule): the first round checks that device 1
+// has no access to the block until gpupool_enable_peer_access(1, 0), then has it (no
+// cudaDeviceEnablePeerAccess needed for mapped memory); the round is run again with
+// cudaDeviceEnablePeerAccess both ways, on pages mapped after enabling it.
 static void peers_round(bool enable) {
   if (enable) {
     for (int d = 0; d < 2; d++) {
@@ -330,7 +332,15 @@ static void peers_round(bool enable) {
   where.type = CU_MEM_LOCATION_TYPE_DEVICE;
   where.id = 1;
   unsigned long long flags = 0;
-  CUresult r = cuMemGetAccess(&flags, &where, (CUdeviceptr)p);
+  CUresult r = CUDA_SUCCESS;
+  if (!enable) {
+    r = cuMemGetAccess(&flags, &where, (CUdeviceptr)p);
+    CHECK(r == CUDA_SUCCESS && flags == CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    printf("peers: device 1's access to device 0's block before gpupool_enable_peer_access: %llu (cuMemGetAccess %d)\n",
+           flags, (int)r);
+    CHECK_OK(gpupool_enable_peer_access(1, 0));
+  }
+  r = cuMemGetAccess(&flags, &where, (CUdeviceptr)p);
   bool access = r == CUDA_SUCCESS && flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   CHECK(access);
   if (!access) {

@@ -6,7 +6,7 @@
 // the byte, came back to the byte, and that every word was restored at the same addresses. A
 // second round discards instead, and checks that the addresses work again after wake. Three
 // rounds of each. Before them, on one thread: a page of device 0 moved between streams by the
-// high-water rule, then written by a kernel on device 1.
+// high-water rule, then written by a kernel on device 1 (enabled as device 0's peer).
 //
 // The checks are counted on the main thread from what each thread measured (check.h's counters
 // are not thread-safe). Prints "skipped: fewer than two GPUs" and passes on one GPU. Built with
@@ -130,11 +130,13 @@ static void run_device(int device, Barrier *barrier, std::vector<Round> *rounds)
 // (main sets it before gpupool starts), a stream's growth past device 0's high-water mark maps
 // the pages another stream's freed block had, unmapped for it, instead of creating pages
 // (device 0's free memory does not move). A kernel on device 1 then writes the block on those
-// pages, without cudaDeviceEnablePeerAccess (gpupool grants the peers access at each map), and
-// device 0 reads it back.
+// pages, device 1 enabled as device 0's peer by gpupool_enable_peer_access (gpupool maps a
+// page for its device and the peers enabled, PyTorch's rule; no cudaDeviceEnablePeerAccess is
+// needed for mapped memory), and device 0 reads it back.
 static void test_moved_page_from_the_peer() {
   const size_t bytes = 6 * MIB;
   CHECK(cudaSetDevice(0) == cudaSuccess);
+  CHECK_OK(gpupool_enable_peer_access(1, 0));
   cudaStream_t s1 = nullptr, s2 = nullptr;
   CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
   CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) == cudaSuccess);

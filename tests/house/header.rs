@@ -50,12 +50,16 @@ const SECTIONS: &[(&str, &[&str])] = &[
             "gpupool_pool_create_with_allocator_aligned",
         ],
     ),
-    ("Expandable segments and the largest allocatable request", &["gpupool_largest_allocatable"]),
+    (
+        "Expandable segments and the largest allocatable request",
+        &["gpupool_largest_allocatable", "gpupool_enable_peer_access"],
+    ),
     (
         "Sleep and wake",
         &[
             "gpupool_pool_create_sleepable",
             "gpupool_sleep",
+            "gpupool_sleep_prepare",
             "gpupool_wake",
             "gpupool_sleep_host_bytes",
             "gpupool_sleep_release_kept",

@@ -122,3 +122,32 @@ fn a_handle_imported_twice_is_closed_twice() {
         a.free(p).unwrap();
     });
 }
+
+/// An import of expandable pages is mapped for the importer's device and the peers enabled
+/// there, and gains a peer enabled after it (PyTorch's `enablePeerAccess` grants the imported
+/// expandable segments of `ipcMemHandle_to_devptr` likewise).
+#[test]
+fn an_import_is_mapped_for_the_peers_enabled_and_gains_a_later_one() {
+    // SAFETY: a plain prctl (see tests/ipc/sharing.rs).
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let (a, _d) = common::sim_with(2, 1 << 30, Config::default());
+    let mut c = Consumer::start();
+    let p = a.malloc(5 * MIB, 0, 0).unwrap();
+    fill(p, 5 * MIB, 3);
+    let q = ok_ptr(c.ask(&format!("import {} 0", hex(&a.ipc_export(p).unwrap()))));
+    let pieces = c.ask("access 0");
+    assert!(!pieces.is_empty() && pieces.split(' ').all(|x| x == "0"), "mapped for device 0 alone: {pieces}");
+    assert_eq!(c.ask("peer 1 0"), "ok 0x1");
+    let pieces = c.ask("access 0");
+    assert!(!pieces.is_empty() && pieces.split(' ').all(|x| x == "0.1"), "the import gained device 1: {pieces}");
+    let r = a.malloc(3 * MIB, 0, 0).unwrap();
+    let q2 = ok_ptr(c.ask(&format!("import {} 0", hex(&a.ipc_export(r).unwrap()))));
+    let pieces = c.ask("access 0");
+    assert!(pieces.split(' ').all(|x| x == "0.1"), "an import after it is mapped for device 1 too: {pieces}");
+    assert_eq!(ok_ptr(c.ask(&format!("close {q:#x}"))), 0);
+    assert_eq!(ok_ptr(c.ask(&format!("close {q2:#x}"))), 0);
+    c.end();
+    a.free(p).unwrap();
+    a.free(r).unwrap();
+    check(&a);
+}

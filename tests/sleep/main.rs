@@ -11,6 +11,7 @@ mod observed;
 mod observer_race;
 mod pinned;
 mod pinned_hostile;
+mod prepare;
 mod race;
 mod race_faults;
 mod rules;

@@ -12,3 +12,4 @@ mod cross_sizes;
 mod expandable;
 mod ladder_hostile;
 mod page_ladder;
+mod peers;

@@ -42,6 +42,7 @@ use super::deferred::DeferredFrees;
 use super::expandable::PagePool;
 use super::limit::MemoryLimit;
 use super::out_of_memory::observers::OomObservers;
+use super::peers::Peers;
 use super::rules::{SMALL_BUFFER, SizeRules};
 use super::segment_index::SegmentIndex;
 use super::segment_observers::SegmentObservers;
@@ -117,6 +118,8 @@ pub(crate) struct DeviceAllocator {
     pub(in crate::caching) staging: Staging,
     /// The pinned host copies pools keep between sleeps (see `caching::sleep::pinned_copies`).
     pub(in crate::caching) kept: Kept,
+    /// The devices its memory is mapped for besides itself (see `caching::peers`).
+    pub(in crate::caching) peers: Peers,
 }
 
 /// Page size of the large pool's expandable segments, in bytes, rounded up to the driver's
@@ -187,6 +190,7 @@ impl DeviceAllocator {
             sleep_policy: std::sync::OnceLock::new(),
             staging: Staging::new(StagingSettings::from_config(config)),
             kept: Default::default(),
+            peers: Peers::default(),
         }
     }
 
@@ -215,6 +219,7 @@ impl DeviceAllocator {
             history: &self.history,
             capture: &self.capture,
             segments: &self.segment_observers,
+            peers: &self.peers,
         }
     }
 

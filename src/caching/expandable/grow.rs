@@ -26,9 +26,12 @@ fn map_plan(
     attempted: &mut usize,
     spare: &mut Vec<PhysHandle>,
 ) -> Result<(), DriverError> {
+    // Read under the shard's lock, so that a peer enabled meanwhile is either in it or granted
+    // these pages by the enable (see `caching::peers`).
+    let access = ctx.peers.access(ctx.device);
     for (i, &(_, offset, len)) in plan.iter().enumerate() {
         *attempted = i + 1;
-        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len, spare) {
+        if let Err(err) = e.map(ctx.driver, ctx.device, offset, len, spare, &access) {
             for &(_, offset, len) in plan[..i].iter().rev() {
                 let _ = e.unmap(ctx.driver, ctx.device, offset, len, spare);
             }

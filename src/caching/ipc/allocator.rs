@@ -122,7 +122,7 @@ impl Allocator {
         let dev = self.device_or_init(device)?;
         let uuid = self.driver.device_uuid(dev.device).map_err(|e| Error::driver(e, "reading the device's UUID"))?;
         h.check_device(dev.device, &uuid)?;
-        self.ipc_imports.import(&*self.driver, dev.device, &h)
+        self.ipc_imports.import(&*self.driver, dev.device, &dev.peers, &h)
     }
 
     /// Ends an import from [`Allocator::ipc_import`]: unmaps it here and lets the owner

@@ -14,7 +14,8 @@ use rustc_hash::FxHashMap;
 
 use super::handle::{IpcHandle, Kind};
 use super::record::{AcquireError, Record};
-use crate::driver::{DevicePtr, Driver, PhysHandle};
+use crate::caching::peers::Peers;
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 use crate::error::Error;
 use crate::os::process::{self, FetchError};
 
@@ -71,7 +72,9 @@ fn fetch_error(h: &IpcHandle, e: FetchError) -> Error {
 
 impl Imports {
     /// Imports `h` on `device` (its UUID checked by the caller); returns the block's address here.
-    pub fn import(&self, driver: &dyn Driver, device: i32, h: &IpcHandle) -> Result<DevicePtr, Error> {
+    /// Pages are mapped for `device` and the peers enabled on it (`peers`, read under the
+    /// imports' lock: see `caching::peers`).
+    pub fn import(&self, driver: &dyn Driver, device: i32, peers: &Peers, h: &IpcHandle) -> Result<DevicePtr, Error> {
         let me = process::me();
         if h.owner == me {
             return Err(Error::InvalidValue(
@@ -102,7 +105,7 @@ impl Imports {
         })?;
         let mut st = self.state.lock();
         let mapped = match h.kind {
-            Kind::Pages => map_pages(driver, device, &record, &pidfd, h),
+            Kind::Pages => map_pages(driver, device, &peers.access(device), &record, &pidfd, h),
             Kind::Segment => open_segment(driver, device, &mut st, h),
         };
         let (ptr, how) = match mapped {
@@ -139,6 +142,28 @@ impl Imports {
         Ok(())
     }
 
+    /// Sets `peer`'s access (read and write, or none) over every import of pages mapped on
+    /// `device` (PyTorch's `enablePeerAccess` grants the imported expandable segments of
+    /// `ipcMemHandle_to_devptr` likewise). Every import is tried; returns the first failure.
+    pub fn set_peer_access(
+        &self,
+        driver: &dyn Driver,
+        device: i32,
+        peer: i32,
+        read_write: bool,
+    ) -> Result<(), DriverError> {
+        let st = self.state.lock();
+        let mut first = Ok(());
+        for import in st.imports.values().flatten().filter(|i| i.device == device) {
+            if let How::Pages { base, len, handles, .. } = &import.how
+                && handles.iter().all(|h| h.1)
+            {
+                first = first.and(driver.mem_set_access(device, *base, *len, &[peer], read_write));
+            }
+        }
+        first
+    }
+
     /// Imports open (a pointer imported twice counts twice).
     pub fn count(&self) -> usize {
         self.state.lock().imports.values().map(Vec::len).sum()
@@ -153,10 +178,12 @@ impl Imports {
     }
 }
 
-/// Reserves the pages' range, imports and maps each page, grants access: all or nothing.
+/// Reserves the pages' range, imports and maps each page, grants access to the devices of
+/// `access` (`device` first): all or nothing.
 fn map_pages(
     driver: &dyn Driver,
     device: i32,
+    access: &[i32],
     record: &Record,
     pidfd: &std::os::fd::OwnedFd,
     h: &IpcHandle,
@@ -179,7 +206,7 @@ fn map_pages(
             driver.mem_map(device, base + (i * page) as u64, page, handle).map_err(drv("mapping an imported page"))?;
             handles.last_mut().expect("pushed above").1 = true;
         }
-        driver.mem_set_access(device, base, len).map_err(drv("granting access to an imported block"))
+        driver.mem_set_access(device, base, len, access, true).map_err(drv("granting access to an imported block"))
     };
     match step() {
         Ok(()) => Ok((base + h.offset, how)),

@@ -148,6 +148,9 @@ pub(crate) struct ShardCtx<'a> {
     pub capture: &'a crate::caching::capture::CaptureProbe,
     /// The allocator's segment observers, told of segments made and given back.
     pub segments: &'a SegmentObservers,
+    /// The devices the device's pages are mapped for (see `caching::peers`), read by each map
+    /// under the shard's lock.
+    pub peers: &'a crate::caching::peers::Peers,
 }
 
 /// What [`ShardState::grow`] obtained.

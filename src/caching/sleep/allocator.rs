@@ -84,4 +84,25 @@ impl Allocator {
         }
         Ok(self.device_or_init(device)?.release_kept(pool))
     }
+
+    /// Makes the host memory of a sleep of `pool` (0: the default pools) on `device` (-1:
+    /// current) in `mode` ready now, before the pool's first sleep, and returns the pinned
+    /// bytes held for it: with [`SleepMode::OffloadPinned`], a pinned copy of each stream's
+    /// live bytes, kept as a sleep in that mode keeps it (counted by
+    /// [`Allocator::sleep_kept_bytes`], given back by [`Allocator::sleep_release_kept`]); with
+    /// [`SleepMode::Offload`], the device's staging ring (until [`Allocator::empty_cache`]);
+    /// with [`SleepMode::Discard`], nothing. Not in PyTorch (vLLM allocates its backup before
+    /// sleeping). Thread-safe; do not call it while the same pool sleeps in another thread
+    /// (refused when it sleeps already).
+    ///
+    /// Errors, each leaving the pool awake and what it keeps as it was: [`Error::InvalidValue`]
+    /// (a pool never made, released, asleep, or one that cannot sleep, a device out of range);
+    /// [`Error::OutOfMemory`] when the host cannot pin the memory; [`Error::Cuda`] when
+    /// registering it fails.
+    pub fn sleep_prepare(&self, device: i32, pool: u64, mode: SleepMode) -> Result<usize, Error> {
+        if pool != 0 {
+            Self::check_pool(pool)?;
+        }
+        self.device_or_init(device)?.sleep_prepare(pool, mode)
+    }
 }

@@ -55,7 +55,7 @@ impl DeviceAllocator {
     }
 
     /// What the messages call `pool`.
-    fn pool_name(&self, pool: u64) -> String {
+    pub(super) fn pool_name(&self, pool: u64) -> String {
         match pool {
             0 => format!("the default pools of device {}", self.device),
             p => format!("pool {p} on device {}", self.device),
@@ -83,7 +83,7 @@ impl DeviceAllocator {
 
     /// Why `pool` cannot sleep at all on this device, if it cannot: its memory is not on the
     /// virtual memory API.
-    fn cannot_sleep(&self, pool: u64) -> Option<String> {
+    pub(super) fn cannot_sleep(&self, pool: u64) -> Option<String> {
         let name = self.pool_name(pool);
         if pool != 0 && !sleepable(pool) {
             return Some(format!(

@@ -205,7 +205,7 @@ impl DeviceAllocator {
     }
 
     /// The error of a staging ring the driver would not give.
-    fn staging_error(&self, e: DriverError) -> Error {
+    pub(super) fn staging_error(&self, e: DriverError) -> Error {
         let s = self.staging.settings;
         match e {
             DriverError::OutOfMemory => Error::OutOfMemory(format!(

@@ -21,6 +21,7 @@
 //! - `copy_threads.rs`: the CPU threads that copy between the ring and the host copies.
 //! - `pinned_copies.rs`: the pinned host copies a pool keeps between its sleeps
 //!   (`GPUPOOL_SLEEP_OFFLOAD_PINNED`).
+//! - `prepare.rs`: a pool's host copy pinned before its first sleep (`gpupool_sleep_prepare`).
 //!
 //! The copy engine (`copy`, `copy_direct`, `staging`, `copy_threads`, `pinned_copies`) imports
 //! nothing of the allocator: only the driver and the configuration.
@@ -32,6 +33,7 @@ mod copy_threads;
 mod device;
 mod device_copy;
 mod pinned_copies;
+mod prepare;
 mod shard;
 mod sleepers;
 mod staging;

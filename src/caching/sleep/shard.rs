@@ -11,7 +11,7 @@ use crate::caching::block::{BlockId, BlockState};
 use crate::caching::expandable::Expandable;
 use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
-use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, PhysHandle};
+use crate::driver::{DevicePtr, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;
 use crate::history::Action;
 
@@ -21,7 +21,12 @@ const PER_THREAD_STREAM: usize = 2;
 
 /// A sleep or a wake of an expandable segment's pages ([`Expandable::sleep`],
 /// [`Expandable::wake`]).
-type PageChange = fn(&mut Expandable, &dyn Driver, i32, &mut Vec<PhysHandle>) -> Result<(), DriverError>;
+type PageChange<'c> = &'c dyn Fn(&mut Expandable, &mut Vec<PhysHandle>) -> Result<(), DriverError>;
+
+/// A sleep of an expandable segment's pages ([`Expandable::sleep`]) on `ctx`'s device.
+fn unmap_all<'c>(ctx: &'c ShardCtx) -> impl Fn(&mut Expandable, &mut Vec<PhysHandle>) -> Result<(), DriverError> + 'c {
+    move |e, out| e.sleep(ctx.driver, ctx.device, out)
+}
 
 /// What a sleeping shard keeps: its mode and the copies of its live blocks.
 #[derive(Debug)]
@@ -231,7 +236,7 @@ impl ShardState {
         self.sleep_prepared = false;
         let mut failure = Ok(());
         for base in self.expandables.clone() {
-            failure = failure.and(self.change_pages(ctx, base, handles, Expandable::sleep, true));
+            failure = failure.and(self.change_pages(ctx, base, handles, &unmap_all(ctx), true));
         }
         if failure.is_ok()
             && let Some(s) = self.asleep.as_deref_mut()
@@ -254,7 +259,7 @@ impl ShardState {
         ctx: &ShardCtx,
         base: DevicePtr,
         handles: &mut Vec<(usize, PhysHandle)>,
-        change: PageChange,
+        change: PageChange<'_>,
         unmaps: bool,
     ) -> Result<(), DriverError> {
         let observe = ctx.segments.on();
@@ -269,7 +274,7 @@ impl ShardState {
         }
         let e = self.segments.get_mut(&base).and_then(|s| s.exp.as_deref_mut()).expect("expandable");
         let mut out = Vec::new();
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, ctx.driver, ctx.device, &mut out)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| change(e, &mut out)));
         handles.extend(out.into_iter().map(|h| (page, h)));
         if !before.is_empty() {
             let seg = &self.segments[&base];
@@ -302,10 +307,13 @@ impl ShardState {
     /// for a page).
     pub fn map_slept(&mut self, ctx: &ShardCtx, spare: &mut Vec<(usize, PhysHandle)>) -> Result<(), DriverError> {
         let bases = self.expandables.clone();
+        // Under the shard's lock: the peers enabled by now (see `caching::peers`).
+        let access = ctx.peers.access(ctx.device);
+        let wake = |e: &mut Expandable, out: &mut Vec<PhysHandle>| e.wake(ctx.driver, ctx.device, out, &access);
         for (k, &base) in bases.iter().enumerate() {
-            if let Err(err) = self.change_pages(ctx, base, spare, Expandable::wake, false) {
+            if let Err(err) = self.change_pages(ctx, base, spare, &wake, false) {
                 for &b in bases[..k].iter().rev() {
-                    let _ = self.change_pages(ctx, b, spare, Expandable::sleep, true);
+                    let _ = self.change_pages(ctx, b, spare, &unmap_all(ctx), true);
                 }
                 return Err(err);
             }
@@ -327,7 +335,7 @@ impl ShardState {
         });
         let mut failure = Ok(());
         for base in st.expandables.clone() {
-            failure = failure.and(st.change_pages(ctx, base, spare, Expandable::sleep, true));
+            failure = failure.and(st.change_pages(ctx, base, spare, &unmap_all(ctx), true));
         }
         failure
     }

@@ -57,9 +57,6 @@ pub struct CudaDriver {
     /// Whether the driver library has every function of
     /// [`CAPTURE_FUNCTIONS`](loading::CAPTURE_FUNCTIONS).
     capture: bool,
-    /// Per device: the access descriptors of [`Driver::mem_set_access`] (the device, then its
-    /// peers); set on the first success.
-    access: Vec<OnceLock<Vec<sys::CUmemAccessDesc>>>,
     /// The first of [`IPC_FUNCTIONS`](ipc::IPC_FUNCTIONS) that the driver library lacks,
     /// looked up at start: memory cannot be shared then.
     ipc_missing: Option<&'static str>,
@@ -165,8 +162,19 @@ impl Driver for CudaDriver {
         self.cuda_mem_map(device, ptr, size, handle)
     }
 
-    fn mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
-        self.cuda_mem_set_access(device, ptr, size)
+    fn mem_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: usize,
+        to: &[i32],
+        read_write: bool,
+    ) -> Result<(), DriverError> {
+        self.cuda_mem_set_access(device, ptr, size, to, read_write)
+    }
+
+    fn can_access_peer(&self, accessor: i32, owner: i32) -> Result<bool, DriverError> {
+        self.cuda_can_access_peer(accessor, owner)
     }
 
     fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {

@@ -5,7 +5,7 @@ use super::copy::COPY_FUNCTIONS;
 use super::ipc::IPC_FUNCTIONS;
 use super::loading::{CAPTURE_FUNCTIONS, HOST_FUNCTIONS, REQUIRED, VMM_FUNCTIONS, first_missing};
 use super::streams::capture_status;
-use super::vmm::{access_descs, allocation_prop, peers_of};
+use super::vmm::{access_descs, allocation_prop};
 use super::*;
 
 #[test]
@@ -55,36 +55,17 @@ fn the_first_missing_function_is_named_in_list_order() {
 }
 
 #[test]
-fn peers_are_the_other_devices_that_can_reach_the_owner() {
-    // Device 1 reaches 0's memory; 0 and 2 reach each other; 2 reaches 1 but not the
-    // reverse; every device "reaches itself", which must not make it its own peer.
-    let reaches = [(1, 0), (0, 2), (2, 0), (2, 1), (0, 0), (1, 1), (2, 2)];
-    let can = |dev: sys::CUdevice, peer_dev: sys::CUdevice| Ok(reaches.contains(&(dev, peer_dev)));
-    let devices = [0, 1, 2];
-    assert_eq!(peers_of(0, &devices, can).unwrap(), vec![1, 2]);
-    assert_eq!(peers_of(1, &devices, can).unwrap(), vec![2]);
-    assert_eq!(peers_of(2, &devices, can).unwrap(), vec![0]);
-    assert_eq!(peers_of(0, &[0], can).unwrap(), Vec::<sys::CUdevice>::new());
-}
-
-#[test]
-fn a_failed_peer_query_is_returned() {
-    let failing = |_, _| Err(DriverError::Cuda { call: "cuDeviceCanAccessPeer", code: 101, name: "x".into() });
-    assert!(matches!(peers_of(0, &[0, 1], failing), Err(DriverError::Cuda { code: 101, .. })));
-    // A single device asks nothing.
-    assert_eq!(peers_of(0, &[0], failing).unwrap(), Vec::<sys::CUdevice>::new());
-}
-
-#[test]
-fn access_is_read_write_for_the_owner_then_each_peer() {
-    let descs = access_descs(3, &[1, 5]);
+fn access_is_read_write_or_none_for_each_device_named() {
+    let descs = access_descs(&[3, 1, 5], true);
     let ids: Vec<i32> = descs.iter().map(|d| d.location.id).collect();
     assert_eq!(ids, [3, 1, 5]);
     for d in &descs {
         assert_eq!(d.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
         assert_eq!(d.flags, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
     }
-    assert_eq!(access_descs(0, &[]).len(), 1);
+    let none = access_descs(&[2], false);
+    assert_eq!(none[0].flags, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    assert_eq!(none[0].location.id, 2);
 }
 
 #[test]

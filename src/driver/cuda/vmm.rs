@@ -1,7 +1,7 @@
 //! The virtual memory calls of expandable segments (`cuMemAddressReserve`, `cuMemCreate`,
 //! `cuMemMap`, `cuMemSetAccess` and their inverses): optional, refused with the name of a
-//! missing function before cudarc could panic on it; the granularity, and the peers granted
-//! access, found once per device.
+//! missing function before cudarc could panic on it; the granularity, found once per device,
+//! and the access granted to the devices the allocator names.
 
 use cudarc::driver::sys;
 
@@ -34,31 +34,15 @@ pub(super) fn allocation_prop(dev: sys::CUdevice, shareable: bool) -> sys::CUmem
     }
 }
 
-/// The devices (`CUdevice`s, of `devices`) other than `owner` that can access `owner`'s memory
-/// directly: those for which `can_access(accessor, owner)` is true, the argument order of
-/// `cuDeviceCanAccessPeer(&can, dev, peerDev)` ("can `dev` access memory on `peerDev`").
-pub(super) fn peers_of(
-    owner: sys::CUdevice,
-    devices: &[sys::CUdevice],
-    can_access: impl Fn(sys::CUdevice, sys::CUdevice) -> Result<bool, DriverError>,
-) -> Result<Vec<sys::CUdevice>, DriverError> {
-    let mut peers = Vec::new();
-    for &dev in devices.iter().filter(|&&d| d != owner) {
-        if can_access(dev, owner)? {
-            peers.push(dev);
-        }
-    }
-    Ok(peers)
-}
-
-/// The access descriptors of one `cuMemSetAccess`: read and write from `owner` (the device
-/// the memory is on), then from each of `peers`.
-pub(super) fn access_descs(owner: sys::CUdevice, peers: &[sys::CUdevice]) -> Vec<sys::CUmemAccessDesc> {
-    std::iter::once(owner)
-        .chain(peers.iter().copied())
-        .map(|dev| sys::CUmemAccessDesc {
+/// The access descriptors of one `cuMemSetAccess`: read and write (or none, without
+/// `read_write`) from each device of `to` (`CUdevice`s), in order.
+pub(super) fn access_descs(to: &[sys::CUdevice], read_write: bool) -> Vec<sys::CUmemAccessDesc> {
+    use sys::CUmemAccess_flags as F;
+    let flags = if read_write { F::CU_MEM_ACCESS_FLAGS_PROT_READWRITE } else { F::CU_MEM_ACCESS_FLAGS_PROT_NONE };
+    to.iter()
+        .map(|&dev| sys::CUmemAccessDesc {
             location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            flags,
         })
         .collect()
 }
@@ -190,43 +174,51 @@ impl CudaDriver {
         self.in_context(device, || check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, handle.0, 0) }))
     }
 
-    /// One `cuMemSetAccess` for the device and all its peers (the devices for which
-    /// `cuDeviceCanAccessPeer(&can, peer, device)` is 1, found once per device).
+    /// One `cuMemSetAccess` of `ptr..ptr + size` (mapped on `device`) for the devices of `to`
+    /// (ordinals, as gpupool numbers devices): read and write, or none.
     ///
-    /// Peer access: a program needs to do nothing more than use the memory from a peer. Memory
-    /// from `cuMemAlloc` becomes reachable from another device only after that device's context
-    /// calls `cuCtxEnablePeerAccess`/`cudaDeviceEnablePeerAccess`, which maps every past and
-    /// future allocation of the peer; memory mapped with `cuMemMap` is instead reachable from
-    /// exactly the devices named to `cuMemSetAccess`, and peer-access enabling does not apply
-    /// to it (CUDA Programming Guide, section "Virtual Memory Management",
-    /// docs.nvidia.com/cuda/cuda-programming-guide/04-special-topics/virtual-memory-management.html;
-    /// `cuMemMap`'s reference: mapping alone does not make the address accessible; PyTorch's
-    /// Note [Expandable Segments]: cudaDeviceEnablePeerAccess does not work for memory from
-    /// cuMemMap, the mappings have to be made by hand). So this call grants every capable peer
-    /// read and write, and such a peer reaches the memory whether or not the program enabled
-    /// peer access. PyTorch grants only the peers a program enabled through the allocator's
-    /// `enablePeerAccess`; gpupool has no such call, so it grants all that can.
-    pub(super) fn cuda_mem_set_access(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    /// Memory from `cuMemAlloc` becomes reachable from another device once that device's
+    /// context calls `cuCtxEnablePeerAccess`/`cudaDeviceEnablePeerAccess`; memory mapped with
+    /// `cuMemMap` is instead reachable from exactly the devices named to `cuMemSetAccess`, and
+    /// peer-access enabling does not apply to it (CUDA Programming Guide, "Virtual Memory
+    /// Management"; PyTorch's Note [Expandable Segments]). The allocator names the owner and the
+    /// peers the program enabled (`caching::peers`), as PyTorch's `ExpandableSegment::setAccess`.
+    /// The cost of each call grows with the devices named: it updates each one's page tables.
+    pub(super) fn cuda_mem_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: usize,
+        to: &[i32],
+        read_write: bool,
+    ) -> Result<(), DriverError> {
         self.vmm_functions()?;
-        let owner = self.devices[device as usize];
+        let devs: Option<Vec<sys::CUdevice>> = to.iter().map(|&d| self.devices.get(d as usize).copied()).collect();
+        let Some(devs) = devs else {
+            return Err(DriverError::Unavailable(format!("cuMemSetAccess: a device of {to:?} is out of range")));
+        };
+        let descs = access_descs(&devs, read_write);
         self.in_context(device, || {
-            let cached = &self.access[device as usize];
-            let descs = match cached.get() {
-                Some(descs) => descs,
-                None => {
-                    let peers = peers_of(owner, &self.devices, |dev, peer_dev| {
-                        let mut can = 0;
-                        // SAFETY: writes one int; both are devices from cuDeviceGet.
-                        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer_dev) })?;
-                        Ok(can == 1)
-                    })?;
-                    cached.get_or_init(|| access_descs(owner, &peers))
-                }
-            };
-            // SAFETY: `descs` holds descs.len() descriptors and outlives the call; the range
-            // is wholly mapped (the caller mapped it).
+            // SAFETY: `descs` holds descs.len() descriptors and outlives the call; the range is
+            // wholly mapped (the caller mapped it).
             check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()) })
         })
+    }
+
+    /// Whether `accessor` can reach `owner`'s memory directly (`cuDeviceCanAccessPeer(&can,
+    /// accessor, owner)`); a device reaches its own.
+    pub(super) fn cuda_can_access_peer(&self, accessor: i32, owner: i32) -> Result<bool, DriverError> {
+        self.vmm_functions()?;
+        if accessor == owner {
+            return Ok(true);
+        }
+        let (Some(&a), Some(&o)) = (self.devices.get(accessor as usize), self.devices.get(owner as usize)) else {
+            return Ok(false);
+        };
+        let mut can = 0;
+        // SAFETY: writes one int; both are devices from cuDeviceGet.
+        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, o) })?;
+        Ok(can == 1)
     }
 
     pub(super) fn cuda_mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {

@@ -15,6 +15,9 @@ pub struct SimCounts {
     pub mem_create: u64,
     pub mem_map: u64,
     pub mem_set_access: u64,
+    /// Devices named over all `mem_set_access` calls (the access descriptors): what the calls
+    /// cost grows with, one page table per device.
+    pub mem_access_descs: u64,
     pub mem_unmap: u64,
     /// `mem_release` calls (`cuMemRelease`), failed ones included, as the other counts.
     pub mem_release: u64,

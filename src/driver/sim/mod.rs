@@ -264,9 +264,16 @@ impl Driver for SimDriver {
         self.sim_mem_map(ptr, size, handle)
     }
 
-    fn mem_set_access(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    fn mem_set_access(
+        &self,
+        _device: i32,
+        ptr: DevicePtr,
+        size: usize,
+        to: &[i32],
+        read_write: bool,
+    ) -> Result<(), DriverError> {
         self.run_hooks(SimOp::MemSetAccess);
-        self.sim_mem_set_access(ptr, size)
+        self.sim_mem_set_access(ptr, size, to, read_write)
     }
 
     fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {

@@ -21,8 +21,9 @@ pub(super) struct Range {
     pub(super) size: usize,
     /// Mapped pieces: start -> (size, handle).
     mapped: std::collections::BTreeMap<DevicePtr, (usize, u64)>,
-    /// Pieces whose access was set (start -> size); a subset of `mapped`.
-    accessible: FxHashMap<DevicePtr, usize>,
+    /// Pieces whose access was set (start -> size, the devices granted read and write, in
+    /// order); a subset of `mapped`.
+    accessible: FxHashMap<DevicePtr, (usize, Vec<i32>)>,
 }
 
 impl Range {
@@ -124,7 +125,22 @@ impl SimDriver {
     /// Bytes mapped with access set on `device` (what a kernel could touch).
     pub fn accessible(&self, device: i32) -> usize {
         let st = self.state.lock();
-        st.ranges.values().filter(|r| r.device == device).flat_map(|r| r.accessible.values()).sum()
+        st.ranges.values().filter(|r| r.device == device).flat_map(|r| r.accessible.values()).map(|a| a.0).sum()
+    }
+
+    /// Every mapped piece of `device`'s memory with access set: (start, bytes, the devices
+    /// granted read and write, in order), by address. What a test checks peer access against
+    /// (`gpupool_enable_peer_access`).
+    pub fn access_map(&self, device: i32) -> Vec<(DevicePtr, usize, Vec<i32>)> {
+        let st = self.state.lock();
+        let mut all: Vec<_> = st
+            .ranges
+            .values()
+            .filter(|r| r.device == device)
+            .flat_map(|r| r.accessible.iter().map(|(&a, (s, to))| (a, *s, to.clone())))
+            .collect();
+        all.sort_unstable_by_key(|p| p.0);
+        all
     }
 
     pub(super) fn sim_vmm_granularity(&self) -> Result<Option<usize>, DriverError> {
@@ -241,24 +257,50 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_mem_set_access(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    /// `cuMemSetAccess` for the devices of `to`, each a device of the driver named once:
+    /// granted read and write (`read_write`) or none. A piece's bytes are placed at its address
+    /// at its first grant (what a copy or the host may touch from then on); a grant records the
+    /// devices, a revocation removes them (the bytes stay placed).
+    pub(super) fn sim_mem_set_access(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        to: &[i32],
+        read_write: bool,
+    ) -> Result<(), DriverError> {
         let mut st = self.state.lock();
         st.counts.mem_set_access += 1;
+        st.counts.mem_access_descs += to.len() as u64;
         st.fault(SimOp::MemSetAccess)?;
         st.unsafe_call("cuMemSetAccess")?;
+        let named_once = to.iter().enumerate().all(|(i, d)| !to[..i].contains(d));
+        if to.is_empty() || !named_once || to.iter().any(|&d| d < 0 || d >= self.devices) {
+            return Err(invalid("cuMemSetAccess"));
+        }
         let Some((_, r)) = st.range_of(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
         let Some(pieces) = r.pieces(ptr, size) else {
             return Err(invalid("cuMemSetAccess"));
         };
+        let new: Vec<_> = pieces.iter().filter(|p| !r.accessible.contains_key(&p.0)).copied().collect();
         // Each piece is its handle's bytes mapped where the handle is mapped (pieces cover the
         // range exactly, so nothing else of it needs access).
-        if !pieces.iter().all(|&(a, _, h)| st.handles.get(&h).is_some_and(|h| st.place(h, a))) {
+        if read_write && !new.iter().all(|&(a, _, h)| st.handles.get(&h).is_some_and(|h| st.place(h, a))) {
             return Err(DriverError::OutOfMemory);
         }
-        if let Some((_, r)) = st.range_of(ptr, size) {
-            r.accessible.extend(pieces.into_iter().map(|(a, s, _)| (a, s)));
+        let Some((_, r)) = st.range_of(ptr, size) else { unreachable!("found above") };
+        for (a, s, _) in pieces {
+            match r.accessible.get_mut(&a) {
+                Some((_, granted)) if read_write => {
+                    granted.extend(to.iter().filter(|d| !granted.contains(d)).collect::<Vec<_>>())
+                }
+                Some((_, granted)) => granted.retain(|d| !to.contains(d)),
+                None if read_write => {
+                    r.accessible.insert(a, (s, to.to_vec()));
+                }
+                None => {}
+            }
         }
         Ok(())
     }

@@ -44,6 +44,10 @@ def test_a_pool_routes_this_threads_allocations_and_sleeps_and_wakes():
         assert holds(a, 3 * MIB, 1) and holds(b, 4096 + 17, 2)
         staging, kept = gpupool.sleep_host_bytes(0)
         assert kept >= 3 * MIB + 4096
+        assert weights.sleep_prepare() == kept  # the copy the pool keeps fits: nothing pinned again
+        assert weights.sleep_prepare(offload=False) == 0
+        with pytest.raises(ValueError):
+            weights.sleep_prepare(offload=None)
         for bad in ("pageable", None, 0, 3):
             with pytest.raises(ValueError):
                 weights.sleep(offload=bad)  # refused, not taken for discard or offload
@@ -169,3 +173,12 @@ def test_a_pool_limit_refuses_its_pool_only_and_reads_back():
         assert gpupool.stats(0)["pool_limit"] == 2**63 - 1
         gpupool.free(a)
         gpupool.free(b)
+
+
+def test_enable_peer_access():
+    # The simulated host has two devices: device 1 may reach device 0's mapped memory.
+    gpupool.enable_peer_access(1, 0)
+    gpupool.enable_peer_access(1, 0)  # enabled already: nothing more
+    for device, peer in ((0, 0), (0, 2), (-1, 0)):
+        with pytest.raises(gpupool.Error):
+            gpupool.enable_peer_access(device, peer)
