@@ -1798,7 +1798,9 @@ gpupool_status gpupool_record_history(int enabled,
  * as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
  * (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
  * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
- * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
+ * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`, and
+ * `user_metadata` on an event that has some: `gpupool_set_memory_metadata`,
+ * `gpupool_annotate_memory`).
  * `allocator_settings`, the configuration (PyTorch's
  * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
  *
