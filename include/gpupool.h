@@ -240,6 +240,12 @@
 #define GPUPOOL_HISTORY_STACKS_NATIVE 32
 
 /**
+ * The longest metadata `gpupool_set_memory_metadata` and `gpupool_annotate_memory` accept, in
+ * bytes (64 KiB, the NUL not counted).
+ */
+#define GPUPOOL_MEMORY_METADATA_MAX 65536
+
+/**
  * The layout version of `gpupool_host_stats_t` this library writes.
  */
 #define GPUPOOL_HOST_STATS_VERSION 1
@@ -1803,7 +1809,9 @@ gpupool_status gpupool_detach_segment_observer(gpupool_segment_observer_fn obser
  *   `segment_map`, `segment_unmap` (pages of expandable segments), `oom` (a request failed
  *   after every retry) and `snapshot` (`gpupool_dump_snapshot` was called); each with the
  *   address, the bytes (those asked for, for a block), the stream, and the time in
- *   microseconds since the Unix epoch. About 48 bytes of host memory each.
+ *   microseconds since the Unix epoch; `annotate` (`gpupool_annotate_memory`). About 64 bytes
+ *   of host memory each, and the metadata strings the events refer to
+ *   (`gpupool_set_memory_metadata`).
  * - `context`: which call stacks are kept, `GPUPOOL_HISTORY_CONTEXT_NONE`, `_STATE`,
  *   `_ALLOC` or `_ALL` (PyTorch's `None`, `"state"`, `"alloc"`, `"all"`); each keeps what the
  *   one before it keeps. A stack is captured unresolved (the instruction pointers, about a
@@ -1861,7 +1869,9 @@ gpupool_status gpupool_record_history(int enabled,
  * as when it was awake, its blocks in their states, with gpupool's key `is_sleeping: True`
  * (only there: PyTorch's viewer passes over it). `device_traces`, per device ordinal, the events
  * `gpupool_record_history` recorded, oldest first, `time_us` never decreasing along a trace
- * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`).
+ * (`action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us`, `frames`, and
+ * `user_metadata` on an event that has some: `gpupool_set_memory_metadata`,
+ * `gpupool_annotate_memory`).
  * `allocator_settings`, the configuration (PyTorch's
  * keys). A frame is `{filename, line, name}`, innermost first. Sizes in bytes.
  *
@@ -1890,6 +1900,98 @@ gpupool_status gpupool_record_history(int enabled,
  * `path` must be NULL or point to a NUL-terminated string.
  */
 gpupool_status gpupool_dump_snapshot(const char *path);
+
+/**
+ * `gpupool_dump_snapshot`, with the traces only when `include_traces` is non-zero (PyTorch
+ * `torch.cuda.memory_snapshot(include_traces=False)` and `MemPool.snapshot(include_traces=)`,
+ * PR #172672). With 0, the file's `device_traces` holds one empty list per device and
+ * nothing of the recorded history is copied, symbolised or written: the snapshot costs what
+ * the segments and blocks cost, however many events the history keeps (docs/history.md: the
+ * figures, 100,000 events, the 2-core development machine). The history goes on recording;
+ * its `snapshot` event is recorded all the same. The rest as `gpupool_dump_snapshot`:
+ * arguments, errors (`GPUPOOL_ERROR_INVALID_VALUE` for a NULL or unwritable `path`), thread
+ * safety.
+ *
+ * # Safety
+ * `path` must be NULL or point to a NUL-terminated string.
+ */
+gpupool_status gpupool_dump_snapshot_with(const char *path, int include_traces);
+
+/**
+ * Sets the calling thread's metadata for the allocation history (PyTorch
+ * `torch.cuda.memory._set_memory_metadata`): every event this thread records from now on
+ * (`alloc`, `free_requested`, `segment_alloc`, ... on any device) carries it as its
+ * `user_metadata` in `gpupool_dump_snapshot`'s file, which PyTorch's viewer shows with the
+ * event; an event recorded by another thread (a `free_completed` completed by the thread that
+ * synchronised) carries that thread's. Only what is recorded while history is on
+ * (`gpupool_record_history`) shows it; the segments and blocks of the snapshot do not.
+ *
+ * - `metadata`: NUL-terminated UTF-8, copied; `""` or NULL clears it. Any text, as PyTorch
+ *   takes any string (a label: `"forward"`), at most `GPUPOOL_MEMORY_METADATA_MAX` bytes; text
+ *   that starts with `{` or `[` (after white space) must be valid JSON, the structured metadata
+ *   PyTorch writes for a dict (`json.dumps` with `separators=(",", ":")`) and its viewer shows
+ *   as key-value pairs. Stored as given, a string, as PyTorch stores it.
+ *
+ * Errors, each leaving the thread's metadata as it was: `GPUPOOL_ERROR_INVALID_VALUE` for
+ * metadata longer than the limit (the message has its length), not UTF-8 (the byte offset),
+ * or JSON that does not parse (serde_json's message, with line and column).
+ *
+ * Per thread; needs no allocator and starts none. Cost: a copy of the string here; while
+ * history is on, a reference count on each event the thread records.
+ *
+ * # Safety
+ * `metadata` must be NULL or point to a NUL-terminated string.
+ */
+gpupool_status gpupool_set_memory_metadata(const char *metadata);
+
+/**
+ * Writes the calling thread's metadata (`gpupool_set_memory_metadata`; `""` when none; PyTorch
+ * `torch.cuda.memory._get_memory_metadata`).
+ *
+ * - `buf`, `len`: a caller-owned buffer of `len` bytes, or NULL to ask for the size only.
+ * - `needed`: if not NULL, receives the bytes the text needs, NUL included.
+ *
+ * The buffer convention of `gpupool_memory_summary`: with a buffer of at least `*needed`
+ * bytes, writes the NUL-terminated text and `*needed`, and succeeds; with a buffer too small,
+ * writes `*needed`, leaves the buffer untouched and returns `GPUPOOL_ERROR_INVALID_VALUE`.
+ *
+ * Errors: `GPUPOOL_ERROR_INVALID_VALUE` (both `buf` and `needed` NULL; `len` too small, the
+ * message gives the size needed). Per thread; needs no allocator.
+ *
+ * # Safety
+ * `buf` must be NULL or point to `len` writable bytes; `needed` NULL or writable.
+ */
+gpupool_status gpupool_get_memory_metadata(char *buf, size_t len, size_t *needed);
+
+/**
+ * Attaches metadata to a live block after its allocation (PyTorch
+ * `torch.cuda.memory._annotate_memory`, PR #190575): records an `annotate` event in its
+ * device's trace with the block's address, requested size and stream, `metadata` as its
+ * `user_metadata`, and the caller's stack where events keep stacks
+ * (`GPUPOOL_HISTORY_CONTEXT_ALLOC` and up). PyTorch's viewer shows it with the block;
+ * annotations of one block accumulate, each an event of its own, and change nothing the
+ * allocation recorded (not its own `user_metadata`). While history is off nothing is recorded,
+ * as in PyTorch, but the arguments are checked all the same.
+ *
+ * - `ptr`: the address `gpupool_malloc` returned, of a block not yet freed (PyTorch annotates
+ *   the base of a tensor's storage).
+ * - `metadata`: NUL-terminated UTF-8, copied; the rules of `gpupool_set_memory_metadata`
+ *   (at most `GPUPOOL_MEMORY_METADATA_MAX` bytes, valid JSON when it starts with `{` or `[`).
+ *
+ * Errors, each recording nothing: `GPUPOOL_ERROR_INVALID_VALUE` for a NULL `metadata`, or one
+ * too long, not UTF-8 or not valid JSON (the message says which); `GPUPOOL_ERROR_INVALID_POINTER`
+ * when `ptr` is not an allocated block (never gpupool's, freed, inside a block; PyTorch raises
+ * on a dead or unknown pointer too); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE` when the allocator
+ * cannot start.
+ *
+ * Thread-safe: a block freed on another thread meanwhile is either annotated before the free
+ * (its `annotate` event comes before its `free_requested`) or reported freed. Costs a lookup
+ * of the block and its stream's lock.
+ *
+ * # Safety
+ * `metadata` must be NULL or point to a NUL-terminated string; `ptr` is only compared.
+ */
+gpupool_status gpupool_annotate_memory(void *ptr, const char *metadata);
 
 /**
  * Pushes the tag `name` on the calling thread's stack of tags: every block this thread

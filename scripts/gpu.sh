@@ -72,7 +72,8 @@
 #               t5_generate,bert_train; default all)
 #   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
 #               under PyTorch's allocator and under gpupool, both rendered by PyTorch's viewer
-#               (trace_plot, segment_plot) into OUT/snapshot
+#               (trace_plot, segment_plot) into OUT/snapshot; examples/python/annotated_snapshot.py:
+#               metadata, an annotated tensor, dumps with and without traces at 100,000 events
 #   frames      examples/python/frames_cost.py --torch: ns per torch.empty with Python frames
 #               in the history, PyTorch's against gpupool's, and a small model's snapshot
 #               through gpupool read by PyTorch's viewer code, into OUT/frames
@@ -482,6 +483,10 @@ if want snapshot; then
     mkdir -p "$out/snapshot"
     python3 examples/python/dump_snapshot.py --lib "$prefix/lib/libgpupool.so" --out "$out/snapshot" 2>&1 |
       tee "$out/snapshot.log" || status=1
+    # Annotated snapshots (issue 43): metadata, an annotated tensor, 100,000 events, the dump's
+    # time with and without traces, PyTorch's _memory_viz reading the annotation.
+    python3 examples/python/annotated_snapshot.py --lib "$prefix/lib/libgpupool.so" --out "$out/snapshot" 2>&1 |
+      tee -a "$out/snapshot.log" || status=1
     # The C++ engine of examples/cpp (the examples section builds it), with its history.
     if [ -x build-gpu/cpp/engine ]; then
       GPUPOOL_RECORD_HISTORY=100000:alloc ./build-gpu/cpp/engine 200 4 "$out/snapshot/engine.pickle" 2>&1 |

@@ -48,7 +48,8 @@ __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
     "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable", "enable_peer_access",
     "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
-    "record_history", "dump_snapshot", "snapshot", "push_tag", "pop_tag", "tag", "tag_stats",
+    "record_history", "dump_snapshot", "snapshot", "set_memory_metadata", "get_memory_metadata",
+    "annotate_memory", "push_tag", "pop_tag", "tag", "tag_stats",
     "tags", "live_report", "host_malloc", "host_free", "host_record_event", "host_empty_cache",
     "host_stats", "host_reset_peak_stats", "Pool", "pool_create", "release_pool", "use_pool", "sleep",
     "wake", "sleep_host_bytes", "sleep_prepare", "release_kept", "set_pool_limit", "pool_limit",
@@ -205,22 +206,61 @@ def record_history(enabled=True, context="all", max_entries=100000, stacks="all"
           "gpupool_record_history")
 
 
-def dump_snapshot(path):
+def dump_snapshot(path, include_traces=True):
     """torch.cuda.memory._dump_snapshot for gpupool: writes the snapshot pickle that PyTorch's
-    memory viewer reads (python -m torch.cuda._memory_viz trace_plot PATH -o PATH.html)."""
-    check(lib().gpupool_dump_snapshot(_path(path, "path")), "gpupool_dump_snapshot")
+    memory viewer reads (python -m torch.cuda._memory_viz trace_plot PATH -o PATH.html).
+    include_traces=False (PyTorch's memory_snapshot(include_traces=False)) leaves every
+    device's trace empty and costs what the segments cost, however long the history
+    (gpupool_dump_snapshot_with)."""
+    if not isinstance(include_traces, bool):
+        raise TypeError(f"include_traces: expected a bool, got {type(include_traces).__name__}")
+    check(lib().gpupool_dump_snapshot_with(_path(path, "path"), 1 if include_traces else 0),
+          "gpupool_dump_snapshot_with")
 
 
-def snapshot():
+def snapshot(include_traces=True):
     """The snapshot dump_snapshot() writes, unpickled: a dict with 'segments',
     'device_traces' and the rest of torch.cuda.memory._snapshot()'s layout."""
     import pickle
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "snapshot.pickle")
-        dump_snapshot(path)
+        dump_snapshot(path, include_traces)
         with open(path, "rb") as f:
             return pickle.load(f)
+
+
+def set_memory_metadata(metadata):
+    """torch.cuda.memory._set_memory_metadata for gpupool: every event this thread records from
+    now on carries `metadata` as its 'user_metadata' (gpupool_set_memory_metadata). A str as
+    it is, a dict as compact JSON (json.dumps with separators=(",", ":")), as PyTorch writes
+    it; "" clears. Error for more than 65536 bytes of UTF-8, or text starting with { or [ that
+    is not valid JSON (the thread's metadata is then unchanged)."""
+    if isinstance(metadata, dict):
+        import json
+
+        metadata = json.dumps(metadata, separators=(",", ":"))
+    check(lib().gpupool_set_memory_metadata(text(metadata, "metadata")), "gpupool_set_memory_metadata")
+
+
+def get_memory_metadata():
+    """torch.cuda.memory._get_memory_metadata for gpupool: this thread's metadata, "" when none
+    (a dict's as its JSON)."""
+    return _sized_string("gpupool_get_memory_metadata", lib().gpupool_get_memory_metadata)
+
+
+def annotate_memory(ptr, metadata):
+    """torch.cuda.memory._annotate_memory for gpupool: records an 'annotate' event for the live
+    block at `ptr` (the address malloc() returned) with `metadata` (str, or a dict as compact
+    JSON) as its 'user_metadata' (gpupool_annotate_memory). Nothing is recorded while history
+    is off. Error for a pointer that is not a live block (freed, interior, unknown) or bad
+    metadata (the rules of set_memory_metadata)."""
+    if isinstance(metadata, dict):
+        import json
+
+        metadata = json.dumps(metadata, separators=(",", ":"))
+    check(lib().gpupool_annotate_memory(unsigned(ptr, "ptr"), text(metadata, "metadata")),
+          "gpupool_annotate_memory")
 
 
 def push_tag(name):

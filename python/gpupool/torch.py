@@ -44,7 +44,9 @@ storage.
 With the pluggable allocator installed, torch.cuda.memory_stats() and friends do not report
 gpupool's figures; stats() and summary() here do (gpupool.stats, gpupool.memory_summary).
 Likewise record_history() and dump_snapshot() are gpupool's torch.cuda.memory.
-_record_memory_history() and _dump_snapshot(), and write the same file for the same viewer.
+_record_memory_history() and _dump_snapshot(), and write the same file for the same viewer;
+set_memory_metadata(), get_memory_metadata(), annotate_memory() and annotate_tensor() its
+_set_memory_metadata(), _get_memory_metadata(), _annotate_memory() and _annotate_tensor().
 """
 
 import contextlib
@@ -52,7 +54,9 @@ import ctypes
 import os
 
 from . import _lib, _structs
-from . import dump_snapshot, record_history, reset_peak_stats, stats  # noqa: F401 (re-exported)
+from . import (  # noqa: F401 (re-exported)
+    annotate_memory, dump_snapshot, get_memory_metadata, record_history, reset_peak_stats, set_memory_metadata, stats,
+)
 from . import memory_summary as summary  # noqa: F401
 from ._lib import find_library  # noqa: F401
 
@@ -211,3 +215,11 @@ def wake(pool=0, device=None):
     from . import wake as core_wake
 
     core_wake(_pool_id(pool), _torch_device(device))
+
+
+def annotate_tensor(tensor, metadata):
+    """torch.cuda.memory._annotate_tensor for gpupool: annotate_memory() on the base of the
+    tensor's storage, so that views and offset tensors annotate their block."""
+    if not tensor.is_cuda:
+        raise ValueError(f"expected a CUDA tensor, got device {tensor.device}")
+    annotate_memory(tensor.untyped_storage().data_ptr(), metadata)

@@ -19,8 +19,11 @@
 //!   moment the program gave it back. `free_completed` (when the recording allocator could
 //!   reuse it, after other streams' events) is the allocator's doing, not the program's, and is
 //!   skipped; a trace recorded with `skip_actions=["free_requested"]` frees at `free_completed`
-//!   instead. `segment_*`, `oom`, `snapshot` and other actions are not replayed; the
-//!   `segment_*` and `oom` entries give [`Recorded`], what PyTorch itself reserved.
+//!   instead. `segment_*`, `oom`, `snapshot`, `annotate` (metadata attached to a live block,
+//!   PyTorch's `_annotate_memory`; its `user_metadata`, like every entry's, is not needed) and
+//!   other actions are not replayed, each counted in the notes; the `segment_*` and `oom`
+//!   entries give [`Recorded`], what PyTorch itself reserved. A snapshot taken without traces
+//!   (`include_traces=False`: every device's list empty) replays its live blocks alone.
 //! - A history that wrapped (`max_entries` reached) or began late starts with frees of blocks
 //!   allocated before it, and ends with blocks alive that it never saw allocated. Both kinds
 //!   are taken as alive when the trace begins, as PyTorch's viewer (`MemoryViz.js`,

@@ -61,3 +61,47 @@ fn a_snapshot_written_by_gpupool_replays_to_the_same_peaks() {
         );
     }
 }
+
+/// An annotated snapshot (issue 43): events carrying `user_metadata`, `annotate` events of
+/// live blocks, replayed to the same peaks as without them, the annotations counted in the
+/// notes; and a snapshot without traces, whose live blocks are replayed as alive from the
+/// start.
+#[test]
+fn annotated_snapshots_and_snapshots_without_traces_are_read() {
+    let config = Config::default();
+    let a = Allocator::new(Arc::new(SimDriver::new(1, CAPACITY)), config.clone());
+    let settings =
+        HistorySettings { max_entries: 1_000_000, context: HistoryContext::None, stacks: Default::default() };
+    a.record_history(Some(settings)).unwrap();
+    gpupool::history::metadata::set(r#"{"phase":"warmup"}"#).unwrap();
+    let keep: Vec<u64> = (0..5).map(|i| a.malloc((i + 1) * MIB, 0, 0x10).unwrap()).collect();
+    for (i, &p) in keep.iter().enumerate() {
+        a.annotate_memory(p, &format!("kept block {i}")).unwrap();
+    }
+    gpupool::history::metadata::set("steady").unwrap();
+    run_program(&a);
+    gpupool::history::metadata::set("").unwrap();
+    let stats = a.stats(0).unwrap();
+    let write = |traces: bool, name: &str| {
+        let path = std::env::temp_dir().join(format!("gpupool-{name}-{}.pickle", std::process::id()));
+        let mut file = std::fs::File::create(&path).unwrap();
+        a.snapshot_with(traces).unwrap().write_pickle(&mut file).unwrap();
+        path
+    };
+    let full = write(true, "annotated");
+    let (trace, outcome) = gpupool_replay::replay_snapshot(&full, 0, &config, CAPACITY).unwrap();
+    std::fs::remove_file(&full).unwrap();
+    assert_eq!(trace.peak_live() as i64, stats.requested_bytes.all.peak);
+    assert_eq!(outcome.peak_reserved as i64, stats.reserved_bytes.all.peak);
+    assert!(trace.notes.iter().any(|n| n == "5 'annotate' entries are not replayed"), "{:?}", trace.notes);
+
+    let lite = write(false, "lite");
+    let traces = gpupool_replay::input::load(&lite, None).unwrap();
+    std::fs::remove_file(&lite).unwrap();
+    assert_eq!(traces.len(), 1);
+    assert_eq!(traces[0].initial_blocks, 5, "the live blocks, alive from before the (empty) trace");
+    assert_eq!(traces[0].peak_live(), 15 * MIB);
+    for p in keep {
+        a.free(p).unwrap();
+    }
+}

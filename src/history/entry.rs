@@ -3,12 +3,15 @@
 //! entries) and `snapshot` (which turns them into [`super::TraceEntry`]) both depend on it and
 //! neither on the other.
 
+use std::sync::Arc;
+
 use super::Action;
 use crate::driver::StreamHandle;
 
 /// One event as recorded (see [`super::TraceEntry`] for the fields); `ctx` names its stack in
-/// the recorder's table (0: none).
-#[derive(Clone, Copy, Debug)]
+/// the recorder's table (0: none); `meta` is the recording thread's metadata, or an
+/// annotation's (`super::metadata`).
+#[derive(Clone, Debug)]
 pub(crate) struct Entry {
     pub action: Action,
     pub ctx: u32,
@@ -17,4 +20,5 @@ pub(crate) struct Entry {
     pub block_size: usize,
     pub stream: StreamHandle,
     pub time_us: i64,
+    pub meta: Option<Arc<str>>,
 }

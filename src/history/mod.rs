@@ -17,7 +17,9 @@
 //!   and free paths;
 //! - `snapshot`: what a snapshot holds ([`Snapshot`]);
 //! - `pickle`: the snapshot as PyTorch's pickle, each string, frame and stack written once;
-//! - [`tags`]: names a thread pushes, carried by the blocks it allocates, and counted per name.
+//! - [`tags`]: names a thread pushes, carried by the blocks it allocates, and counted per name;
+//! - [`metadata`]: the string a thread sets for the events it records (PyTorch's
+//!   `user_metadata`), and the payload of `annotate` events.
 //!
 //! Recording costs the malloc and free paths one relaxed load of the device's flag while it is
 //! off. The allocator core calls the recorder at each event (`src/caching`), under the lock of
@@ -25,6 +27,7 @@
 
 mod entry;
 mod frame;
+pub mod metadata;
 mod native;
 mod pickle;
 mod python;
@@ -154,6 +157,10 @@ pub enum Action {
     Oom,
     /// A snapshot was taken (`snapshot`): the device's active bytes then.
     Snapshot,
+    /// Metadata attached to a live block after its allocation (`annotate`, PyTorch
+    /// `TraceEntry::ANNOTATE`, `torch.cuda.memory._annotate_memory`): the block's address, its
+    /// requested size, and the annotation as the event's `user_metadata`.
+    Annotate,
 }
 
 impl Action {
@@ -169,6 +176,7 @@ impl Action {
             Action::SegmentUnmap => "segment_unmap",
             Action::Oom => "oom",
             Action::Snapshot => "snapshot",
+            Action::Annotate => "annotate",
         }
     }
 }

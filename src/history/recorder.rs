@@ -18,7 +18,7 @@ use super::python::Scope;
 use super::ring::Ring;
 use super::stacks::{self, ContextTable};
 use super::tags::{self, TagCounters};
-use super::{Action, HistoryContext, HistorySettings};
+use super::{Action, HistoryContext, HistorySettings, metadata};
 use crate::driver::StreamHandle;
 
 /// Microseconds since the Unix epoch, from a monotonic clock (PyTorch's `time_us`).
@@ -178,12 +178,32 @@ impl HistoryHook {
     /// for the lock, or was preempted on its way, appended an event older than those appended
     /// meanwhile: 4 threads on 2 cores put up to 634 events in 1.44 million after a later one,
     /// by up to 16 ms.
+    ///
+    /// The event carries the calling thread's metadata (`super::metadata`, PyTorch's
+    /// `user_metadata`), read before the trace's lock.
     #[cold]
     pub fn record(&self, action: Action, addr: u64, size: usize, block_size: usize, stream: StreamHandle, ctx: u32) {
+        self.record_meta(action, addr, size, block_size, stream, ctx, metadata::current());
+    }
+
+    /// [`HistoryHook::record`] with `meta` as the event's metadata instead of the thread's (an
+    /// annotation's payload).
+    #[allow(clippy::too_many_arguments)]
+    #[cold]
+    pub fn record_meta(
+        &self,
+        action: Action,
+        addr: u64,
+        size: usize,
+        block_size: usize,
+        stream: StreamHandle,
+        ctx: u32,
+        meta: Option<Arc<str>>,
+    ) {
         let ctx = self.trace_ctx(ctx);
         if let Some(t) = self.recorder.traces.get(self.device) {
             let mut t = t.lock();
-            t.push(Entry { action, ctx, addr, size, block_size, stream, time_us: self.recorder.clock.now_us() });
+            t.push(Entry { action, ctx, addr, size, block_size, stream, time_us: self.recorder.clock.now_us(), meta });
         }
     }
 
@@ -202,9 +222,19 @@ impl HistoryHook {
     ) -> Result<T, E> {
         let (true, Some(t)) = (self.on(), self.recorder.traces.get(self.device)) else { return f() };
         let ctx = self.trace_ctx(ctx);
+        let meta = metadata::current();
         let mut t = t.lock();
         let r = f()?;
-        t.push(Entry { action, ctx, addr, size, block_size: size, stream, time_us: self.recorder.clock.now_us() });
+        t.push(Entry {
+            action,
+            ctx,
+            addr,
+            size,
+            block_size: size,
+            stream,
+            time_us: self.recorder.clock.now_us(),
+            meta,
+        });
         Ok(r)
     }
 }

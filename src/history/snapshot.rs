@@ -112,6 +112,10 @@ pub struct TraceEntry {
     pub time_us: i64,
     /// The call stack recorded with it, if any.
     pub frames: Arc<[Frame]>,
+    /// The metadata of the thread that recorded it (`gpupool_set_memory_metadata`, PyTorch
+    /// `_set_memory_metadata`), or, for [`Action::Annotate`], the annotation; `None` when
+    /// there is none (the pickle then writes no `user_metadata` key).
+    pub user_metadata: Option<Arc<str>>,
 }
 
 /// The allocator's settings, as PyTorch's snapshot reports them (`allocator_settings`).
@@ -143,7 +147,8 @@ pub struct Snapshot {
     /// The segments, by device, then by address.
     pub segments: Vec<SnapshotSegment>,
     /// One trace per device ordinal of the driver (empty for a device never used), oldest
-    /// event first.
+    /// event first; every one empty in a snapshot taken without traces
+    /// ([`crate::Allocator::snapshot_with`]).
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// The allocator's settings.
     pub allocator_settings: AllocatorSettings,
@@ -200,6 +205,7 @@ impl Snapshot {
                         device: d as i32,
                         time_us: e.time_us,
                         frames: sym.frames(e.ctx),
+                        user_metadata: e.meta,
                     })
                     .collect()
             })

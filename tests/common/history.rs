@@ -142,6 +142,12 @@ fn replay_matches(snap: &Snapshot, d: i32) {
                 let m = mapped.swap_remove(i);
                 mapped.extend([(m.0, range.0), (range.1, m.1)].into_iter().filter(|r| r.0 < r.1));
             }
+            Action::Annotate => {
+                // An annotation is of a block allocated and not yet freed, with its size.
+                let b = live.get(&e.addr).unwrap_or_else(|| panic!("{what}: not allocated"));
+                assert!(!b.1 && b.0 == e.size, "{what}: of a freed block, or with another size");
+                assert!(e.user_metadata.is_some(), "{what}: without its annotation");
+            }
             Action::Oom | Action::Snapshot => {}
         }
     }

@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod metadata;
 mod recording;
 mod snapshot_size;
 mod tags;

@@ -278,6 +278,7 @@ fn stacks_equal_by_value_share_one_list() {
         device: 0,
         time_us: 1,
         frames: frames.clone(),
+        user_metadata: None,
     };
     use Action::*;
     snap.device_traces = vec![vec![

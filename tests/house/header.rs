@@ -80,6 +80,10 @@ const SECTIONS: &[(&str, &[&str])] = &[
         &[
             "gpupool_record_history",
             "gpupool_dump_snapshot",
+            "gpupool_dump_snapshot_with",
+            "gpupool_set_memory_metadata",
+            "gpupool_get_memory_metadata",
+            "gpupool_annotate_memory",
             "gpupool_push_tag",
             "gpupool_pop_tag",
             "gpupool_tag_stats",

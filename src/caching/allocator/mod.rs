@@ -319,7 +319,7 @@ impl Allocator {
     }
 
     /// The device of a segment: started already, since it has segments.
-    fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+    pub(in crate::caching) fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         super::fork::check()?;
         self.devices[device as usize]
             .get()

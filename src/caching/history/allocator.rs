@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::caching::allocator::Allocator;
+use crate::driver::DevicePtr;
 use crate::error::Error;
 use crate::history::{AllocatorSettings, HistorySettings, Snapshot, TagStats, tags};
 
@@ -54,13 +55,26 @@ impl Allocator {
     ///
     /// Errors: [`Error::DriverUnavailable`] in a process forked from one that used gpupool.
     pub fn snapshot(&self) -> Result<Snapshot, Error> {
+        self.snapshot_with(true)
+    }
+
+    /// [`Allocator::snapshot`], with each device's trace only when `include_traces` (PyTorch
+    /// `torch.cuda.memory_snapshot(include_traces=...)`, `MemPool.snapshot`, PR #172672):
+    /// without, `device_traces` holds one empty list per device and nothing of the traces is
+    /// copied or symbolised, so that the snapshot costs what its segments and blocks cost,
+    /// however many events the history holds (docs/history.md has the figures). The segments,
+    /// their blocks and their stacks are as with traces; while history is on, the `snapshot`
+    /// event is recorded all the same, for a later snapshot with traces.
+    ///
+    /// Errors: as [`Allocator::snapshot`].
+    pub fn snapshot_with(&self, include_traces: bool) -> Result<Snapshot, Error> {
         crate::caching::fork::check()?;
         let mut segments = Vec::new();
         let mut traces = vec![Vec::new(); self.devices.len()];
         let mut held = vec![0; self.devices.len()];
         for ((trace, held), dev) in traces.iter_mut().zip(held.iter_mut()).zip(self.devices.iter()) {
             if let Some(dev) = dev.get() {
-                (*trace, *held) = dev.snapshot_into(&mut segments);
+                (*trace, *held) = dev.snapshot_into(&mut segments, include_traces);
             }
         }
         let c = self.config();
@@ -75,6 +89,34 @@ impl Allocator {
             roundup_power2_divisions: c.roundup_power2_divisions.to_vec(),
         };
         Ok(Snapshot::assemble(&self.recorder.contexts, segments, traces, settings, held))
+    }
+
+    /// Records an `annotate` event for the allocated block at `ptr` (PyTorch
+    /// `torch.cuda.memory._annotate_memory`, `TraceEntry::ANNOTATE`, PR #190575): metadata
+    /// attached after the allocation, which PyTorch's viewer shows beside the block's own. The
+    /// event carries the block's address, requested size and stream, `metadata` as its
+    /// `user_metadata` and, where events keep stacks, the caller's; annotations of one block
+    /// accumulate, each an event of its own, and change nothing the allocation recorded. While
+    /// history is off, nothing is recorded (as PyTorch), but `ptr` and `metadata` are checked
+    /// all the same.
+    ///
+    /// `ptr` is the address [`Allocator::malloc`] returned: PyTorch annotates the base of a
+    /// tensor's storage (`_annotate_tensor`), and so must a caller holding an interior pointer.
+    ///
+    /// Errors, each recording nothing: [`Error::InvalidValue`] for metadata that fails
+    /// [`crate::history::metadata::check`] (too long, or JSON that does not parse);
+    /// [`Error::InvalidPointer`] when `ptr` is not an allocated block (never allocated by this
+    /// allocator, freed, or inside a block); [`Error::DriverUnavailable`] in a process forked
+    /// from one that used gpupool. Thread-safe; a block freed on another thread at the same time
+    /// is either annotated before its free (the event precedes its `free_requested`) or
+    /// reported freed.
+    pub fn annotate_memory(&self, ptr: DevicePtr, metadata: &str) -> Result<(), Error> {
+        crate::caching::fork::check()?;
+        let meta: Arc<str> = crate::history::metadata::check(metadata.as_bytes())?.into();
+        self.index.with_segment(ptr, |seg| match seg {
+            None => Err(Error::InvalidPointer(format!("pointer {ptr:#x} was not allocated by gpupool"))),
+            Some(e) => self.used_device(e.device)?.annotate(&e.owner, ptr, meta),
+        })
     }
 
     /// The statistics of the blocks allocated under tag `name` (see [`crate::history::tags`]),

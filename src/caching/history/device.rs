@@ -3,11 +3,14 @@
 //! `DeviceCachingAllocator::recordHistory`, the `OOM` event of `malloc`, `snapshot` and
 //! `trace`).
 
+use std::sync::Arc;
+
 use parking_lot::MutexGuard;
 
 use crate::caching::device::DeviceAllocator;
-use crate::caching::shard::{Request, ShardState};
-use crate::driver::StreamHandle;
+use crate::caching::shard::{Request, Shard, ShardState};
+use crate::driver::{DevicePtr, StreamHandle};
+use crate::error::Error;
 use crate::history::{Action, Entry, HistoryContext, RawSegment};
 
 impl DeviceAllocator {
@@ -34,6 +37,36 @@ impl DeviceAllocator {
         self.history.record(Action::Oom, free as u64, req.rounded, req.rounded, stream, c);
     }
 
+    /// The `annotate` event of the allocated block at `ptr` of `shard` (PyTorch
+    /// `annotateMemory`): the block's address, requested and rounded sizes and stream, `meta`
+    /// as its `user_metadata`, and the caller's stack where events keep stacks
+    /// ([`HistoryContext::Alloc`] and up). Recorded under the shard's lock, so that it comes
+    /// before the block's `free_requested` in the trace, or the block is found freed. While
+    /// history is off, only checks the block.
+    ///
+    /// Errors: [`Error::InvalidPointer`] when `ptr` is not the address of an allocated block of
+    /// the shard (freed, or inside a block), recording nothing.
+    pub fn annotate(&self, shard: &Arc<Shard>, ptr: DevicePtr, meta: Arc<str>) -> Result<(), Error> {
+        let not_live = || {
+            Error::InvalidPointer(format!(
+                "pointer {ptr:#x} is not an allocated block: it was freed, or lies inside a block (annotate the \
+                 address gpupool_malloc returned)"
+            ))
+        };
+        if !self.history.on() {
+            return if shard.lock().is_allocated(ptr) { Ok(()) } else { Err(not_live()) };
+        }
+        // The stack before the shard's lock: reading Python frames may take the GIL.
+        let scope = self.history.python_scope(HistoryContext::Alloc);
+        let c = self.history.capture(HistoryContext::Alloc);
+        drop(scope);
+        let st = shard.lock();
+        let id = st.allocated(ptr).ok_or_else(not_live)?;
+        let b = &st.blocks[id];
+        self.history.record_meta(Action::Annotate, b.addr, b.requested, b.size, shard.stream, c, Some(meta));
+        Ok(())
+    }
+
     /// The context and size (rounded) of every allocated block of the device, one shard locked
     /// at a time (a consistent state per stream, not across streams: enough for a report).
     pub fn live_blocks(&self) -> Vec<(u32, usize)> {
@@ -48,8 +81,10 @@ impl DeviceAllocator {
     /// holds unmapped, all taken with every shard locked (one consistent state, as PyTorch
     /// takes it under its device lock); while
     /// history is on, the trace ends with a `snapshot` event carrying the device's active
-    /// bytes (PyTorch `snapshot`).
-    pub fn snapshot_into(&self, out: &mut Vec<RawSegment>) -> (Vec<Entry>, usize) {
+    /// bytes (PyTorch `snapshot`). Without `traces` (PyTorch's `include_traces=False`), the
+    /// trace is not copied (an empty one is returned) but the `snapshot` event is still
+    /// recorded.
+    pub fn snapshot_into(&self, out: &mut Vec<RawSegment>, traces: bool) -> (Vec<Entry>, usize) {
         let _peaks = self.peaks.lock();
         let list = self.shards.all();
         let guards: Vec<MutexGuard<'_, ShardState>> = list.iter().map(|s| s.lock()).collect();
@@ -61,6 +96,7 @@ impl DeviceAllocator {
             let active = out[start..].iter().map(|r| r.segment.active_size).sum();
             self.history.record(Action::Snapshot, 0, active, active, 0, 0);
         }
-        (self.history.recorder().trace(self.device as usize), self.pages.held())
+        let trace = if traces { self.history.recorder().trace(self.device as usize) } else { Vec::new() };
+        (trace, self.pages.held())
     }
 }

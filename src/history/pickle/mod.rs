@@ -246,7 +246,7 @@ impl<'a, W: Write> Pickler<'a, W> {
     }
 
     fn event(&mut self, e: &'a TraceEntry) -> io::Result<()> {
-        self.dict(6, |p| {
+        self.dict(6 + usize::from(e.user_metadata.is_some()), |p| {
             p.key_str("action", e.action.name())?;
             // PyTorch writes an out-of-memory event's free bytes under their own name.
             p.key_int(if e.action == Action::Oom { "device_free" } else { "addr" }, int(e.addr))?;
@@ -254,7 +254,15 @@ impl<'a, W: Write> Pickler<'a, W> {
             p.key_int("stream", int(e.stream))?;
             p.key_int("time_us", e.time_us)?;
             p.str("frames")?;
-            p.frames(&e.frames)
+            p.frames(&e.frames)?;
+            // PyTorch's `user_metadata` (the recording thread's metadata, or an annotation's),
+            // written only where there is some (`torch.cuda._memory_viz` reads it on `annotate`
+            // events, which always carry it). Each distinct string is written once and referred
+            // back to.
+            if let Some(m) = &e.user_metadata {
+                p.key_str("user_metadata", m)?;
+            }
+            Ok(())
         })
     }
 
