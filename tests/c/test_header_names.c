@@ -130,6 +130,14 @@ int main(void) {
       (any_fn)gpupool_torch_empty_cache,
       (any_fn)gpupool_torch_set_memory_fraction,
       (any_fn)gpupool_torch_init,
+      (any_fn)gpupool_annotate_memory,
+      (any_fn)gpupool_dump_snapshot_with,
+      (any_fn)gpupool_enable_peer_access,
+      (any_fn)gpupool_get_memory_metadata,
+      (any_fn)gpupool_pool_get_limit,
+      (any_fn)gpupool_pool_set_limit,
+      (any_fn)gpupool_set_memory_metadata,
+      (any_fn)gpupool_sleep_prepare,
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;
