@@ -100,5 +100,6 @@
 mod dlsym;
 mod driver_api;
 mod lookups;
+mod passed;
 mod runtime_api;
 mod shim;
