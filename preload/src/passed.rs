@@ -241,6 +241,16 @@ mod tests {
         }
         assert_eq!(CALLS[slot].load(Ordering::Relaxed), before + 400);
         assert!(report().contains(&format!("passed through {} calls to cuMemMap (not served)", before + 400)));
+        // Threads racing to wrap one new function all get the one trampoline (address never
+        // called).
+        let fresh = 0x800 as *mut c_void as usize;
+        let got: Vec<usize> = (0..8)
+            .map(|_| std::thread::spawn(move || wrap(b"cuMemRelease", fresh as *mut c_void) as usize))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect();
+        assert!(got.iter().all(|&g| g == got[0] && g != fresh), "{got:x?}");
         // Every slot taken (addresses never called): the function itself comes back, counted as
         // a lookup not counted.
         for i in 0..SLOTS {
