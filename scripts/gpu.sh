@@ -65,8 +65,11 @@
 #               PyTorch's include dir or the nvidia-nccl package; /usr/lib/x86_64-linux-gnu/libnccl.so.2)
 #   preload     the LD_PRELOAD shim's programs
 #   jax         examples/python/jax_workload.py (a training step, an inference loop over changing
-#               shapes) under XLA's BFC pool, cuda_async, platform, and platform under the shim:
-#               results bit for bit, time, the device's peak use; OUT/jax.log
+#               shapes) under XLA's BFC pool, cuda_async, platform, and platform under the shim,
+#               each of the last two also with XLA_FLAGS' --xla_gpu_experimental_vmm_disabled=true
+#               (XLA's cuMemAlloc instead of its cuMemCreate/cuMemMap; the shim serves only the
+#               former): results bit for bit, time, the device's peak use, the shim's report
+#               (served, and the calls it passed through by name); OUT/jax.log
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
 #   traces      examples/python/record_trace.py into build-gpu/traces (RECORD_WORKLOADS: which, e.g.
 #               t5_generate,bert_train; default all)
@@ -378,17 +381,20 @@ if want preload; then
       echo "dlopen_app: caught as claimed" ||
       { echo "dlopen_app: not caught as claimed"; grep "served\|lookups" "$out/dlopen-shim.err" || true; status=1; }
     # JAX, where installed: XLA opens the driver itself, and with
-    # XLA_PYTHON_CLIENT_ALLOCATOR=platform every buffer is a cuMemAlloc, which the shim must
-    # serve, printing the same result (2^30, exact in float32).
+    # XLA_PYTHON_CLIENT_ALLOCATOR=platform and its virtual memory calls turned off every buffer
+    # is a cuMemAlloc, which the shim must serve (no cuMemCreate passed through), printing the
+    # same result (2^30, exact in float32). docs/preload.md, "What XLA calls".
     if python3 -c "import jax" 2>/dev/null; then
       jax_prog='import jax, jax.numpy as jnp; x = jnp.ones((1024, 1024)); print(float((x @ x).sum()), jax.devices()[0].platform)'
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" || status=1
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 python3 -c "$jax_prog" \
+      jax_env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_experimental_vmm_disabled=true)
+      env "${jax_env[@]}" python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" || status=1
+      env "${jax_env[@]}" LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 python3 -c "$jax_prog" \
         >"$out/jax-shim.txt" 2>"$out/jax-shim.err" || status=1
       cat "$out/jax-shim.txt"
       cmp -s "$out/jax-native.txt" "$out/jax-shim.txt" && grep -q " gpu$" "$out/jax-shim.txt" &&
-        grep -Eq "cudaMallocAsync, [1-9][0-9]* cuMemAlloc," "$out/jax-shim.err" && echo "jax: served by the shim, same output" ||
-        { echo "jax: not served as claimed"; grep "served\|lookups" "$out/jax-shim.err" || true; status=1; }
+        grep -Eq "cudaMallocAsync, [1-9][0-9]* cuMemAlloc," "$out/jax-shim.err" &&
+        ! grep -q "calls to cuMemCreate" "$out/jax-shim.err" && echo "jax: served by the shim, same output" ||
+        { echo "jax: not served as claimed"; grep "served\|lookups\|passed through" "$out/jax-shim.err" || true; status=1; }
     fi
   else
     echo "LD_PRELOAD tests did not build (see preload-build.log)"
@@ -450,17 +456,28 @@ if want jax; then
   if python3 -c "import jax" 2>/dev/null; then
     export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
     : >"$out/jax.log"
-    for run in bfc cuda_async platform shim platform-again shim-again; do
+    novmm="$XLA_FLAGS --xla_gpu_experimental_vmm_disabled=true"
+    for run in bfc cuda_async platform shim platform-novmm shim-novmm platform-again shim-novmm-again; do
       case $run in
         bfc) env=() ;;
         cuda_async) env=(XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async XLA_PYTHON_CLIENT_PREALLOCATE=false) ;;
+        platform-novmm*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="$novmm") ;;
         platform*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform) ;;
+        shim-novmm*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="$novmm" LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1) ;;
         shim*) env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1) ;;
       esac
       echo "-- $run: ${env[*]}" >>"$out/jax.log"
       env "${env[@]}" python3 examples/python/jax_workload.py >"build-gpu/jax-$run.txt" 2>"build-gpu/jax-$run.err" || status=1
       grep -v "^result:" "build-gpu/jax-$run.txt" >>"$out/jax.log"
       grep -E "served|passed through|lookups|peak|reserved" "build-gpu/jax-$run.err" >>"$out/jax.log" || true
+      # Whether XLA's buffers reached the shim: its virtual memory calls pass through, counted.
+      case $run in
+        shim-novmm*)
+          grep -q "calls to cuMemCreate" "build-gpu/jax-$run.err" &&
+            echo "$run: XLA still called cuMemCreate: those buffers were not gpupool's" >>"$out/jax.log" ||
+            echo "$run: no cuMemCreate passed through: XLA's buffers went to cuMemAlloc" >>"$out/jax.log"
+          ;;
+      esac
       if [ "$run" != bfc ]; then
         cmp -s <(grep "^result:" build-gpu/jax-bfc.txt) <(grep "^result:" "build-gpu/jax-$run.txt") &&
           echo "$run: results identical to bfc" >>"$out/jax.log" ||

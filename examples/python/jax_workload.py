@@ -1,8 +1,11 @@
 """A JAX training step and an inference loop with changing shapes, for comparing XLA's
 allocators with and without gpupool's LD_PRELOAD shim (scripts/gpu.sh, section `jax`).
 
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform LD_PRELOAD=.../libgpupool_preload.so \\
-        python3 jax_workload.py
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_experimental_vmm_disabled=true \\
+        LD_PRELOAD=.../libgpupool_preload.so python3 jax_workload.py
+
+(Without the flag XLA maps its buffers with cuMemCreate/cuMemMap, which the shim does not serve
+and counts as passed through: docs/preload.md, "What XLA calls, and what a JAX user sets".)
 
 The allocator is chosen outside, by XLA's own variables (XLA_PYTHON_CLIENT_ALLOCATOR=platform,
 cuda_async or unset for its preallocated BFC pool; XLA_PYTHON_CLIENT_PREALLOCATE). Prints

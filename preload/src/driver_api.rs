@@ -298,7 +298,9 @@ pub(crate) fn per_thread(flags: u64, ptsz: bool) -> bool {
 
 /// After a real lookup that returned `r`, puts the shim's function in `*pfn` where it has one,
 /// and counts the lookup as served or passed through. Nothing is substituted when gpupool did
-/// not start (every call would pass through anyway) or the lookup failed.
+/// not start (every call would pass through anyway) or the lookup failed. A memory function
+/// the shim does not serve (`cuMemCreate`, ...) is handed out behind a trampoline that counts
+/// its calls for the exit report (`passed.rs`), whether gpupool started or not.
 ///
 /// # Safety
 /// `symbol` is NUL-terminated or null, and `pfn` writable or null, as the caller of
@@ -323,7 +325,17 @@ pub(crate) unsafe fn substitute(
             unsafe { *pfn = f };
             bump(&crate::lookups::SERVED);
         }
-        None => bump(&crate::lookups::PASSED),
+        None => {
+            bump(&crate::lookups::PASSED);
+            // SAFETY: as this function's contract; *pfn is the driver's answer, written back
+            // behind a trampoline that counts its calls where it is a memory function the shim
+            // does not serve (passed.rs).
+            unsafe {
+                if r == 0 && !symbol.is_null() && !pfn.is_null() {
+                    *pfn = crate::passed::wrap(CStr::from_ptr(symbol).to_bytes(), *pfn);
+                }
+            }
+        }
     }
     r
 }

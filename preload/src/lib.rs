@@ -84,8 +84,11 @@
 //! the driver API directly (`-lcuda`, or `cuGetProcAddress` through its dynamic symbol) is
 //! caught, and so is one that opens the driver itself (`dlopen("libcuda.so.1")`, then `dlsym`
 //! and `cuGetProcAddress`, as XLA does; x86-64 glibc only, see `dlsym.rs`), and one that
-//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch` and the
-//! other allocation functions are not interposed (`cuMemCreate` only counted); their frees pass through.
+//! resolves the runtime with `dlsym` in its handle. `dlvsym` is not interposed. `cudaMallocManaged`, `cudaMallocPitch`, `cuMemCreate` and the
+//! other allocation functions are not interposed (`cuMemCreate` called by name is counted, `vmm.rs`); their frees pass through. Where the program
+//! looks one of them up (`dlsym` in the driver's or runtime's handle, `cuGetProcAddress`,
+//! `cudaGetDriverEntryPoint`), it gets the real function behind a counting trampoline
+//! (`passed.rs`), and the exit report names the calls that went past gpupool.
 //!
 //! ## Statistics at exit
 //!
@@ -93,7 +96,8 @@
 //! refused (frees gpupool answered with an error: a pointer inside one of its blocks, or one
 //! freed already; they are not counted as frees) and passed through, the lookups (`dlsym` of
 //! driver or runtime functions, `cuGetProcAddress`, `cudaGetDriverEntryPoint`) it answered
-//! with its own and the driver lookups it passed through, the deferred frees, every
+//! with its own and the driver lookups it passed through, the calls to memory functions it
+//! does not serve (`passed through 812 calls to cuMemCreate (not served)`), the deferred frees, every
 //! option with its value (`Config::options_text`), and gpupool's memory summary of each device
 //! it used, and the same for pinned host memory. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
 //! down by then.
@@ -103,6 +107,7 @@
 mod dlsym;
 mod driver_api;
 mod lookups;
+mod passed;
 mod runtime_api;
 mod shim;
 mod vmm;

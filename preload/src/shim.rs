@@ -358,7 +358,8 @@ impl Shim {
             format!("pinned: {} frees ({} bytes) still deferred at exit", h.blocks, h.bytes),
         ];
         let mut out = String::new();
-        for line in lines {
+        // Calls to memory functions the shim does not serve (cuMemCreate, ...), by name.
+        for line in lines.into_iter().chain(crate::passed::report()) {
             out.push_str("gpupool_preload: ");
             out.push_str(&line);
             out.push('\n');

@@ -11,10 +11,11 @@
 #include <string.h>
 
 enum { F_INIT, F_ALLOC, F_FREE, F_ALLOC_ASYNC, F_FREE_ASYNC, F_ALLOC_ASYNC_PTSZ, F_FREE_ASYNC_PTSZ,
-       F_DEVICE_COUNT, F_GET_PROC, F_COUNT };
+       F_DEVICE_COUNT, F_GET_PROC, F_MEM_CREATE, F_MEM_MAP, F_COUNT };
 static const char *const names[F_COUNT] = {
     "cuInit", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAllocAsync", "cuMemFreeAsync",
-    "cuMemAllocAsync_ptsz", "cuMemFreeAsync_ptsz", "cuDeviceGetCount", "cuGetProcAddress"};
+    "cuMemAllocAsync_ptsz", "cuMemFreeAsync_ptsz", "cuDeviceGetCount", "cuGetProcAddress", "cuMemCreate",
+    "cuMemMap"};
 static unsigned long calls[F_COUNT];
 
 static void count(int f) { __atomic_fetch_add(&calls[f], 1, __ATOMIC_RELAXED); }
@@ -29,6 +30,16 @@ static int free_async(uint64_t p, void *s) { (void)p; (void)s; count(F_FREE_ASYN
 static int alloc_async_ptsz(uint64_t *p, size_t n, void *s) { (void)p; (void)n; (void)s; count(F_ALLOC_ASYNC_PTSZ); return 2; }
 static int free_async_ptsz(uint64_t p, void *s) { (void)p; (void)s; count(F_FREE_ASYNC_PTSZ); return 1; }
 static int device_count(int *n) { count(F_DEVICE_COUNT); *n = 1; return 0; }
+/* Virtual memory management, which the shim does not serve (XLA's way to allocate): no
+ * memory to create; a mapping succeeds when its arguments are 1, 2, 3, 4, 5, so that the
+ * test sees each argument arrive through the shim's counting trampoline. */
+static int mem_create(uint64_t *h, size_t n, const void *prop, unsigned long long flags) {
+  (void)h; (void)n; (void)prop; (void)flags; count(F_MEM_CREATE); return 2;
+}
+static int mem_map(uint64_t p, size_t n, size_t offset, uint64_t h, unsigned long long flags) {
+  count(F_MEM_MAP);
+  return p == 1 && n == 2 && offset == 3 && h == 4 && flags == 5 ? 0 : 1;
+}
 
 /* The internal function for a base name at cudaVersion with flags, as cuGetProcAddress sees it:
  * CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (2) gives the _ptsz variants. */
@@ -57,6 +68,8 @@ static void *internal(const char *symbol, int version, uint64_t flags) {
   if (!strcmp(symbol, "cuMemAllocAsync")) return ptds ? (void *)alloc_async_ptsz : (void *)alloc_async;
   if (!strcmp(symbol, "cuMemFreeAsync")) return ptds ? (void *)free_async_ptsz : (void *)free_async;
   if (!strcmp(symbol, "cuDeviceGetCount")) return (void *)device_count;
+  if (!strcmp(symbol, "cuMemCreate")) return (void *)mem_create;
+  if (!strcmp(symbol, "cuMemMap")) return (void *)mem_map;
   if (!strcmp(symbol, "cuGetProcAddress")) return version >= 12000 ? (void *)get_proc_v2 : (void *)get_proc;
   return NULL;
 }
@@ -71,6 +84,12 @@ EXPORT int cuMemFreeAsync(uint64_t p, void *s) { return free_async(p, s); }
 EXPORT int cuMemAllocAsync_ptsz(uint64_t *p, size_t n, void *s) { return alloc_async_ptsz(p, n, s); }
 EXPORT int cuMemFreeAsync_ptsz(uint64_t p, void *s) { return free_async_ptsz(p, s); }
 EXPORT int cuDeviceGetCount(int *n) { return device_count(n); }
+EXPORT int cuMemCreate(uint64_t *h, size_t n, const void *prop, unsigned long long flags) {
+  return mem_create(h, n, prop, flags);
+}
+EXPORT int cuMemMap(uint64_t p, size_t n, size_t offset, uint64_t h, unsigned long long flags) {
+  return mem_map(p, n, offset, h, flags);
+}
 EXPORT int cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
   return get_proc(symbol, pfn, version, flags);
 }

@@ -43,7 +43,7 @@ EXPORT int cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, void **fn, 
   return lookup(symbol, fn, (int)version, flags & 1 ? flags : flags | 2, status);
 }
 
-static unsigned long mallocs, frees;
+static unsigned long mallocs, frees, managed;
 /* cudaErrorMemoryAllocation: this runtime has no memory. */
 EXPORT int cudaMalloc(void **p, size_t n) {
   (void)p;
@@ -57,7 +57,16 @@ EXPORT int cudaFree(void *p) {
   __atomic_fetch_add(&frees, 1, __ATOMIC_RELAXED);
   return 1;
 }
-/* The test's window: calls that reached cudaMalloc (`which` 0) or cudaFree (1). */
+/* Not served by the shim: reaches this runtime through a trampoline counting its calls. */
+EXPORT int cudaMallocManaged(void **p, size_t n, unsigned flags) {
+  (void)p;
+  (void)n;
+  (void)flags;
+  __atomic_fetch_add(&managed, 1, __ATOMIC_RELAXED);
+  return 2;
+}
+/* The test's window: calls that reached cudaMalloc (`which` 0), cudaFree (1) or
+ * cudaMallocManaged (2). */
 EXPORT long standin_runtime_calls(int which) {
-  return (long)__atomic_load_n(which ? &frees : &mallocs, __ATOMIC_RELAXED);
+  return (long)__atomic_load_n(which == 2 ? &managed : which ? &frees : &mallocs, __ATOMIC_RELAXED);
 }

@@ -44,6 +44,9 @@ typedef int (*entry_by_version_fn)(const char *, void **, unsigned, uint64_t, in
 typedef int (*malloc_fn)(void **, size_t);
 typedef int (*free_fn)(void *);
 typedef gpupool_status (*stats_fn)(int, gpupool_stats_t *);
+typedef int (*mem_create_fn)(uint64_t *, size_t, const void *, unsigned long long);
+typedef int (*mem_map_fn)(uint64_t, size_t, size_t, uint64_t, unsigned long long);
+typedef int (*malloc_managed_fn)(void **, size_t, unsigned);
 
 /* A function pointer held as dlsym's void *, called through its type (POSIX's way under
  * -Wpedantic). */
@@ -55,6 +58,14 @@ static void *(*standin_internal)(const char *, int, uint64_t);
 
 /* The shim's own definition of `name`: the global scope's, where the preloaded shim is first. */
 static void *shim(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+/* Whether `fn` is code of the preloaded shim (a trampoline counting a passed-through call). */
+static int in_shim(void *fn) {
+  Dl_info a, b;
+  memset(&a, 0, sizeof a);
+  memset(&b, 0, sizeof b);
+  return fn && dladdr(fn, &a) && dladdr(shim("cuMemAlloc_v2"), &b) && a.dli_fbase == b.dli_fbase;
+}
 
 static int64_t allocated(void) {
   gpupool_stats_t s = GPUPOOL_STATS_INIT;
@@ -131,6 +142,9 @@ static void check_get_proc_address(void *cuda) {
         CHECK(LOOK("cuGetProcAddress") == 0 &&
               fn == shim(v < 12000 ? "cuGetProcAddress" : per_thread ? "cuGetProcAddress_v2_ptsz" : "cuGetProcAddress_v2"));
         CHECK(LOOK("cuDeviceGetCount") == 0 && fn != NULL && fn == standin_internal("cuDeviceGetCount", v, 0));
+        /* Not served, a memory function: the driver's behind the shim's counting trampoline. */
+        CHECK(LOOK("cuMemCreate") == 0 && in_shim(fn) && fn != standin_internal("cuMemCreate", v, 0));
+        if (variant > 0) CHECK(status == 0);
         CHECK(LOOK("cuNoSuchFunction") == 500 && fn == NULL);
         CHECK(LOOK("") == 500 && fn == NULL);
         if (variant > 0) CHECK(status == 1); /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, the driver's */
@@ -197,6 +211,13 @@ static void check_runtime_entry_points(int global) {
   CHECK(rt_version && CALL(cu_count_fn, rt_version)(&version) == 0 && version == 12080);
   dlerror();
   CHECK(dlsym(rt, "cudaMallocHost") == NULL && dlerror() != NULL);
+  /* A runtime memory function the shim does not serve: counted on its way to the runtime. */
+  void *managed = dlsym(rt, "cudaMallocManaged");
+  CHECK(in_shim(managed) && !in_shim(shim("cudaMallocManaged")));
+  if (managed && rt_calls) {
+    void *m = NULL;
+    CHECK(CALL(malloc_managed_fn, managed)(&m, 64, 1) == 2 && rt_calls(2) == 1);
+  }
   if (rt_malloc && rt_free && rt_calls) {
     int64_t before = allocated();
     void *p = NULL;
@@ -259,6 +280,18 @@ static void check_pass_through(void *cuda) {
   uint64_t d = 0;
   CHECK(alloc_ptsz && CALL(cu_alloc_async_fn, alloc_ptsz)(&d, 64, NULL) == 2);
   CHECK(standin_calls("cuMemAllocAsync_ptsz") == 1);
+  /* Memory functions the shim does not serve: the driver's, behind a trampoline of the shim
+   * that counts the calls for the exit report; every argument reaches the driver and its
+   * status comes back. Looked up again: the same trampoline. */
+  void *create = dlsym(cuda, "cuMemCreate"), *map = dlsym(cuda, "cuMemMap");
+  CHECK(in_shim(create) && in_shim(map) && create != map && shim("cuMemCreate") == NULL);
+  CHECK(dlsym(cuda, "cuMemCreate") == create);
+  if (create && map) {
+    uint64_t h = 0;
+    CHECK(CALL(mem_create_fn, create)(&h, 4096, NULL, 0) == 2 && standin_calls("cuMemCreate") == 1);
+    CHECK(CALL(mem_map_fn, map)(1, 2, 3, 4, 5) == 0 && CALL(mem_map_fn, map)(1, 2, 3, 4, 6) == 1);
+    CHECK(standin_calls("cuMemMap") == 2);
+  }
   /* A symbol the shim serves but the driver lacks stays missing, with dlerror's message. */
   dlerror();
   CHECK(dlsym(cuda, "cuMemHostAlloc") == NULL && dlerror() != NULL);
@@ -317,7 +350,8 @@ static void check_reopen(void *cuda) {
 }
 
 /* `test_preload_dlopen report`, under GPUPOOL_PRELOAD_STATS=on: 4 lookups served (3 dlsym,
- * 1 cuGetProcAddress), 2 passed through, 1 cuMemAlloc served. */
+ * 1 cuGetProcAddress), 4 passed through (cuInit, cuDeviceGetCount, cuMemCreate, cuMemMap),
+ * 1 cuMemAlloc served, and the calls that went to cuMemCreate (3) and cuMemMap (2). */
 static int report_child(void) {
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   CHECK(cuda != NULL);
@@ -332,6 +366,12 @@ static int report_child(void) {
   uint64_t d = 0;
   CHECK(CALL(cu_alloc_fn, alloc)(&d, 4096) == 0);
   CHECK(CALL(cu_free_fn, dfree)(d) == 0);
+  void *create = dlsym(cuda, "cuMemCreate"), *map = NULL;
+  CHECK(CALL(get_proc_v2_fn, v2)("cuMemMap", &map, 12000, 0, NULL) == 0);
+  CHECK(create && map);
+  if (!create || !map) return 1;
+  for (int i = 0; i < 3; i++) CHECK(CALL(mem_create_fn, create)(&d, 4096, NULL, 0) == 2);
+  for (int i = 0; i < 2; i++) CHECK(CALL(mem_map_fn, map)(1, 2, 3, 4, 5) == 0);
   return checks_report("test_preload_dlopen (exit report child)");
 }
 
@@ -340,7 +380,9 @@ static void check_exit_report(void) {
   CHECK(child_report("test_preload_dlopen", report, sizeof report));
   int before = checks_failed;
   CHECK(strstr(report, "gpupool_preload: served 0 cudaMalloc, 0 cudaMallocAsync, 1 cuMemAlloc, 0 cuMemAllocAsync\n"));
-  CHECK(strstr(report, "gpupool_preload: CUDA lookups: served 4, passed through 2\n"));
+  CHECK(strstr(report, "gpupool_preload: CUDA lookups: served 4, passed through 4\n"));
+  CHECK(strstr(report, "gpupool_preload: passed through 3 calls to cuMemCreate (not served)\n"
+                       "gpupool_preload: passed through 2 calls to cuMemMap (not served)\n"));
   if (checks_failed != before) fprintf(stderr, "the child's stderr:\n%s\n", report);
 }
 
