@@ -56,7 +56,7 @@ mod limit;
 mod observer_list;
 pub(crate) mod out_of_memory;
 mod pool;
-mod pools;
+pub(crate) mod pools;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 pub(crate) mod segment_observers;

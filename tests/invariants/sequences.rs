@@ -193,7 +193,11 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     // Blocks freed with free_after_device_sync since the last device synchronisation: gpupool
     // must not hand them out, so their contents stay as they were.
     let mut deferred: Vec<(u64, usize, u64)> = Vec::new();
-    let mut pools = [a.pool_create(), a.pool_create()];
+    // The second pool is a fallback that never splits (`gpupool_pool_create_ex`): the default
+    // pools' out-of-memory requests take its cache.
+    let flagged = gpupool::POOL_USE_ON_OOM | gpupool::POOL_NO_SPLIT;
+    let create = |i: usize| if i == 1 { a.pool_create_ex(flagged).unwrap() } else { a.pool_create() };
+    let mut pools = [create(0), create(1)];
     // The capture under way: its stream, pool index and mode. Meanwhile the program allocates
     // only on the capturing stream, and neither empties the cache nor asks for a device
     // synchronisation: those are its own calls that CUDA forbids (a new segment for another
@@ -233,7 +237,7 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
             }
             Op::ReleasePool { pool } => {
                 a.release_pool(0, pools[pool]).unwrap();
-                pools[pool] = a.pool_create();
+                pools[pool] = create(pool);
                 simple = false;
             }
             Op::SetLimit { pool, mib } => {
