@@ -1147,7 +1147,8 @@ gpupool_status gpupool_pool_create(uint64_t *pool);
  *   in `num_ooms`, no observer called. The block is the fallback pool's: it counts in its
  *   `gpupool_pool_stats` (and the device's), and goes back to its cache when freed. Requests
  *   routed to a private pool never fall back. A fallback pool released on a device, or asleep,
- *   serves none there; its limit (`gpupool_pool_set_limit`) holds, since a fallback never grows
+ *   serves none there, nor on a stream where it keeps a segment for a CUDA graph (gpupool's
+ *   rule: the graph replays into that segment's free blocks; PyTorch hands them out); its limit (`gpupool_pool_set_limit`) holds, since a fallback never grows
  *   it. A request the default pools' limit refused falls back too (as PyTorch's memory fraction
  *   does). Fill a fallback pool's cache through a route (`gpupool_begin_allocate_to_pool*`).
  * - `GPUPOOL_POOL_NO_SPLIT`: the pool's blocks are never split (PyTorch's `should_split` is
@@ -1165,7 +1166,8 @@ gpupool_status gpupool_pool_create(uint64_t *pool);
  * # Safety
  * `pool` must be NULL or point to writable storage for one `uint64_t`.
  */
-gpupool_status gpupool_pool_create_ex(uint64_t *pool, uint32_t flags);
+gpupool_status gpupool_pool_create_ex(uint64_t *pool,
+                                      uint32_t flags);
 
 /**
  * Routes every allocation on `stream` of `device` (-1: the calling thread's current device),
