@@ -144,6 +144,18 @@
 #define GPUPOOL_STATS_VERSION 4
 
 /**
+ * `gpupool_pool_create_ex`'s flag: the pool serves, from its cache, the requests to the default
+ * pools that would otherwise fail with out of memory (PyTorch `torch.cuda.MemPool(use_on_oom=True)`).
+ */
+#define GPUPOOL_POOL_USE_ON_OOM 1
+
+/**
+ * `gpupool_pool_create_ex`'s flag: the pool never splits a block (PyTorch
+ * `torch.cuda.MemPool(no_split=True)`).
+ */
+#define GPUPOOL_POOL_NO_SPLIT 2
+
+/**
  * The `bytes` of `gpupool_pool_set_limit` that removes a pool's limit, and what
  * `gpupool_pool_get_limit` writes for a pool without one.
  */
@@ -1131,6 +1143,42 @@ gpupool_status gpupool_config_string(char *buf, size_t len, size_t *needed);
  * `pool` must be NULL or point to writable storage for one `uint64_t`.
  */
 gpupool_status gpupool_pool_create(uint64_t *pool);
+
+/**
+ * Creates a private pool with `flags` and writes its id to `*pool`, as `gpupool_pool_create`
+ * (PyTorch `torch.cuda.MemPool(use_on_oom=, no_split=)`, PRs #151487, #169699 and #169739).
+ * The flags hold for the pool's life, on every device; 0 is `gpupool_pool_create`.
+ *
+ * - `GPUPOOL_POOL_USE_ON_OOM`: a fallback pool. Once a request to the default pools has failed
+ *   the cache and a new segment, it is served from the cache of the fallback pools on its
+ *   device and stream (never from a new segment of theirs), by increasing id, the first that
+ *   fits; only then do the default pools' budget path, release-and-retry and the
+ *   out-of-memory observers run (PyTorch tries its `use_on_oom` pools before releasing its
+ *   cache, PR #169699, in no set order). A request served so is no out-of-memory: not counted
+ *   in `num_ooms`, no observer called. The block is the fallback pool's: it counts in its
+ *   `gpupool_pool_stats` (and the device's), and goes back to its cache when freed. Requests
+ *   routed to a private pool never fall back. A fallback pool released on a device, or asleep,
+ *   serves none there, nor on a stream where it keeps a segment for a CUDA graph (gpupool's
+ *   rule: the graph replays into that segment's free blocks; PyTorch hands them out); its limit (`gpupool_pool_set_limit`) holds, since a fallback never grows
+ *   it. A request the default pools' limit refused falls back too (as PyTorch's memory fraction
+ *   does). Fill a fallback pool's cache through a route (`gpupool_begin_allocate_to_pool*`).
+ * - `GPUPOOL_POOL_NO_SPLIT`: the pool's blocks are never split (PyTorch's `should_split` is
+ *   false for it): a request routed there takes a whole cached block that fits by PyTorch's
+ *   rules (the best fit; a block over `max_split_size` only within `max_non_split_rounding`),
+ *   or a whole new segment, sized as PyTorch sizes them (2 MiB for up to 1 MiB, 20 MiB up to
+ *   10 MiB, else the request rounded up to 2 MiB), and its whole size counts as allocated. A
+ *   private pool's segments are never expandable, so PyTorch's expandable case does not arise.
+ *
+ * Errors (no pool made, `*pool` untouched): `GPUPOOL_ERROR_INVALID_VALUE` for NULL `pool` or a
+ * bit of `flags` that is no flag (the message names it); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+ *
+ * Thread-safe.
+ *
+ * # Safety
+ * `pool` must be NULL or point to writable storage for one `uint64_t`.
+ */
+gpupool_status gpupool_pool_create_ex(uint64_t *pool,
+                                      uint32_t flags);
 
 /**
  * Routes every allocation on `stream` of `device` (-1: the calling thread's current device),

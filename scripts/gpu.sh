@@ -57,6 +57,10 @@
 #               pool (gpupool.torch.use_pool, offload) and its generation state in another
 #               (discard): generate, sleep both (device free memory up by what they held), wake,
 #               the weights bit for bit and the same token ids again; OUT/torch_sleep.log
+#   torch_fallback tests/gpu/torch_fallback.py: what torch.cuda.MemPool(use_on_oom=,
+#               no_split=) does under the pluggable allocator (reported), then a
+#               gpupool.Pool(use_on_oom=True) serving a default tensor once the GPU is full, and a
+#               gpupool.Pool(no_split=True)'s whole blocks; OUT/torch_fallback.log
 #   examples    hello, the C++ consumer, engine and engine_graphs (both sleep: see docs/gpu.md)
 #   nccl        examples/cpp/nccl_register.cpp: every segment registered with an NCCL
 #               communicator through a segment observer (one rank per GPU, each on its own
@@ -183,7 +187,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
 # Every section but ab, which needs DIR/base, and llama (minutes of building), by default.
 default_sections=${all_sections/ ab / }
 sections=${GPU_SECTIONS:-${default_sections% llama}}
@@ -419,6 +423,16 @@ if want torch_sleep; then
       --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_sleep.log" || status=1
   else
     echo "skipped: python3 lacks torch or transformers"
+  fi
+fi
+
+if want torch_fallback; then
+  echo "== PyTorch: fallback and unsplit pools (gpupool.Pool(use_on_oom=True), no_split=True)"
+  if python3 -c "import torch" 2>/dev/null; then
+    PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/torch_fallback.py \
+      --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_fallback.log" || status=1
+  else
+    echo "skipped: python3 lacks torch"
   fi
 fi
 

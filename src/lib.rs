@@ -38,6 +38,7 @@ pub use caching::allocator::{Allocator, BlockInfo, ConfigRef};
 pub use caching::deferred::DeferredStats;
 pub use caching::ipc::IPC_HANDLE_SIZE;
 pub use caching::out_of_memory::observers::{OomEvent, OomObserverId};
+pub use caching::pools::flags::{POOL_NO_SPLIT, POOL_USE_ON_OOM};
 pub use caching::segment_observers::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use caching::sleep::SleepMode;
 pub use error::Error;

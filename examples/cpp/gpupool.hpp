@@ -13,6 +13,7 @@
 //     ... capture ... }                              // until the scope ends
 //   // ~pool: gpupool_release_pool; a capture that threw on the way releases it too
 //
+//   gpupool::pool spare(device, GPUPOOL_POOL_USE_ON_OOM);  // serves the default pools on OOM
 //   gpupool::pool weights(device, gpupool::sleepable);  // a pool that may sleep
 //   weights.sleep(gpupool::sleep_mode::offload);      // its memory back to the driver
 //   weights.wake();                                   // at the same addresses, contents kept
@@ -201,6 +202,11 @@ class pool {
   explicit pool(int device) : device_(device) { check(gpupool_pool_create(&id_)); }
   // A pool whose memory is on CUDA's virtual memory API, so that it may sleep.
   pool(int device, sleepable_t) : device_(device) { check(gpupool_pool_create_sleepable(&id_)); }
+  // A pool with flags (gpupool_pool_create_ex; PyTorch MemPool(use_on_oom=, no_split=)):
+  // GPUPOOL_POOL_USE_ON_OOM, its cache serves the default pools' requests that would fail with
+  // out of memory; GPUPOOL_POOL_NO_SPLIT, it never splits a block. Throws INVALID_VALUE for a
+  // bit that is no flag.
+  pool(int device, std::uint32_t flags) : device_(device) { check(gpupool_pool_create_ex(&id_, flags)); }
   pool(const pool &) = delete;
   pool &operator=(const pool &) = delete;
   pool(pool &&other) noexcept : device_(other.device_), id_(std::exchange(other.id_, 0)) {}

@@ -260,6 +260,7 @@ def _declare(lib):
         "gpupool_host_reset_peak_stats": [],
         "gpupool_pool_create": [ctypes.POINTER(ctypes.c_uint64)],
         "gpupool_pool_create_sleepable": [ctypes.POINTER(ctypes.c_uint64)],
+        "gpupool_pool_create_ex": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint32],
         "gpupool_begin_allocate_to_pool_thread": [_INT, ctypes.c_uint64],
         "gpupool_end_allocate_to_pool": [_INT, ctypes.c_uint64],
         "gpupool_release_pool": [_INT, ctypes.c_uint64],

@@ -1,5 +1,5 @@
 """Private pools, routes to them, and sleep and wake (include/gpupool.h: gpupool_pool_create,
-gpupool_pool_create_sleepable, gpupool_begin_allocate_to_pool_thread, gpupool_end_allocate_to_pool,
+gpupool_pool_create_sleepable, gpupool_pool_create_ex, gpupool_begin_allocate_to_pool_thread, gpupool_end_allocate_to_pool,
 gpupool_release_pool, gpupool_sleep, gpupool_wake; docs/sleep.md). Framework-free: gpupool.torch
 builds PyTorch's idioms on these.
 
@@ -22,12 +22,25 @@ SLEEP_DISCARD = 2
 SLEEP_OFFLOAD_PINNED = 3
 
 
-def pool_create(sleepable=False):
+# gpupool_pool_create_ex's flags (GPUPOOL_POOL_USE_ON_OOM, GPUPOOL_POOL_NO_SPLIT).
+POOL_USE_ON_OOM = 1
+POOL_NO_SPLIT = 2
+
+
+def pool_create(sleepable=False, use_on_oom=False, no_split=False):
     """A new private pool's id (gpupool_pool_create, or gpupool_pool_create_sleepable when
     `sleepable`: its memory on CUDA's virtual memory API, so that it may sleep). A pool is per
-    device: its id names its memory on every device. Release it with release_pool()."""
+    device: its id names its memory on every device. Release it with release_pool().
+    `use_on_oom` and `no_split` are torch.cuda.MemPool's (gpupool_pool_create_ex): the pool's
+    cache serves the default pools' requests that would fail with out of memory; the pool never
+    splits a block. Raises ValueError for a sleepable pool with either (gpupool makes none)."""
     pid = ctypes.c_uint64(0)
-    if sleepable:
+    flags = (POOL_USE_ON_OOM if use_on_oom else 0) | (POOL_NO_SPLIT if no_split else 0)
+    if flags:
+        if sleepable:
+            raise ValueError("a sleepable pool takes neither use_on_oom nor no_split")
+        check(lib().gpupool_pool_create_ex(ctypes.byref(pid), flags), "gpupool_pool_create_ex")
+    elif sleepable:
         check(lib().gpupool_pool_create_sleepable(ctypes.byref(pid)), "gpupool_pool_create_sleepable")
     else:
         check(lib().gpupool_pool_create(ctypes.byref(pid)), "gpupool_pool_create")
@@ -161,13 +174,18 @@ class Pool:
     thread's allocations to it, sleep()/wake() put it to sleep and back (sleepable=True), stats()
     gives its statistics, release() (or the end of a `with Pool(...)` block) gives its memory
     back. `limit`: the most bytes it may reserve on its device (set_pool_limit; None: none),
-    read and changed through the `limit` attribute. The id is the `pool` argument of the
+    read and changed through the `limit` attribute. `use_on_oom` and `no_split` are
+    torch.cuda.MemPool's (pool_create): a fallback pool for the default pools' out-of-memory
+    requests, a pool that never splits a block; either makes the pool not sleepable (sleepable
+    left None; True with either raises ValueError). The id is the `pool` argument of the
     functions above."""
 
-    def __init__(self, sleepable=True, device=-1, limit=None):
+    def __init__(self, sleepable=None, device=-1, limit=None, use_on_oom=False, no_split=False):
         self.device = _device(device)
-        self.sleepable = bool(sleepable)
-        self.id = pool_create(self.sleepable)
+        self.use_on_oom, self.no_split = bool(use_on_oom), bool(no_split)
+        flagged = self.use_on_oom or self.no_split
+        self.sleepable = (not flagged) if sleepable is None else bool(sleepable)
+        self.id = pool_create(self.sleepable, self.use_on_oom, self.no_split)
         if limit is not None:
             try:
                 set_pool_limit(self.id, limit, self.device)
@@ -226,4 +244,5 @@ class Pool:
         return False
 
     def __repr__(self):
-        return f"gpupool.Pool(id={self.id:#x}, sleepable={self.sleepable}, device={self.device})"
+        return (f"gpupool.Pool(id={self.id:#x}, sleepable={self.sleepable}, device={self.device}, "
+                f"use_on_oom={self.use_on_oom}, no_split={self.no_split})")

@@ -34,6 +34,13 @@ made with gpupool.Pool(sleepable=True), or the default pools (0), to sleep and b
     ...
     gpupool.torch.wake(cache); gpupool.torch.wake(weights)
 
+Fallback and unsplit pools: torch.cuda.MemPool(use_on_oom=True, no_split=True) does not reach
+gpupool (a pluggable allocator gets neither flag: PyTorch's CUDAAllocator.setUseOnOOM and
+setNoSplit default to "does not yet support"); make the pool gpupool's instead,
+gpupool.Pool(use_on_oom=True) or gpupool.Pool(no_split=True), fill a fallback pool through
+use_pool(pool), and the default pools' tensors that would fail with out of memory take its
+cached blocks (docs/graphs.md, "Fallback and unsplit pools").
+
 Budgets: set_pool_limit(pool, bytes) caps what one pool (a tenant: a model, an adapter, a
 request's cache) may reserve on a device, its out-of-memory kept to itself (gpupool.Pool(
 limit=...) sets it at creation); PyTorch has only the process-wide

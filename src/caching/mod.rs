@@ -59,7 +59,7 @@ mod observer_list;
 pub(crate) mod out_of_memory;
 mod peers;
 mod pool;
-mod pools;
+pub(crate) mod pools;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 pub(crate) mod segment_observers;

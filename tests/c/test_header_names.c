@@ -138,6 +138,7 @@ int main(void) {
       (any_fn)gpupool_pool_set_limit,
       (any_fn)gpupool_set_memory_metadata,
       (any_fn)gpupool_sleep_prepare,
+      (any_fn)gpupool_pool_create_ex,
   };
   int present = 0;
   for (unsigned i = 0; i < sizeof fns / sizeof fns[0]; i++) present += fns[i] != 0;

@@ -38,6 +38,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
         "Private pools and CUDA graphs",
         &[
             "gpupool_pool_create",
+            "gpupool_pool_create_ex",
             "gpupool_begin_allocate_to_pool",
             "gpupool_begin_allocate_to_pool_thread",
             "gpupool_begin_allocate_to_pool_filter",

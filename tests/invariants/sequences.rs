@@ -193,7 +193,11 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     // Blocks freed with free_after_device_sync since the last device synchronisation: gpupool
     // must not hand them out, so their contents stay as they were.
     let mut deferred: Vec<(u64, usize, u64)> = Vec::new();
-    let mut pools = [a.pool_create(), a.pool_create()];
+    // The second pool is a fallback that never splits (`gpupool_pool_create_ex`): the default
+    // pools' out-of-memory requests take its cache.
+    let flagged = gpupool::POOL_USE_ON_OOM | gpupool::POOL_NO_SPLIT;
+    let create = |i: usize| if i == 1 { a.pool_create_ex(flagged).unwrap() } else { a.pool_create() };
+    let mut pools = [create(0), create(1)];
     // The capture under way: its stream, pool index and mode. Meanwhile the program allocates
     // only on the capturing stream, and neither empties the cache nor asks for a device
     // synchronisation: those are its own calls that CUDA forbids (a new segment for another
@@ -203,6 +207,8 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     // its memory back during the capture, since it asks no stream after the fact (a stream the
     // program destroyed would crash the driver).
     let mut capture: Option<(usize, usize, bool)> = None;
+    // The pool this thread's route takes its allocations to, if any (`RouteThread`).
+    let mut route: Option<usize> = None;
     for op in ops {
         let before = (a.stats(0).unwrap().num_alloc_retries, drv.counts());
         let mut simple = true;
@@ -224,16 +230,18 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
                     simple = false;
                 }
             }
-            Op::RouteThread { pool } => {
-                let _ = a.begin_allocate_to_pool_thread(0, pools[pool]);
+            Op::RouteThread { pool } if a.begin_allocate_to_pool_thread(0, pools[pool]).is_ok() => {
+                route = Some(pool);
             }
             Op::EndRoutes { pool } => {
                 let _ = a.end_allocate_to_pool(0, pools[pool]);
+                route = route.filter(|&r| r != pool);
                 simple = false;
             }
             Op::ReleasePool { pool } => {
+                route = route.filter(|&r| r != pool);
                 a.release_pool(0, pools[pool]).unwrap();
-                pools[pool] = a.pool_create();
+                pools[pool] = create(pool);
                 simple = false;
             }
             Op::SetLimit { pool, mib } => {
@@ -242,7 +250,18 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
                 assert_eq!(a.pool_limit(0, id).unwrap(), mib.map(|m| m << 20));
             }
             Op::Malloc { size, stream } => {
-                if let Ok(p) = a.malloc(size, 0, streams[stream]) {
+                let fallbacks =
+                    |a: &gpupool::Allocator| a.pool_stats(0, pools[1]).unwrap().stats.allocation.all.allocated;
+                let before = fallbacks(&a);
+                let r = a.malloc(size, 0, streams[stream]);
+                let routed = capture.filter(|c| c.0 == stream).map(|c| c.1).or(route);
+                // A default-pool request the fallback pool served went through the states of
+                // the growth it tried first (an expandable segment made and given back, say),
+                // which this model cannot see: its peaks may only be higher.
+                if routed != Some(1) && fallbacks(&a) > before {
+                    simple = false;
+                }
+                if let Ok(p) = r {
                     cookie += 1;
                     stamp(p, size, cookie);
                     live.push((p, size, cookie));

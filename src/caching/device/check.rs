@@ -25,6 +25,16 @@ impl DeviceAllocator {
             if let Some(align) = shard.source.as_ref().map(|s| s.split_alignment).filter(|&a| a > 0) {
                 st.check_alignment(shard.stream, align).map_err(|e| format!("device {}: {e}", self.device))?;
             }
+            // A pool's flags are fixed at its creation: its shards agree, and never split.
+            if st.no_split != crate::caching::pools::flags::no_split(shard.pool) {
+                return fail(format!(
+                    "stream {:#x} of pool {:#x} disagrees on its no_split flag",
+                    shard.stream, shard.pool
+                ));
+            }
+            if st.no_split {
+                st.check_unsplit(shard.stream).map_err(|e| format!("device {}: {e}", self.device))?;
+            }
         }
         let states: Vec<&ShardState> = guards.iter().map(|g| &**g).collect();
         self.check_pools(&list, &states).map_err(|e| format!("device {}: {e}", self.device))?;

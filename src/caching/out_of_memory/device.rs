@@ -23,7 +23,12 @@ use crate::history::tags;
 
 impl DeviceAllocator {
     /// The out-of-memory path of `malloc` for `req` on `stream`:
-    /// 0. when the request's pool's budget refused it, the pool's own path first
+    /// 0. a request to the default pools is served from the cache of a pool created with
+    ///    `POOL_USE_ON_OOM` if one can ([`DeviceAllocator::serve_fallback`], PyTorch
+    ///    `try_mempool_fallback`, tried before any release since PR #169699): then it is no
+    ///    out-of-memory (no count, no event, no observer), whatever refused it (the driver, the
+    ///    memory fraction, or the default pools' budget);
+    ///    when the request's pool's budget refused it, the pool's own path next
     ///    ([`DeviceAllocator::malloc_over_budget`]);
     /// 1. release-and-retry ([`DeviceAllocator::release_and_retry`]);
     /// 2. if that fails, the request counts in `num_ooms` (once, as PyTorch counts before its
@@ -39,6 +44,12 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     pub fn malloc_after_oom(&self, pool: u64, stream: StreamHandle, req: &Request) -> Result<DevicePtr, Error> {
+        // The fallback pools' cache (`caching::pools::fallback`); the budget's refusal, a
+        // thread-local flag, stays for the step after, which takes it.
+        if let Some(ptr) = self.serve_fallback(pool, stream, req)? {
+            budget::take_refusal();
+            return Ok(ptr);
+        }
         // The pool's budget refused: its own path (`budget.rs`), the device's if that finds
         // the device out of memory instead.
         if budget::take_refusal()

@@ -40,6 +40,27 @@ impl Allocator {
         new_pool(0)
     }
 
+    /// [`Allocator::pool_create`] with `flags` (PyTorch `torch.cuda.MemPool(use_on_oom=,
+    /// no_split=)`), fixed for the pool's life, on every device:
+    /// - [`POOL_USE_ON_OOM`](crate::POOL_USE_ON_OOM): a request to the default pools that would
+    ///   fail with out of memory takes a cached block of this pool instead (see
+    ///   `caching::pools::fallback` for the order, the statistics and the free);
+    /// - [`POOL_NO_SPLIT`](crate::POOL_NO_SPLIT): the pool never splits a block (see
+    ///   `caching::pools`).
+    ///
+    /// 0 is [`Allocator::pool_create`]. Allocations reach the pool through the routes, as any
+    /// private pool's; a fallback pool needs one to fill its cache.
+    ///
+    /// Errors: [`Error::InvalidValue`] for a bit that is no flag; no pool is made.
+    pub fn pool_create_ex(&self, flags: u32) -> Result<u64, Error> {
+        let flags = super::flags::check(flags)?;
+        let pool = NEXT_POOL.fetch_add(1, Ordering::Relaxed);
+        // The flags before the id is known as created: no shard of the pool exists yet.
+        super::flags::set(pool, flags);
+        CREATED.write().insert(pool);
+        Ok(pool)
+    }
+
     /// A new private pool whose segments come from `alloc` and go back through `free` instead
     /// of the driver (PyTorch `torch.cuda.MemPool(allocator)`, whose `CUDAPluggableAllocator`
     /// gives a pool `ncclMemAlloc` and `ncclMemFree`). Everything else is a private pool's, as

@@ -276,7 +276,7 @@ impl DeviceAllocator {
     }
 
     /// Raises the pool's peaks to its current values.
-    fn note_pool_peak(&self, pool: u64) {
+    pub(super) fn note_pool_peak(&self, pool: u64) {
         let (current, _, _) = sum_pool(&self.shards, pool);
         let mut ps = self.pools.state.lock();
         if let Some(e) = ps.pools.get_mut(&pool) {

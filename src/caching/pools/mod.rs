@@ -31,12 +31,26 @@
 //!   release;
 //! - [`allocator`]: the calls by device, pool ids (process-wide), sleepable pools' ids;
 //! - [`source`]: pools whose segments come from the program's allocator
-//!   (`torch.cuda.MemPool(allocator)`).
+//!   (`torch.cuda.MemPool(allocator)`);
+//! - [`flags`]: the flags a pool is created with (`torch.cuda.MemPool(use_on_oom=,
+//!   no_split=)`), by pool id;
+//! - [`fallback`]: a default-pool request that would fail with out of memory served from the
+//!   cache of the pools created with `POOL_USE_ON_OOM` (its rules are there).
+//!
+//! A pool created with `POOL_NO_SPLIT` never splits a block (PyTorch `should_split` is false
+//! for it, PR #169739): a request takes a whole cached block that fits by PyTorch's rules (the
+//! best fit, within the `max_split_size` rules) or a whole new segment sized as PyTorch sizes
+//! segments (2 MiB for a request up to 1 MiB, 20 MiB up to 10 MiB, else the request rounded
+//! to 2 MiB), and counts its whole size as allocated. A private pool's segments are never
+//! expandable, so the question of PyTorch's expandable no-split pools (where `should_split`
+//! answers false first, and the whole mapped block is handed out) does not arise.
 //!
 //! A pool's memory budget is `caching::budget`; a pool's sleep is `caching::sleep`.
 
 mod allocator;
 mod device;
+mod fallback;
+pub(crate) mod flags;
 pub(crate) mod source;
 
 pub(in crate::caching) use device::Pools;

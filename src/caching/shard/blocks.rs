@@ -24,7 +24,9 @@ impl ShardState {
         // PyTorch counts no `inactive_split` in expandable segments: their wholly free pages
         // can always be given back.
         let already_split = b.is_split() && !expandable;
-        if !rules::should_split(pool, size, rounded, max_split_size, expandable) {
+        // A pool that never splits (PyTorch's `no_split_pools`, asked first in `should_split`).
+        // Not a branch of its own: the front cache's hit, which never splits, does not come here.
+        if !(rules::should_split(pool, size, rounded, max_split_size, expandable) & !self.no_split) {
             if already_split {
                 self.counters.decrease(Metric::InactiveSplitBytes, pool, size as i64);
                 self.counters.decrease(Metric::InactiveSplit, pool, 1);

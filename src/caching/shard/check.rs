@@ -82,6 +82,17 @@ impl ShardState {
         Ok(())
     }
 
+    /// The rule of a pool that never splits (`POOL_NO_SPLIT`): each of its segments is one
+    /// block, free or not (expandable segments, which a private pool never has, apart).
+    pub fn check_unsplit(&self, owner: StreamHandle) -> Result<(), String> {
+        for (&base, seg) in &self.segments {
+            if seg.exp.is_none() && self.blocks[seg.head].next != NIL {
+                return Err(format!("stream {owner:#x}: segment {base:#x} of a pool that never splits is split"));
+            }
+        }
+        Ok(())
+    }
+
     /// The consistency check of this shard (see [`crate::Allocator::check_invariants`]):
     /// segment lists, pools, the live map, pending events and a recount of every statistic.
     pub fn check(&self, owner: StreamHandle, max_split_size: usize) -> Result<(), String> {

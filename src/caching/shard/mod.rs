@@ -84,7 +84,8 @@ pub(crate) struct Shard {
 impl Shard {
     pub fn new(pool: u64, stream: StreamHandle, budget: Arc<super::budget::PoolBudget>) -> Shard {
         let source = super::pools::source::get(pool);
-        let state = Mutex::new(ShardState::default());
+        let no_split = super::pools::flags::no_split(pool);
+        let state = Mutex::new(ShardState { no_split, ..ShardState::default() });
         Shard { stream, pool, retired: AtomicBool::new(false), source, budget, state }
     }
 
@@ -208,6 +209,9 @@ pub(crate) struct ShardState {
     /// The shard's private pool was released (`gpupool_release_pool`): its segments go back
     /// to the driver as soon as they are wholly free, and nothing is allocated from it again.
     pub released: bool,
+    /// The shard's pool never splits a block (`POOL_NO_SPLIT`, PyTorch `MemPool(no_split=True)`):
+    /// fixed when the shard is made.
+    pub(in crate::caching) no_split: bool,
     /// A sleep copies the shard's live blocks (its first half ran, [`ShardState::prepare_sleep`])
     /// and will unmap every page it maps then: until the sleep unmaps them or is abandoned,
     /// no page may be unmapped by anyone else, for the copies read them and the wake maps and

@@ -182,3 +182,40 @@ def test_enable_peer_access():
     for device, peer in ((0, 0), (0, 2), (-1, 0)):
         with pytest.raises(gpupool.Error):
             gpupool.enable_peer_access(device, peer)
+
+
+def test_a_fallback_pool_serves_the_default_pools_once_the_device_is_full():
+    """gpupool.Pool(use_on_oom=True) (torch.cuda.MemPool(use_on_oom=True), issue 43): once the
+    device is full, a default allocation on the pool's stream takes a block of its cache, which
+    counts in the pool and goes back to it; no_split=True hands out whole blocks; a sleepable
+    pool with either flag is refused."""
+    with pytest.raises(ValueError):
+        gpupool.Pool(sleepable=True, use_on_oom=True)
+    gpupool.empty_cache(1)
+    with gpupool.Pool(device=1, use_on_oom=True) as spare, gpupool.Pool(device=1, no_split=True) as whole:
+        assert not spare.sleepable and spare.use_on_oom and "use_on_oom=True" in repr(spare)
+        with whole.use():
+            w = gpupool.malloc(512, 1, 0x30)
+        assert whole.stats()["allocated_bytes.all.current"] == 2 * MIB, "a whole 2 MiB block"
+        gpupool.free(w)
+        with spare.use():
+            held = gpupool.malloc(4 * MIB, 1, 0x30)  # keeps the 20 MiB segment from release
+            gpupool.free(gpupool.malloc(4 * MIB, 1, 0x30))
+        filler = []
+        try:
+            while True:
+                filler.append(gpupool.malloc(64 * MIB, 1, 0x31))
+        except gpupool.OutOfMemoryError:
+            pass
+        ooms = gpupool.stats(1)["num_ooms"]
+        try:
+            p = gpupool.malloc(8 * MIB, 1, 0x30)
+            assert spare.stats()["allocated_bytes.all.current"] == 12 * MIB, "the fallback's block"
+            assert gpupool.stats(1)["num_ooms"] == ooms, "no out-of-memory"
+            gpupool.free(p)
+            assert spare.stats()["allocated_bytes.all.current"] == 4 * MIB
+        finally:
+            for f in filler:
+                gpupool.free(f)
+            gpupool.free(held)
+    gpupool.empty_cache(1)
