@@ -390,15 +390,32 @@ if want preload; then
     # same result (2^30, exact in float32). docs/preload.md, "What XLA calls".
     if python3 -c "import jax" 2>/dev/null; then
       jax_prog='import jax, jax.numpy as jnp; x = jnp.ones((1024, 1024)); print(float((x @ x).sum()), jax.devices()[0].platform)'
+      # The switch exists from jaxlib 0.12 on; an older XLA maps every buffer itself (cuMemCreate),
+      # which the shim can only count: then the same output and the counted calls are required.
       jax_env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_experimental_vmm_disabled=true)
-      env "${jax_env[@]}" python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" || status=1
+      if ! env "${jax_env[@]}" python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" &&
+        grep -q "Unknown flag in XLA_FLAGS" "$out/jax-native.err"; then
+        echo "jax: this XLA has no --xla_gpu_experimental_vmm_disabled (jaxlib 0.12 added it): its buffers are cuMemCreate's"
+        jax_env=(XLA_PYTHON_CLIENT_ALLOCATOR=platform)
+        env "${jax_env[@]}" python3 -c "$jax_prog" >"$out/jax-native.txt" 2>"$out/jax-native.err" || status=1
+        jax_vmm=1
+      else
+        jax_vmm=0
+      fi
       env "${jax_env[@]}" LD_PRELOAD="$preload" GPUPOOL_PRELOAD_STATS=1 python3 -c "$jax_prog" \
         >"$out/jax-shim.txt" 2>"$out/jax-shim.err" || status=1
       cat "$out/jax-shim.txt"
-      cmp -s "$out/jax-native.txt" "$out/jax-shim.txt" && grep -q " gpu$" "$out/jax-shim.txt" &&
-        grep -Eq "cudaMallocAsync, [1-9][0-9]* cuMemAlloc," "$out/jax-shim.err" &&
-        ! grep -q "calls to cuMemCreate" "$out/jax-shim.err" && echo "jax: served by the shim, same output" ||
-        { echo "jax: not served as claimed"; grep "served\|lookups\|passed through" "$out/jax-shim.err" || true; status=1; }
+      grep "passed through .* calls to" "$out/jax-shim.err" || true
+      if [ "$jax_vmm" = 1 ]; then
+        cmp -s "$out/jax-native.txt" "$out/jax-shim.txt" && grep -q " gpu$" "$out/jax-shim.txt" &&
+          grep -q "calls to cuMemCreate" "$out/jax-shim.err" && echo "jax: same output; XLA's cuMemCreate passed through and counted" ||
+          { echo "jax: not as claimed"; grep "served\|lookups\|passed through" "$out/jax-shim.err" || true; status=1; }
+      else
+        cmp -s "$out/jax-native.txt" "$out/jax-shim.txt" && grep -q " gpu$" "$out/jax-shim.txt" &&
+          grep -Eq "cudaMallocAsync, [1-9][0-9]* cuMemAlloc," "$out/jax-shim.err" &&
+          ! grep -q "calls to cuMemCreate" "$out/jax-shim.err" && echo "jax: served by the shim, same output" ||
+          { echo "jax: not served as claimed"; grep "served\|lookups\|passed through" "$out/jax-shim.err" || true; status=1; }
+      fi
     fi
   else
     echo "LD_PRELOAD tests did not build (see preload-build.log)"
@@ -429,8 +446,10 @@ fi
 if want torch_fallback; then
   echo "== PyTorch: fallback and unsplit pools (gpupool.Pool(use_on_oom=True), no_split=True)"
   if python3 -c "import torch" 2>/dev/null; then
-    PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/torch_fallback.py \
-      --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_fallback.log" || status=1
+    # Out of memory prints gpupool's message once a request (PyTorch gets NULL, docs/pytorch.md).
+    PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 tests/gpu/torch_fallback.py \
+      --lib "$prefix/lib/libgpupool.so" 2>&1 | grep -v "^gpupool: out of memory: gpupool_torch_malloc" |
+      tee "$out/torch_fallback.log" || status=1
   else
     echo "skipped: python3 lacks torch"
   fi
@@ -471,7 +490,13 @@ if want jax; then
     export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
     : >"$out/jax.log"
     novmm="$XLA_FLAGS --xla_gpu_experimental_vmm_disabled=true"
-    for run in bfc cuda_async platform shim platform-novmm shim-novmm platform-again shim-novmm-again; do
+    runs="bfc cuda_async platform shim platform-novmm shim-novmm platform-again shim-novmm-again"
+    # jaxlib before 0.12 has no switch off its virtual memory calls: its runs without them go.
+    if XLA_FLAGS="$novmm" python3 -c "import jax; jax.devices()" 2>&1 | grep -q "Unknown flag in XLA_FLAGS"; then
+      echo "this XLA has no --xla_gpu_experimental_vmm_disabled (jaxlib 0.12 added it): no novmm runs" >>"$out/jax.log"
+      runs="bfc cuda_async platform shim platform-again shim-again"
+    fi
+    for run in $runs; do
       case $run in
         bfc) env=() ;;
         cuda_async) env=(XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async XLA_PYTHON_CLIENT_PREALLOCATE=false) ;;

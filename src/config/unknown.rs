@@ -19,13 +19,15 @@ use super::options::OPTIONS;
 /// docs/configuration.md lists them too (a unit test checks). CMake's `GPUPOOL_*` variables
 /// (`-DGPUPOOL_BUILD_TESTS=OFF`, `-DGPUPOOL_TEST_DRIVER=cuda`...) are not environment
 /// variables and are not listed.
-pub(super) const READ_ELSEWHERE: [(&str, &str); 6] = [
+pub(super) const READ_ELSEWHERE: [(&str, &str); 8] = [
     ("GPUPOOL_LIB", "the Python glue (`examples/python/gpupool_torch.py`): the libgpupool.so to load"),
     ("GPUPOOL_FUZZ_CASES", "the C API fuzz test (`tests/capi/fuzz.rs`): cases per property"),
     ("GPUPOOL_SOAK_OPS", "the C soak test (`tests/c/test_soak.c`): operations, all threads together"),
     ("GPUPOOL_SOAK_THREADS", "the C soak test: worker threads"),
     ("GPUPOOL_SOAK_SEED", "the C soak test: the seed of its random operations"),
     ("GPUPOOL_SLEEP_BENCH_GIB", "the GPU sleep test (`tests/gpu/test_sleep.cu`): the sizes of its benchmark"),
+    ("GPUPOOL_FIRST_SLEEP_GIB", "the GPU first-sleep test (`tests/gpu/test_first_sleep.cu`): the pool sizes"),
+    ("GPUPOOL_PEERS_GIB", "the GPU peer test (`tests/gpu/test_peers.cu`): the pool size whose mapping is timed"),
 ];
 
 /// The prefix of the variables checked.

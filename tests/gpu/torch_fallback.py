@@ -40,7 +40,12 @@ def fill(sizes):
     for size in sizes:
         while True:
             try:
-                held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+                t = torch.empty(size, dtype=torch.uint8, device="cuda")
+                # PyTorch 2.11 does not check its pluggable allocator's NULL (docs/pytorch.md):
+                # out of memory is a tensor without storage, not an exception.
+                if t.data_ptr() == 0:
+                    break
+                held.append(t)
             except torch.cuda.OutOfMemoryError:
                 break
             except RuntimeError as e:  # a NULL from the pluggable allocator, in older PyTorch
