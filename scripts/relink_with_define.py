@@ -63,10 +63,23 @@ def main():
         sys.exit(f"{len(links)} link.txt for {target} under {build}: expected 1 (the Makefile generator's)")
     link_dir = os.path.dirname(os.path.dirname(os.path.dirname(links[0])))  # the target's folder
     lines = [l for l in open(links[0]).read().splitlines() if l.strip()]
-    if not any(obj in l for l in lines):
-        sys.exit(f"{obj} is not in {links[0]}")
+    # With many objects CMake lists them in response files (@CMakeFiles/X.dir/objects1.rsp):
+    # the one naming the object is copied to OUT_DIR with the new object, and named instead.
+    rsp_swap = {}
+    for line in lines:
+        for ref in re.findall(r"@(\S+\.rsp)", line):
+            path = os.path.join(link_dir, ref)
+            text = open(path).read() if os.path.exists(path) else ""
+            if obj in text:
+                copy = os.path.join(out_dir, os.path.basename(ref))
+                open(copy, "w").write(text.replace(obj, new_obj))
+                rsp_swap["@" + ref] = "@" + copy
+    if not rsp_swap and not any(obj in l for l in lines):
+        sys.exit(f"{obj} is not in {links[0]} nor in a response file it names")
     for line in lines:
         line = line.replace(obj, new_obj)
+        for old_ref, new_ref in rsp_swap.items():
+            line = line.replace(old_ref, new_ref)
         out = re.search(r"\s-o\s+(\S+)", line)
         if out:
             lib = os.path.normpath(os.path.join(link_dir, out.group(1).strip('"')))
