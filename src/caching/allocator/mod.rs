@@ -24,9 +24,9 @@ use arc_swap::{ArcSwap, Guard};
 use parking_lot::Mutex;
 
 use super::device::DeviceAllocator;
-use super::out_of_memory::observers::{OomEvent, OomObserverId, OomObservers};
+use super::observers::out_of_memory::{OomEvent, OomObserverId, OomObservers};
+use super::observers::segments::{SegmentEvent, SegmentObserverId, SegmentObservers};
 use super::segment_index::SegmentIndex;
-use super::segment_observers::{SegmentEvent, SegmentObserverId, SegmentObservers};
 use super::shard::Shard;
 use crate::config::{Config, DriverKind};
 use crate::driver::cuda::CudaDriver;

@@ -334,7 +334,7 @@ impl DeviceAllocator {
         req: &Request,
         collect: bool,
     ) -> Result<Result<BlockId, Served>, Error> {
-        if ctx.segments.on() && crate::caching::segment_observers::observing() {
+        if ctx.segments.on() && crate::caching::observers::segments::observing() {
             return Err(Error::InvalidValue(format!(
                 "a request of {} bytes on device {} needs a new segment, and was made from inside a segment observer, \
                  which may not allocate from gpupool (docs/observers.md)",

@@ -4,7 +4,7 @@
 
 use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{BlockId, BlockState, NIL};
-use crate::caching::segment_observers::SegmentEventKind;
+use crate::caching::observers::segments::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 

@@ -4,8 +4,8 @@
 use super::round_up;
 use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{BlockId, NIL};
+use crate::caching::observers::segments::SegmentEventKind;
 use crate::caching::segment_index::SegmentEntry;
-use crate::caching::segment_observers::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::DevicePtr;
 use crate::error::Error;

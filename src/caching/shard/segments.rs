@@ -4,8 +4,8 @@
 use super::{Growth, Request, SegmentInfo, ShardCtx, ShardState};
 use crate::caching::accounting::counters::{Metric, OVERSIZE_SEGMENTS};
 use crate::caching::block::{Block, BlockId, BlockState};
+use crate::caching::observers::segments::{SegmentEvent, SegmentEventKind};
 use crate::caching::segment_index::SegmentEntry;
-use crate::caching::segment_observers::{SegmentEvent, SegmentEventKind};
 use crate::driver::DriverError;
 use crate::error::Error;
 use crate::history::Action;

@@ -9,7 +9,7 @@ use super::copy::Copies;
 use super::sleepers::SleepMode;
 use crate::caching::block::{BlockId, BlockState};
 use crate::caching::expandable::Expandable;
-use crate::caching::segment_observers::SegmentEventKind;
+use crate::caching::observers::segments::SegmentEventKind;
 use crate::caching::shard::{ShardCtx, ShardState};
 use crate::driver::{DevicePtr, DriverError, HostPtr, PhysHandle};
 use crate::error::Error;

@@ -17,7 +17,7 @@
 use std::cell::Cell;
 use std::time::Duration;
 
-use crate::caching::observer_list::ObserverList;
+use crate::caching::observers::list::ObserverList;
 use crate::stats::DeviceStats;
 
 /// What an out-of-memory observer is told of the request that failed.

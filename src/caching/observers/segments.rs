@@ -22,7 +22,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::observer_list::ObserverList;
+use super::list::ObserverList;
 
 use crate::driver::{DevicePtr, StreamHandle};
 
