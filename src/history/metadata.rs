@@ -19,7 +19,9 @@ use crate::error::Error;
 
 /// The longest metadata accepted, in bytes of UTF-8: 64 KiB. Every event of the trace refers
 /// to its thread's string, so that the pickle writes each distinct string once; the limit
-/// bounds what one setting can add to a snapshot and to the host memory a trace holds.
+/// bounds what one setting can add to a snapshot and to the host memory a trace holds. The C
+/// header's is `GPUPOOL_MEMORY_METADATA_MAX`.
+/// cbindgen:ignore
 pub const MAX_METADATA_BYTES: usize = 64 * 1024;
 
 thread_local! {

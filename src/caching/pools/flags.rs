@@ -11,10 +11,14 @@ use rustc_hash::FxHashMap;
 use crate::error::Error;
 
 /// The pool serves, from its cache, the requests to the default pools that would fail with
-/// out of memory (PyTorch `MemPool(use_on_oom=True)`, `setUseOnOOM`).
+/// out of memory (PyTorch `MemPool(use_on_oom=True)`, `setUseOnOOM`). The C header's is
+/// `GPUPOOL_POOL_USE_ON_OOM`.
+/// cbindgen:ignore
 pub const POOL_USE_ON_OOM: u32 = 1;
 /// The pool's blocks are never split: each request takes a whole cached block or a whole new
-/// segment (PyTorch `MemPool(no_split=True)`, `setNoSplit`).
+/// segment (PyTorch `MemPool(no_split=True)`, `setNoSplit`). The C header's is
+/// `GPUPOOL_POOL_NO_SPLIT`.
+/// cbindgen:ignore
 pub const POOL_NO_SPLIT: u32 = 2;
 /// Every flag gpupool knows.
 const KNOWN: u32 = POOL_USE_ON_OOM | POOL_NO_SPLIT;
