@@ -155,15 +155,17 @@ mod tests {
         let mut nums: Vec<usize> = threads
             .into_iter()
             .map(|t| t.join().unwrap())
-            .map(|(a, b)| {
-                assert_eq!(a, b, "a thread's number changed while it lived");
-                a
-            })
+            // A thread may read a number twice and get two (any number is correct, see the
+            // module's doc): its first read found its thread pointer in a slot an exited thread
+            // claimed, a thread with a colliding pointer took that slot, and its next read gave
+            // it a number of its own. The first is what it used; both are counted.
+            .flat_map(|(a, b)| [a, b])
             .collect();
         nums.sort_unstable();
         nums.dedup();
         // Distinct modulo 64 unless the round robin passed a multiple of 64 between them, which
         // the other tests' threads (up to 16 here at once) cannot make it do more than once.
         assert!(nums.len() >= 15, "16 live threads at once got the stripes {nums:?}");
+        assert!(nums.len() <= 32, "at most two numbers a thread: {nums:?}");
     }
 }
