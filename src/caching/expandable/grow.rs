@@ -199,46 +199,28 @@ impl ShardState {
         Ok((start, plan))
     }
 
-    /// PyTorch `find_expandable_block`, with gpupool's placement: of the runs of free and
-    /// unmapped blocks of the pool, in ranges of `page`-byte pages, that hold `size` bytes
-    /// (each starting at the free block before an unmapped one, or at the unmapped one), the
-    /// one that maps the fewest pages for the request, the first by address among equals.
-    /// PyTorch takes the first by address; where free pages are unmapped to be mapped again
-    /// elsewhere (`GPUPOOL_EXPANDABLE_RECLAIM`), reusing the most bytes already mapped is fewer
-    /// pages moved, and less memory mapped at once. Returns the first block of that run.
+    /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address), in a
+    /// range of `page`-byte pages, that, with the free block before it if any and the free and
+    /// unmapped blocks after it, holds `size` bytes. Returns the first block of that run.
     fn find_expandable(&self, pool: PoolKind, size: usize, page: usize) -> Option<BlockId> {
         let usable =
             |id: BlockId| id != NIL && matches!(self.blocks[id].state, BlockState::Free | BlockState::Unmapped);
-        let mut best: Option<(usize, BlockId)> = None;
         for &(_, u) in &self.unmapped[pool as usize] {
             if self.expandable_of(self.blocks[u].addr).1.page != page {
                 continue;
             }
             let prev = self.blocks[u].prev;
             let start = if usable(prev) { prev } else { u };
-            let (mut bytes, mut to_map, mut id) = (0, 0, start);
+            let (mut bytes, mut id) = (0, start);
             while bytes < size && usable(id) {
-                let b = &self.blocks[id];
-                if b.state == BlockState::Unmapped {
-                    let map = round_up(size - bytes, page).min(b.size);
-                    to_map += map;
-                    bytes += map;
-                    if map < b.size {
-                        break;
-                    }
-                } else {
-                    bytes += b.size;
-                }
-                id = b.next;
+                bytes += self.blocks[id].size;
+                id = self.blocks[id].next;
             }
-            if bytes >= size && best.is_none_or(|(m, _)| to_map < m) {
-                best = Some((to_map, start));
-                if to_map == 0 {
-                    break;
-                }
+            if bytes >= size {
+                return Some(start);
             }
         }
-        best.map(|(_, start)| start)
+        None
     }
 
     /// A new expandable segment of `pool` for a request of `size` bytes, in `page`-byte pages
