@@ -16,13 +16,14 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Once};
 
+use common::last_error;
 use common::process::alone;
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::plugins::{
     GPUPOOL_CUPY_HOOK_RAISED, gpupool_cupy_hook_free, gpupool_cupy_hook_malloc, gpupool_cupy_hook_t,
 };
 use gpupool::ffi::stats::{gpupool_stats, gpupool_stats_t};
-use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status};
+use gpupool::ffi::status::gpupool_status;
 
 const MIB: usize = 1 << 20;
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -82,11 +83,6 @@ fn stats(device: c_int) -> gpupool_stats_t {
     // SAFETY: `s` is a live, writable gpupool_stats_t whose `size` says so.
     assert_eq!(unsafe { gpupool_stats(device, &mut s) }, gpupool_status::GPUPOOL_SUCCESS);
     s
-}
-
-fn last_error() -> String {
-    // SAFETY: gpupool's message, NUL-terminated and alive until this thread's next failing call.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
 }
 
 fn raised() -> *mut c_void {

@@ -26,8 +26,10 @@ use gpupool::ffi::sim::{gpupool_sim_hold_stream, gpupool_sim_release_stream, gpu
 use gpupool::ffi::stats::{
     gpupool_memory_summary, gpupool_peak_settles, gpupool_reset_peak_stats, gpupool_stats, gpupool_stats_t,
 };
-use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status, gpupool_status_string, gpupool_version};
+use gpupool::ffi::status::{gpupool_status, gpupool_status_string, gpupool_version};
 use proptest::prelude::*;
+
+use crate::common::last_error;
 
 use gpupool_status::*;
 
@@ -282,11 +284,6 @@ fn stamped(p: u64, b: &Block) -> bool {
         }
     }
     head[..n] == bytes[..n] && tail == bytes
-}
-
-fn last_error() -> String {
-    // SAFETY: a NUL-terminated string valid until the next failing call on this thread.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
 }
 
 /// The checks after every call: the status is no panic and is the one expected (or, where

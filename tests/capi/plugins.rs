@@ -11,9 +11,10 @@
 
 use crate::common;
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{c_int, c_void};
 use std::sync::{Mutex, Once};
 
+use common::last_error;
 use common::process::alone;
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::gpupool_empty_cache;
@@ -22,7 +23,7 @@ use gpupool::ffi::plugins::{
     gpupool_ort_set_stream,
 };
 use gpupool::ffi::stats::{gpupool_stats, gpupool_stats_t};
-use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status};
+use gpupool::ffi::status::gpupool_status;
 
 const MIB: usize = 1 << 20;
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -46,11 +47,6 @@ fn stats(device: c_int) -> gpupool_stats_t {
     // SAFETY: `s` is a live, writable gpupool_stats_t whose `size` says so.
     assert_eq!(unsafe { gpupool_stats(device, &mut s) }, gpupool_status::GPUPOOL_SUCCESS);
     s
-}
-
-fn last_error() -> String {
-    // SAFETY: gpupool's message, NUL-terminated and alive until this thread's next failing call.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
 }
 
 fn stream(n: usize) -> *mut c_void {

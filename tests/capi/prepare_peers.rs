@@ -9,32 +9,21 @@
 
 use crate::common;
 
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 
 use common::process::alone;
+use common::{last_error, sleep_kept};
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::peers::gpupool_enable_peer_access;
 use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool};
 use gpupool::ffi::sleep::{
     GPUPOOL_SLEEP_DISCARD, GPUPOOL_SLEEP_OFFLOAD_PINNED, gpupool_pool_create_sleepable, gpupool_sleep,
-    gpupool_sleep_host_bytes, gpupool_sleep_prepare, gpupool_wake,
+    gpupool_sleep_prepare, gpupool_wake,
 };
-use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status};
+use gpupool::ffi::status::gpupool_status;
 
 use gpupool_status::*;
-
-fn last() -> String {
-    // SAFETY: the library returns a NUL-terminated string of the calling thread.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
-}
-
-fn kept() -> usize {
-    let mut k = usize::MAX;
-    // SAFETY: NULL and a writable size_t.
-    assert_eq!(unsafe { gpupool_sleep_host_bytes(0, std::ptr::null_mut(), &mut k) }, GPUPOOL_SUCCESS);
-    k
-}
 
 #[test]
 fn prepare_and_peers_through_c() {
@@ -64,30 +53,30 @@ fn prepare_and_peers_through_c() {
         // SAFETY: a writable size_t.
         let st = unsafe { gpupool_sleep_prepare(device, pool, mode, &mut pinned) };
         assert_eq!(st, GPUPOOL_ERROR_INVALID_VALUE, "{device} {pool:#x} {mode}");
-        let m = last();
+        let m = last_error();
         assert!(m.starts_with("gpupool_sleep_prepare") && m.contains(says), "{m}");
         assert_eq!(pinned, 12345, "nothing written");
     }
-    assert_eq!(kept(), 0, "nothing pinned by a refused call");
+    assert_eq!(sleep_kept(), 0, "nothing pinned by a refused call");
     // SAFETY: a writable size_t.
     assert_eq!(unsafe { gpupool_sleep_prepare(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED, &mut pinned) }, GPUPOOL_SUCCESS);
-    assert!(pinned >= 3 << 20 && pinned == kept(), "{pinned}");
+    assert!(pinned >= 3 << 20 && pinned == sleep_kept(), "{pinned}");
     // SAFETY: NULL is allowed.
     assert_eq!(unsafe { gpupool_sleep_prepare(0, pool, GPUPOOL_SLEEP_DISCARD, std::ptr::null_mut()) }, GPUPOOL_SUCCESS);
     assert_eq!(gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_SUCCESS);
-    assert_eq!(kept(), 0, "the prepared copy is in use");
+    assert_eq!(sleep_kept(), 0, "the prepared copy is in use");
     // SAFETY: a writable size_t.
     assert_eq!(
         unsafe { gpupool_sleep_prepare(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED, &mut pinned) },
         GPUPOOL_ERROR_INVALID_VALUE
     );
-    assert!(last().contains("sleep"), "{}", last());
+    assert!(last_error().contains("sleep"), "{}", last_error());
     assert_eq!(gpupool_wake(0, pool), GPUPOOL_SUCCESS);
-    assert_eq!(kept(), pinned);
+    assert_eq!(sleep_kept(), pinned);
 
     for (device, peer, says) in [(0, 0, "its own peer"), (3, 0, "device 3"), (0, -1, "peer -1"), (-1, 1, "device -1")] {
         assert_eq!(gpupool_enable_peer_access(device, peer), GPUPOOL_ERROR_INVALID_VALUE, "{device} {peer}");
-        let m = last();
+        let m = last_error();
         assert!(m.starts_with("gpupool_enable_peer_access") && m.contains(says), "{m}");
     }
     assert_eq!(gpupool_enable_peer_access(2, 0), GPUPOOL_SUCCESS);

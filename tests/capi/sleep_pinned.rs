@@ -8,9 +8,10 @@
 
 use crate::common;
 
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 
 use common::process::alone;
+use common::{last_error, sleep_kept};
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
@@ -18,21 +19,9 @@ use gpupool::ffi::sleep::{
     GPUPOOL_SLEEP_OFFLOAD_PINNED, gpupool_pool_create_sleepable, gpupool_sleep, gpupool_sleep_host_bytes,
     gpupool_sleep_release_kept, gpupool_wake,
 };
-use gpupool::ffi::status::{gpupool_last_error_message, gpupool_status};
+use gpupool::ffi::status::gpupool_status;
 
 use gpupool_status::*;
-
-fn last() -> String {
-    // SAFETY: the library returns a NUL-terminated string of the calling thread.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
-}
-
-fn kept() -> usize {
-    let mut k = usize::MAX;
-    // SAFETY: NULL and a writable size_t.
-    assert_eq!(unsafe { gpupool_sleep_host_bytes(0, std::ptr::null_mut(), &mut k) }, GPUPOOL_SUCCESS);
-    k
-}
 
 #[test]
 fn the_pinned_mode_through_c() {
@@ -59,11 +48,15 @@ fn the_pinned_mode_through_c() {
 
     for mode in [0, 4, 5, u32::MAX] {
         assert_eq!(gpupool_sleep(0, pool, mode), GPUPOOL_ERROR_INVALID_VALUE, "mode {mode}");
-        assert!(last().starts_with("gpupool_sleep: mode") && last().contains("is not a sleep mode"), "{}", last());
+        assert!(
+            last_error().starts_with("gpupool_sleep: mode") && last_error().contains("is not a sleep mode"),
+            "{}",
+            last_error()
+        );
     }
     assert_eq!(gpupool_sleep(7, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_ERROR_INVALID_VALUE);
     assert_eq!(gpupool_sleep(0, 123_456, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_ERROR_INVALID_VALUE);
-    assert!(last().contains("never created"), "{}", last());
+    assert!(last_error().contains("never created"), "{}", last_error());
     // Bad devices and pools: refused, nothing written.
     let mut n = 77usize;
     // SAFETY: writable size_t, or NULL.
@@ -79,24 +72,24 @@ fn the_pinned_mode_through_c() {
     }
 
     for _ in 0..3 {
-        assert_eq!(gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_SUCCESS, "{}", last());
+        assert_eq!(gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_SUCCESS, "{}", last_error());
         assert_eq!(gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_ERROR_INVALID_VALUE);
         // A sleeping pool's copy is in use: release_kept gives nothing and the wake restores.
         // SAFETY: writable size_t.
         assert_eq!(unsafe { gpupool_sleep_release_kept(0, pool, &mut n) }, GPUPOOL_SUCCESS);
         assert_eq!(n, 0);
         assert_eq!(gpupool_release_pool(0, pool), GPUPOOL_ERROR_INVALID_VALUE, "refused while asleep");
-        assert_eq!(gpupool_wake(0, pool), GPUPOOL_SUCCESS, "{}", last());
+        assert_eq!(gpupool_wake(0, pool), GPUPOOL_SUCCESS, "{}", last_error());
         // SAFETY: the block is live and its pool awake.
         assert!(unsafe { std::slice::from_raw_parts(p as *const u8, 3 << 20) }.iter().all(|&b| b == 0xA5));
-        assert!(kept() >= 3 << 20);
+        assert!(sleep_kept() >= 3 << 20);
     }
     // SAFETY: a live block of this allocator.
     assert_eq!(unsafe { gpupool_free(p) }, GPUPOOL_SUCCESS);
     assert_eq!(gpupool_release_pool(0, pool), GPUPOOL_SUCCESS);
-    assert_eq!(kept(), 0, "release_pool gives the kept copy back");
+    assert_eq!(sleep_kept(), 0, "release_pool gives the kept copy back");
     assert_eq!(gpupool_sleep(0, pool, GPUPOOL_SLEEP_OFFLOAD_PINNED), GPUPOOL_ERROR_INVALID_VALUE);
-    assert!(last().contains("released"), "{}", last());
+    assert!(last_error().contains("released"), "{}", last_error());
     // SAFETY: NULL out-pointer.
     assert_eq!(unsafe { gpupool_sleep_release_kept(0, pool, std::ptr::null_mut()) }, GPUPOOL_SUCCESS);
     assert_eq!(gpupool_wake(0, pool), GPUPOOL_ERROR_INVALID_VALUE);

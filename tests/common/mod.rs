@@ -14,6 +14,24 @@ use gpupool::driver::sim::SimDriver;
 
 pub const MIB: usize = 1 << 20;
 
+/// The calling thread's last error message from the C API (`gpupool_last_error_message`), for
+/// the tests that go through the exports.
+pub fn last_error() -> String {
+    // SAFETY: gpupool's message, NUL-terminated and alive until this thread's next failing call.
+    unsafe { std::ffi::CStr::from_ptr(gpupool::ffi::status::gpupool_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Device 0's pinned host bytes kept for sleep (`gpupool_sleep_host_bytes`'s `kept`).
+pub fn sleep_kept() -> usize {
+    let mut k = usize::MAX;
+    // SAFETY: NULL and a writable size_t.
+    let st = unsafe { gpupool::ffi::sleep::gpupool_sleep_host_bytes(0, std::ptr::null_mut(), &mut k) };
+    assert_eq!(st, gpupool::ffi::status::gpupool_status::GPUPOOL_SUCCESS);
+    k
+}
+
 /// The next number of a xorshift64 generator (Marsaglia), for the tests' reproducible random
 /// calls: `state` must not be 0.
 pub fn xorshift(state: &mut u64) -> u64 {
