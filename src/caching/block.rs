@@ -63,7 +63,7 @@ pub(crate) struct Block {
     /// forgotten when it stops keeping them, so that it is never stale.
     pub ctx: u32,
     /// For a free block: its shard's count of frees when it was freed (PyTorch
-    /// `gc_count_base`; see `device::gc`).
+    /// `gc_count_base`; see `device::gc_threshold`).
     pub freed_at: u32,
 }
 

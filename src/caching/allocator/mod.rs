@@ -4,7 +4,7 @@
 //! the out-of-memory observers and the lookups of a pointer. The rest by mechanism:
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards;
 //! - `pools`: private pools and the routes to them;
-//! - `release`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
+//! - `empty_cache`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
 //! - `caching::accounting::allocator`, in the statistics' folder: the statistics, the summary
 //!   and gpupool's diagnostics;
@@ -14,7 +14,7 @@
 //!   snapshots, tags and the live report;
 //! - `caching::ipc::allocator`, in IPC's folder: blocks shared with other processes
 //!   (`gpupool_ipc_*`);
-//! - `check`: the consistency check, for tests.
+//! - `check_segments`: the consistency check, for tests.
 
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,9 +35,9 @@ use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
-mod check;
+mod check_segments;
 mod hit;
-mod release;
+mod empty_cache;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 

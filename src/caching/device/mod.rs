@@ -4,10 +4,10 @@
 //! Here: the device's state, what a call on a shard needs (`ctx`), and the memory fraction.
 //! The rest by mechanism: `serve.rs`: malloc up to its first failure; `out_of_memory.rs`: the
 //! rest of malloc (release-and-retry, observers); `free.rs`: free and `record_stream`;
-//! `release.rs`: the deferred frees' synchronisation and `empty_cache`; `gc.rs`:
+//! `release_cached.rs`: the deferred frees' synchronisation and `empty_cache`; `gc_threshold.rs`:
 //! `garbage_collection_threshold`; `stranded.rs`: the cache of unused streams released before
 //! a growth past the high-water mark (`GPUPOOL_RELEASE_UNUSED_STREAMS`); `pools.rs`: private
-//! pools; `check.rs`: the consistency check. Five mechanisms keep their device part in their
+//! pools; `check_totals.rs`: the consistency check. Five mechanisms keep their device part in their
 //! own folder: the statistics (`caching::accounting::device`: the end of each call, peak
 //! credit, the settles, `getStats`; `caching::accounting::device_call_settle`: a call's
 //! settle, one shard at a time), the allocation history and snapshots
@@ -54,10 +54,10 @@ use crate::driver::{Driver, StreamHandle};
 use crate::error::Error;
 use crate::history::HistoryHook;
 
-mod check;
+mod check_totals;
 mod free;
-mod gc;
-mod release;
+mod gc_threshold;
+mod release_cached;
 mod serve;
 mod stranded;
 

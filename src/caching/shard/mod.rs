@@ -9,16 +9,16 @@
 //!
 //! - this file: the shard, its lock and the state behind it, and what a device passes to it;
 //! - [`malloc`]: a request, and a block taken from the cache and handed out;
-//! - [`free`]: a block freed, back to its pool at once or waiting for other streams' work;
+//! - [`free_block`]: a block freed, back to its pool at once or waiting for other streams' work;
 //! - [`waiting`]: freed blocks that wait for events, a device synchronisation or a capture's
 //!   end, and their return to the pools;
 //! - [`blocks`]: splitting and merging blocks;
 //! - [`front`]: blocks freed on the hit path, held whole by exact size in front of the pools;
 //! - [`segments`]: segments from and back to the driver;
 //! - expandable segments, grown and shrunk a page at a time, are `caching::expandable`;
-//! - [`gc`]: its side of `garbage_collection_threshold`: its wholly free segments with their
+//! - [`gc_candidates`]: its side of `garbage_collection_threshold`: its wholly free segments with their
 //!   ages, and the release of one;
-//! - [`check`]: the consistency check and the diagnosis of a bad pointer;
+//! - [`check_blocks`]: the consistency check and the diagnosis of a bad pointer;
 //! - `caching::history::shard`, in the history's folder: its events in the allocation
 //!   history, and its segments for a snapshot;
 //! - `caching::largest::shard`, in the largest request's folder: its blocks copied for the
@@ -29,10 +29,10 @@
 //!   (`gpupool_ipc_export`), and their free.
 
 mod blocks;
-mod check;
-mod free;
+mod check_blocks;
+mod free_block;
 mod front;
-mod gc;
+mod gc_candidates;
 mod malloc;
 mod segments;
 mod waiting;
@@ -196,7 +196,7 @@ pub(crate) struct ShardState {
     /// only: checked against the block before it is believed.
     last_out: (DevicePtr, BlockId),
     /// Blocks freed on this shard, wrapping (the clock of `garbage_collection_threshold`'s
-    /// ages, see `device::gc`).
+    /// ages, see `device::gc_threshold`).
     frees: u32,
     /// The stack the history captured for the segment (or pages) the current malloc made,
     /// for the `alloc` event of its block (PyTorch gathers one context per malloc); 0 for none.

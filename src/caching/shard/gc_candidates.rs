@@ -1,4 +1,4 @@
-//! A shard's side of `garbage_collection_threshold` (see `device::gc`): its whole free
+//! A shard's side of `garbage_collection_threshold` (see `device::gc_threshold`): its whole free
 //! segments with their ages, and releasing one of them.
 
 use super::{ShardCtx, ShardState};

@@ -1,5 +1,5 @@
 //! The consistency check of the whole allocator, for tests: no two segments overlap, each
-//! device's own check (`device::check`), each device's segments against the index, and each
+//! device's own check (`device::check_totals`), each device's segments against the index, and each
 //! tag's current figures against its live blocks, and each exported block against its shard.
 
 use super::Allocator;
