@@ -6,6 +6,7 @@
 //! call these; the simulated driver counts the calls and injects faults there first.
 
 use super::{DriverError, HostPtr};
+use crate::os::mapping;
 
 /// Maps `size` bytes (more than 0) of zeroed, readable and writable anonymous memory, which the
 /// kernel backs on first touch (no `MAP_POPULATE`: the threads that first write it fault
@@ -18,24 +19,11 @@ pub fn map(size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
     if size == 0 {
         return Err(DriverError::OutOfMemory);
     }
-    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(DriverError::OutOfMemory);
-    }
+    let p = mapping::anonymous(size, libc::PROT_READ | libc::PROT_WRITE, false).ok_or(DriverError::OutOfMemory)?;
     if huge_pages {
         // SAFETY: advice on the mapping just made; a kernel without THP returns EINVAL, which
         // changes nothing.
-        unsafe { libc::madvise(p, size, libc::MADV_HUGEPAGE) };
+        unsafe { libc::madvise(p as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
     }
     Ok(p as HostPtr)
 }
@@ -47,9 +35,9 @@ pub fn map(size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
 /// range that was never mapped); never panics.
 pub fn unmap(ptr: HostPtr, size: usize) -> Result<(), DriverError> {
     // SAFETY: per this function's contract, a mapping of ours that nothing uses any more.
-    if unsafe { libc::munmap(ptr as *mut libc::c_void, size) } != 0 {
-        let code = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        return Err(DriverError::Cuda { call: "munmap", code, name: "errno".into() });
-    }
-    Ok(())
+    unsafe { mapping::unmap(ptr as usize, size) }.map_err(|e| DriverError::Cuda {
+        call: "munmap",
+        code: e.raw_os_error().unwrap_or(0),
+        name: "errno".into(),
+    })
 }

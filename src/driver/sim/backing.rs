@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use crate::os::memfd;
+use crate::os::{mapping, memfd};
 
 /// The host's page size, which every extent's offset and length are multiples of.
 pub(super) fn host_page() -> u64 {
@@ -117,28 +117,11 @@ impl DeviceFile {
     /// MiB and more on a 2 MiB boundary, and programs (and tests) count on it. Address space
     /// `align` larger is reserved, and what is not used of it given back.
     pub(super) fn map_aligned(&self, offset: u64, size: usize, align: u64) -> Option<u64> {
-        let span = size + align as usize;
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: a new mapping without access anywhere; the result is checked.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_NONE, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        let (start, at) = (p as u64, (p as u64).next_multiple_of(align));
-        let end = at + size as u64;
-        // SAFETY: both pieces lie in the reservation just made, outside `[at, end)`.
-        unsafe {
-            if at > start {
-                libc::munmap(p, (at - start) as usize);
-            }
-            if start + span as u64 > end {
-                libc::munmap(end as *mut libc::c_void, (start + span as u64 - end) as usize);
-            }
-        }
+        let at = mapping::reserve_aligned(size, align as usize)? as u64;
         let mapped = self.map(Some(at), offset, size, libc::PROT_READ | libc::PROT_WRITE);
         if mapped.is_none() {
-            // SAFETY: the rest of the reservation, ours.
-            unsafe { libc::munmap(at as *mut libc::c_void, size) };
+            // SAFETY: the reservation just made, ours, unused.
+            let _ = unsafe { mapping::unmap(at as usize, size) };
         }
         mapped
     }

@@ -9,6 +9,7 @@
 //! request succeeded (its mapping reserves no memory), where a real host fails.
 
 use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, StreamHandle, invalid};
+use crate::os::mapping;
 
 /// How a range of host memory is pinned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,20 +88,7 @@ impl SimDriver {
         if size > st.host_capacity.saturating_sub(st.pinned) {
             return Err(DriverError::OutOfMemory);
         }
-        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(DriverError::OutOfMemory);
-        }
+        let p = mapping::anonymous(size, libc::PROT_READ | libc::PROT_WRITE, true).ok_or(DriverError::OutOfMemory)?;
         st.host.insert(p as HostPtr, (size, HostKind::Allocated));
         st.pinned += size;
         Ok(p as HostPtr)

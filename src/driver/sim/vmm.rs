@@ -7,6 +7,7 @@
 use rustc_hash::FxHashMap;
 
 use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, State, invalid};
+use crate::os::mapping;
 
 // Rust API only: cbindgen run over the whole crate would otherwise put it into the C header.
 /// The simulated device's virtual memory page size (the H100's minimum granularity).
@@ -156,27 +157,8 @@ impl SimDriver {
         if size == 0 || size % SIM_GRANULARITY != 0 {
             return Err(invalid("cuMemAddressReserve"));
         }
-        // Host address space without access, aligned to the granularity: reserve one page
-        // more and trim.
-        let len = size + SIM_GRANULARITY;
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: an anonymous mapping with no address hint; the result is checked.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(DriverError::OutOfMemory);
-        }
-        let start = p as usize;
-        let base = start.next_multiple_of(SIM_GRANULARITY);
-        // SAFETY: both pieces lie in the mapping just made and are trimmed off it.
-        unsafe {
-            if base > start {
-                libc::munmap(p, base - start);
-            }
-            let end = base + size;
-            if start + len > end {
-                libc::munmap(end as *mut libc::c_void, start + len - end);
-            }
-        }
+        // Host address space without access, aligned to the granularity.
+        let base = mapping::reserve_aligned(size, SIM_GRANULARITY).ok_or(DriverError::OutOfMemory)?;
         let range = Range { device, size, mapped: Default::default(), accessible: Default::default() };
         st.ranges.insert(base as DevicePtr, range);
         Ok(base as DevicePtr)
