@@ -36,8 +36,8 @@ use crate::error::Error;
 use crate::history::{HistoryHook, Recorder};
 
 mod check_segments;
-mod hit;
 mod empty_cache;
+mod hit;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
