@@ -89,6 +89,9 @@
 //! credit, against which no call can borrow, and which the next settle pays from the shards'
 //! credit. A read of the statistics settles with every shard locked, so that what it reports
 //! always has every current value at most its peak.
+//!
+//! `settle_steps.rs`: a settle's arithmetic as steps, visit, raise, pay and cover, taking no
+//! lock; `tests.rs`: the credit's unit tests (borrows, give-backs, settles, resets).
 
 pub(crate) use super::cell_layout::Totals;
 pub(crate) use settle_steps::{Settle, settle};
