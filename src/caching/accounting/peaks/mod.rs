@@ -45,7 +45,7 @@
 //! credit that is needed elsewhere are locked a second time ([`Settle::cover`]). Until
 //! 2026-11-28 a settle locked every shard at once, and every stream of the device waited for
 //! the whole settle: 16 threads on one device of the H100 machine's host ran 25-33 M ops/s,
-//! 75 with settles skipped (docs/performance.md). A call whose settle waited for the peak lock
+//! 75 with settles skipped (commit 84a0962). A call whose settle waited for the peak lock
 //! behind one that visited its shard after it ran short was covered by it, and settles
 //! nothing. `stats()`, `reset_peak_stats()` and `empty_cache` settle over every shard locked
 //! at once ([`settle`], the same steps): PyTorch reads its statistics as one snapshot.
