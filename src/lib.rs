@@ -7,6 +7,7 @@
 //! - [`stats`]: statistics in PyTorch's terms, and the memory summary.
 //! - [`history`]: the allocation history and snapshots, in PyTorch's formats.
 //! - [`config`]: the `GPUPOOL_*` options.
+//! - [`error`]: the Rust API's error type; the C boundary maps each kind to a `gpupool_status`.
 //! - [`host`]: pinned host memory, PyTorch's caching host allocator.
 //! - `os`: the operating system's part of that sharing (processes, pidfds, memfds); a leaf.
 //! - `callout`: calls into a program's callbacks and CPython, which may end the calling thread.

@@ -101,6 +101,17 @@
 //! option with its value (`Config::options_text`), and gpupool's memory summary of each device
 //! it used, and the same for pinned host memory. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
 //! down by then.
+//!
+//! ## The files
+//!
+//! - `runtime_api.rs`: the CUDA runtime's allocation functions, interposed;
+//! - `driver_api.rs`: the driver API's allocation functions and `cuGetProcAddress`, interposed;
+//! - `dlsym.rs`: `dlsym`, interposed, for programs that open the driver themselves;
+//! - `shim.rs`: the shim's state: gpupool's process-wide allocator, the deferred frees, the
+//!   counters printed at exit;
+//! - `lookups.rs`: counts of the lookups of driver functions, for the exit report;
+//! - `passed.rs`: calls to memory functions the shim does not serve, counted by name;
+//! - `vmm.rs`: `cuMemCreate`, interposed only to be counted.
 
 // glibc's dlsym is entered with the caller's return address by x86-64 assembly (dlsym.rs).
 #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]

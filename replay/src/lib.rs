@@ -14,6 +14,11 @@
 //!   read by the tool's own [`pickle`] reader (PyTorch's pickles share objects).
 //! - [`run::replay_sim`] replays a trace on a fresh simulated device, [`run::replay`] on any
 //!   [`gpupool::Allocator`], [`cuda::Gpu`] on the GPU; each returns an [`run::Outcome`].
+//! - The modules of that path: [`input`] opens a file of either kind; [`text`] is the text
+//!   format of the traces in `replay/traces`; [`trace`] is a trace as the replay sees it
+//!   (allocations and frees of numbered blocks on numbered streams); [`run`] replays it;
+//!   [`cuda`] replays on the GPU; [`breakdown`] says where the bytes between live and reserved
+//!   go, at a pass's peaks.
 //! - [`setting`] is a configuration to replay under (`--conf`, `--row`, the `--suggest` grid),
 //!   [`report`] turns outcomes into rows, printed as a [`table`], JSON or CSV, [`suggest`]
 //!   picks one configuration; [`cli`] is the command line.

@@ -39,6 +39,9 @@
 //!   block first. Each such repair, and each kind of entry skipped, is counted in the trace's
 //!   notes.
 //! - Private pools (CUDA graphs, `MemPool`) are replayed in the ordinary pools.
+//!
+//! `raw.rs` (in `snapshot/`): the parts of the snapshot's dict that the replay reads, taken
+//! from the decoded pickle and checked, each bad or missing field an error naming where it is.
 
 mod raw;
 

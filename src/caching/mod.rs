@@ -15,15 +15,15 @@
 //!   synchronisation.
 //! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
 //!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
-//! - `limit`: the memory fraction's byte limit; `out_of_memory`: a malloc that failed after
-//!   the cache and a new segment (release-and-retry, the observers called, the error and its
-//!   message), every part in one folder.
+//! - `limit`: the memory fraction's byte limit; `budget`: per-pool memory budgets
+//!   (`gpupool_pool_set_limit`), every part in one folder.
+//! - `observers`: the observers and out of memory, every part in one folder: a malloc that
+//!   failed after the cache and a new segment (release-and-retry, the out-of-memory observers
+//!   called, the error and its message), the segment observers, told of every segment made and
+//!   given back and of every page range mapped and unmapped, and the registry both kinds use.
 //! - `largest`: the largest request that would succeed now, malloc's attempts replayed on a
 //!   copy of a stream's blocks, every part in one folder: the search and the allocator's,
 //!   device's and shard's parts.
-//! - `segment_observers`: the functions told of every segment made and given back, and of
-//!   every page range mapped and unmapped; `observer_list`: the list of callbacks both kinds
-//!   of observer use.
 //! - `shard_table`: a device's shards by stream, the dirty list of settles, retirement.
 //! - `capture`: knowing whether a CUDA graph capture is under way; `pools`: private pools
 //!   (PyTorch's graph pools and `MemPool`), every part in one folder: the routes to them, the

@@ -95,6 +95,12 @@
 //! `GPUPOOL_MAX_SPLIT_SIZE_MB` is the deprecated spelling of `max_split_size_mb`; both set to
 //! different sizes is an error naming both. [`Config::with_conf`] applies a string at run time
 //! (`gpupool_set_config`), and [`Config::conf_string`] writes every key back in the same syntax.
+//!
+//! The files: `options.rs` the table of rows; `parse.rs` the value parsers and the one reader
+//! of a value; `env.rs` the environment read ([`Config::from_env`]); `print.rs` the options
+//! printed, with their values and as the tables above; `blank.rs` the rule on white space;
+//! `unknown.rs` the warning for a misspelled variable; `conf/` `GPUPOOL_CONF`; `tests.rs` the
+//! unit tests.
 
 use crate::history::HistorySettings;
 

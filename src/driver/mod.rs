@@ -5,6 +5,11 @@
 //! streams and events a test controls and faults injected on demand). The allocator core only
 //! sees this trait, so everything above it is tested without a GPU. None of these calls is on
 //! the cache-hit path.
+//!
+//! - `cuda/`: the CUDA driver, through cudarc's bindings of the driver API.
+//! - `sim/`: the simulated device, for tests and for machines without a GPU.
+//! - `pageable.rs`: ordinary host memory of gpupool's own (`mmap`, `munmap`), what a sleeping
+//!   pool's host copy is made of.
 
 pub mod cuda;
 pub mod pageable;

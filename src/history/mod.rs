@@ -19,7 +19,9 @@
 //! - `pickle`: the snapshot as PyTorch's pickle, each string, frame and stack written once;
 //! - [`tags`]: names a thread pushes, carried by the blocks it allocates, and counted per name;
 //! - [`metadata`]: the string a thread sets for the events it records (PyTorch's
-//!   `user_metadata`), and the payload of `annotate` events.
+//!   `user_metadata`), and the payload of `annotate` events;
+//! - `report`: the live report, a device's allocated blocks grouped by tag and by call stack,
+//!   largest first (`Allocator::live_report`).
 //!
 //! Recording costs the malloc and free paths one relaxed load of the device's flag while it is
 //! off. The allocator core calls the recorder at each event (`src/caching`), under the lock of

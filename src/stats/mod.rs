@@ -2,6 +2,11 @@
 //! `torch.cuda.memory_summary()`: what is reported, not how it is counted (the allocator core
 //! counts in `caching::accounting::counters` and keeps peaks in `caching::accounting::peaks`).
 //! Imports nothing from the core.
+//!
+//! - this file: [`Stat`], [`StatArray`], [`DeviceStats`];
+//! - [`summary`]: the text table of `torch.cuda.memory_summary()`, and PyTorch's size formats;
+//! - [`breakdown`]: where a device's reserved bytes go beyond what the program asked for;
+//! - `pool`: one private pool's statistics on one device ([`PoolStats`], `gpupool_pool_stats`).
 
 pub mod breakdown;
 mod pool;

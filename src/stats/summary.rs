@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::{DeviceStats, Stat, StatArray};
+use super::{DeviceStats, PoolStats, Stat, StatArray};
 
 /// A byte count as PyTorch's allocator writes it in messages (`format_size` in
 /// `CUDACachingAllocator.cpp`): "512 bytes", "1.50 KiB", "20.00 MiB", "79.19 GiB".
@@ -128,7 +128,7 @@ pub fn memory_summary(device: i32, driver: &str, s: &DeviceStats) -> String {
 /// The private pools of a device, after [`memory_summary`]'s table: per pool (by id) its state
 /// and its allocated and reserved bytes, current and peak, and its segments (the table's
 /// totals include them). Not in PyTorch, whose summary does not list pools.
-pub fn pools_summary(pools: &[crate::PoolStats]) -> String {
+pub fn pools_summary(pools: &[PoolStats]) -> String {
     let mut out = String::new();
     if pools.is_empty() {
         return out;
@@ -196,9 +196,9 @@ mod tests {
 
     #[test]
     fn the_pools_table_lines_up() {
-        let mut live = crate::PoolStats { pool: 7, routes: 1, ..Default::default() };
+        let mut live = PoolStats { pool: 7, routes: 1, ..Default::default() };
         live.stats.reserved_bytes.all = Stat { current: 20 << 20, peak: 40 << 20, allocated: 0, freed: 0 };
-        let released = crate::PoolStats { pool: 12345, released: true, ..Default::default() };
+        let released = PoolStats { pool: 12345, released: true, ..Default::default() };
         let text = pools_summary(&[live, released]);
         let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
         assert!(widths.windows(2).all(|w| w[0] == w[1]), "{text}");

@@ -1,9 +1,13 @@
 //! The shape of the repository, held by tests: every relative link of README.md and docs/
 //! resolves (file and heading), the README stays short and links every page of the manual, no
 //! Rust source file passes 450 lines, and no two source files import each other, directly or
-//! through others; every Rust test is a module of its folder's test binary. Reads files only;
-//! needs no device.
+//! through others; every Rust test is a module of its folder's test binary. `layout.rs`: every
+//! folder's `//!` overview names each of its modules, the lower folders (`os`, `stats`,
+//! `driver`, the sleep copy engine) import nothing from the core, and no file name repeats across
+//! the core's `allocator/`, `device/` and `shard/`. `header.rs`: the C header reads as a manual.
+//! Reads files only; needs no device.
 mod header;
+mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

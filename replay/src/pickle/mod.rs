@@ -20,6 +20,10 @@
 //! `REDUCE`, `NEWOBJ`, `INST`, `OBJ` or `BUILD`, is [`Value::Other`], as are bytes, sets,
 //! integers beyond 64 bits and strings longer than [`MAX_KEPT_STRING`], which the replay never
 //! reads: their contents are skipped.
+//!
+//! `input.rs`: the bytes of a pickle as its opcodes read them (arguments, lengths, counted
+//! strings, text lines); `ops.rs`: the machine, one opcode at a time on a stack with marks;
+//! this file: the arena, the values and the reader.
 
 mod input;
 mod ops;

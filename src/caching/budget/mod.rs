@@ -27,7 +27,8 @@
 //! - [`table`]: a device's budgets by pool;
 //! - [`message`]: the limit's checks and the out-of-memory message;
 //! - [`device`]: a device's budgets set and read, and the out-of-memory path of a request its
-//!   pool's budget refused; [`allocator`]: the calls by device; `ffi::pools`: the C functions.
+//!   pool's budget refused; [`allocator`]: the calls by device; `ffi::pools`: the C functions;
+//! - `tests.rs`: the count, the charge and the limit's checks.
 
 mod allocator;
 mod device;

@@ -22,7 +22,9 @@
 //! - [`unmap`]: [`ShardState::release_pages`], the expandable half of PyTorch `release_blocks`,
 //!   with `unmap_block`;
 //! - [`high_water`]: gpupool's high-water rule, [`Reclaim`]; [`cross`]: the rule across page
-//!   sizes (smaller free pages released for a growth).
+//!   sizes (smaller free pages released for a growth);
+//! - `tests.rs`: how ranges are sized, and their pages; `segment_tests.rs`: [`segment`]'s
+//!   tests on the simulated driver (pages mapped and unmapped, failures undone, orphans).
 //!
 //! A shard's free mapped bytes by page size are read for `Allocator::breakdown` in
 //! `caching::breakdown`.

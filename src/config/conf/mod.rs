@@ -32,6 +32,11 @@
 //!   `large_segment_size_mb`, `max_split_size_mb` and `max_non_split_rounding_mb` to it, and
 //!   lets `pinned_reserve_segment_size_mb`'s bytes overflow. (At the largest,
 //!   `max_split_size_mb` means unlimited, PyTorch's default.)
+//!
+//! The files: `keys.rs` the table of keys ([`CONF_KEYS`]); `parse.rs` the syntax (PyTorch's
+//! tokenizer, the entries it makes); `roundup.rs` `roundup_power2_divisions`'s value, read and
+//! written back; `show.rs` the string written back and the keys' table; `tests.rs` the unit
+//! tests, against the figures PyTorch 2.11.0 gives.
 
 use super::Config;
 use crate::error::Error;

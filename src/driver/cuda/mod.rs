@@ -20,8 +20,10 @@
 //! file of its mechanism, as an inherent method named `cuda_<call>` (an inherent method of the
 //! trait's name would shadow the trait's): loading the library and the devices in `loading`,
 //! the primary contexts in `context`, device and pinned host memory in `memory`, virtual memory
-//! in `vmm`, copies and copy streams in `copy`, events, synchronisation and stream capture in `streams`, and CUDA's error codes in
-//! `error`.
+//! in `vmm`, copies and copy streams in `copy`, events, synchronisation and stream capture in
+//! `streams`, memory shared with other processes (the device's UUID, pages exported as file
+//! descriptors, legacy IPC handles) in `ipc`, and CUDA's error codes in `error`; its unit
+//! tests, which need no GPU, in `tests.rs`.
 
 mod context;
 mod copy;

@@ -38,10 +38,11 @@
 //! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
 //! (an inherent method of the trait's name would shadow the trait's):
 //! the devices' physical memory in `backing`, device memory in `memory`, virtual memory in
-//! `vmm`, memory shared with other processes in `ipc`, pinned host memory in `host`, pageable host memory (a sleeping pool's host copy) in
-//! `pageable`, streams and events in `streams`, stream capture in `capture`, copies and copy
-//! streams in `copy`,
-//! injected faults in `faults`.
+//! `vmm`, memory shared with other processes in `ipc`, pinned host memory in `host`, pageable
+//! host memory (a sleeping pool's host copy) in `pageable`, streams and events in `streams`,
+//! stream capture in `capture`, copies and copy streams in `copy`, injected faults in `faults`,
+//! a test's code run at a chosen call in `hooks`, the count of each call made in `counts`; its
+//! unit tests in `tests.rs`.
 
 mod backing;
 mod capture;

@@ -22,6 +22,9 @@
 //!
 //! Lock order: the GIL, then the table's lock; nothing that may run Python code is called with
 //! the lock held (the garbage collector is held off while frames are read: [`api::NoGc`]).
+//!
+//! `api`: CPython's C API, found at run time in the process (`dlsym(RTLD_DEFAULT, ...)`), so
+//! that gpupool needs no Python to build or to link; this file: capture, names, references.
 
 mod api;
 

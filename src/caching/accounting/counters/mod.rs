@@ -4,6 +4,8 @@
 //!
 //! A statistic with a `StatArray` in PyTorch has three cells (all pools, small pool, large
 //! pool); [`cell`] (in `cell_layout`, re-exported here) is the one place that says where each lives.
+//!
+//! `pending_sums.rs`: the hit path's ten cells counted lazily as three pending sums per pool.
 
 pub(crate) use super::cell_layout::{CELLS, Metric, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS, StatType, cell};
 

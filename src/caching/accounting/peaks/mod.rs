@@ -45,7 +45,7 @@
 //! credit that is needed elsewhere are locked a second time ([`Settle::cover`]). Until
 //! 2026-11-28 a settle locked every shard at once, and every stream of the device waited for
 //! the whole settle: 16 threads on one device of the H100 machine's host ran 25-33 M ops/s,
-//! 75 with settles skipped (docs/performance.md). A call whose settle waited for the peak lock
+//! 75 with settles skipped (commit 84a0962). A call whose settle waited for the peak lock
 //! behind one that visited its shard after it ran short was covered by it, and settles
 //! nothing. `stats()`, `reset_peak_stats()` and `empty_cache` settle over every shard locked
 //! at once ([`settle`], the same steps): PyTorch reads its statistics as one snapshot.
@@ -89,6 +89,9 @@
 //! credit, against which no call can borrow, and which the next settle pays from the shards'
 //! credit. A read of the statistics settles with every shard locked, so that what it reports
 //! always has every current value at most its peak.
+//!
+//! `settle_steps.rs`: a settle's arithmetic as steps, visit, raise, pay and cover, taking no
+//! lock; `tests.rs`: the credit's unit tests (borrows, give-backs, settles, resets).
 
 pub(crate) use super::cell_layout::Totals;
 pub(crate) use settle_steps::{Settle, settle};
