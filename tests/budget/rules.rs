@@ -252,3 +252,55 @@ fn a_refusal_during_capture_names_the_budget_and_keeps_the_capture() {
     a.end_allocate_to_pool(0, pool).unwrap();
     check(&a);
 }
+
+/// A growth its pool's budget refuses makes nothing: the budget is charged before a range is
+/// reserved or a segment made (as PyTorch `alloc_block` checks its memory fraction before
+/// `try_allocate_expandable_block` reserves one), so the segments, the reserved bytes and
+/// their peaks stay exactly as they were. With expandable segments on and off, in the default
+/// pools and in a private pool; a request that needs a new range or segment, and one that
+/// would map pages in a range the pool has.
+#[test]
+fn a_refused_growth_leaves_segments_reserved_bytes_and_their_peaks_as_they_were() {
+    for expandable_segments in [false, true] {
+        for private in [false, true] {
+            let case = format!("expandable_segments {expandable_segments}, private pool {private}");
+            let (a, drv) = sim_with(1, 1 << 30, Config { expandable_segments, ..Config::default() });
+            let pool = if private { a.pool_create() } else { 0 };
+            if private {
+                a.begin_allocate_to_pool_thread(0, pool).unwrap();
+            }
+            // Half of a small segment (or of a small range's first page) held: nothing of the
+            // pool is free to release, and its next small growth is in that range.
+            let p = a.malloc(MIB, 0, S).unwrap();
+            let q = a.malloc(MIB, 0, S).unwrap();
+            let held = a.stats(0).unwrap().reserved_bytes.all.current;
+            a.pool_set_limit(0, pool, Some(held as u64)).unwrap();
+            let state = |a: &Allocator| {
+                let s = a.stats(0).unwrap();
+                let own = if private { Some(a.pool_stats(0, pool).unwrap().stats) } else { None };
+                let own = own.map(|o| (o.segment, o.reserved_bytes));
+                (s.segment, s.reserved_bytes, s.oversize_segments, own)
+            };
+            let (before, calls) = (state(&a), drv.counts());
+            // A large request (a new range or segment of its own), then a small one (pages in
+            // the small range, or a new small segment).
+            for size in [100 * MIB, MIB] {
+                let msg = oom_message(a.malloc(size, 0, S));
+                assert!(msg.contains("gpupool_pool_set_limit"), "{case}: {msg}");
+                assert_eq!(state(&a), before, "{case}: a refused {size}-byte growth changed the statistics");
+                check(&a);
+            }
+            let after = drv.counts();
+            assert_eq!(after.address_reserve, calls.address_reserve, "{case}: a range was reserved");
+            assert_eq!(after.mem_alloc, calls.mem_alloc, "{case}: a segment was made");
+            assert_eq!(after.mem_create, calls.mem_create, "{case}: a page was made");
+            for x in [p, q] {
+                a.free(x).unwrap();
+            }
+            if private {
+                a.end_allocate_to_pool(0, pool).unwrap();
+            }
+            check(&a);
+        }
+    }
+}

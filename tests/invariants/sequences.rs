@@ -209,14 +209,9 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
     let mut capture: Option<(usize, usize, bool)> = None;
     // The pool this thread's route takes its allocations to, if any (`RouteThread`).
     let mut route: Option<usize> = None;
-    // Whether a pool's limit is set (`SetLimit`): a growth the limit refuses may have made an
-    // expandable range and given it back, a segment counted at its peak that this model does
-    // not track (found by proptest with a capture into a routed pool, 2026-11-29); while one
-    // is set, peaks are only checked from below.
-    let mut limited = false;
     for op in ops {
         let before = (a.stats(0).unwrap().num_alloc_retries, drv.counts());
-        let mut simple = !limited;
+        let mut simple = true;
         match op {
             Op::Malloc { stream, .. } if capture.is_some_and(|c| c.0 != stream) => {}
             Op::EmptyCache | Op::ReleaseDeferred if capture.is_some() => {}
@@ -231,7 +226,9 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
             Op::EndCapture => {
                 if let Some((stream, pool, _)) = capture.take() {
                     assert!(drv.end_capture(streams[stream]).unwrap(), "a capture was invalidated");
+                    // Every route to the pool ends, this thread's too (as `EndRoutes`).
                     a.end_allocate_to_pool(0, pools[pool]).unwrap();
+                    route = route.filter(|&r| r != pool);
                     simple = false;
                 }
             }
@@ -253,7 +250,6 @@ fn run(ops: Vec<Op>, max_split_size: usize, expandable_segments: bool, history: 
                 let id = if pool == 0 { 0 } else { pools[pool - 1] };
                 a.pool_set_limit(0, id, mib.map(|m| m << 20)).unwrap();
                 assert_eq!(a.pool_limit(0, id).unwrap(), mib.map(|m| m << 20));
-                limited |= mib.is_some();
             }
             Op::Malloc { size, stream } => {
                 let fallbacks =

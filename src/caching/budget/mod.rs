@@ -17,6 +17,13 @@
 //! unmapped: the hit path never looks at it. Every pool is counted, limit or not, so that a
 //! limit set later is checked against the right use.
 //!
+//! The charge comes before anything is made: before `cuMemAlloc` for an ordinary segment, and
+//! before a new expandable range is reserved (charged then for the pages the request maps from
+//! its start). A growth the budget refuses makes no segment, not even one given back at once,
+//! so the segment count, the reserved bytes and their peaks stay as they were (as PyTorch
+//! `alloc_block` checks its memory fraction before `try_allocate_expandable_block` reserves a
+//! range; issue 43).
+//!
 //! A refused charge is out of memory for the shard (`DriverError::OutOfMemory`), and flags the
 //! calling thread ([`take_refusal`]): the out-of-memory path ([`device`]) then releases
 //! the pool's own free cache and retries, then calls the out-of-memory observers and fails with

@@ -52,8 +52,9 @@ impl ShardState {
     /// count physical memory. After a growth the pool keeps at most its bound
     /// ([`PagePool::trim`](crate::caching::expandable::PagePool::trim)).
     ///
-    /// Errors: [`DriverError::OutOfMemory`] when the device (or the memory fraction) has no
-    /// room for the pages; any other failure of the virtual memory calls. The pages mapped
+    /// Errors: [`DriverError::OutOfMemory`] when the pool's budget refuses the pages (checked
+    /// before a new range is reserved: nothing is made then, see `caching::budget`) or the
+    /// device (or the memory fraction) has no room for them; any other failure of the virtual memory calls. The pages mapped
     /// for the request are unmapped again then, their handles back in the pool, and the pool
     /// released down to what it held before; the shard is as it was, but for a new range that
     /// could not be given back (it stays, empty, until the cache is released).
@@ -87,13 +88,27 @@ impl ShardState {
     ) -> Result<Growth, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
         let c = if ctx.history.on() { ctx.history.capture(HistoryContext::State) } else { 0 };
-        let (start, plan) = self.plan_growth(ctx, policy, pool, rounded, page, c)?;
+        // The pool's budget counts every page mapped, held handles too (`caching::budget`).
+        // It is charged before anything is made: a growth it refuses reserves no range, so
+        // the shard's segments, reserved bytes and their peaks stay as they were. A new range
+        // maps the request's pages from its start; in a range that holds the request, the
+        // plan says how many.
+        let (start, new_range) = match self.find_expandable(pool, rounded, page) {
+            Some(id) => (id, None),
+            None => {
+                let budget = ctx.shard.budget.try_charge(round_up(rounded, page)).ok_or(DriverError::OutOfMemory)?;
+                (self.reserve_range(ctx, policy, pool, rounded, page, c)?, Some(budget))
+            }
+        };
+        let plan = self.plan_growth(start, rounded);
         let pages = plan.iter().map(|p| p.2).sum::<usize>() / page;
         let base = self.expandable_of(self.blocks[start].addr).0;
-        // The pool's budget counts every page mapped, held handles too (`caching::budget`).
-        let Some(budget) = ctx.shard.budget.try_charge(pages * page) else {
-            self.free_range_if_empty(ctx, base);
-            return Err(DriverError::OutOfMemory);
+        let budget = match new_range {
+            Some(budget) => {
+                debug_assert_eq!(pages * page, round_up(rounded, page), "a new range maps the request's pages");
+                budget
+            }
+            None => ctx.shard.budget.try_charge(pages * page).ok_or(DriverError::OutOfMemory)?,
         };
         // Held handles first: they are device memory counted already, so only the pages
         // still wanted count towards the high-water mark and the memory limit. Whatever
@@ -161,24 +176,11 @@ impl ShardState {
         Ok(Growth::Block(start))
     }
 
-    /// Where to grow for a request of `rounded` bytes of `pool` in `page`-byte pages: the first block of a run of
-    /// free and unmapped blocks that holds it (in a new range if no range has one), and the
-    /// pages to map, as (block, offset in its range, bytes): free and unmapped blocks from the
-    /// start on, until `rounded` bytes are reached (PyTorch maps the same, block by block).
-    /// `c`: the history's stack for a new range's event.
-    fn plan_growth(
-        &mut self,
-        ctx: &ShardCtx,
-        policy: &ExpandablePolicy,
-        pool: PoolKind,
-        rounded: usize,
-        page: usize,
-        c: u32,
-    ) -> Result<(BlockId, Vec<MapStep>), DriverError> {
-        let start = match self.find_expandable(pool, rounded, page) {
-            Some(id) => id,
-            None => self.reserve_range(ctx, policy, pool, rounded, page, c)?,
-        };
+    /// The pages to map for a request of `rounded` bytes from `start`, the first block of a run
+    /// of free and unmapped blocks that holds it (found, or a new range's), as (block, offset
+    /// in its range, bytes): free and unmapped blocks from the start on, until `rounded` bytes
+    /// are reached (PyTorch maps the same, block by block).
+    fn plan_growth(&self, start: BlockId, rounded: usize) -> Vec<MapStep> {
         let (base, page) = {
             let (base, e) = self.expandable_of(self.blocks[start].addr);
             (base, e.page)
@@ -196,7 +198,7 @@ impl ShardState {
             }
             id = b.next;
         }
-        Ok((start, plan))
+        plan
     }
 
     /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address), in a
