@@ -35,28 +35,35 @@ clone on 2 cores (2026-11-29, docs/testing.md; less when target/ and build/ are 
      gpupool_rmm.hpp built against librmm's headers from PyPI and run
 EOF
 
-step "cargo test --profile ci --workspace"
-cargo test --profile ci --workspace
-
-# The instrumented build goes to build/asan; build scripts and proc macros are not instrumented,
-# since --target keeps RUSTFLAGS off them. Leak detection stays on: the process-wide allocator
-# is reachable from a static, so only memory lost for good is reported. The ci profile (LTO off,
-# codegen split): the build is for finding errors, not for speed.
+# The tests that touch unsafe and FFI code, and the proptests that inject faults, run once,
+# under AddressSanitizer (its own build, build/asan), when the nightly toolchain is there; every
+# other test runs once in step 1. Without nightly, step 1 runs them all. Build scripts and proc
+# macros are not instrumented, since --target keeps RUSTFLAGS off them. Leak detection stays on:
+# the process-wide allocator is reachable from a static, so only memory lost for good is
+# reported; tests/asan/lsan.supp names the one allocation of glibc's it keeps (and why).
+asan_tests=(capi invariants host hit)
 asan_target="$(rustc -vV | sed -n 's/^host: //p')"
 if rustup run nightly rustc --version >/dev/null 2>&1; then
-  step "AddressSanitizer (nightly, $asan_target): unsafe, FFI and fault-injection tests"
+  others=()
+  for main in tests/*/main.rs; do
+    name=$(basename "$(dirname "$main")")
+    [[ " ${asan_tests[*]} " == *" $name "* ]] || others+=(--test "$name")
+  done
+  step "cargo test --profile ci: the workspace but the library's unit tests and ${asan_tests[*]}"
+  cargo test --profile ci --workspace --exclude gpupool
+  cargo test --profile ci -p gpupool --doc
+  cargo test --profile ci -p gpupool "${others[@]}"
+  step "AddressSanitizer (nightly, $asan_target): the library's unit tests, ${asan_tests[*]}, the LD_PRELOAD shim"
   asan() {
     RUSTFLAGS="-Zsanitizer=address" RUSTDOCFLAGS="-Zsanitizer=address" \
+      LSAN_OPTIONS="suppressions=$PWD/tests/asan/lsan.supp" \
       cargo +nightly test --profile ci --target "$asan_target" --target-dir build/asan "$@"
   }
-  # One test of tests/hit is left to step 1: a thread whose first call comes from a pthread-key
-  # destructor at its exit makes arc-swap register its thread-local too late for glibc to run
-  # it (as the test expects), and LeakSanitizer reports glibc's 32 bytes of that registration.
-  asan -p gpupool --lib --test capi --test invariants --test host --test hit -- \
-    --skip cache_hostile::pthread_key_destructors_allocating_at_thread_exit_lose_no_shard
+  asan -p gpupool --lib "${asan_tests[@]/#/--test=}"
   asan -p gpupool-preload --lib
 else
-  step "AddressSanitizer skipped: no nightly Rust toolchain (rustup toolchain install nightly)"
+  step "cargo test --profile ci --workspace (AddressSanitizer skipped: no nightly Rust toolchain; rustup toolchain install nightly)"
+  cargo test --profile ci --workspace
 fi
 
 step "C tests (CTest, simulated device), built over target/"
