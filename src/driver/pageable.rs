@@ -35,7 +35,7 @@ pub fn map(size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
 /// range that was never mapped); never panics.
 pub fn unmap(ptr: HostPtr, size: usize) -> Result<(), DriverError> {
     // SAFETY: per this function's contract, a mapping of ours that nothing uses any more.
-    unsafe { mapping::unmap(ptr as usize, size) }.map_err(|e| DriverError::Cuda {
+    unsafe { mapping::unmap(ptr, size) }.map_err(|e| DriverError::Cuda {
         call: "munmap",
         code: e.raw_os_error().unwrap_or(0),
         name: "errno".into(),
