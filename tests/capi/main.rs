@@ -13,6 +13,8 @@ mod common;
 
 mod cupy_hook;
 mod fuzz;
+mod fuzz_calls;
+mod fuzz_model;
 mod history;
 mod host_fuzz;
 mod host_hit_hostile;

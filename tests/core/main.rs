@@ -11,6 +11,7 @@ mod front;
 mod gc;
 mod largest;
 mod rules;
+mod rules_errors;
 mod scale;
 mod settle_race;
 mod stream_per_step;

@@ -1,25 +1,15 @@
 //! Pinned host memory (`gpupool::host`, PyTorch's caching host allocator) on the simulated
 //! device: rounding, reuse only after the recorded events, statistics, empty_cache, the
-//! backings of the `pinned_*` keys, bad input, driver faults and threads.
-
-use std::sync::Arc;
+//! backings of the `pinned_*` keys, deferred frees, and a model of the reuse rule (its proptest
+//! stays here, where tests/proptest-regressions/caching.txt is keyed). Bad input and driver
+//! faults are in `caching_faults.rs`, threads in `caching_threads.rs`.
 
 use gpupool::Error;
 use gpupool::config::Config;
-use gpupool::driver::sim::{SimDriver, SimFault, SimOp};
-use gpupool::driver::{Driver, DriverError};
-use gpupool::host::HostAllocator;
+use gpupool::driver::DriverError;
+use gpupool::driver::sim::{SimFault, SimOp};
 
-fn host_with(config: Config) -> (HostAllocator, Arc<SimDriver>) {
-    let sim = Arc::new(SimDriver::new(2, 1 << 30));
-    (HostAllocator::new(sim.clone() as Arc<dyn Driver>, &config), sim)
-}
-
-fn host() -> (HostAllocator, Arc<SimDriver>) {
-    host_with(Config::default())
-}
-
-const COPY: usize = 0x7000;
+use crate::support::{COPY, host, host_with};
 
 #[test]
 fn sizes_round_to_powers_of_two_each_with_its_own_cache() {
@@ -151,32 +141,6 @@ fn empty_cache_releases_free_blocks_only() {
 }
 
 #[test]
-fn bad_pointers_are_refused_and_change_nothing() {
-    let (h, _sim) = host();
-    let p = h.malloc(4096).unwrap();
-    let before = h.stats();
-    let refused = |r: Result<(), Error>, what: &str| match r {
-        Err(Error::InvalidPointer(m)) => assert!(m.contains(what), "{m}"),
-        other => panic!("{other:?}"),
-    };
-    let mut local = [0u8; 16];
-    refused(h.free(local.as_mut_ptr() as usize), "not pinned host memory from gpupool_host_malloc");
-    refused(h.free(p + 16), "inside the pinned block");
-    refused(h.record_event(p + 1, COPY), "inside the pinned block");
-    refused(h.record_event(0x1000, COPY), "not pinned");
-    assert_eq!(h.stats(), before);
-    h.free(0).unwrap();
-    h.record_event(0, COPY).unwrap();
-    h.free(p).unwrap();
-    refused(h.free(p), "freed already");
-    refused(h.record_event(p, COPY), "not allocated");
-    let after = h.stats();
-    h.check_invariants();
-    assert_eq!(h.malloc(4096).unwrap(), p, "the refused calls left the block free and cached");
-    assert_eq!(after.active_requests.current, 0);
-}
-
-#[test]
 fn host_register_backs_blocks_when_configured() {
     let config = Config { pinned_use_cuda_host_register: true, pinned_num_register_threads: 4, ..Config::default() };
     let (h, sim) = host_with(config);
@@ -216,115 +180,6 @@ fn the_reserve_segment_serves_the_first_misses_and_is_never_released() {
     assert_eq!(h.malloc(128).unwrap(), a, "the reserve's blocks stay cached");
     h.check_invariants();
 }
-
-#[test]
-fn with_background_threads_events_are_polled_off_the_hit_path() {
-    let config = Config { pinned_use_background_threads: true, ..Config::default() };
-    let (h, sim) = host_with(config);
-    let warm = h.malloc(4096).unwrap(); // the first miss starts the thread
-    sim.hold_stream(COPY);
-    let p = h.malloc(8192).unwrap();
-    h.record_event(p, COPY).unwrap();
-    h.free(p).unwrap();
-    h.free(warm).unwrap();
-    let queries = sim.counts().event_query;
-    for _ in 0..100 {
-        h.free(h.malloc(4096).unwrap()).unwrap();
-    }
-    sim.release_stream(COPY);
-    // The background thread returns p to its free list without any allocation polling.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while h.stats().active_requests.current != 0 {
-        assert!(std::time::Instant::now() < deadline, "the background thread never polled the event");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    assert!(sim.counts().event_query > queries);
-    assert_eq!(h.malloc(8192).unwrap(), p);
-    h.free(p).unwrap();
-    h.check_invariants();
-}
-
-#[test]
-fn a_free_whose_event_fails_waits_for_the_device_instead() {
-    let (h, sim) = host();
-    sim.hold_stream(COPY);
-    let p = h.malloc(4096).unwrap();
-    h.record_event(p, COPY).unwrap();
-    sim.inject(SimOp::EventCreate, 0, SimFault::Fail(DriverError::OutOfMemory));
-    let syncs = sim.counts().device_synchronize;
-    h.free(p).unwrap();
-    assert_eq!(sim.counts().device_synchronize, syncs + 1, "the device was synchronised instead");
-    assert_eq!(h.malloc(4096).unwrap(), p);
-    // Neither an event nor a synchronisation: the block waits for empty_cache.
-    h.record_event(p, COPY).unwrap();
-    sim.inject(SimOp::EventRecord, 0, SimFault::MissingSymbol);
-    sim.inject(SimOp::DeviceSynchronize, 0, SimFault::Fail(DriverError::OutOfMemory));
-    h.free(p).unwrap();
-    let q = h.malloc(4096).unwrap();
-    assert_ne!(q, p);
-    h.check_invariants();
-    h.free(q).unwrap();
-    h.empty_cache().unwrap();
-    assert_eq!(sim.live_host(), (0, 0), "empty_cache synchronised and released p");
-    h.check_invariants();
-}
-
-#[test]
-fn driver_faults_leave_the_allocator_consistent() {
-    let (h, sim) = host();
-    sim.inject(SimOp::HostAlloc, 0, SimFault::Fail(DriverError::OutOfMemory));
-    match h.malloc(4096) {
-        Err(Error::OutOfMemory(m)) => assert!(m.contains("cannot pin 4096 bytes"), "{m}"),
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(h.stats().allocations.current, 0);
-    let p = h.malloc(4096).unwrap();
-    h.free(p).unwrap();
-    sim.inject(
-        SimOp::HostFree,
-        0,
-        SimFault::Fail(DriverError::Cuda { call: "cuMemFreeHost", code: 1, name: "X".into() }),
-    );
-    assert!(matches!(h.empty_cache(), Err(Error::Cuda(_))));
-    assert!(h.owns(p), "a block whose release failed stays cached");
-    h.check_invariants();
-    assert_eq!(h.malloc(4096).unwrap(), p);
-    h.free(p).unwrap();
-    sim.hold_stream(COPY);
-    let q = h.malloc(4096).unwrap();
-    h.record_event(q, COPY).unwrap();
-    h.free(q).unwrap();
-    sim.inject(SimOp::EventQuery, 0, SimFault::Fail(DriverError::OutOfMemory));
-    assert!(matches!(h.malloc(4096), Err(Error::Cuda(_))), "a failed poll is a CUDA error, not out of memory");
-    h.check_invariants();
-    sim.inject(SimOp::StreamDevice, 0, SimFault::MissingSymbol);
-    let r = h.malloc(64).unwrap();
-    assert!(matches!(h.record_event(r, COPY), Err(Error::DriverUnavailable(_))));
-    h.free(r).unwrap();
-    sim.release_stream(COPY);
-    h.empty_cache().unwrap();
-    assert_eq!(sim.live_host(), (0, 0));
-    h.check_invariants();
-}
-
-#[test]
-fn a_copy_from_unpinned_memory_is_flagged() {
-    let (h, sim) = host();
-    let mut dst = vec![0u8; 4096];
-    let src = vec![7u8; 4096];
-    // SAFETY: both buffers hold 4096 bytes.
-    let pinned = unsafe { sim.memcpy_htod_async(dst.as_mut_ptr() as u64, src.as_ptr() as usize, 4096, COPY) };
-    assert!(!pinned);
-    assert_eq!(sim.counts().unpinned_copies, 1);
-    let p = h.malloc(4096).unwrap();
-    // SAFETY: p holds 4096 bytes.
-    let pinned = unsafe { sim.memcpy_htod_async(dst.as_mut_ptr() as u64, p, 4096, COPY) };
-    assert!(pinned);
-    assert!(!sim.is_pinned(p, 4097), "past the block");
-    assert_eq!(sim.counts().unpinned_copies, 1);
-    h.free(p).unwrap();
-}
-
 #[test]
 fn deferred_frees_wait_for_a_device_synchronisation() {
     let (h, sim) = host();
@@ -344,70 +199,6 @@ fn deferred_frees_wait_for_a_device_synchronisation() {
     h.free(r).unwrap();
     h.check_invariants();
 }
-
-#[test]
-fn threads_on_their_own_streams_share_nothing_and_stay_consistent() {
-    let (h, sim) = host();
-    let threads: Vec<_> = (0..8)
-        .map(|t| {
-            let (h, sim) = (h.clone(), sim.clone());
-            std::thread::spawn(move || {
-                let stream = 0x1000 * (t + 1);
-                let mut live: Vec<(usize, usize)> = Vec::new();
-                let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ t as u64;
-                for i in 0..4000 {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    if live.len() < 8 || rng % 2 == 0 {
-                        let size = (64 << (rng % 12)) as usize;
-                        let p = h.malloc(size).unwrap();
-                        // Each live block carries its owner's cookie: a block handed out twice
-                        // would have it overwritten.
-                        let cookie = (t << 32 | i) as u64;
-                        unsafe { (p as *mut u64).write(cookie) };
-                        live.push((p, cookie as usize));
-                        if i % 3 == 0 {
-                            h.record_event(p, stream).unwrap();
-                        }
-                        if i % 500 == 0 {
-                            sim.hold_stream(stream);
-                        } else if i % 500 == 250 {
-                            sim.release_stream(stream);
-                        }
-                    } else {
-                        let (p, cookie) = live.swap_remove((rng as usize / 2) % live.len());
-                        assert_eq!(unsafe { (p as *const u64).read() }, cookie as u64, "block reused while live");
-                        h.free(p).unwrap();
-                    }
-                }
-                sim.release_stream(stream);
-                live
-            })
-        })
-        .collect();
-    // Another thread empties the cache and reads the statistics meanwhile.
-    for _ in 0..20 {
-        h.empty_cache().unwrap();
-        let st = h.stats();
-        assert!(st.active_requests.current <= st.allocations.current);
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    let leftovers: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
-    h.check_invariants();
-    // Freed from this thread: blocks go back to the stripes that handed them out.
-    for (p, _) in leftovers {
-        h.free(p).unwrap();
-    }
-    h.empty_cache().unwrap();
-    h.check_invariants();
-    let st = h.stats();
-    assert_eq!((st.active_requests.current, st.active_bytes.current), (0, 0));
-    assert_eq!(st.allocations.current, 0);
-    assert_eq!(sim.live_host(), (0, 0));
-    assert_eq!(st.num_host_alloc, st.num_host_free);
-}
-
 mod model {
     //! Random sequences of host calls against a model of what may not be reused: a block freed
     //! after a record on a held stream stays out of reach until that stream is released. The

@@ -3,5 +3,8 @@
 //! per file; the C API's tests are in `tests/capi/`.
 
 mod caching;
+mod caching_faults;
+mod caching_threads;
 mod hostile;
 mod sizes;
+mod support;

@@ -1,10 +1,11 @@
 //! The shape of the repository, held by tests: every relative link of README.md and docs/
 //! resolves (file and heading), the README stays short and links every page of the manual, no
-//! Rust source file passes 450 lines, and no two source files import each other, directly or
-//! through others; every Rust test is a module of its folder's test binary. `layout.rs`: every
-//! folder's `//!` overview names each of its modules, the lower folders (`os`, `stats`,
-//! `driver`, the sleep copy engine) import nothing from the core, and no file name repeats across
-//! the core's `allocator/`, `device/` and `shard/`. `header.rs`: the C header reads as a manual.
+//! Rust file of the sources or of `tests/` passes 450 lines, and no two source files import each
+//! other, directly or through others; every Rust test is a module of its folder's test binary.
+//! `layout.rs`: every folder's `//!` overview names each of its modules, the lower folders (`os`,
+//! `stats`, `driver`, the sleep copy engine) import nothing from the core, and no file name
+//! repeats across the core's `allocator/`, `device/` and `shard/`. `header.rs`: the C header
+//! reads as a manual.
 //! Reads files only; needs no device.
 mod header;
 mod layout;
@@ -17,6 +18,8 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const README_MAX_LINES: usize = 300;
 const SOURCE_MAX_LINES: usize = 450;
 const SOURCE_ROOTS: [&str; 3] = ["src", "preload/src", "replay/src"];
+/// The folders whose Rust files the 450-line rule holds: the sources, and the tests (issue 38).
+const SHORT_FILE_ROOTS: [&str; 5] = ["src", "preload/src", "replay/src", "tests", "replay/tests"];
 
 fn root() -> &'static Path {
     Path::new(ROOT)
@@ -170,10 +173,12 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// Small files with one purpose: no Rust file of the sources or of `tests/` (every test binary's
+/// folder, `tests/common/` too) is over 450 lines; a longer one is split by what it is about.
 #[test]
 fn no_source_file_is_over_450_lines() {
     let mut long = Vec::new();
-    for dir in SOURCE_ROOTS {
+    for dir in SHORT_FILE_ROOTS {
         let mut files = Vec::new();
         rust_files(&root().join(dir), &mut files);
         for f in files {
@@ -183,7 +188,11 @@ fn no_source_file_is_over_450_lines() {
             }
         }
     }
-    assert!(long.is_empty(), "over {SOURCE_MAX_LINES} lines:\n{}", long.join("\n"));
+    assert!(
+        long.is_empty(),
+        "over {SOURCE_MAX_LINES} lines (split each into files of one purpose):\n{}",
+        long.join("\n")
+    );
 }
 
 /// Each Rust test binary is a folder of tests/, `tests/NAME/main.rs` with a module per file, so

@@ -6,4 +6,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod dropping;
+mod faults;
+mod ops;
+mod panicking_driver;
+mod run;
 mod sequences;

@@ -6,3 +6,5 @@ mod common;
 
 mod graphs;
 mod pool_allocator;
+mod routes;
+mod support;
