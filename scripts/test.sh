@@ -21,11 +21,12 @@ step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s, CPU
 cat <<'EOF'
 test.sh: every test that needs no GPU, on the simulated device; about 23 minutes from a fresh
 clone on 2 cores (2026-11-29, docs/testing.md; less when target/ and build/ are warm):
-  1. cargo test --profile ci --workspace: the rules, the invariant checker with faults injected,
-     stress, the C API fuzz, streams, history, pinned memory, gpupool-replay, the repository's
-     shape (links, file sizes, import circles)
-  2. AddressSanitizer (nightly toolchain): the library's unit tests, the C API fuzz, the
-     invariant and fault proptests, pinned memory, the hit path attacked, the LD_PRELOAD shim
+  1. cargo test --profile ci: the rules, stress, streams, sleep, IPC, pools, history,
+     observers, gpupool-replay, the repository's shape (links, file sizes, import circles,
+     layering); all of the tests when there is no nightly toolchain
+  2. AddressSanitizer (nightly toolchain), each of these once, here only: the library's unit
+     tests, the C API fuzz, the invariant and fault proptests, pinned memory, the hit path
+     attacked, the LD_PRELOAD shim
   3. CMake over target/release (the release build, LTO): C tests (shared and static library,
      the soak, fork, a partial libcuda, the Python helper) under CTest, then under valgrind
   4. the LD_PRELOAD shim's report, and the installed package through CMake, pkg-config and
