@@ -7,6 +7,7 @@
 mod common;
 
 mod c_api;
+mod hostile;
 mod no_split;
 mod red_team;
 mod rules;
