@@ -279,3 +279,58 @@ fn the_history_sees_a_fallback_as_an_allocation_of_the_pools_segment() {
     assert!(new[..3].iter().all(|e| e.stream == S && e.addr == p), "{new:?}");
     check(&a);
 }
+
+/// Expandable default pools (gpupool's default configuration) limited by a budget: a request
+/// the budget refuses falls back; one too large for the fallback fails with the budget's
+/// message, counted once, and leaves the fallback pool exactly as it was (the budget's path
+/// releases the default pools' cache only). The budgets' counts stay exact throughout.
+#[test]
+fn a_budget_refusal_of_expandable_default_pools_falls_back_and_touches_no_other_pool() {
+    let (a, _drv) = common::sim_with(1, 256 * MIB, gpupool::config::Config::default());
+    let fb = a.pool_create_ex(POOL_USE_ON_OOM).unwrap();
+    let held = fill_on(&a, fb, S, &[8 * MIB, 40 * MIB], 1);
+    let small = a.malloc(4 * MIB, 0, S + 1).unwrap();
+    a.pool_set_limit(0, 0, Some(16 * MIB as u64)).unwrap();
+    let calls = observed(&a);
+    let p = a.malloc(30 * MIB, 0, S).expect("the default pools' budget refused, the fallback served");
+    assert_eq!((allocated(&a, fb), a.stats(0).unwrap().num_ooms), (38 * MIB as i64, 0));
+    check(&a);
+    a.free(p).unwrap();
+    let before = a.pool_stats(0, fb).unwrap();
+    let r = a.malloc(100 * MIB, 0, S);
+    assert!(matches!(&r, Err(Error::OutOfMemory(m)) if m.contains("the default pools (pool 0)")), "{r:?}");
+    assert_eq!((a.stats(0).unwrap().num_ooms, calls.load(Ordering::SeqCst)), (1, 1));
+    assert_eq!(a.pool_stats(0, fb).unwrap(), before, "the fallback pool untouched by the budget's path");
+    check(&a);
+    for q in held.into_iter().chain([small]) {
+        a.free(q).unwrap();
+    }
+    check(&a);
+}
+
+/// A fallback pool released on device 0 serves no fallback there, but still does on device 1,
+/// where it was not released.
+#[test]
+fn a_fallback_pool_released_on_one_device_still_serves_on_another() {
+    let (a, _drv) = sim(2, 64 * MIB);
+    let fb = a.pool_create_ex(POOL_USE_ON_OOM).unwrap();
+    for dev in [0, 1] {
+        a.begin_allocate_to_pool_thread(dev, fb).unwrap();
+        let p = a.malloc(40 * MIB, dev, S).unwrap();
+        a.end_allocate_to_pool(dev, fb).unwrap();
+        a.free(p).unwrap();
+    }
+    // A held block keeps device 0's segment after the release.
+    a.begin_allocate_to_pool_thread(0, fb).unwrap();
+    let keep = a.malloc(4 * MIB, 0, S).unwrap();
+    a.end_allocate_to_pool(0, fb).unwrap();
+    a.release_pool(0, fb).unwrap();
+    assert!(matches!(a.malloc(30 * MIB, 0, S), Err(Error::OutOfMemory(_))), "released on device 0");
+    let q = a.malloc(30 * MIB, 1, S).expect("device 1's fallback");
+    assert_eq!(a.pool_stats(1, fb).unwrap().stats.allocated_bytes.all.current, 30 * MIB as i64);
+    assert_eq!(a.stats(1).unwrap().num_ooms, 0);
+    for p in [q, keep] {
+        a.free(p).unwrap();
+    }
+    check(&a);
+}
