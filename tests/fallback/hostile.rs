@@ -334,3 +334,42 @@ fn a_fallback_pool_released_on_one_device_still_serves_on_another() {
     }
     check(&a);
 }
+
+/// A request served by the fallback counts once: what the device's statistics gained is what
+/// the fallback pool's gained (allocation, active, allocated, requested bytes), no device
+/// allocation or retry is counted for the failed growth, and the free takes back exactly that.
+#[test]
+fn a_fallback_counts_once_in_the_device_and_in_its_pool() {
+    let (a, _drv) = sim(1, 64 * MIB);
+    let fb = a.pool_create_ex(POOL_USE_ON_OOM).unwrap();
+    fill_on(&a, fb, S, &[40 * MIB], 0);
+    let other = a.malloc(20 * MIB, 0, S + 1).unwrap();
+    let key = |s: &gpupool::stats::DeviceStats| {
+        [
+            s.allocation.all.current,
+            s.allocation.all.allocated,
+            s.active.all.current,
+            s.allocated_bytes.all.current,
+            s.requested_bytes.all.current,
+            s.active_bytes.large_pool.current,
+            s.segment.all.current,
+        ]
+    };
+    let (d0, p0) = (a.stats(0).unwrap(), a.pool_stats(0, fb).unwrap().stats);
+    let p = a.malloc(30 * MIB - 123, 0, S).unwrap();
+    let (d1, p1) = (a.stats(0).unwrap(), a.pool_stats(0, fb).unwrap().stats);
+    let delta = |x: [i64; 7], y: [i64; 7]| -> Vec<i64> { x.iter().zip(y).map(|(a, b)| b - a).collect() };
+    assert_eq!(delta(key(&d0), key(&d1)), delta(key(&p0), key(&p1)), "the device gained what the pool gained");
+    assert_eq!(delta(key(&p0), key(&p1)), [1, 1, 1, 30 * MIB as i64, 30 * MIB as i64 - 123, 30 * MIB as i64, 0]);
+    assert_eq!(
+        (d1.num_device_alloc, d1.num_alloc_retries, d1.num_ooms),
+        (d0.num_device_alloc, d0.num_alloc_retries, d0.num_ooms),
+        "a failed growth is no device allocation, and the fallback no retry"
+    );
+    a.free(p).unwrap();
+    let (d2, p2) = (a.stats(0).unwrap(), a.pool_stats(0, fb).unwrap().stats);
+    assert_eq!(key(&d2)[2..], key(&d0)[2..]);
+    assert_eq!(key(&p2)[2..], key(&p0)[2..]);
+    a.free(other).unwrap();
+    check(&a);
+}

@@ -242,3 +242,63 @@ fn threads_set_metadata_while_snapshots_are_taken() {
     let snap = snapshot_agrees(&a, true);
     python_same_text(&snap);
 }
+
+/// Through C, in a process of its own (the process-wide allocator on the simulated device):
+/// `gpupool_dump_snapshot_with` refuses a NULL and an unwritable path, naming it, and takes
+/// any nonzero `include_traces`; annotations at the limit and of freed or foreign pointers;
+/// CPython reads the file, the hostile annotation exactly.
+#[test]
+fn the_snapshot_file_through_c() {
+    use gpupool::ffi::history::{gpupool_annotate_memory, gpupool_dump_snapshot_with, gpupool_record_history};
+    use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
+    use gpupool::ffi::status::gpupool_status::GPUPOOL_ERROR_INVALID_POINTER;
+    if !common::process::alone() {
+        return;
+    }
+    // SAFETY: before any other thread of this process reads the environment.
+    unsafe {
+        std::env::set_var("GPUPOOL_DRIVER", "sim");
+        std::env::set_var("GPUPOOL_SIM_CAPACITY", "256MiB");
+        std::env::set_var("GPUPOOL_SIM_DEVICES", "2");
+    }
+    // SAFETY: NULL path, refused before anything starts.
+    assert_eq!(unsafe { gpupool_dump_snapshot_with(std::ptr::null(), 1) }, GPUPOOL_ERROR_INVALID_VALUE);
+    assert_eq!(gpupool_record_history(1, 1 << 16, 0), GPUPOOL_SUCCESS, "{}", last_error());
+    let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: writable storage for one pointer.
+    assert_eq!(unsafe { gpupool_malloc(&mut p, 5000, 1, 0x20 as _) }, GPUPOOL_SUCCESS, "{}", last_error());
+    let note = "\"}]\u{1}\n'ab".to_string() + &"😀".repeat(GPUPOOL_MEMORY_METADATA_MAX / 4 - 2);
+    assert_eq!(note.len(), GPUPOOL_MEMORY_METADATA_MAX);
+    let c = CString::new(note.clone()).unwrap();
+    // SAFETY: NUL-terminated; a live block, then foreign and NULL pointers.
+    unsafe {
+        assert_eq!(gpupool_annotate_memory(p, c.as_ptr()), GPUPOOL_SUCCESS, "{}", last_error());
+        assert_eq!(gpupool_annotate_memory(std::ptr::null_mut(), c"x".as_ptr()), GPUPOOL_ERROR_INVALID_POINTER);
+        assert_eq!(gpupool_annotate_memory(p.cast::<u8>().add(1).cast(), c"x".as_ptr()), GPUPOOL_ERROR_INVALID_POINTER);
+    }
+    let dir = std::env::temp_dir().join(format!("gpupool-hostile-{}", std::process::id()));
+    let bad = CString::new(dir.join("missing/snap.pickle").to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated paths.
+    unsafe {
+        assert_eq!(gpupool_dump_snapshot_with(bad.as_ptr(), -1), GPUPOOL_ERROR_INVALID_VALUE);
+        assert!(last_error().contains("missing/snap.pickle"), "{}", last_error());
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = CString::new(dir.join("snap.pickle").to_str().unwrap()).unwrap();
+        assert_eq!(gpupool_dump_snapshot_with(good.as_ptr(), -1), GPUPOOL_SUCCESS, "{}", last_error());
+        assert_eq!(gpupool_free(p), GPUPOOL_SUCCESS);
+        assert_eq!(gpupool_annotate_memory(p, c"late".as_ptr()), GPUPOOL_ERROR_INVALID_POINTER);
+    }
+    let want = dir.join("want.json");
+    std::fs::write(&want, serde_json::to_string(&note).unwrap()).unwrap();
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import json, pickle, sys\ns = pickle.load(open(sys.argv[1], 'rb'))\n\
+               notes = [e['user_metadata'] for e in s['device_traces'][1] if e['action'] == 'annotate']\n\
+               assert notes == [json.load(open(sys.argv[2], encoding='utf-8'))], len(notes)\n\
+               assert s['device_traces'][0] == [] or all(e['action'] == 'snapshot' for e in s['device_traces'][0])\nprint('ok')"])
+        .arg(dir.join("snap.pickle"))
+        .arg(&want)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
