@@ -8,6 +8,7 @@ mod common;
 
 mod c_api;
 mod hostile;
+mod hostile_limits;
 mod no_split;
 mod red_team;
 mod rules;
