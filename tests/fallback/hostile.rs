@@ -373,3 +373,56 @@ fn a_fallback_counts_once_in_the_device_and_in_its_pool() {
     a.free(other).unwrap();
     check(&a);
 }
+
+/// `empty_cache` and refills of a fallback pool racing four threads that fall back into it on
+/// two streams (shards retired under them): every request is served or refused with out of
+/// memory, and once all is freed nothing is allocated and the invariants hold.
+#[test]
+fn empty_cache_and_refills_race_the_fallback() {
+    let (a, _drv) = sim(1, 128 * MIB);
+    let a = Arc::new(a);
+    let fb = a.pool_create_ex(POOL_USE_ON_OOM).unwrap();
+    let hog = a.malloc(64 * MIB, 0, S + 100).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (a, stop) = (a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                a.begin_allocate_to_pool_thread(0, fb).unwrap();
+                let got = a.malloc(20 * MIB, 0, S + i % 2);
+                a.end_allocate_to_pool(0, fb).unwrap();
+                if let Ok(p) = got {
+                    a.free(p).unwrap();
+                }
+                if i % 3 == 0 {
+                    let _ = a.empty_cache(0);
+                }
+                i += 1;
+            }
+        })
+    };
+    let threads: Vec<_> = (0..4usize)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..500usize {
+                    match a.malloc((2 + (i + t) % 12) * MIB, 0, S + t % 2) {
+                        Ok(p) => a.free(p).unwrap(),
+                        Err(Error::OutOfMemory(_)) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    churn.join().unwrap();
+    assert_eq!(allocated(&a, fb), 0);
+    a.free(hog).unwrap();
+    assert_eq!(a.stats(0).unwrap().allocated_bytes.all.current, 0);
+    check(&a);
+}

@@ -107,3 +107,31 @@ fn a_huge_growth_in_flight_lets_no_growth_past_the_memory_fraction() {
     assert!(matches!(&r, Err(Error::OutOfMemory(_))), "{r:?}");
     check(&a);
 }
+
+/// `gpupool_pool_set_limit` racing the release of the pool that forgets it (a released pool
+/// that holds nothing): once the pool is forgotten, its limit is gone and no new one is taken.
+#[test]
+fn a_limit_set_while_its_pool_is_released_and_forgotten_does_not_outlive_it() {
+    let (a, _drv) = sim(1, 1 << 30);
+    let a = Arc::new(a);
+    let mut resurrected = 0;
+    for _ in 0..300 {
+        let pool = a.pool_create();
+        a.begin_allocate_to_pool_thread(0, pool).unwrap();
+        let p = a.malloc(MIB, 0, S).unwrap();
+        a.end_allocate_to_pool(0, pool).unwrap();
+        a.free(p).unwrap();
+        let setter = {
+            let a = a.clone();
+            std::thread::spawn(move || while a.pool_set_limit(0, pool, Some(MIB as u64)).is_ok() {})
+        };
+        a.release_pool(0, pool).unwrap();
+        setter.join().unwrap();
+        assert!(a.all_pool_stats(0).unwrap().iter().all(|s| s.pool != pool), "forgotten");
+        if a.pool_limit(0, pool).unwrap().is_some() {
+            resurrected += 1;
+        }
+    }
+    assert_eq!(resurrected, 0, "forgotten pools that kept a limit");
+    check(&a);
+}
