@@ -1976,7 +1976,8 @@ gpupool_status gpupool_dump_snapshot_with(const char *path, int include_traces);
  *
  * - `metadata`: NUL-terminated UTF-8, copied; `""` or NULL clears it. Any text, as PyTorch
  *   takes any string (a label: `"forward"`), at most `GPUPOOL_MEMORY_METADATA_MAX` bytes; text
- *   that starts with `{` or `[` (after white space) must be valid JSON, the structured metadata
+ *   that starts with `{` or `[` (after JSON's white space: space, tab, line feed, carriage
+ *   return) must be valid JSON (RFC 8259, nested to any depth), the structured metadata
  *   PyTorch writes for a dict (`json.dumps` with `separators=(",", ":")`) and its viewer shows
  *   as key-value pairs. Stored as given, a string, as PyTorch stores it.
  *

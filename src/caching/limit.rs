@@ -73,13 +73,17 @@ impl Drop for Charge<'_> {
 
 impl MemoryLimit {
     /// Counts `size` more bytes reserved, unless that would pass the limit (PyTorch's check in
-    /// `alloc_block`). `None` when it would: the caller treats that as out of memory.
+    /// `alloc_block`). `None` when it would: the caller treats that as out of memory. A `size`
+    /// over `i64::MAX` (a request of 2^63 bytes or more, which no device holds) is refused, limit
+    /// or not: cast, it would be a negative charge that let other growths past the limit while
+    /// the driver was asked (the red team's `a_huge_growth_in_flight_lets_no_growth_past_the_
+    /// memory_fraction`, tests/fallback/hostile.rs).
     pub fn try_charge(&self, size: usize) -> Option<Charge<'_>> {
-        let size = size as i64;
+        let size = i64::try_from(size).ok()?;
         let limit = self.limit.load(Ordering::Relaxed);
         let before = self.reserved.fetch_add(size, Ordering::Relaxed);
         let charge = Charge { limit: self, size };
-        if limit != i64::MAX && before + size > limit {
+        if limit != i64::MAX && before.saturating_add(size) > limit {
             return None; // `charge` drops here and gives the bytes back.
         }
         Some(charge)

@@ -29,8 +29,10 @@ thread_local! {
     static CURRENT: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
 }
 
-/// Checks `bytes` as metadata: UTF-8, at most [`MAX_METADATA_BYTES`], and valid JSON when its
-/// first character other than white space is `{` or `[`. Returns it as a string.
+/// Checks `bytes` as metadata: UTF-8, at most [`MAX_METADATA_BYTES`], and valid JSON (RFC
+/// 8259: any depth of nesting, any `\u` escape) when its first character other than JSON's white
+/// space (space, tab, line feed, carriage return) is `{` or `[`; text that starts with other
+/// white space (a no-break space) is a label, as any text. Returns it as a string.
 ///
 /// Errors: [`Error::InvalidValue`] naming the problem: the byte offset of the first byte that
 /// is not UTF-8, the length and the limit, or serde_json's message with the line and column.
@@ -44,8 +46,12 @@ pub fn check(bytes: &[u8]) -> Result<&str, Error> {
     let s = std::str::from_utf8(bytes).map_err(|e| {
         Error::InvalidValue(format!("the metadata is not UTF-8: byte {} starts an invalid sequence", e.valid_up_to()))
     })?;
-    if s.trim_start().starts_with(['{', '[']) {
-        serde_json::from_str::<serde_json::Value>(s).map_err(|e| {
+    // JSON's own white space only (RFC 8259): a label after a no-break space is a label.
+    if s.trim_start_matches([' ', '\t', '\n', '\r']).starts_with(['{', '[']) {
+        // Skipped, not built: serde_json skips a value iteratively (no recursion limit, at most
+        // one byte of state a level, 64 KiB here) and takes any `\u` escape, a lone surrogate's
+        // too, as RFC 8259's grammar and Python's `json` do; a `Value` stopped at 128 levels.
+        serde_json::from_str::<serde::de::IgnoredAny>(s).map_err(|e| {
             Error::InvalidValue(format!("the metadata starts as JSON ('{{' or '[') but is not valid JSON: {e}"))
         })?;
     }

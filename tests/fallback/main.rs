@@ -7,6 +7,8 @@
 mod common;
 
 mod c_api;
+mod hostile;
+mod hostile_limits;
 mod no_split;
 mod red_team;
 mod rules;

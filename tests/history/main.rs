@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod hostile;
 mod metadata;
 mod recording;
 mod snapshot_size;
