@@ -113,7 +113,11 @@ impl PoolBudget {
     /// limit: `None` then, and the calling thread is flagged ([`take_refusal`]). Two threads
     /// cannot both pass the limit: each sees the other's charge.
     pub fn try_charge(&self, size: usize) -> Option<BudgetCharge<'_>> {
-        let size = size as i64;
+        // A size past `i64::MAX` is past every limit; cast, it would be negative and pass.
+        let Ok(size) = i64::try_from(size) else {
+            REFUSED.with(|r| r.set(true));
+            return None;
+        };
         let before = self.reserved.fetch_add(size, Ordering::Relaxed);
         let charge = BudgetCharge { budget: self, size };
         let refused = before.saturating_add(size) > self.limit.load(Ordering::Relaxed);

@@ -64,3 +64,18 @@ fn the_table_shares_one_budget_per_pool_and_forgets_it() {
     assert!(t.get(3).is_none());
     assert_eq!(t.all().len(), 0);
 }
+
+/// Found by the red team of issue 43: a size past `i64::MAX`, cast, was negative and passed
+/// any limit (a 20 MiB growth then passed a 10 MiB limit beside it).
+#[test]
+fn a_charge_past_i64_max_is_refused_and_counts_nothing() {
+    let b = PoolBudget::new(3);
+    b.set_limit(Some(10 << 20));
+    for size in [1usize << 63, usize::MAX] {
+        assert!(b.try_charge(size).is_none(), "{size}");
+        assert!(take_refusal());
+        assert_eq!(b.reserved(), 0);
+    }
+    b.try_charge(10 << 20).unwrap().commit();
+    assert_eq!(b.reserved(), 10 << 20);
+}
