@@ -36,6 +36,20 @@ clone on 2 cores (2026-11-29, docs/testing.md; less when target/ and build/ are 
      gpupool_rmm.hpp built against librmm's headers from PyPI and run
 EOF
 
+# Step 5's virtual environment, made in the background from the start: its packages come from
+# PyPI (about 80 MB on a fresh machine), a download that overlaps the builds instead of waiting
+# for them. Its output goes to build/venv.log, shown if it fails.
+mkdir -p build
+rm -rf build/venv build/wheel
+(
+  python3 -m venv build/venv
+  build/venv/bin/python -m pip install --quiet --upgrade pip
+  build/venv/bin/python -m pip install --quiet pytest==9.2.0 numba==0.68.1 numba-cuda==0.30.4 \
+    nvidia-cuda-runtime==13.5.37 nvidia-cuda-crt==13.5.37 librmm-cu13==26.10.0
+) >build/venv.log 2>&1 &
+venv_pid=$!
+trap 'kill "$venv_pid" 2>/dev/null || true' EXIT
+
 # The tests that touch unsafe and FFI code, and the proptests that inject faults, run once,
 # under AddressSanitizer (its own build, build/asan), when the nightly toolchain is there; every
 # other test runs once in step 1. Without nightly, step 1 runs them all. Build scripts and proc
@@ -123,7 +137,7 @@ GPUPOOL_DRIVER=sim ./build/hpp_pc
 test -f build/install/share/gpupool/python/gpupool_torch.py
 step "installed package, gpupool-replay"
 # 12 MiB, 500,000 bytes and 3 MiB: under the defaults, expandable segments map 12, 2 and 4 MiB;
-# under PyTorch's, ordinary segments of 12, 2 and 20 MiB (replay/tests/peaks.rs).
+# under PyTorch's, ordinary segments of 12, 2 and 20 MiB (replay/tests/suite/peaks.rs).
 printf 'a 1 12582912 0\na 2 500000 0\na 3 3145728 0\nf 1\nf 2\nf 3\n' >build/replay-smoke.txt
 ./build/install/bin/gpupool-replay --csv --conf expandable_segments:False build/replay-smoke.txt 2>/dev/null |
   tee build/replay-smoke.csv
@@ -132,15 +146,11 @@ grep -q "^replay-smoke.txt,expandable_segments:False,sim,.*,35651584," build/rep
 test -f build/install/share/gpupool/python/gpupool/__init__.py
 
 # The wheel is built by pip (scikit-build-core over this CMake build, cargo's target/ reused) in
-# a fresh virtual environment, installed there with pytest and numba-cuda (pinned: the EMM
-# plugin's test runs Numba's own set_memory_manager), and tested from outside the repository's
-# python/ folder, so that only the installed package can be imported.
+# the fresh virtual environment made since the start, installed there with pytest and numba-cuda
+# (pinned: the EMM plugin's test runs Numba's own set_memory_manager), and tested from outside
+# the repository's python/ folder, so that only the installed package can be imported.
 step "Python package: wheel, fresh virtual environment, pytest"
-rm -rf build/venv build/wheel
-python3 -m venv build/venv
-build/venv/bin/python -m pip install --quiet --upgrade pip
-build/venv/bin/python -m pip install --quiet pytest==9.2.0 numba==0.68.1 numba-cuda==0.30.4 \
-  nvidia-cuda-runtime==13.5.37 nvidia-cuda-crt==13.5.37 librmm-cu13==26.10.0
+wait "$venv_pid" || { cat build/venv.log >&2; echo "test.sh: the virtual environment failed" >&2; exit 1; }
 build/venv/bin/python -m pip wheel --quiet --no-deps -w build/wheel . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/target"
 build/venv/bin/python -m pip install --quiet --no-deps build/wheel/gpupool-*.whl
 (cd build && GPUPOOL_TEST_INSTALLED=1 venv/bin/python -m pytest -p no:cacheprovider ../tests/python/package)
