@@ -52,7 +52,7 @@ fn several_confs_give_several_rows() {
         assert_eq!(r["peak_live_bytes"], 15 * 1048576 + 500_000);
         assert_eq!(r["capacity_bytes"], 80u64 << 30);
     }
-    // Ordinary segments: 12 + 2 + 20 MiB (see tests/peaks.rs), whatever max_split_size.
+    // Ordinary segments: 12 + 2 + 20 MiB (see peaks.rs), whatever max_split_size.
     for r in [&rows[1], &rows[2]] {
         assert_eq!(r["peak_reserved_bytes"], 34 * 1048576);
         assert_eq!(r["device_allocs"], 3);
