@@ -217,10 +217,11 @@ fn an_observer_that_frees_the_pools_block_gets_the_request_served() {
     a.pool_set_limit(0, pool, Some(32 * MIB as u64)).unwrap();
     a.begin_allocate_to_pool_thread(0, pool).unwrap();
     let held = Arc::new(std::sync::atomic::AtomicU64::new(a.malloc(20 * MIB, 0, S).unwrap()));
-    let (a2, h2) = (a.clone(), held.clone());
+    // Weak: an observer holding the allocator it observes would keep it alive for good.
+    let (a2, h2) = (Arc::downgrade(&a), held.clone());
     a.attach_oom_observer(move |_| {
         let p = h2.swap(0, Ordering::SeqCst);
-        p != 0 && a2.free(p).is_ok()
+        p != 0 && a2.upgrade().is_some_and(|a| a.free(p).is_ok())
     });
     // 20 held + 24 new passes 32; once the observer frees the 20, they go back and 24 fits.
     let p = a.malloc(24 * MIB, 0, S).expect("served after the observer freed the pool's block");

@@ -106,8 +106,10 @@ fn an_observer_allocating_from_inside_is_served_by_the_fallback() {
     a.free(spare).unwrap();
     // fb: a 20 MiB segment, 4 MiB held (so never released), 16 MiB free; 12 MiB left on the device.
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (a2, c2) = (a.clone(), calls.clone());
+    // Weak: an observer holding the allocator it observes would keep it alive for good.
+    let (weak, c2) = (Arc::downgrade(&a), calls.clone());
     a.attach_oom_observer(move |_| {
+        let a2 = weak.upgrade().expect("the test holds the allocator");
         c2.fetch_add(1, Ordering::SeqCst);
         let inner = a2.malloc(14 * MIB, 0, S).expect("the observer's request, served by the fallback");
         assert_eq!(allocated(&a2, fb), 18 * MIB as i64);

@@ -257,6 +257,11 @@ impl Allocator {
     /// nothing, and the next observers still run. Returns the id that
     /// [`Allocator::detach_oom_observer`] takes.
     ///
+    /// Ownership: the allocator owns the observer until it is detached or the allocator is
+    /// dropped. An observer that holds an `Arc` of the allocator it observes makes a cycle that
+    /// keeps both alive for good (LeakSanitizer reports it at exit); hold a
+    /// [`Weak`](std::sync::Weak) and upgrade it in the call instead.
+    ///
     /// Thread-safe: attach and detach from any thread while others allocate; nothing of this
     /// runs on the hit path, only once a request has failed.
     pub fn attach_oom_observer(
