@@ -199,8 +199,13 @@ impl Record {
             Some(i) => i,
             None => {
                 // Every slot taken: those of importers that died are cleared here, so that an
-                // export whose owner calls nothing still takes new importers.
-                let free = claim().or_else(|| (self.reap_dead() > 0).then(claim).flatten());
+                // export whose owner calls nothing still takes new importers. Claimed again
+                // whoever cleared them: another importer's reap may have cleared every dead
+                // slot between this one's first claim and its own reap, which then clears none.
+                let free = claim().or_else(|| {
+                    self.reap_dead();
+                    claim()
+                });
                 let i = free.ok_or(AcquireError::Full)?;
                 slots[i].start.store(me.start, SeqCst);
                 i
