@@ -77,7 +77,7 @@ impl MemoryLimit {
     /// over `i64::MAX` (a request of 2^63 bytes or more, which no device holds) is refused, limit
     /// or not: cast, it would be a negative charge that let other growths past the limit while
     /// the driver was asked (the red team's `a_huge_growth_in_flight_lets_no_growth_past_the_
-    /// memory_fraction`, tests/fallback/hostile.rs).
+    /// memory_fraction`, tests/fallback/hostile_limits.rs).
     pub fn try_charge(&self, size: usize) -> Option<Charge<'_>> {
         let size = i64::try_from(size).ok()?;
         let limit = self.limit.load(Ordering::Relaxed);

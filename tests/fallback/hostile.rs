@@ -14,21 +14,9 @@ use common::{MIB, check, sim};
 use gpupool::driver::DriverError;
 use gpupool::driver::sim::SimOp;
 use gpupool::history::{Action, HistoryContext};
-use gpupool::{Allocator, Error, POOL_NO_SPLIT, POOL_USE_ON_OOM};
+use gpupool::{Error, POOL_NO_SPLIT, POOL_USE_ON_OOM};
 
-use crate::rules::{S, allocated, observed, reserved};
-
-/// `sizes` allocated in `pool` on `stream` through a thread route; the first `keep` stay
-/// allocated (returned), the rest are freed into the pool's cache.
-fn fill_on(a: &Allocator, pool: u64, stream: usize, sizes: &[usize], keep: usize) -> Vec<u64> {
-    a.begin_allocate_to_pool_thread(0, pool).unwrap();
-    let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc(n, 0, stream).unwrap()).collect();
-    a.end_allocate_to_pool(0, pool).unwrap();
-    for &p in &ptrs[keep..] {
-        a.free(p).unwrap();
-    }
-    ptrs[..keep].to_vec()
-}
+use crate::rules::{S, allocated, fill_on, observed, reserved};
 
 #[test]
 fn calls_naming_pools_refuse_ids_never_made_the_default_pool_and_bad_devices() {

@@ -25,12 +25,19 @@ pub fn reserved(a: &Allocator, pool: u64) -> i64 {
 /// `sizes` allocated in `pool` on stream `S` through a thread route, then freed: the pool's
 /// cache.
 pub fn fill(a: &Allocator, pool: u64, sizes: &[usize]) {
+    fill_on(a, pool, S, sizes, 0);
+}
+
+/// `sizes` allocated in `pool` on `stream` through a thread route; the first `keep` stay
+/// allocated (returned), the rest are freed into the pool's cache.
+pub fn fill_on(a: &Allocator, pool: u64, stream: usize, sizes: &[usize], keep: usize) -> Vec<u64> {
     a.begin_allocate_to_pool_thread(0, pool).unwrap();
-    let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc(n, 0, S).unwrap()).collect();
+    let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc(n, 0, stream).unwrap()).collect();
     a.end_allocate_to_pool(0, pool).unwrap();
-    for p in ptrs {
+    for &p in &ptrs[keep..] {
         a.free(p).unwrap();
     }
+    ptrs[..keep].to_vec()
 }
 
 /// Counts the out-of-memory observer's calls.

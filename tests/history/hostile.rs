@@ -10,10 +10,9 @@ use std::ffi::{CStr, CString, c_char};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::history::{python_reads, record_all, snapshot_agrees};
-use common::{MIB, sim, xorshift};
+use common::{MIB, last_error, sim, xorshift};
 use gpupool::error::Error;
 use gpupool::ffi::history::{GPUPOOL_MEMORY_METADATA_MAX, gpupool_get_memory_metadata, gpupool_set_memory_metadata};
-use gpupool::ffi::status::gpupool_last_error_message;
 use gpupool::ffi::status::gpupool_status::{GPUPOOL_ERROR_INVALID_VALUE, GPUPOOL_SUCCESS};
 use gpupool::history::{Action, HistoryContext, Snapshot, metadata};
 
@@ -141,11 +140,6 @@ fn only_json_white_space_makes_a_label_json() {
         assert!(metadata::check(json_ws.as_bytes()).is_ok());
     }
     assert!(metadata::check(b" \n{oops").is_err());
-}
-
-fn last_error() -> String {
-    // SAFETY: the thread's message, NUL-terminated, valid until its next failing call.
-    unsafe { CStr::from_ptr(gpupool_last_error_message()) }.to_string_lossy().into_owned()
 }
 
 fn set_c(bytes: &[u8]) -> gpupool::ffi::status::gpupool_status {
