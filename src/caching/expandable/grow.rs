@@ -53,11 +53,11 @@ impl ShardState {
     /// ([`PagePool::trim`](crate::caching::expandable::PagePool::trim)).
     ///
     /// Errors: [`DriverError::OutOfMemory`] when the pool's budget refuses the pages (checked
-    /// before a new range is reserved: nothing is made then, see `caching::budget`) or the
-    /// device (or the memory fraction) has no room for them; any other failure of the virtual memory calls. The pages mapped
-    /// for the request are unmapped again then, their handles back in the pool, and the pool
-    /// released down to what it held before; the shard is as it was, but for a new range that
-    /// could not be given back (it stays, empty, until the cache is released).
+    /// before a new range is reserved: nothing is made then, see `caching::budget`) or the device
+    /// (or the memory fraction) has no room for them; any other failure of the virtual memory
+    /// calls. The pages mapped for the request are unmapped again then, their handles back in the
+    /// pool, and the pool released down to what it held before; the shard is as it was, but for a
+    /// new range that could not be given back (it stays, empty, until the cache is released).
     ///
     /// A request of the ladder's larger pages that the device has no room for is grown again
     /// in smaller ones, down to 20 MiB ([`ExpandablePolicy::pages_tried`]), each try leaving
