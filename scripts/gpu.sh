@@ -75,6 +75,11 @@
 #               former): results bit for bit, time, the device's peak use, the shim's report
 #               (served, and the calls it passed through by name); OUT/jax.log
 #   python      examples/python/compare.py (PyTorch against gpupool, and under the shim)
+#   models      examples/python/dynamic_compare.py: record_trace.py's models with dynamic shapes
+#               (MODELS_WORKLOADS, default bert_infer,gpt2_generate,resnet_train) under PyTorch's
+#               allocator, its expandable segments and gpupool (pluggable), MODELS_ROUNDS rounds
+#               (default 2): identical outputs, median pass time, peak reserved; OUT/models.log
+#               and OUT/models/
 #   traces      examples/python/record_trace.py into build-gpu/traces (RECORD_WORKLOADS: which, e.g.
 #               t5_generate,bert_train; default all)
 #   snapshot    examples/python/dump_snapshot.py: one model's allocation history and snapshot
@@ -187,7 +192,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
+all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python models traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
 # Every section but ab, which needs DIR/base, and llama (minutes of building), by default.
 default_sections=${all_sections/ ab / }
 sections=${GPU_SECTIONS:-${default_sections% llama}}
@@ -430,6 +435,17 @@ if want python; then
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
   else
     echo "skipped: python3 lacks torch, torchvision or transformers"
+  fi
+fi
+
+if want models; then
+  echo "== PyTorch: models with dynamic shapes, PyTorch's allocator against gpupool's (issue 39)"
+  if python3 -c "import torch, transformers" 2>/dev/null; then
+    python3 examples/python/dynamic_compare.py --lib "$prefix/lib/libgpupool.so" --out "$out/models" \
+      ${MODELS_WORKLOADS:+--workloads "$MODELS_WORKLOADS"} ${MODELS_ROUNDS:+--rounds "$MODELS_ROUNDS"} 2>&1 |
+      tee "$out/models.log" || status=1
+  else
+    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 

@@ -38,6 +38,7 @@ DIR/traces.md. Exit status 1 when a child fails.
 import argparse
 import glob
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -66,6 +67,19 @@ PASSES = {"bert_infer": 300, "gpt2_generate": 16, "bert_train": 60, "t5_generate
 # ---------------------------------------------------------------------------------------------
 # The workloads (run in a child process)
 
+# What each pass copied to the host, hashed (so that runs under different allocators can be
+# compared bit for bit), and when each pass ended (each ends with that copy, which waits for
+# the GPU): dynamic_compare.py reads both.
+_DIGEST = hashlib.sha256()
+_PASS_ENDS = []
+
+
+def seen(tensor):
+    """Records a pass's output (already on the host) and the time the pass ended."""
+    _DIGEST.update(tensor.contiguous().numpy().tobytes())
+    _PASS_ENDS.append(time.perf_counter())
+
+
 def settings():
     import torch
     torch.manual_seed(0)
@@ -88,7 +102,7 @@ def bert_infer(passes):
             ids = torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(dev)
             mask = torch.ones_like(ids)
             out = model(input_ids=ids, attention_mask=mask)
-            out.pooler_output.float().cpu()
+            seen(out.pooler_output.float().cpu())
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
@@ -108,7 +122,7 @@ def gpt2_generate(passes):
             ids = torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(dev)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, use_cache=True, pad_token_id=config.eos_token_id)
-            out.cpu()
+            seen(out.cpu())
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
@@ -133,7 +147,7 @@ def bert_train(passes):
             loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
         loss.backward()
         opt.step()
-        loss.item()
+        seen(loss.detach().float().cpu())
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
@@ -154,7 +168,7 @@ def t5_generate(passes):
             ids = torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(dev)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                  min_new_tokens=new, do_sample=False, use_cache=True)
-            out.cpu()
+            seen(out.cpu())
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
@@ -177,7 +191,7 @@ def resnet_train(passes):
             loss = model(pixel_values=x, labels=labels).loss
         loss.backward()
         opt.step()
-        loss.item()
+        seen(loss.detach().float().cpu())
     return {}
 
 
@@ -194,12 +208,27 @@ def child(args):
             sys.exit(f"record_trace: cannot open {args.trace}")
         allocator = torch.cuda.memory.CUDAPluggableAllocator(args.lib, "trace_malloc", "trace_free")
         torch.cuda.memory.change_current_allocator(allocator)
+    elif args.mode == "gpupool":
+        sys.path.insert(0, HERE)
+        import gpupool_torch
+        import torch
+
+        gpupool_torch.install(args.lib)
     else:
         import torch
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode fills every new tensor with NaN: a cost per allocation that would
+        # hide the allocators' difference, and the workloads read nothing uninitialised.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     t0 = time.perf_counter()
     info = globals()[args.workload](args.passes)
     torch.cuda.synchronize()
-    result = dict(info, seconds=time.perf_counter() - t0, torch=torch.__version__,
+    ends = [t0] + _PASS_ENDS
+    result = dict(info, seconds=time.perf_counter() - t0, torch=torch.__version__, digest=_DIGEST.hexdigest(),
+                  pass_seconds=[b - a for a, b in zip(ends, ends[1:])],
                   gpu=torch.cuda.get_device_name(0),
                   conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if args.mode == "record":
@@ -207,6 +236,12 @@ def child(args):
         if n < 0:
             sys.exit(f"record_trace: writing {args.trace} failed")
         result["events"] = n
+    elif args.mode == "gpupool":
+        stats = gpupool_torch.stats()
+        result.update(reserved_peak=stats["reserved_bytes.all.peak"],
+                      requested_peak=stats.get("requested_bytes.all.peak"),
+                      allocated_peak=stats.get("allocated_bytes.all.peak"),
+                      num_device_alloc=stats.get("num_device_alloc"))
     else:
         stats = torch.cuda.memory_stats()
         segments = torch.cuda.memory_snapshot()
@@ -293,7 +328,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a tenth of the passes")
     ap.add_argument("--keep-text", action="store_true", help="keep NAME.txt beside NAME.txt.gz")
     ap.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=["record", "native"], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["record", "native", "gpupool"], help=argparse.SUPPRESS)
+    ap.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--passes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--lib", help=argparse.SUPPRESS)
     ap.add_argument("--trace", help=argparse.SUPPRESS)
