@@ -7,7 +7,8 @@ First reports what torch.cuda.MemPool(use_on_oom=True) and MemPool(no_split=True
 gpupool's pluggable allocator (gpupool receives neither flag; the line says whether PyTorch
 raises or accepts them). Then a gpupool.Pool(use_on_oom=True) holds a 20 MiB segment with a
 4 MiB tensor kept and 16 MiB cached (filled through gpupool.torch.use_pool); the GPU is filled
-with default-pool tensors (1 GiB, then 64 MiB, then 2 MiB, each until out of memory); an 8 MiB
+with default-pool tensors (1 GiB, then 64 MiB, then 2 MiB, each until out of memory or until the
+fallback pool serves one, which is given back); an 8 MiB
 tensor on the same stream must then be served by the fallback pool (its allocated bytes up by
 8 MiB, the device's num_ooms unchanged by it) and go back to it when deleted. A
 gpupool.Pool(no_split=True) must hand a 512-byte tensor a whole 2 MiB block. Prints one line
@@ -35,8 +36,13 @@ def allocated(pool):
     return pool.stats()["allocated_bytes.all.current"]
 
 
-def fill(sizes):
+def fill(sizes, spare):
+    """Default-pool tensors of each size until out of memory. The fallback pool serves what
+    the default pools cannot: a tensor it served (its allocated bytes rose) is given back and
+    ends that size, so the fill leaves the fallback pool as it was (the first GPU run, 2026-11-29,
+    filled it too and then found nothing left for the 8 MiB tensor)."""
     held = []
+    before = allocated(spare)
     for size in sizes:
         while True:
             try:
@@ -44,6 +50,9 @@ def fill(sizes):
                 # PyTorch 2.11 does not check its pluggable allocator's NULL (docs/pytorch.md):
                 # out of memory is a tensor without storage, not an exception.
                 if t.data_ptr() == 0:
+                    break
+                if allocated(spare) != before:
+                    del t
                     break
                 held.append(t)
             except torch.cuda.OutOfMemoryError:
@@ -78,7 +87,8 @@ def main():
         gone = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
     del gone
     check(allocated(spare) == 4 * MIB, "the fallback pool holds 4 MiB, 16 MiB cached")
-    held = fill([1 << 30, 64 * MIB, 2 * MIB])
+    held = fill([1 << 30, 64 * MIB, 2 * MIB], spare)
+    check(allocated(spare) == 4 * MIB, f"the fill left the fallback pool as it was ({allocated(spare)})")
     free, _ = torch.cuda.mem_get_info()
     print(f"INFO: filled with {len(held)} tensors, {free / MIB:.1f} MiB free on the device")
     ooms = gpupool.torch.stats()["num_ooms"]
