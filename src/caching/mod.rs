@@ -16,7 +16,8 @@
 //! - `accounting`: the statistics, every part in one folder: their cells' layout, what each
 //!   shard counts, exact device peaks from credit, and the device's and allocator's parts.
 //! - `limit`: the memory fraction's byte limit; `budget`: per-pool memory budgets
-//!   (`gpupool_pool_set_limit`), every part in one folder.
+//!   (`gpupool_pool_set_limit`), every part in one folder; `charge`: the count both charge
+//!   before the driver is asked.
 //! - `observers`: the observers and out of memory, every part in one folder: a malloc that
 //!   failed after the cache and a new segment (release-and-retry, the out-of-memory observers
 //!   called, the error and its message), the segment observers, told of every segment made and
@@ -46,6 +47,7 @@ mod block;
 mod breakdown;
 mod budget;
 mod capture;
+mod charge;
 pub(crate) mod deferred;
 pub(crate) mod device;
 mod events;

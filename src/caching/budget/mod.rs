@@ -10,9 +10,9 @@
 //! pool's (as `unmapped_held_bytes` in a pool's statistics is 0): the device's memory fraction
 //! counts them.
 //!
-//! The design is `caching::limit`'s: one atomic count per pool, shared by the pool's shards (a
-//! shard per stream), charged before the driver is asked ([`BudgetCharge`], committed, settled
-//! or dropped), checked against the limit. Only where a segment is made or pages are mapped
+//! The count is `caching::charge`'s, as the memory fraction's (`caching::limit`): one atomic
+//! count per pool, shared by the pool's shards (a shard per stream), charged before the driver
+//! is asked (`charge::Charge`, committed, settled or dropped), checked against the limit. Only where a segment is made or pages are mapped
 //! (`shard::segments`, `expandable::grow`), and given back where a segment is freed or pages
 //! unmapped: the hit path never looks at it. Every pool is counted, limit or not, so that a
 //! limit set later is checked against the right use.
@@ -48,7 +48,8 @@ pub(crate) use message::{limit_from_c, over_budget, pool_name};
 pub(crate) use table::Budgets;
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicI64, Ordering};
+
+use super::charge::{Charge, LimitedCount};
 
 thread_local! {
     /// The last charge of this thread was refused by a pool's budget (cleared by a charge that
@@ -67,88 +68,50 @@ pub(crate) fn take_refusal() -> bool {
 pub(crate) struct PoolBudget {
     /// The pool's id; 0: the device's default pools (every stream's).
     pub pool: u64,
-    /// The pool's reserved bytes, counted before the driver is asked.
-    reserved: AtomicI64,
-    /// The most bytes the pool may reserve; `i64::MAX`: no limit.
-    limit: AtomicI64,
-}
-
-/// Bytes counted against a pool's budget for memory the driver has not given yet. Dropped
-/// without [`BudgetCharge::commit`] or [`BudgetCharge::settle`] (the driver failed, or the call
-/// unwound), it gives the bytes back.
-#[must_use]
-pub(crate) struct BudgetCharge<'a> {
-    budget: &'a PoolBudget,
-    size: i64,
-}
-
-impl BudgetCharge<'_> {
-    /// The memory exists: its bytes stay counted until [`PoolBudget::uncharge`].
-    pub fn commit(self) {
-        std::mem::forget(self);
-    }
-
-    /// Keeps `change` bytes of the charge (what a growth changed of the pool's reserved bytes,
-    /// at most the charge) and gives the rest back.
-    pub fn settle(self, change: isize) {
-        debug_assert!(change as i64 <= self.size);
-        self.budget.reserved.fetch_sub(self.size - change as i64, Ordering::Relaxed);
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for BudgetCharge<'_> {
-    fn drop(&mut self) {
-        self.budget.reserved.fetch_sub(self.size, Ordering::Relaxed);
-    }
+    /// The pool's reserved bytes, counted before the driver is asked, and its limit (none
+    /// unless set): `caching::charge`'s count, as the device's memory fraction's.
+    count: LimitedCount,
 }
 
 impl PoolBudget {
     /// The budget of `pool`, with no limit and nothing counted.
     pub fn new(pool: u64) -> Self {
-        PoolBudget { pool, reserved: AtomicI64::new(0), limit: AtomicI64::new(i64::MAX) }
+        PoolBudget { pool, count: LimitedCount::default() }
     }
 
     /// Counts `size` more bytes reserved by the pool, unless that would take it past its
     /// limit: `None` then, and the calling thread is flagged ([`take_refusal`]). Two threads
-    /// cannot both pass the limit: each sees the other's charge.
-    pub fn try_charge(&self, size: usize) -> Option<BudgetCharge<'_>> {
-        // A size past `i64::MAX` is past every limit; cast, it would be negative and pass.
-        let Ok(size) = i64::try_from(size) else {
-            REFUSED.with(|r| r.set(true));
-            return None;
-        };
-        let before = self.reserved.fetch_add(size, Ordering::Relaxed);
-        let charge = BudgetCharge { budget: self, size };
-        let refused = before.saturating_add(size) > self.limit.load(Ordering::Relaxed);
-        REFUSED.with(|r| r.set(refused));
-        // Refused, `charge` drops here and gives the bytes back.
-        (!refused).then_some(charge)
+    /// cannot both pass the limit: each sees the other's charge. The charge gives its bytes
+    /// back when dropped uncommitted (`charge::Charge`).
+    pub fn try_charge(&self, size: usize) -> Option<Charge<'_>> {
+        let charge = self.count.try_charge(size);
+        REFUSED.with(|r| r.set(charge.is_none()));
+        charge
     }
 
     /// Counts `size` bytes no longer reserved (a segment went back to the driver).
     pub fn uncharge(&self, size: usize) {
-        self.reserved.fetch_sub(size as i64, Ordering::Relaxed);
+        self.count.uncharge(size);
     }
 
     /// Counts a change of the pool's reserved bytes made without a charge: pages unmapped
     /// (negative).
     pub fn adjust(&self, change: isize) {
-        self.reserved.fetch_add(change as i64, Ordering::Relaxed);
+        self.count.adjust(change);
     }
 
-    /// Sets the limit in bytes; `None`: no limit.
+    /// Sets the limit in bytes; `None` (or `i64::MAX`): no limit.
     pub fn set_limit(&self, bytes: Option<i64>) {
-        self.limit.store(bytes.unwrap_or(i64::MAX), Ordering::Relaxed);
+        self.count.set_limit(bytes);
     }
 
     /// The limit in bytes, or `None` when none is set.
     pub fn limit(&self) -> Option<i64> {
-        Some(self.limit.load(Ordering::Relaxed)).filter(|&l| l != i64::MAX)
+        self.count.limit()
     }
 
     /// The pool's reserved bytes as counted (with charges in flight).
     pub fn reserved(&self) -> i64 {
-        self.reserved.load(Ordering::Relaxed)
+        self.count.counted()
     }
 }
