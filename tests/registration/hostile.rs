@@ -110,3 +110,49 @@ fn threads_allocate_and_release_while_others_ask_for_their_ranges() {
     a.empty_cache(0).unwrap();
     assert_eq!(a.stats(0).unwrap().reserved_bytes.all.current, 0);
 }
+
+#[test]
+fn asks_racing_sleep_and_wake_get_the_range_or_a_refusal_never_a_driver_error() {
+    let (a, _drv) = sim_with(1, 512 * MIB, Config::default());
+    let a = Arc::new(a);
+    let pool = a.pool_create_sleepable();
+    a.begin_allocate_to_pool(0, pool, 4).unwrap();
+    let p = a.malloc(6 * MIB, 0, 4).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    let awake = a.mapped_range(p).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sleeper = {
+        let (a, stop) = (a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rounds = 0;
+            while !stop.load(Ordering::Relaxed) || rounds < 20 {
+                a.sleep(0, pool, gpupool::SleepMode::Discard).unwrap();
+                a.wake(0, pool).unwrap();
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let (mut got, mut refused) = (0, 0);
+    for i in 0..2000u64 {
+        match a.mapped_range_dmabuf(p + i * 4096 % (6 * MIB as u64)) {
+            Ok((r, fd)) => {
+                assert_eq!((r, fd_size(&fd)), (awake, awake.bytes as u64));
+                got += 1;
+            }
+            Err(Error::InvalidValue(m)) => {
+                assert!(m.contains("sleeps"), "{m}");
+                refused += 1;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = sleeper.join().unwrap();
+    assert!(rounds >= 20 && got + refused == 2000, "{got} answered, {refused} refused, {rounds} sleeps");
+    // Awake again: the same range (the pages are mapped at the same addresses).
+    let (r, fd) = a.mapped_range_dmabuf(p).unwrap();
+    assert_eq!((r, fd_size(&fd)), (awake, awake.bytes as u64));
+    a.free(p).unwrap();
+    check(&a);
+}

@@ -162,3 +162,27 @@ fn an_observer_that_asks_is_refused_rather_than_deadlocked() {
         }
     }
 }
+
+#[test]
+fn a_pool_over_the_programs_allocator_has_each_of_its_segments_as_one_range() {
+    // As a pool over ncclMemAlloc: segments from the program, ordinary to gpupool even where
+    // the device pools use expandable segments.
+    let (a, drv) = sim_with(1, 256 * MIB, Config::default());
+    let (s, s2) = (drv.clone(), drv.clone());
+    use gpupool::driver::Driver;
+    let pool = a.pool_create_with_allocator(
+        move |bytes, device, _| s.mem_alloc(device, bytes).ok(),
+        move |p, _, device, _| s2.mem_free(device, p).unwrap(),
+    );
+    a.begin_allocate_to_pool(0, pool, 3).unwrap();
+    let p = a.malloc(5 * MIB, 0, 3).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    let (r, fd) = a.mapped_range_dmabuf(p + 12345).unwrap();
+    assert!(!r.expandable && r.pool == pool && r.stream == 3, "{r:?}");
+    assert_eq!((r.base, r.bytes), (r.segment_base, r.segment_bytes));
+    assert_eq!(fd_size(&fd), r.bytes as u64);
+    a.free(p).unwrap();
+    a.release_pool(0, pool).unwrap();
+    assert!(matches!(a.mapped_range(p), Err(Error::InvalidPointer(_))), "its segment went back");
+    check(&a);
+}
