@@ -63,8 +63,9 @@ pub mod sleep;
 
 // Observers.
 pub mod oom;
-pub mod registration;
 pub mod segments;
+// After the segment observers, whose events tell a transport when a range changes.
+pub mod registration;
 
 // History and tags.
 pub mod history;
