@@ -30,6 +30,11 @@
 #               allocator; OUT/ipc.log
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
+#   dmabuf      tests/gpu/test_dmabuf (gpupool_segment_mapped_range: a segment's whole mapped
+#               range and its dma-buf descriptor, lseek's size against the range's; an ordinary
+#               segment, then an expandable one grown by a second block and shrunk by
+#               gpupool_empty_cache; skipped where CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0),
+#               into OUT/dmabuf.log
 #   streams     tests/gpu/test_streams (a stream per step for 1,000 steps, slow readers), with
 #               ordinary segments, expandable segments, and expandable segments with the rule;
 #               tests/gpu/test_rule_wait (the rule waits for the growing stream, not the device)
@@ -192,7 +197,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python models traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
+all_sections="rust c ipc gpu expandable dmabuf streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python models traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
 # Every section but ab, which needs DIR/base, and llama (minutes of building), by default.
 default_sections=${all_sections/ ab / }
 sections=${GPU_SECTIONS:-${default_sections% llama}}
@@ -275,12 +280,23 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable || want graphs || want streams || want sleep || want sleep_tune; then
+if want gpu || want expandable || want dmabuf || want graphs || want streams || want sleep || want sleep_tune; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
+    if want dmabuf; then
+      : >"$out/dmabuf.log"
+      if cmake --build build-gpu/gpu -j --target test_dmabuf >>"$out/gpu-tests-build.log" 2>&1; then
+        for kind in ordinary expandable; do
+          ./build-gpu/gpu/test_dmabuf "$kind" 2>&1 | tee -a "$out/dmabuf.log" || status=1
+        done
+      else
+        echo "test_dmabuf did not build (see gpu-tests-build.log)"
+        status=1
+      fi
+    fi
     if want sleep; then
       run_gpu_test test_sleep sleep.log
       run_gpu_test test_first_sleep first-sleep.log

@@ -41,6 +41,7 @@ pub use caching::ipc::IPC_HANDLE_SIZE;
 pub use caching::observers::out_of_memory::{OomEvent, OomObserverId};
 pub use caching::observers::segments::{SegmentEvent, SegmentEventKind, SegmentObserverId};
 pub use caching::pools::flags::{POOL_NO_SPLIT, POOL_USE_ON_OOM};
+pub use caching::registration::MappedRange;
 pub use caching::sleep::SleepMode;
 pub use error::Error;
 pub use stats::PoolStats;

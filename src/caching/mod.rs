@@ -40,6 +40,9 @@
 //!   modes, the allocator's, device's and shard's parts, the copy engine.
 //! - `peers`: the devices a device's mapped memory is granted to besides itself
 //!   (`gpupool_enable_peer_access`, PyTorch's `enablePeerAccess`), every part in one folder.
+//! - `registration`: the whole mapped range of a pointer's segment, and a dma-buf descriptor
+//!   of it, for transports to register once (`gpupool_segment_mapped_range`), every part in
+//!   one folder.
 
 mod accounting;
 pub(crate) mod allocator;
@@ -61,6 +64,7 @@ pub(crate) mod observers;
 mod peers;
 mod pool;
 pub(crate) mod pools;
+pub(crate) mod registration;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 mod shard;

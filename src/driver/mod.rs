@@ -309,6 +309,32 @@ pub trait Driver: Send + Sync {
         let _ = (device, ptr);
         Err(not_shareable("cuIpcCloseMemHandle"))
     }
+
+    // Registration for transports (`gpupool_segment_mapped_range`, `caching::registration`):
+    // never on the allocator's other paths. The default refuses, for a driver that cannot.
+
+    /// A dma-buf file descriptor for `size` bytes of device memory at `ptr` on `device`
+    /// (`cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`, flags 0),
+    /// what an RDMA transport registers (`ibv_reg_dmabuf_mr`). The caller owns the descriptor;
+    /// its size (`lseek(fd, 0, SEEK_END)`) is `size`.
+    ///
+    /// CUDA's rules, which the simulated device checks too: `ptr` and `size` are multiples of
+    /// the host page size and `size` is not 0; the range lies in one allocation of
+    /// [`Driver::mem_alloc`], or in one range of [`Driver::address_reserve`] whose every byte
+    /// is mapped ([`Driver::mem_map`]), by any number of physical allocations side by side,
+    /// all of `device` and with identical properties (CUDA Driver API,
+    /// `cuMemGetHandleForAddressRange`). A descriptor names the physical memory mapped when it
+    /// was made: after a range is unmapped or remapped, CUDA asks for a new one.
+    ///
+    /// Errors: [`DriverError::Unavailable`] when the driver lacks the call or the device cannot
+    /// export dma-bufs (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` is 0); [`DriverError::Cuda`]
+    /// (`CUDA_ERROR_INVALID_VALUE`) for a range that breaks a rule above.
+    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<std::os::fd::OwnedFd, DriverError> {
+        let _ = (device, ptr, size);
+        Err(DriverError::Unavailable(
+            "this driver cannot export device memory as a dma-buf (cuMemGetHandleForAddressRange)".into(),
+        ))
+    }
 }
 
 /// The error of a driver that cannot share memory between processes.

@@ -9,7 +9,8 @@
 //!   (private pools, CUDA graph capture), [`pool_allocator`] (pools whose segments come from
 //!   the program's allocator), [`largest`] (`gpupool_largest_allocatable`), [`peers`]
 //!   (`gpupool_enable_peer_access`), [`sleep`] (sleep and wake), [`oom`] (out-of-memory
-//!   observers), [`segments`] (segment observers), [`history`] (the allocation history and
+//!   observers), [`segments`] (segment observers), [`registration`] (a segment's mapped range
+//!   and dma-buf for transports), [`history`] (the allocation history and
 //!   snapshots), [`tags`] (which part of the program holds the memory), [`host`] (pinned host
 //!   memory, PyTorch's caching host allocator).
 //! - `include/gpupool_testing.h`: [`sim`] alone, the simulated device's hooks
@@ -63,6 +64,8 @@ pub mod sleep;
 // Observers.
 pub mod oom;
 pub mod segments;
+// After the segment observers, whose events tell a transport when a range changes.
+pub mod registration;
 
 // History and tags.
 pub mod history;

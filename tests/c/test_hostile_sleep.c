@@ -110,6 +110,7 @@ static void test_inject_arguments(void) {
       "cuStreamSynchronize", "cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2", "mmap", "munmap",
       "cuDeviceGetUuid_v2", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle",
       "cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
+      "cuMemGetHandleForAddressRange",
   };
   size_t pending = 0;
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {

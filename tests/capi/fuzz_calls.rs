@@ -1,5 +1,6 @@
-//! The calls the C API fuzz makes (`Call`) and their strategies: addresses (NULL, live, inside,
-//! freed, garbage), sizes, streams, devices and memory fractions, valid and not.
+//! The calls the C API fuzz makes (`Call`, `gpupool_segment_mapped_range` among them) and their
+//! strategies: addresses (NULL, live, inside, freed, garbage), sizes, streams, devices and
+//! memory fractions, valid and not.
 
 use std::ffi::c_int;
 
@@ -126,6 +127,12 @@ pub(crate) enum Call {
         stream: usize,
         null: bool,
     },
+    /// `gpupool_segment_mapped_range`: `null` passes a NULL range, `fd` asks for a dma-buf.
+    MappedRange {
+        addr: Addr,
+        null: bool,
+        fd: bool,
+    },
 }
 
 /// Mostly a valid device (-1 is the current one), sometimes one out of range.
@@ -156,5 +163,7 @@ pub(crate) fn call() -> impl Strategy<Value = Call> {
         1 => device().prop_map(Call::SetDevice),
         1 => (device(), stream(), prop::bool::weighted(0.1))
             .prop_map(|(device, stream, null)| Call::LargestAllocatable { device, stream, null }),
+        3 => (addr(), prop::bool::weighted(0.1), any::<bool>())
+            .prop_map(|(addr, null, fd)| Call::MappedRange { addr, null, fd }),
     ]
 }

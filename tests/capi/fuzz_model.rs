@@ -263,6 +263,7 @@ pub(crate) fn run_call(m: &mut Model, call: &Call) {
                 assert_eq!(bytes, usize::MAX, "{call:?}: the out-pointer was written on failure");
             }
         }
+        Call::MappedRange { ref addr, null, fd } => mapped_range(m, call, addr, null, fd, &stack),
         Call::PeakSettles { device, null } => {
             let mut n = -7i64;
             let ptr = if null { std::ptr::null_mut() } else { &raw mut n };
@@ -371,4 +372,58 @@ pub(crate) fn drain(m: &mut Model) {
         );
     }
     m.freed.clear();
+}
+
+/// `gpupool_segment_mapped_range` on the address `a` names: a pointer inside a live block's
+/// requested bytes gets its range (holding it, whole host pages, of the block's device) and a
+/// descriptor of its size; NULL and the stack are refused, other addresses may be either (past
+/// a block's requested bytes, gpupool's rounding decides); nothing is written on failure.
+fn mapped_range(m: &Model, call: &Call, a: &Addr, null: bool, fd: bool, stack: &u64) {
+    use gpupool::ffi::registration::{gpupool_mapped_range_t, gpupool_segment_mapped_range};
+    let p = m.resolve(a, stack);
+    let mut r = gpupool_mapped_range_t {
+        address: std::ptr::null_mut(),
+        bytes: 7,
+        segment_address: std::ptr::null_mut(),
+        segment_bytes: 7,
+        device: -7,
+        expandable: -7,
+        stream: std::ptr::null_mut(),
+        pool: 7,
+    };
+    let mut out_fd: c_int = -7;
+    let range = if null { std::ptr::null_mut() } else { &raw mut r };
+    let fd_ptr = if fd { &raw mut out_fd } else { std::ptr::null_mut() };
+    // SAFETY: NULL or writable outputs; the pointer is only compared with gpupool's.
+    let st = unsafe { gpupool_segment_mapped_range(p as *const c_void, range, fd_ptr) };
+    let inside = m.live.iter().find(|&(&q, b)| q <= p && p < q + b.size as u64).map(|(_, b)| b.device);
+    let want: &[gpupool_status] = if null {
+        &[GPUPOOL_ERROR_INVALID_VALUE]
+    } else if inside.is_some() {
+        &[GPUPOOL_SUCCESS]
+    } else if p == 0 || matches!(a, Addr::Stack) {
+        &[GPUPOOL_ERROR_INVALID_POINTER]
+    } else {
+        &[GPUPOOL_SUCCESS, GPUPOOL_ERROR_INVALID_POINTER]
+    };
+    after(call, st, want);
+    if st != GPUPOOL_SUCCESS {
+        assert_eq!((r.bytes, r.device, out_fd), (7, -7, -7), "{call:?}: written on failure");
+        return;
+    }
+    let (base, bytes) = (r.address as u64, r.bytes);
+    assert!(base <= p && p < base + bytes as u64 && base % 4096 == 0 && bytes % 4096 == 0, "{call:?}: {r:?}");
+    if let Some(d) = inside {
+        assert_eq!(r.device, d, "{call:?}");
+    }
+    if fd {
+        assert!(out_fd >= 0, "{call:?}");
+        // SAFETY: the descriptor gpupool handed over; ours to close.
+        let end = unsafe { libc::lseek(out_fd, 0, libc::SEEK_END) };
+        // SAFETY: as above, closed once.
+        unsafe { libc::close(out_fd) };
+        assert_eq!(end as usize, bytes, "{call:?}: the descriptor's size is the range's");
+    } else {
+        assert_eq!(out_fd, -7, "{call:?}");
+    }
 }

@@ -74,6 +74,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
             "gpupool_oom_retry",
             "gpupool_attach_segment_observer",
             "gpupool_detach_segment_observer",
+            "gpupool_segment_mapped_range",
         ],
     ),
     (

@@ -130,6 +130,7 @@ impl CudaDriver {
             contexts: per_device(count),
             vmm_missing,
             granularity: per_device(count),
+            rdma_vmm: per_device(count),
             ipc_missing: first_missing(&super::ipc::IPC_FUNCTIONS, exported),
             fd_handles_refused: Default::default(),
         })

@@ -22,11 +22,12 @@
 //! the primary contexts in `context`, device and pinned host memory in `memory`, virtual memory
 //! in `vmm`, copies and copy streams in `copy`, events, synchronisation and stream capture in
 //! `streams`, memory shared with other processes (the device's UUID, pages exported as file
-//! descriptors, legacy IPC handles) in `ipc`, and CUDA's error codes in `error`; its unit
-//! tests, which need no GPU, in `tests.rs`.
+//! descriptors, legacy IPC handles) in `ipc`, dma-buf descriptors for transports in `dmabuf`,
+//! and CUDA's error codes in `error`; its unit tests, which need no GPU, in `tests.rs`.
 
 mod context;
 mod copy;
+mod dmabuf;
 mod error;
 mod ipc;
 mod loading;
@@ -56,6 +57,9 @@ pub struct CudaDriver {
     /// Per device: the virtual memory granularity, `None` where the device cannot manage
     /// virtual memory; set on the first answer (a failed query is asked again next time).
     granularity: Vec<OnceLock<Option<usize>>>,
+    /// Per device: whether its pages are made GPUDirect RDMA capable
+    /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`), set with the granularity.
+    rdma_vmm: Vec<OnceLock<bool>>,
     /// Whether the driver library has every function of
     /// [`CAPTURE_FUNCTIONS`](loading::CAPTURE_FUNCTIONS).
     capture: bool,
@@ -247,5 +251,9 @@ impl Driver for CudaDriver {
 
     fn ipc_close_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
         self.cuda_ipc_close_mem_handle(device, ptr)
+    }
+
+    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.cuda_mem_range_dmabuf(device, ptr, size)
     }
 }

@@ -2,6 +2,7 @@
 //! pure helpers of the virtual memory calls, and cudarc's bindings against cuda.h.
 
 use super::copy::COPY_FUNCTIONS;
+use super::dmabuf::DMABUF_FUNCTIONS;
 use super::ipc::IPC_FUNCTIONS;
 use super::loading::{CAPTURE_FUNCTIONS, HOST_FUNCTIONS, REQUIRED, VMM_FUNCTIONS, first_missing};
 use super::streams::capture_status;
@@ -22,10 +23,17 @@ fn every_simulated_call_names_a_checked_function() {
     use crate::driver::sim::SimOp;
     for op in SimOp::ALL.into_iter().filter(|op| !matches!(op, SimOp::HostMap | SimOp::HostUnmap)) {
         let name = op.symbol();
-        let checked =
-            [&REQUIRED[..], &VMM_FUNCTIONS, &HOST_FUNCTIONS, &CAPTURE_FUNCTIONS, &COPY_FUNCTIONS, &IPC_FUNCTIONS]
-                .iter()
-                .any(|l| l.contains(&name));
+        let checked = [
+            &REQUIRED[..],
+            &VMM_FUNCTIONS,
+            &HOST_FUNCTIONS,
+            &CAPTURE_FUNCTIONS,
+            &COPY_FUNCTIONS,
+            &IPC_FUNCTIONS,
+            &DMABUF_FUNCTIONS,
+        ]
+        .iter()
+        .any(|l| l.contains(&name));
         assert!(checked, "{op:?}: {name} is never checked");
     }
 }
@@ -70,9 +78,10 @@ fn access_is_read_write_or_none_for_each_device_named() {
 
 #[test]
 fn memory_is_pinned_on_the_device_with_a_file_descriptor_handle_or_none() {
-    let prop = allocation_prop(7, true);
+    let prop = allocation_prop(7, true, true);
     assert_eq!(prop.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    let prop = allocation_prop(7, false);
+    assert_eq!(prop.allocFlags.gpuDirectRDMACapable, 1);
+    let prop = allocation_prop(7, false, false);
     assert_eq!(prop.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
     assert_eq!(prop.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
     assert_eq!(prop.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);

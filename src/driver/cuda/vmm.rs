@@ -12,8 +12,13 @@ use super::{CudaDriver, DevicePtr, Driver, DriverError, PhysHandle, check};
 /// `shareable`, the handle type PyTorch requests, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
 /// so that a page can be exported to another process (`gpupool_ipc_export`, PyTorch's
 /// `ExpandableSegment::share`); without, none, for where file-descriptor handles are refused
-/// (see [`CudaDriver::cuda_mem_create`]).
-pub(super) fn allocation_prop(dev: sys::CUdevice, shareable: bool) -> sys::CUmemAllocationProp {
+/// (see [`CudaDriver::cuda_mem_create`]). With `rdma`, marked GPUDirect RDMA capable
+/// (`allocFlags.gpuDirectRDMACapable`), asked where the device says it may be
+/// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`), as NCCL's `ncclCuMemAlloc`
+/// does: so that a transport may register the pages with an RDMA NIC (a dma-buf of them,
+/// `gpupool_segment_mapped_range`); some platforms (an ARM SMMU) refuse unmarked memory, and
+/// devices without the attribute (integrated GPUs) refuse the flag.
+pub(super) fn allocation_prop(dev: sys::CUdevice, shareable: bool, rdma: bool) -> sys::CUmemAllocationProp {
     use sys::CUmemAllocationHandleType as H;
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -24,10 +29,10 @@ pub(super) fn allocation_prop(dev: sys::CUdevice, shareable: bool) -> sys::CUmem
         },
         location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
         win32HandleMetaData: std::ptr::null_mut(),
-        // No compression, no GPUDirect RDMA, no special usage: what `prop = {}` leaves.
+        // No compression, no special usage: what `prop = {}` leaves.
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
-            gpuDirectRDMACapable: 0,
+            gpuDirectRDMACapable: rdma as u8,
             usage: 0,
             reserved: [0; 4],
         },
@@ -89,7 +94,13 @@ impl CudaDriver {
             if supported == 0 {
                 return Ok(None);
             }
-            let prop = allocation_prop(dev, false);
+            let mut rdma = 0;
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED;
+            // SAFETY: writes one int. A failed query reads as no: the pages are then unmarked.
+            let asked = unsafe { sys::cuDeviceGetAttribute(&mut rdma, attr, dev) };
+            let rdma = asked == sys::CUresult::CUDA_SUCCESS && rdma != 0;
+            let _ = self.rdma_vmm[device as usize].set(rdma);
+            let prop = allocation_prop(dev, false, rdma);
             let mut granularity = 0usize;
             let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
             // SAFETY: writes one size; `prop` outlives the call.
@@ -132,9 +143,11 @@ impl CudaDriver {
         use std::sync::atomic::Ordering;
         self.vmm_functions()?;
         let dev = self.devices[device as usize];
+        // Known once the granularity was asked, which the allocator does before any page.
+        let rdma = self.rdma_vmm[device as usize].get().copied().unwrap_or(false);
         self.in_context(device, || {
             let create = |shareable: bool| {
-                let prop = allocation_prop(dev, shareable);
+                let prop = allocation_prop(dev, shareable, rdma);
                 let mut handle: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: writes one handle; `prop` outlives the call; flags 0 as required. Any
                 // failure (CUDA_ERROR_NOT_PERMITTED under cuda-gdb, for one) is returned.

@@ -41,4 +41,6 @@ pub struct SimCounts {
     /// Calls that CUDA forbids while a stream captures, made while one did: each failed and
     /// invalidated a capture. A capture-safe allocator keeps this at 0.
     pub capture_violations: u64,
+    /// `mem_range_dmabuf` calls (each a `cuMemGetHandleForAddressRange`), failed ones included.
+    pub dmabufs: u64,
 }

@@ -53,6 +53,8 @@ pub enum SimOp {
     IpcGetMemHandle,
     IpcOpenMemHandle,
     IpcCloseMemHandle,
+    /// `mem_range_dmabuf`: a dma-buf descriptor of a range (`gpupool_segment_mapped_range`).
+    MemGetHandleForAddressRange,
 }
 
 impl SimOp {
@@ -61,7 +63,7 @@ impl SimOp {
     /// Every kind, for tests that inject faults into calls of any kind.
     ///
     /// cbindgen:ignore
-    pub const ALL: [SimOp; 39] = [
+    pub const ALL: [SimOp; 40] = [
         SimOp::MemAlloc,
         SimOp::MemFree,
         SimOp::MemInfo,
@@ -101,6 +103,7 @@ impl SimOp {
         SimOp::IpcGetMemHandle,
         SimOp::IpcOpenMemHandle,
         SimOp::IpcCloseMemHandle,
+        SimOp::MemGetHandleForAddressRange,
     ];
 
     /// The CUDA driver function that [`crate::driver::cuda::CudaDriver`] calls for this kind (the
@@ -149,6 +152,7 @@ impl SimOp {
             SimOp::IpcGetMemHandle => "cuIpcGetMemHandle",
             SimOp::IpcOpenMemHandle => "cuIpcOpenMemHandle_v2",
             SimOp::IpcCloseMemHandle => "cuIpcCloseMemHandle",
+            SimOp::MemGetHandleForAddressRange => "cuMemGetHandleForAddressRange",
         }
     }
 }

@@ -35,19 +35,20 @@
 //! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
 //!
 //! This file holds the driver and its state; each mechanism is in a file of its own, and the
-//! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>`
-//! (an inherent method of the trait's name would shadow the trait's):
-//! the devices' physical memory in `backing`, device memory in `memory`, virtual memory in
-//! `vmm`, memory shared with other processes in `ipc`, pinned host memory in `host`, pageable
-//! host memory (a sleeping pool's host copy) in `pageable`, streams and events in `streams`,
-//! stream capture in `capture`, copies and copy streams in `copy`, injected faults in `faults`,
-//! a test's code run at a chosen call in `hooks`, the count of each call made in `counts`; its
-//! unit tests in `tests.rs`.
+//! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>` (an
+//! inherent method of the trait's name would shadow the trait's): the devices' physical memory
+//! in `backing`, device memory in `memory`, virtual memory in `vmm`, memory shared with other
+//! processes in `ipc`, dma-buf descriptors of ranges in `dmabuf`, pinned host memory in `host`,
+//! pageable host memory (a sleeping pool's host copy) in `pageable`, streams and events in
+//! `streams`, stream capture in `capture`, copies and copy streams in `copy`, injected faults
+//! in `faults`, a test's code run at a chosen call in `hooks`, the count of each call made in
+//! `counts`; its unit tests in `tests.rs`.
 
 mod backing;
 mod capture;
 mod copy;
 mod counts;
+mod dmabuf;
 mod faults;
 mod hooks;
 mod host;
@@ -388,6 +389,11 @@ impl Driver for SimDriver {
     fn ipc_close_mem_handle(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
         self.run_hooks(SimOp::IpcCloseMemHandle);
         self.sim_ipc_close_mem_handle(ptr)
+    }
+
+    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.run_hooks(SimOp::MemGetHandleForAddressRange);
+        self.sim_mem_range_dmabuf(device, ptr, size)
     }
 }
 

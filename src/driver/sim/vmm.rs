@@ -18,7 +18,7 @@ pub const SIM_GRANULARITY: usize = 2 << 20;
 /// A reserved address range: host address space without access (`PROT_NONE`), whose pages
 /// become readable and writable while mapped.
 pub(super) struct Range {
-    device: i32,
+    pub(super) device: i32,
     pub(super) size: usize,
     /// Mapped pieces: start -> (size, handle).
     mapped: std::collections::BTreeMap<DevicePtr, (usize, u64)>,
@@ -56,6 +56,29 @@ impl Range {
             }
         }
         false
+    }
+}
+
+impl Range {
+    /// The handles mapped over every byte of `[ptr, ptr + size)`, in address order (the first
+    /// and last may stick out of it), or `None` when some byte of it is not mapped: what
+    /// `cuMemGetHandleForAddressRange` asks of a reserved range.
+    pub(super) fn handles_over(&self, ptr: DevicePtr, size: usize) -> Option<Vec<u64>> {
+        let end = ptr + size as u64;
+        let (&first, _) = self.mapped.range(..=ptr).next_back()?;
+        let mut at = first;
+        let mut handles = Vec::new();
+        for (&a, &(s, h)) in self.mapped.range(first..) {
+            if a != at {
+                return None;
+            }
+            handles.push(h);
+            at = a + s as u64;
+            if at >= end {
+                return (first + self.mapped[&first].0 as u64 > ptr).then_some(handles);
+            }
+        }
+        None
     }
 }
 
