@@ -47,6 +47,7 @@ from ._pools import (
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
     "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable", "enable_peer_access",
+    "segment_mapped_range",
     "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
     "record_history", "dump_snapshot", "snapshot", "set_memory_metadata", "get_memory_metadata",
     "annotate_memory", "push_tag", "pop_tag", "tag", "tag_stats",
@@ -130,6 +131,31 @@ def enable_peer_access(device, peer):
     memory. Raises Error for a device out of range, device == peer, or a pair that cannot reach
     each other."""
     check(lib().gpupool_enable_peer_access(_device(device), _device(peer)), "gpupool_enable_peer_access")
+
+
+def segment_mapped_range(ptr, dmabuf=False):
+    """What a transport (NIXL, UCX, ibverbs, NCCL, Mooncake) registers for the memory at `ptr`
+    (gpupool_segment_mapped_range; docs/transports.md): the whole mapped run around it, once for
+    every tensor in it. `ptr`: any byte of a live allocation of gpupool's, as an int or an object
+    with data_ptr() (a PyTorch tensor). Returns a dict: 'address' and 'bytes' (the run),
+    'segment_address' and 'segment_bytes', 'device', 'expandable' (bool: the run grows and
+    shrinks, as the segment observers' MAP and UNMAP say), 'stream', 'pool'; with dmabuf=True
+    also 'dmabuf_fd', a dma-buf file descriptor of exactly the run
+    (cuMemGetHandleForAddressRange) that the caller owns and closes with os.close. Raises Error
+    for a pointer in no live block (freed, cached, unknown), a pool that sleeps, or a driver
+    that cannot export dma-bufs (with dmabuf=True)."""
+    if hasattr(ptr, "data_ptr"):
+        ptr = ptr.data_ptr()
+    r = _structs.MappedRange()
+    fd = ctypes.c_int(-1)
+    check(lib().gpupool_segment_mapped_range(unsigned(ptr, "ptr"), ctypes.byref(r),
+                                             ctypes.byref(fd) if dmabuf else None), "gpupool_segment_mapped_range")
+    out = {"address": r.address or 0, "bytes": r.bytes, "segment_address": r.segment_address or 0,
+           "segment_bytes": r.segment_bytes, "device": r.device, "expandable": bool(r.expandable),
+           "stream": r.stream or 0, "pool": r.pool}
+    if dmabuf:
+        out["dmabuf_fd"] = fd.value
+    return out
 
 
 def stats(device=0):

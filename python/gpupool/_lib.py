@@ -235,6 +235,7 @@ def _declare(lib):
         "gpupool_set_memory_fraction": [ctypes.c_double, _INT],
         "gpupool_largest_allocatable": [_INT, _P, ctypes.POINTER(_SZ)],
         "gpupool_enable_peer_access": [_INT, _INT],
+        "gpupool_segment_mapped_range": [_P, ctypes.POINTER(s.MappedRange), ctypes.POINTER(_INT)],
         "gpupool_stats": [_INT, ctypes.POINTER(s.Stats)],
         "gpupool_pool_stats": [_INT, ctypes.c_uint64, ctypes.POINTER(s.Stats)],
         "gpupool_reset_peak_stats": [_INT],

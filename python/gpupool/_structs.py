@@ -113,3 +113,19 @@ class CupyHook(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "current_stream", "stream", "err_occurred", "err_set_string", "out_of_memory", "error")]
+
+
+class MappedRange(ctypes.Structure):
+    """gpupool_mapped_range_t: what a transport registers for a pointer
+    (gpupool_segment_mapped_range, docs/transports.md)."""
+
+    _fields_ = (
+        ("address", ctypes.c_void_p),
+        ("bytes", ctypes.c_size_t),
+        ("segment_address", ctypes.c_void_p),
+        ("segment_bytes", ctypes.c_size_t),
+        ("device", ctypes.c_int),
+        ("expandable", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+        ("pool", ctypes.c_uint64),
+    )
