@@ -63,14 +63,20 @@ impl DeviceAllocator {
         // Segment events queued under the lock flag a settle (`ShardState::observe_later`),
         // and are delivered with the lock dropped for it: the hit path, which makes no
         // segment, pays no look at the queue.
-        let settle = c.needs_settle
-            && (!st.segment_events.is_empty() || !peaks::borrow(&mut st.counters, &self.spare, self.shards.count()));
-        // Before the settle, which this shard may not be visited by (another settle may have
-        // taken the dirty list it is on, and visited it, while it waited): a change after
-        // that would go unseen by the next settle.
-        if !hot {
-            peaks::give_back(&mut st.counters, &self.spare, true);
-        }
+        let settle = if !hot && st.segment_events.is_empty() {
+            // Before the settle, which this shard may not be visited by (another settle may
+            // have taken the dirty list it is on, and visited it, while it waited): a change
+            // after that would go unseen by the next settle.
+            !peaks::return_all(&mut st.counters, &self.spare)
+        } else {
+            let settle = st.counters.needs_settle
+                && (!st.segment_events.is_empty()
+                    || !peaks::borrow(&mut st.counters, &self.spare, self.shards.count()));
+            if !hot {
+                peaks::give_back(&mut st.counters, &self.spare, true);
+            }
+            settle
+        };
         if settle {
             // Unlocked first: the settle locks each shard it visits, this one included.
             let observed = std::mem::take(&mut st.segment_events);

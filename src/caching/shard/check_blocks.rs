@@ -237,6 +237,7 @@ impl ShardState {
             return Err(format!("stream {owner:#x}: a vacant slot of the arena is not free"));
         }
         self.counters.check_lazy().map_err(|e| format!("stream {owner:#x}: {e}"))?;
+        self.counters.check_credit_cells().map_err(|e| format!("stream {owner:#x}: {e}"))?;
         let (last, hint) = self.last_out;
         if self.allocated(last) == Some(hint) && self.live.get(&last) != Some(&hint) {
             return Err(format!("stream {owner:#x}: the hint names block {last:#x}, which the live map does not"));

@@ -166,6 +166,7 @@ impl ShardCounters {
                 let (up, down) = (self.lazy.up[p][g], self.lazy.down[p][g]);
                 for &m in group {
                     for c in [cell(m, StatType::All), cell(m, StatType::Pool(pool))] {
+                        self.credit_cells |= 1 << c;
                         let c = &mut self.cells[c];
                         c.allocated += up;
                         c.freed += down;
