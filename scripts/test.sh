@@ -20,7 +20,8 @@ step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s, CPU
 
 cat <<'EOF'
 test.sh: every test that needs no GPU, on the simulated device; about 17 minutes from a fresh
-clone on 2 cores (2026-11-29, docs/testing.md; less when target/ and build/ are warm):
+clone on 2 cores at df5dd9f (2026-11-29), since cut by an estimated 3.3 minutes of CPU time (the
+sleep, invariant and soak tests; docs/testing.md; less when target/ and build/ are warm):
   1. cargo test --profile ci: the rules, stress, streams, sleep, IPC, pools, history,
      observers, gpupool-replay, the repository's shape (links, file sizes, import circles,
      layering); all of the tests when there is no nightly toolchain

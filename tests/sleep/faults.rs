@@ -22,6 +22,13 @@ fn config() -> Config {
     Config { expandable_segments: true, ..Config::default() }
 }
 
+/// `config` with a staging chunk of `chunk` bytes: the fault tests' pools are a quarter or a
+/// half of what they were (the simulated device's page faults were most of this binary's CPU
+/// time), the chunk cut with them so that each sleep and wake makes as many copies.
+fn config_chunk(chunk: usize) -> Config {
+    Config { sleep_chunk: chunk, ..config() }
+}
+
 /// A sleepable pool with `sizes` allocated on stream `S`, each filled with its own byte.
 fn pool_with(a: &Allocator, sizes: &[usize]) -> (u64, Vec<(u64, usize)>) {
     let pool = a.pool_create_sleepable();
@@ -61,8 +68,10 @@ fn a_fault_before_the_memory_goes_leaves_the_pool_awake_and_as_it_was() {
     ];
     for op in ops {
         for fault in [fail(), SimFault::Fail(DriverError::OutOfMemory), SimFault::Panic] {
-            let (a, drv) = sim_with(1, 1 << 30, config());
-            let (pool, live) = pool_with(&a, &[3 * MIB, 100 * MIB]);
+            // 24 MiB in 7 MiB chunks: four copies, the last one partial, and two 20 MiB pages,
+            // as 103 MiB in the default 32 MiB chunks were.
+            let (a, drv) = sim_with(1, 1 << 30, config_chunk(7 * MIB));
+            let (pool, live) = pool_with(&a, &[3 * MIB, 21 * MIB]);
             let used = drv.used(0);
             drv.inject(op, 0, fault.clone());
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.sleep(0, pool, SleepMode::Offload)));
@@ -122,8 +131,10 @@ fn a_fault_at_any_call_of_a_wake_leaves_the_pool_asleep_with_its_host_copy() {
     ];
     for (op, skip) in ops {
         for fault in [fail(), SimFault::Fail(DriverError::OutOfMemory)] {
-            let (a, drv) = sim_with(1, 1 << 30, config());
-            let (pool, live) = pool_with(&a, &[3 * MIB, 9 * MIB, 70 * MIB]);
+            // 42 MiB: three 20 MiB pages (a fault at the third `cuMemCreate`), three copies of
+            // 16 MiB chunks, the last one partial (as 82 MiB in the default 32 MiB chunks).
+            let (a, drv) = sim_with(1, 1 << 30, config_chunk(16 * MIB));
+            let (pool, live) = pool_with(&a, &[3 * MIB, 9 * MIB, 30 * MIB]);
             a.sleep(0, pool, SleepMode::Offload).unwrap();
             // Out of memory is tried twice (the cache released in between); a failed copy's
             // streams are waited for once more as they go: enough faults for every attempt.
@@ -184,7 +195,8 @@ fn a_wake_without_memory_releases_the_other_pools_cache_then_fails_all_or_nothin
 fn other_pools_allocate_and_free_while_a_pool_sleeps_and_wakes() {
     let (a, drv) = sim_with(1, 4 << 30, config());
     let a = Arc::new(a);
-    let (pool, live) = pool_with(&a, &[5 * MIB, 33 * MIB]);
+    // Two 20 MiB pages, as 38 MiB were; the workers spin for as long as the rounds take.
+    let (pool, live) = pool_with(&a, &[5 * MIB, 17 * MIB]);
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..3)
         .map(|t| {
@@ -241,7 +253,9 @@ fn a_sleeping_pool_survives_the_out_of_memory_path_of_another() {
 fn sleeps_and_wakes_of_one_pool_from_two_threads_never_interleave() {
     let (a, drv) = sim_with(1, 4 << 30, config());
     let a = Arc::new(a);
-    let (pool, live) = pool_with(&a, &[70 * MIB, 3 * MIB]);
+    // Two 20 MiB pages and a chunk of the default 32 MiB: each sleep long enough for the other
+    // thread to try meanwhile.
+    let (pool, live) = pool_with(&a, &[21 * MIB, 3 * MIB]);
     let racers: Vec<_> = (0..2)
         .map(|_| {
             let a = a.clone();
