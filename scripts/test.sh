@@ -154,22 +154,33 @@ step "Python package: wheel, fresh virtual environment, pytest"
 wait "$venv_pid" || { cat build/venv.log >&2; echo "test.sh: the virtual environment failed" >&2; exit 1; }
 build/venv/bin/python -m pip wheel --quiet --no-deps -w build/wheel . -C cmake.define.GPUPOOL_CARGO_DIR="$PWD/target"
 build/venv/bin/python -m pip install --quiet --no-deps build/wheel/gpupool-*.whl
-(cd build && GPUPOOL_TEST_INSTALLED=1 venv/bin/python -m pytest -p no:cacheprovider ../tests/python/package)
-
 # gpupool_rmm.hpp against RMM's and CCCL's headers from the librmm wheel (and the CUDA runtime's
-# from PyPI) above, linked with RMM's library, run on the simulated device.
-step "RMM: gpupool_rmm.hpp against librmm's headers, on the simulated device"
+# from PyPI) above, linked with RMM's library: its two programs (about half a minute of C++
+# each) compile in the background while pytest, which keeps one core busy, runs; the
+# simulated-device one then runs, the GPU half (rmm::device_buffer on real streams) is run by
+# scripts/gpu.sh.
 site=$(build/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rmm_libs="$site/librmm/lib64:$site/rapids_logger/lib64"
-c++ -std=c++17 -Wall -Wextra -Werror -I"$site/librmm/include" -I"$site/librmm/include/rapids" \
-  -I"$site/nvidia/cu13/include" -Iinclude -Iexamples/cpp tests/rmm/test_rmm.cpp -o build/test_rmm \
-  -Ltarget/release -lgpupool -L"$site/librmm/lib64" -lrmm -L"$site/rapids_logger/lib64" -lrapids_logger \
-  -Wl,-rpath,"$PWD/target/release:$rmm_libs"
+rmm_build() {
+  local src=$1 exe=$2
+  shift 2
+  c++ -std=c++17 -Wall -Wextra -Werror -I"$site/librmm/include" -I"$site/librmm/include/rapids" \
+    -I"$site/nvidia/cu13/include" -Iinclude -Iexamples/cpp "$src" -o "$exe" \
+    -Ltarget/release -lgpupool -L"$site/librmm/lib64" -lrmm -L"$site/rapids_logger/lib64" -lrapids_logger \
+    -Wl,-rpath,"$PWD/target/release:$rmm_libs" "$@"
+}
+rmm_build tests/rmm/test_rmm.cpp build/test_rmm >build/rmm-build.log 2>&1 &
+rmm_pid=$!
+rmm_build tests/rmm/test_rmm_gpu.cpp build/test_rmm_gpu -L"$site/nvidia/cu13/lib" -l:libcudart.so.13 \
+  >build/rmm-gpu-build.log 2>&1 &
+rmm_gpu_pid=$!
+trap 'kill "$venv_pid" "$rmm_pid" "$rmm_gpu_pid" 2>/dev/null || true' EXIT
+(cd build && GPUPOOL_TEST_INSTALLED=1 venv/bin/python -m pytest -p no:cacheprovider ../tests/python/package)
+
+step "RMM: gpupool_rmm.hpp against librmm's headers, on the simulated device"
+wait "$rmm_pid" || { cat build/rmm-build.log >&2; echo "test.sh: tests/rmm/test_rmm.cpp did not build" >&2; exit 1; }
+wait "$rmm_gpu_pid" ||
+  { cat build/rmm-gpu-build.log >&2; echo "test.sh: tests/rmm/test_rmm_gpu.cpp did not build" >&2; exit 1; }
 GPUPOOL_DRIVER=sim GPUPOOL_SIM_DEVICES=2 ./build/test_rmm
-# Its GPU half (rmm::device_buffer on real streams) is built here and run by scripts/gpu.sh.
-c++ -std=c++17 -Wall -Wextra -Werror -I"$site/librmm/include" -I"$site/librmm/include/rapids" \
-  -I"$site/nvidia/cu13/include" -Iinclude -Iexamples/cpp tests/rmm/test_rmm_gpu.cpp -o build/test_rmm_gpu \
-  -Ltarget/release -lgpupool -L"$site/librmm/lib64" -lrmm -L"$site/rapids_logger/lib64" -lrapids_logger \
-  -L"$site/nvidia/cu13/lib" -l:libcudart.so.13
 step "done"
 echo "test.sh: all tests passed"
