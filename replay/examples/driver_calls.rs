@@ -14,8 +14,10 @@
 //! edge, then bytes sharing a page with a live block, between / at an edge; by stream when
 //! there are several). The ns/event include reading those breakdowns.
 //!
-//!     cargo run --release -p gpupool-replay --example driver_calls -- TRACE [CAPACITY_GIB]
+//!     cargo run --release -p gpupool-replay --example driver_calls -- [--no-rule] TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
+//!
+//! `--no-rule`: only the replay without the rule (the default's), in half the time.
 //!
 //! TRACE `random`: `bench`'s random working set (`random_trace` in `examples/c/bench.c`: the
 //! same generator, seed and sizes, 100,000 events, sizes log-uniform from 256 B to 4 GiB, up to
@@ -41,19 +43,24 @@ use gpupool::driver::sim::{SimCounts, SimDriver};
 use gpupool_replay::{Event, Trace, breakdown, cuda, input, setting};
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).is_some_and(|a| a == "--cuda") {
         return on_gpu(&args[2..]);
     }
+    let no_rule = args.get(1).is_some_and(|a| a == "--no-rule");
+    if no_rule {
+        args.remove(1);
+    }
     if args.len() < 2 || args.len() > 3 {
-        eprintln!("usage: driver_calls TRACE [CAPACITY_GIB] | driver_calls --cuda TRACE [REPEATS]");
+        eprintln!("usage: driver_calls [--no-rule] TRACE [CAPACITY_GIB] | driver_calls --cuda TRACE [REPEATS]");
         std::process::exit(2);
     }
     let traces = load(&args[1]);
     let capacity = args.get(2).map_or(80usize << 30, |g| g.parse::<usize>().unwrap() << 30);
     let t = &traces[0];
     println!("{}: {} events, peak live {:.1} MiB", args[1], t.events.len(), t.peak_live() as f64 / 1048576.0);
-    for reclaim in [false, true] {
+    let rules: &[bool] = if no_rule { &[false] } else { &[false, true] };
+    for &reclaim in rules {
         // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
         let config = expandable(reclaim);
         let drv = Arc::new(SimDriver::new(1, capacity));

@@ -21,7 +21,9 @@ fn given_back(a: &gpupool::Allocator, drv: &SimDriver) {
 }
 
 /// 10 MiB of free 2 MiB pages on `first`, then 20 MiB (one 20 MiB page) on `second`: with
-/// the rule, the five small pages are unmapped and released before the large one is made.
+/// the rule, the five small pages are unmapped and released before the large one is made;
+/// without it, on the same stream, the growth maps five more 2 MiB pages after the free ones
+/// (the page by rounding: 10 MiB mapped rather than 20).
 #[test]
 fn free_small_pages_make_room_for_a_large_page_growth() {
     for (reclaim, other) in [(true, false), (true, true), (false, false)] {
@@ -34,12 +36,12 @@ fn free_small_pages_make_room_for_a_large_page_growth() {
         let c1 = drv.counts();
         let s = a.stats(0).unwrap();
         let what = format!("reclaim {reclaim}, other stream {other}");
-        let peak = if reclaim { 20 * MIB } else { 30 * MIB };
+        let peak = 20 * MIB;
         assert_eq!(s.reserved_bytes.all.peak as usize, peak, "{what}");
         assert_eq!(drv.used(0), peak, "{what}: the device holds what is mapped, nothing more");
         let moved = if reclaim { 5 } else { 0 };
         assert_eq!((c1.mem_unmap - c0.mem_unmap, c1.mem_release - c0.mem_release), (moved, moved), "{what}");
-        assert_eq!(c1.mem_create - c0.mem_create, 1, "{what}");
+        assert_eq!(c1.mem_create - c0.mem_create, if reclaim { 1 } else { 5 }, "{what}");
         // The other stream may be gone: the device is synchronised; the growing stream's own
         // work is waited for with an event.
         let waits = (c1.device_synchronize - c0.device_synchronize, c1.event_synchronize - c0.event_synchronize);

@@ -14,5 +14,6 @@ mod expandable_rule;
 mod expandable_support;
 mod held_pages;
 mod ladder_hostile;
+mod page_by_rounding;
 mod page_ladder;
 mod peers;

@@ -33,7 +33,8 @@ fn granted(drv: &SimDriver, device: i32, want: &[i32]) -> bool {
 
 /// Blocks of several sizes on two streams of `device`: several runs of pages.
 fn blocks(a: &Allocator, device: i32) -> Vec<DevicePtr> {
-    [3 * MIB, 512, 25 * MIB, 4 * MIB + 5]
+    // 40 MiB: whole 20 MiB pages, in a range of its own (2 MiB pages round less below).
+    [3 * MIB, 512, 40 * MIB, 4 * MIB + 5]
         .iter()
         .enumerate()
         .map(|(i, &n)| a.malloc(n, device, 0x10 + (i % 2) * 0x10).unwrap())

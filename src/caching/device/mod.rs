@@ -137,6 +137,14 @@ const LARGE_PAGE: usize = 2 << 20;
 /// (docs/fragmentation.md).
 const HUGE_PAGE: usize = 20 << 20;
 
+/// With large pages, a growth for a request of [`HUGE_PAGE`] bytes and more maps 2 MiB pages
+/// where they map fewer bytes than its large ones, and at most this many (128 MiB; past it
+/// the large pages, as many driver calls as before): replaying the traces of
+/// docs/fragmentation.md, and the same with every size scaled by 0.8 and by 1.3, on the
+/// simulated device, 64 to 128 pages reserved about the same; 40 or 48 up to 0.09 of live more
+/// on some traces, 160 more on the random working set (1.218 against 1.184).
+const SMALL_PAGES_PER_GROWTH: usize = 64;
+
 impl DeviceAllocator {
     /// The allocator of `device` with `config`'s rules (PyTorch's size rules,
     /// `garbage_collection_threshold`), calling `observers` when a request fails. With
@@ -251,7 +259,9 @@ impl DeviceAllocator {
 /// The layout of `device`'s expandable segments, or `None` when the driver cannot map memory
 /// there (or fails to say). With `large_pages` (`GPUPOOL_EXPANDABLE_LARGE_PAGES`), requests of
 /// [`HUGE_PAGE`] bytes and more grow ranges of pages of that size, or of its doubles past
-/// `pages_per_request` pages (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`).
+/// `pages_per_request` pages (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`), or with
+/// `pages_per_request` above 0 ranges of 2 MiB pages where those map fewer bytes
+/// ([`SMALL_PAGES_PER_GROWTH`]).
 pub(in crate::caching) fn expandable_policy(
     driver: &dyn Driver,
     device: i32,
@@ -264,7 +274,18 @@ pub(in crate::caching) fn expandable_policy(
     let large_page = LARGE_PAGE.next_multiple_of(granularity);
     let huge_page = HUGE_PAGE.next_multiple_of(granularity);
     let huge_from = if large_pages { HUGE_PAGE } else { usize::MAX };
-    Some(ExpandablePolicy { small_page, large_page, huge_from, huge_page, pages_per_request, device_total: total })
+    // The page by rounding goes with the ladder: off where 20 MiB pages are asked for at any
+    // size, and with the high-water rule, which moves 20 MiB pages whole.
+    let small_pages_within = if large_pages && pages_per_request > 0 { SMALL_PAGES_PER_GROWTH } else { 0 };
+    Some(ExpandablePolicy {
+        small_page,
+        large_page,
+        huge_from,
+        huge_page,
+        pages_per_request,
+        small_pages_within,
+        device_total: total,
+    })
 }
 
 impl Drop for DeviceAllocator {

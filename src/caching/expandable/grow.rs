@@ -60,8 +60,19 @@ impl ShardState {
     /// new range that could not be given back (it stays, empty, until the cache is released).
     ///
     /// A request of the ladder's larger pages that the device has no room for is grown again
-    /// in smaller ones, down to 20 MiB ([`ExpandablePolicy::pages_tried`]), each try leaving
-    /// the shard as it found it; the error is the last one's.
+    /// in smaller ones, down to 20 MiB, then in 2 MiB ones ([`ExpandablePolicy::pages_tried`]),
+    /// each try leaving the shard as it found it; the error is the last one's.
+    ///
+    /// The page by rounding (gpupool's, not in PyTorch, which maps 20 MiB pages for every
+    /// request of its large pool): with `small_pages_within`, a request of 20 MiB and more
+    /// grows in 2 MiB pages first where that maps fewer bytes than its large pages (the
+    /// rounding of a 21 MiB request to 40 MiB stays mapped and free, between live blocks, for
+    /// as long as the block lives) and at most `small_pages_within` pages; where the large
+    /// pages map no more (a request of whole large pages, or a large range's free tail that
+    /// holds most of it), the large ones, a tenth of the driver calls. Measured on every
+    /// trace in docs/fragmentation.md: BERT at random lengths 1.248 of live rather than 1.264
+    /// on the simulated device, no trace worse by more than 0.003, and no driver call in a
+    /// warm pass of any.
     ///
     /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
     /// failed call that the driver would not unmap included), with the call's stack, which is
@@ -69,7 +80,15 @@ impl ShardState {
     pub fn grow_expandable(&mut self, ctx: &ShardCtx, rounded: usize, pool: PoolKind) -> Result<Growth, DriverError> {
         let policy = ctx.expandable.expect("only called with expandable segments on");
         let mut grown = Err(DriverError::OutOfMemory);
-        for page in policy.pages_tried(pool, rounded) {
+        let mut tried: Vec<usize> = policy.pages_tried(pool, rounded).collect();
+        if tried.len() > 1 && tried.last() == Some(&policy.large_page) {
+            let large = self.bytes_to_map(pool, tried[0], rounded);
+            let small = self.bytes_to_map(pool, policy.large_page, rounded);
+            if small < large && small / policy.large_page <= policy.small_pages_within {
+                tried.rotate_right(1);
+            }
+        }
+        for page in tried {
             grown = self.grow_in_pages(ctx, rounded, pool, page);
             if !matches!(grown, Err(DriverError::OutOfMemory)) {
                 break;
@@ -199,6 +218,16 @@ impl ShardState {
             id = b.next;
         }
         plan
+    }
+
+    /// Bytes a growth for `rounded` bytes of `pool` in `page`-byte pages maps: in the run
+    /// [`ShardState::find_expandable`] finds, the plan's pages; in a new range, the request
+    /// rounded up to whole pages.
+    fn bytes_to_map(&self, pool: PoolKind, page: usize, rounded: usize) -> usize {
+        match self.find_expandable(pool, rounded, page) {
+            Some(start) => self.plan_growth(start, rounded).iter().map(|p| p.2).sum(),
+            None => round_up(rounded, page),
+        }
     }
 
     /// PyTorch `find_expandable_block`: the first unmapped block of the pool (by address), in a

@@ -37,7 +37,11 @@
 //! 2.11's `emptyCache`), and before the high-water rule unmaps the growing stream's own pages
 //! an event recorded on that stream is waited for (see `unmap::PageWait`); a map that
 //! fails halfway is undone (PyTorch keeps what it mapped); each range counts as a segment
-//! (PyTorch counts none); a segment does not grow past the device's high-water mark while
+//! (PyTorch counts none); pages are 2 MiB in both pools, and 20 MiB (or larger, the
+//! ladder of [`ExpandablePolicy::page_for`]) in ranges of their own for requests of 20 MiB
+//! and more unless 2 MiB pages map fewer bytes for the growth ([`grow`]; PyTorch maps 2 MiB
+//! pages in its small pool and 20 MiB pages for every request of its large pool); a segment
+//! does not grow past the device's high-water mark while
 //! free pages are mapped (see `Reclaim`; PyTorch unmaps only in `empty_cache` and on out of
 //! memory); and an unmapped page keeps its physical handle in the device's pool, for the next
 //! growth of any stream to map ([`page_pool`]; PyTorch releases it).
@@ -81,6 +85,11 @@ pub(crate) struct ExpandablePolicy {
     /// (`GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST`): its ranges' page is `huge_page` doubled until
     /// it does; 0: `huge_page` at any size (see [`ExpandablePolicy::page_for`]).
     pub pages_per_request: usize,
+    /// A growth for a request from `huge_from` on maps pages of `large_page` bytes instead of
+    /// its large ones where they map fewer bytes, and at most this many of them (see
+    /// [`ShardState::grow_expandable`]); 0: never (with `pages_per_request` 0, and with the
+    /// high-water rule).
+    pub small_pages_within: usize,
     /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
     /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
     /// (and page size) twice the largest it has, or the request if that is larger.
@@ -116,9 +125,11 @@ impl ExpandablePolicy {
     }
 
     /// The page size in bytes of the ranges a request of `rounded` bytes of `pool` grows: each range
-    /// has one page size, and a request looks only at ranges of its own (so that blocks of
+    /// has one page size, and a growth looks only at ranges of the page it maps (so that blocks of
     /// 20 MiB and more, laid out in their own ranges, are moved by the high-water rule in large
-    /// pages, and the small ones in small pages).
+    /// pages, and the small ones in small pages). With `small_pages_within`, a growth from
+    /// `huge_from` on may map `large_page` pages instead, where they map fewer bytes
+    /// ([`ShardState::grow_expandable`]).
     ///
     /// From `huge_from` on, the page is `huge_page` (PyTorch's 20 MiB) doubled until the
     /// request maps at most `pages_per_request` pages (gpupool's, not in PyTorch, which maps
@@ -143,19 +154,24 @@ impl ExpandablePolicy {
         }
     }
 
-    /// The page sizes a growth for `rounded` bytes of `pool` tries, in order, each after the
-    /// one before found the device (or the memory fraction) out of memory: [`page_for`]'s,
-    /// then each rung of the ladder below it down to `huge_page`. What a larger page maps past
-    /// the request may not fit where the request would (1,000 MiB on a 1 GiB device: 13 pages
-    /// of 80 MiB do not fit, 50 of 20 MiB do), and PyTorch, which maps 20 MiB pages at any
-    /// size, serves it: so does gpupool, in smaller pages.
+    /// The page sizes a growth for `rounded` bytes of `pool` may map, in the order tried when
+    /// none is chosen first (see [`ShardState::grow_expandable`]), each after the one before
+    /// found the device (or the memory fraction) out of memory: [`page_for`]'s, then each rung
+    /// of the ladder below it down to `huge_page`, then with `small_pages_within`
+    /// `large_page`. What a larger page maps past the request may not fit where the request
+    /// would (1,000 MiB on a 1 GiB device: 13 pages of 80 MiB do not fit, 50 of 20 MiB do),
+    /// and PyTorch, which maps 20 MiB pages at any size, serves it: so does gpupool, in
+    /// smaller pages. The request succeeds if a growth in any of them does.
     ///
     /// [`page_for`]: ExpandablePolicy::page_for
     pub(crate) fn pages_tried(&self, pool: PoolKind, rounded: usize) -> impl Iterator<Item = usize> + '_ {
         let ladder = pool == PoolKind::Large && rounded >= self.huge_from;
+        let small =
+            (ladder && self.small_pages_within > 0 && self.large_page < self.huge_page).then_some(self.large_page);
         std::iter::successors(Some(self.page_for(pool, rounded)), move |&page| {
             (ladder && page > self.huge_page).then_some(page / 2)
         })
+        .chain(small)
     }
 
     /// Bytes of address space for a new range of `pool` in `page`-byte pages that must hold

@@ -10,6 +10,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         huge_from: usize::MAX,
         huge_page: 20 << 20,
         pages_per_request: 0,
+        small_pages_within: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.range_size(PoolKind::Large, 1 << 20, 0), Some(10 << 30));
@@ -24,6 +25,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         huge_from: usize::MAX,
         huge_page: 20 << 20,
         pages_per_request: 0,
+        small_pages_within: 0,
         device_total: 64 << 20,
     };
     assert_eq!(tiny.range_size(PoolKind::Large, 512, 0), Some(20 << 20));
@@ -37,6 +39,7 @@ fn large_requests_take_large_pages_only_when_asked() {
         huge_from: usize::MAX,
         huge_page: 20 << 20,
         pages_per_request: 0,
+        small_pages_within: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.page_for(PoolKind::Large, 64 << 20), 2 << 20, "off: one page size");
@@ -58,6 +61,7 @@ fn very_large_requests_map_few_pages() {
         huge_from: 20 * MIB,
         huge_page: 20 * MIB,
         pages_per_request: 16,
+        small_pages_within: 0,
         device_total: 80 << 30,
     };
     // 20 MiB pages up to 16 of them, then each double past 16 of the page before.
@@ -107,6 +111,7 @@ fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
         huge_from: 20 * MIB,
         huge_page: 20 * MIB,
         pages_per_request: 16,
+        small_pages_within: 0,
         device_total: 80 << 30,
     };
     let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
@@ -115,4 +120,26 @@ fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
     assert_eq!(tried(PoolKind::Large, 19 * MIB), [2 * MIB], "below the ladder: one page");
     assert_eq!(tried(PoolKind::Small, MIB), [2 * MIB]);
     assert_eq!(tried(PoolKind::Large, usize::MAX).len(), 13, "from the device's 80 GiB down");
+}
+
+#[test]
+fn the_page_by_rounding_adds_small_pages_last_for_large_requests() {
+    const MIB: usize = 1 << 20;
+    let p = ExpandablePolicy {
+        small_page: 2 * MIB,
+        large_page: 2 * MIB,
+        huge_from: 20 * MIB,
+        huge_page: 20 * MIB,
+        pages_per_request: 16,
+        small_pages_within: 64,
+        device_total: 80 << 30,
+    };
+    let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
+    assert_eq!(tried(PoolKind::Large, 21 * MIB), [20 * MIB, 2 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 700 * MIB), [80 * MIB, 40 * MIB, 20 * MIB, 2 * MIB]);
+    assert_eq!(tried(PoolKind::Large, 19 * MIB), [2 * MIB], "below large pages: one size");
+    assert_eq!(tried(PoolKind::Small, 512), [2 * MIB]);
+    // The edges do not move: small pages are tried at every size from `huge_from` on.
+    let off = ExpandablePolicy { small_pages_within: 0, ..p };
+    assert_eq!(p.page_edges().collect::<Vec<_>>(), off.page_edges().collect::<Vec<_>>());
 }
