@@ -30,6 +30,9 @@
 #               allocator; OUT/ipc.log
 #   gpu         tests/gpu/test_gpu
 #   expandable  tests/gpu/test_expandable (expandable segments)
+#   budget      tests/gpu/test_budget (per-pool budgets under load: a tenant refused in a loop,
+#               another pool never, the limit changed meanwhile), with expandable and ordinary
+#               segments; OUT/budget.log
 #   dmabuf      tests/gpu/test_dmabuf (gpupool_segment_mapped_range: a segment's whole mapped
 #               range and its dma-buf descriptor, lseek's size against the range's; an ordinary
 #               segment, then an expandable one grown by a second block and shrunk by
@@ -197,7 +200,7 @@ if [ "$step" != run ]; then
   exit 2
 fi
 out=${3:-$dir/out}
-all_sections="rust c ipc gpu expandable dmabuf streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python models traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
+all_sections="rust c ipc gpu expandable budget dmabuf streams graphs sleep sleep_tune torch_sleep torch_fallback examples preload jax python models traces snapshot frames bench threads ab replay host plugins cupy nccl llama"
 # Every section but ab, which needs DIR/base, and llama (minutes of building), by default.
 default_sections=${all_sections/ ab / }
 sections=${GPU_SECTIONS:-${default_sections% llama}}
@@ -280,11 +283,17 @@ run_gpu_test() {
     status=1
   fi
 }
-if want gpu || want expandable || want dmabuf || want graphs || want streams || want sleep || want sleep_tune; then
+if want gpu || want expandable || want budget || want dmabuf || want graphs || want streams || want sleep || want sleep_tune; then
   echo "== GPU tests"
   if cmake -S tests/gpu -B build-gpu/gpu -DCMAKE_PREFIX_PATH="$prefix" >"$out/gpu-tests-build.log" 2>&1; then
     if want gpu; then run_gpu_test test_gpu gpu-tests.log; fi
     if want expandable; then run_gpu_test test_expandable expandable.log; fi
+    if want budget; then
+      run_gpu_test test_budget budget.log
+      if [ -x build-gpu/gpu/test_budget ]; then
+        GPUPOOL_CONF=expandable_segments:False ./build-gpu/gpu/test_budget 2>&1 | tee -a "$out/budget.log" || status=1
+      fi
+    fi
     if want graphs; then run_gpu_test test_graphs graphs.log; fi
     if want dmabuf; then
       : >"$out/dmabuf.log"
