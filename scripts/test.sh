@@ -65,18 +65,23 @@ if rustup run nightly rustc --version >/dev/null 2>&1; then
     name=$(basename "$(dirname "$main")")
     [[ " ${asan_tests[*]} " == *" $name "* ]] || others+=(--test "$name")
   done
-  step "cargo test --profile ci: the workspace but the library's unit tests and ${asan_tests[*]}"
-  cargo test --profile ci --workspace --exclude gpupool
-  cargo test --profile ci -p gpupool --doc
-  cargo test --profile ci -p gpupool "${others[@]}"
+  step "cargo test --profile ci: gpupool-replay, and gpupool but its unit tests and ${asan_tests[*]}"
+  # gpupool-replay's tests and gpupool's in one cargo invocation, so that features resolve once:
+  # gpupool's dev-dependencies turn on serde features that a build of gpupool-replay alone does
+  # not, and a separate invocation compiled the library and serde again (a minute of a 2-core
+  # machine). The preload crate's unit tests run under AddressSanitizer only.
+  cargo test --profile ci -p gpupool-replay -p gpupool --test suite --test hostile "${others[@]}"
+  # The doc tests with gpupool-replay's (none) in the same package set: the same features again.
+  cargo test --profile ci -p gpupool -p gpupool-replay --doc
   step "AddressSanitizer (nightly, $asan_target): the library's unit tests, ${asan_tests[*]}, the LD_PRELOAD shim"
   asan() {
     RUSTFLAGS="-Zsanitizer=address" RUSTDOCFLAGS="-Zsanitizer=address" \
       LSAN_OPTIONS="suppressions=$PWD/tests/asan/lsan.supp" \
       cargo +nightly test --profile ci --target "$asan_target" --target-dir build/asan "$@"
   }
-  asan -p gpupool --lib "${asan_tests[@]/#/--test=}"
-  asan -p gpupool-preload --lib
+  # One invocation for both crates, for the same reason as step 1's: gpupool-preload built on
+  # its own compiled gpupool again, with other serde features (53 s).
+  asan -p gpupool -p gpupool-preload --lib "${asan_tests[@]/#/--test=}"
 else
   step "cargo test --profile ci --workspace (AddressSanitizer skipped: no nightly Rust toolchain; rustup toolchain install nightly)"
   cargo test --profile ci --workspace
