@@ -18,14 +18,16 @@ impl DeviceAllocator {
     /// Errors: [`Error::InvalidValue`] when the private pool was released on this device (it
     /// allocates nothing again); nothing changed.
     pub fn set_pool_limit(&self, pool: u64, limit: Option<i64>) -> Result<(), Error> {
-        if pool != 0 && self.pool_stats(pool).released {
-            return Err(Error::InvalidValue(format!(
+        // Checked and set in one step under the pools' lock: checked first and set after, a
+        // release in between forgot the budget and the set made it again, limit and all.
+        let set = || self.shards.budgets.get_or_create(pool).set_limit(limit);
+        let done = if pool == 0 { Some(set()) } else { self.unless_released(pool, set) };
+        done.ok_or_else(|| {
+            Error::InvalidValue(format!(
                 "pool {pool:#x} was released on device {}: it allocates nothing again, so it takes no limit",
                 self.device
-            )));
-        }
-        self.shards.budgets.get_or_create(pool).set_limit(limit);
-        Ok(())
+            ))
+        })
     }
 
     /// The limit of `pool` (0: the default pools) on this device in bytes; `None`: none set.

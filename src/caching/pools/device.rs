@@ -298,6 +298,15 @@ impl DeviceAllocator {
         }
     }
 
+    /// `f()` unless `pool` was released on this device (`None` then), under the pools' lock:
+    /// [`DeviceAllocator::prune_released`] forgets a released pool's budget under the same lock,
+    /// so what `f` sets for a pool not released yet cannot outlive its release (a limit set while
+    /// the pool is released and forgotten, `tests/fallback/hostile_limits.rs`).
+    pub(in crate::caching) fn unless_released<T>(&self, pool: u64, f: impl FnOnce() -> T) -> Option<T> {
+        let ps = self.pools.state.lock();
+        (!ps.is_released(pool)).then(f)
+    }
+
     /// The statistics of `pool` on this device: zero when it was never used here.
     pub fn pool_stats(&self, pool: u64) -> PoolStats {
         let (current, allocated, freed) = sum_pool(&self.shards, pool);
