@@ -21,8 +21,11 @@ impl DeviceAllocator {
         // Checked and set in one step under the pools' lock: checked first and set after, a
         // release in between forgot the budget and the set made it again, limit and all.
         let set = || self.shards.budgets.get_or_create(pool).set_limit(limit);
-        let done = if pool == 0 { Some(set()) } else { self.unless_released(pool, set) };
-        done.ok_or_else(|| {
+        if pool == 0 {
+            set();
+            return Ok(());
+        }
+        self.unless_released(pool, set).ok_or_else(|| {
             Error::InvalidValue(format!(
                 "pool {pool:#x} was released on device {}: it allocates nothing again, so it takes no limit",
                 self.device
