@@ -201,12 +201,15 @@ def test_a_fallback_pool_serves_the_default_pools_once_the_device_is_full():
         with spare.use():
             held = gpupool.malloc(4 * MIB, 1, 0x30)  # keeps the 20 MiB segment from release
             gpupool.free(gpupool.malloc(4 * MIB, 1, 0x30))
+        # Full to the last 2 MiB page: 64 MiB blocks, then 2 MiB ones (a 64 MiB growth maps
+        # 2 MiB pages where they round less, so the first fill alone leaves up to 62 MiB).
         filler = []
-        try:
-            while True:
-                filler.append(gpupool.malloc(64 * MIB, 1, 0x31))
-        except gpupool.OutOfMemoryError:
-            pass
+        for size in (64 * MIB, 2 * MIB):
+            try:
+                while True:
+                    filler.append(gpupool.malloc(size, 1, 0x31))
+            except gpupool.OutOfMemoryError:
+                pass
         ooms = gpupool.stats(1)["num_ooms"]
         try:
             p = gpupool.malloc(8 * MIB, 1, 0x30)
