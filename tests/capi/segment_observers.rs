@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::process::alone;
+use common::process::alone_on_sim;
 use gpupool::ffi::memory::{gpupool_empty_cache, gpupool_free, gpupool_malloc};
 use gpupool::ffi::pool_allocator::{gpupool_pool_create_with_allocator, gpupool_pool_create_with_allocator_aligned};
 use gpupool::ffi::pools::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
@@ -45,14 +45,8 @@ fn stream(s: usize) -> gpupool_stream_t {
 
 #[test]
 fn the_c_api_of_segment_observers_and_allocator_pools() {
-    if !alone() {
+    if !alone_on_sim("256MiB") {
         return;
-    }
-    // SAFETY: this process's only test sets the environment before the process allocator
-    // starts, and before any other thread reads it.
-    unsafe {
-        std::env::set_var("GPUPOOL_DRIVER", "sim");
-        std::env::set_var("GPUPOOL_SIM_CAPACITY", "256MiB");
     }
     let user = 0x5eed as *mut c_void;
     // SAFETY (every call below): valid function pointers and storage, as the header asks.

@@ -50,3 +50,19 @@ pub fn test_path(module: &str, name: &str) -> String {
         None => name.to_string(),
     }
 }
+
+/// [`alone`], the child's process-wide allocator then pointed at the simulated device of
+/// `capacity` (a `GPUPOOL_SIM_CAPACITY` value) before it starts: true in that child, false in
+/// the caller's process (which returns). The set-up the C API tests of several folders share.
+pub fn alone_on_sim(capacity: &str) -> bool {
+    if !alone() {
+        return false;
+    }
+    // SAFETY: the child runs this one test, which sets the environment before the process
+    // allocator starts and before any other thread reads it.
+    unsafe {
+        std::env::set_var("GPUPOOL_DRIVER", "sim");
+        std::env::set_var("GPUPOOL_SIM_CAPACITY", capacity);
+    }
+    true
+}

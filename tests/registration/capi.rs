@@ -7,7 +7,7 @@
 use std::ffi::{c_int, c_void};
 use std::os::fd::{FromRawFd, OwnedFd};
 
-use crate::common::{last_error, process::alone};
+use crate::common::{last_error, process::alone_on_sim};
 use crate::fd_size;
 use gpupool::ffi::memory::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::registration::{gpupool_mapped_range_t, gpupool_segment_mapped_range};
@@ -28,13 +28,8 @@ fn blank() -> gpupool_mapped_range_t {
 
 #[test]
 fn the_c_call_refuses_bad_arguments_and_hands_out_a_range_and_its_descriptor() {
-    if !alone() {
+    if !alone_on_sim("256MiB") {
         return;
-    }
-    // SAFETY: this process's only test sets the environment before the allocator starts.
-    unsafe {
-        std::env::set_var("GPUPOOL_DRIVER", "sim");
-        std::env::set_var("GPUPOOL_SIM_CAPACITY", "256MiB");
     }
     let mut p: *mut c_void = std::ptr::null_mut();
     let mut range = blank();

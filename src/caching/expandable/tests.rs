@@ -55,15 +55,7 @@ fn large_requests_take_large_pages_only_when_asked() {
 #[test]
 fn very_large_requests_map_few_pages() {
     const MIB: usize = 1 << 20;
-    let mut p = ExpandablePolicy {
-        small_page: 2 * MIB,
-        large_page: 2 * MIB,
-        huge_from: 20 * MIB,
-        huge_page: 20 * MIB,
-        pages_per_request: 16,
-        small_pages_within: 0,
-        device_total: 80 << 30,
-    };
+    let mut p = ladder_of_80_gib(0);
     // 20 MiB pages up to 16 of them, then each double past 16 of the page before.
     assert_eq!(p.page_for(PoolKind::Large, 320 * MIB), 20 * MIB, "16 pages exactly");
     assert_eq!(p.page_for(PoolKind::Large, 320 * MIB + 512), 40 * MIB);
@@ -105,15 +97,7 @@ fn very_large_requests_map_few_pages() {
 #[test]
 fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
     const MIB: usize = 1 << 20;
-    let p = ExpandablePolicy {
-        small_page: 2 * MIB,
-        large_page: 2 * MIB,
-        huge_from: 20 * MIB,
-        huge_page: 20 * MIB,
-        pages_per_request: 16,
-        small_pages_within: 0,
-        device_total: 80 << 30,
-    };
+    let p = ladder_of_80_gib(0);
     let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
     assert_eq!(tried(PoolKind::Large, 1000 * MIB), [80 * MIB, 40 * MIB, 20 * MIB]);
     assert_eq!(tried(PoolKind::Large, 300 * MIB), [20 * MIB]);
@@ -125,15 +109,7 @@ fn a_growth_without_room_tries_each_smaller_rung_down_to_20_mib() {
 #[test]
 fn the_page_by_rounding_adds_small_pages_last_for_large_requests() {
     const MIB: usize = 1 << 20;
-    let p = ExpandablePolicy {
-        small_page: 2 * MIB,
-        large_page: 2 * MIB,
-        huge_from: 20 * MIB,
-        huge_page: 20 * MIB,
-        pages_per_request: 16,
-        small_pages_within: 64,
-        device_total: 80 << 30,
-    };
+    let p = ladder_of_80_gib(64);
     let tried = |pool, r| p.pages_tried(pool, r).collect::<Vec<_>>();
     assert_eq!(tried(PoolKind::Large, 21 * MIB), [20 * MIB, 2 * MIB]);
     assert_eq!(tried(PoolKind::Large, 700 * MIB), [80 * MIB, 40 * MIB, 20 * MIB, 2 * MIB]);
@@ -142,4 +118,19 @@ fn the_page_by_rounding_adds_small_pages_last_for_large_requests() {
     // The edges do not move: small pages are tried at every size from `huge_from` on.
     let off = ExpandablePolicy { small_pages_within: 0, ..p };
     assert_eq!(p.page_edges().collect::<Vec<_>>(), off.page_edges().collect::<Vec<_>>());
+}
+
+/// The ladder of an 80 GiB device (2 MiB pages, 20 MiB from 20 MiB requests, 16 pages a
+/// request) with `small_pages_within` for the page by rounding.
+fn ladder_of_80_gib(small_pages_within: usize) -> ExpandablePolicy {
+    const MIB: usize = 1 << 20;
+    ExpandablePolicy {
+        small_page: 2 * MIB,
+        large_page: 2 * MIB,
+        huge_from: 20 * MIB,
+        huge_page: 20 * MIB,
+        pages_per_request: 16,
+        small_pages_within,
+        device_total: 80 << 30,
+    }
 }
