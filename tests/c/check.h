@@ -22,7 +22,7 @@ static int checks_passed;
 
 #define CHECK_OK(call) CHECK((call) == GPUPOOL_SUCCESS)
 
-static int checks_report(const char *name) {
+static inline int checks_report(const char *name) {
   printf("%s: %d passed, %d failed\n", name, checks_passed, checks_failed);
   return checks_failed == 0 ? 0 : 1;
 }
