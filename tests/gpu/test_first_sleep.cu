@@ -24,10 +24,7 @@
 #define CUDA_OK(call) CHECK((call) == cudaSuccess)
 static const size_t MIB = size_t(1) << 20;
 static const size_t GIB = size_t(1) << 30;
-
-static double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
+#include "measure.cuh"
 
 static std::vector<uint32_t> pattern(size_t bytes, uint32_t tag) {
   std::vector<uint32_t> v(bytes / 4);
@@ -40,23 +37,6 @@ static bool holds(const void *p, size_t bytes, uint32_t tag) {
   std::vector<uint32_t> back(bytes / 4), want = pattern(bytes, tag);
   if (cudaMemcpy(back.data(), p, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
   return back == want;
-}
-
-// GB/s of device-to-host copies of 1 GiB into cudaHostAlloc memory.
-static double pinned_d2h() {
-  void *d = nullptr, *h = nullptr;
-  if (cudaMalloc(&d, GIB) != cudaSuccess) return 0;
-  if (cudaHostAlloc(&h, GIB, cudaHostAllocDefault) != cudaSuccess) {
-    cudaFree(d);
-    return 0;
-  }
-  CUDA_OK(cudaMemcpy(h, d, GIB, cudaMemcpyDeviceToHost));
-  auto t = std::chrono::steady_clock::now();
-  for (int i = 0; i < 3; i++) CUDA_OK(cudaMemcpy(h, d, GIB, cudaMemcpyDeviceToHost));
-  double gbs = 3.0 * GIB / seconds_since(t) / 1e9;
-  CUDA_OK(cudaFreeHost(h));
-  CUDA_OK(cudaFree(d));
-  return gbs;
 }
 
 // One row: a fresh pool of `g` GiB; its first pinned sleep timed with or without prepare, then
@@ -117,7 +97,7 @@ int main() {
     size_t g;
     while (in >> g) gibs.push_back(g);
   }
-  printf("pinned copy bandwidth this run: device to host %.1f GB/s\n", pinned_d2h());
+  printf("pinned copy bandwidth this run: device to host %.1f GB/s\n", pinned_bandwidth(GIB, true));
   printf("%-5s %-8s %-12s %-16s %-16s\n", "GiB", "prepare", "prepare s", "1st sleep GB/s", "2nd sleep GB/s");
   for (size_t g : gibs) {
     row(g, false);

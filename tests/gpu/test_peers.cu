@@ -28,10 +28,7 @@
 #define CUDA_OK(call) CHECK((call) == cudaSuccess)
 static const size_t MIB = size_t(1) << 20;
 static const size_t GIB = size_t(1) << 30;
-
-static double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
+#include "measure.cuh"
 
 // The access flags of device `dev` to the mapping at `p` (cuMemGetAccess), -1 when it fails.
 static long long access_of(const void *p, int dev) {

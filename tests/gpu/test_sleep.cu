@@ -41,6 +41,7 @@
 #define CUDA_OK(call) CHECK((call) == cudaSuccess)
 static const size_t MIB = size_t(1) << 20;
 static const size_t GIB = size_t(1) << 30;
+#include "measure.cuh"
 
 __host__ __device__ inline uint32_t pattern(size_t i, uint32_t tag) { return (uint32_t)(i * 2654435761u) ^ tag; }
 
@@ -100,10 +101,6 @@ static long long free_bytes() {
   size_t free = 0, total = 0;
   CUDA_OK(cudaMemGetInfo(&free, &total));
   return (long long)free;
-}
-
-static double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 static void test_default_pools_offload() {
@@ -249,50 +246,6 @@ static void test_wake_without_memory() {
   CHECK_OK(gpupool_free(w));
   CHECK_OK(gpupool_release_pool(0, pool));
   CUDA_OK(cudaStreamDestroy(s));
-}
-
-// The pinned copy bandwidth of this run, GB/s, one direction: `bytes` between device memory
-// and cudaHostAlloc memory in 64 MiB pieces on two streams, as gpupool copies.
-static double pinned_bandwidth(size_t bytes, bool to_host) {
-  void *dev = nullptr, *host = nullptr;
-  if (cudaMalloc(&dev, bytes) != cudaSuccess || cudaHostAlloc(&host, bytes, cudaHostAllocPortable) != cudaSuccess) {
-    CHECK(false);
-    return 0;
-  }
-  cudaStream_t st[2];
-  for (auto &x : st) CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-  double best = 0;
-  for (int rep = 0; rep < 3; rep++) {
-    auto t = std::chrono::steady_clock::now();
-    size_t k = 0;
-    for (size_t off = 0; off < bytes; off += 64 * MIB, k++) {
-      size_t len = bytes - off < 64 * MIB ? bytes - off : 64 * MIB;
-      char *d = static_cast<char *>(dev) + off, *h = static_cast<char *>(host) + off;
-      if (to_host)
-        CUDA_OK(cudaMemcpyAsync(h, d, len, cudaMemcpyDeviceToHost, st[k % 2]));
-      else
-        CUDA_OK(cudaMemcpyAsync(d, h, len, cudaMemcpyHostToDevice, st[k % 2]));
-    }
-    for (auto &x : st) CUDA_OK(cudaStreamSynchronize(x));
-    double gbs = (double)bytes / seconds_since(t) / 1e9;
-    if (gbs > best) best = gbs;
-  }
-  for (auto &x : st) CUDA_OK(cudaStreamDestroy(x));
-  CUDA_OK(cudaFree(dev));
-  CUDA_OK(cudaFreeHost(host));
-  return best;
-}
-
-// The process's resident host memory (VmRSS of /proc/self/status), MiB; -1 when unreadable.
-static long long rss_mib() {
-  FILE *f = fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  long long kib = -1;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmRSS: %lld kB", &kib) == 1) break;
-  fclose(f);
-  return kib < 0 ? -1 : kib / 1024;
 }
 
 // What a GPUPOOL_SLEEP_* variable says, for the header of the table.
