@@ -10,6 +10,7 @@ mod config;
 mod front;
 mod gc;
 mod largest;
+mod oom_retry;
 mod rules;
 mod rules_errors;
 mod scale;
