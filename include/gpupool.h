@@ -67,7 +67,7 @@
  *   in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools
  *   when off); a growth for a request of 20 MiB and more maps 2 MiB pages instead where they
  *   map fewer bytes than its large pages, at most 64 of them, and where the bytes they save are
- *   at least a 500th of those the pool maps (not with `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0`
+ *   at least a 480th of those the pool maps (not with `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0`
  *   nor with `GPUPOOL_EXPANDABLE_RECLAIM`): far fewer driver calls for large blocks than 2 MiB
  *   pages alone at about their reserved memory, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer
  *   pages moved in a warm pass (see docs/fragmentation.md)

@@ -1,6 +1,6 @@
 //! The page by rounding on the simulated device (gpupool's default, issue 39): a growth for a
 //! request of 20 MiB and more maps 2 MiB pages where they map fewer bytes than its large
-//! pages, at most 64 of them, and where they save at least a 500th of what the pool maps;
+//! pages, at most 64 of them, and where they save at least a 480th of what the pool maps;
 //! large pages otherwise; and 2 MiB pages last when the device has no room for the large ones,
 //! which `largest_allocatable` counts.
 use crate::common;
@@ -47,11 +47,11 @@ fn a_saving_small_against_what_the_pool_maps_takes_large_pages() {
     // 1,200 MiB: fifteen 80 MiB pages.
     let (big, pages, bytes) = grow(&a, &drv, 1200 * MIB);
     assert_eq!((pages, bytes), (15, 1200 * MIB));
-    // 21 MiB saves 18 MiB in small pages, more than a 500th of the 1,222 MiB mapped.
+    // 21 MiB saves 18 MiB in small pages, more than a 480th of the 1,222 MiB mapped.
     let (p21, pages, bytes) = grow(&a, &drv, 21 * MIB);
     assert_eq!((pages, bytes), (11, 22 * MIB));
     // 58 MiB would save 2 MiB (58 small pages' bytes against 60 of large ones), less than
-    // a 500th of 1,280 MiB: three large pages rather than 29 small ones.
+    // a 480th of 1,280 MiB: three large pages rather than 29 small ones.
     let (p58, pages, bytes) = grow(&a, &drv, 58 * MIB);
     assert_eq!((pages, bytes), (3, 60 * MIB));
     check(&a);

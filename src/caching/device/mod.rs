@@ -149,14 +149,16 @@ const SMALL_PAGES_PER_GROWTH: usize = 64;
 /// shard's, with them) over this: 2 MiB saved from 1 GiB mapped, 20 MiB from 10 GiB. A saving
 /// moves reserved over live by its share of the pool, while a page costs a `cuMemCreate` and a
 /// `cuMemMap` (50-100 us on an H200) whatever the pool holds. Replaying the 26 traces of
-/// docs/fragmentation.md on the simulated device: 11% fewer pages mapped in the cold passes
-/// than small pages wherever they map less (vit_train 1,677 rather than 2,431, bert_train
-/// 1,440 rather than 1,542) at the same mean reserved over live (1.1117 against 1.1118), no
-/// trace worse by more than 0.004; 400 to 500 about the same; 150 to 350 fewer pages still
-/// (up to 29%) but bert_train 0.06 of live more, and bounds in bytes (a saving of at least 4
-/// to 16 MiB) 0.01 to 0.1 more on other traces. Most pages left are those of the requests
-/// below 20 MiB, which map 2 MiB pages whatever this says.
-const SMALL_PAGES_SAVING: usize = 500;
+/// docs/fragmentation.md on the simulated device: 12% fewer pages mapped in the cold passes
+/// than small pages wherever they map less (vit_train 1,595 rather than 2,431, bert_train
+/// 1,440 rather than 1,542) at the same mean reserved over live (1.112), no trace worse by
+/// more than 0.005 (vit_train 1.039) and no page call added to a warm pass; on 32 copies
+/// scaled by 0.7-1.2, 9% fewer at most 0.004 worse. 400 to 500 about the same, but some of
+/// them add page calls to vit_train's warm pass (500: 30); 150 to 350 fewer pages still (up
+/// to 29%) but bert_train 0.06 of live more, and bounds in bytes (a saving of at least 4 to
+/// 16 MiB) 0.01 to 0.1 more on other traces. Most pages left are those of the requests below
+/// 20 MiB, which map 2 MiB pages whatever this says.
+const SMALL_PAGES_SAVING: usize = 480;
 
 impl DeviceAllocator {
     /// The allocator of `device` with `config`'s rules (PyTorch's size rules,

@@ -75,8 +75,8 @@ impl ShardState {
     /// it moves reserved over live, while each page costs the same driver calls whatever the
     /// pool holds. Measured on every trace in docs/fragmentation.md: BERT at random lengths
     /// 1.248 of live rather than 1.264 on the simulated device, no trace worse by more than
-    /// 0.004 than with small pages wherever they map less, and 11% fewer pages mapped in the
-    /// cold passes (vit_train 1,677 rather than 2,431).
+    /// 0.005 than with small pages wherever they map less, no page call added to a warm pass,
+    /// and 12% fewer pages mapped in the cold passes (vit_train 1,595 rather than 2,431).
     ///
     /// While history is on, the pages mapped are recorded as `segment_map` events (those of a
     /// failed call that the driver would not unmap included), with the call's stack, which is
