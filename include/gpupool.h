@@ -66,11 +66,11 @@
  *   of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page
  *   in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools
  *   when off); a growth for a request of 20 MiB and more maps 2 MiB pages instead where they
- *   map fewer bytes than its large pages, and at most 64 of them (not with
- *   `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0` nor with `GPUPOOL_EXPANDABLE_RECLAIM`): far fewer
- *   driver calls for large blocks than 2 MiB pages alone at about their reserved memory, and
- *   with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass (see
- *   docs/fragmentation.md)
+ *   map fewer bytes than its large pages, at most 64 of them, and where the bytes they save are
+ *   at least a 480th of those the pool maps (not with `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0`
+ *   nor with `GPUPOOL_EXPANDABLE_RECLAIM`): far fewer driver calls for large blocks than 2 MiB
+ *   pages alone at about their reserved memory, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer
+ *   pages moved in a warm pass (see docs/fragmentation.md)
  * - GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST (count, 0 to 1048576; default `16`): With
  *   `GPUPOOL_EXPANDABLE_LARGE_PAGES`: a request of 20 MiB or more maps at most this many pages;
  *   its address range's page is 20 MiB doubled until it does (a 4 GiB request maps 13 pages of

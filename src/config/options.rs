@@ -150,7 +150,7 @@ pub static OPTIONS: [Opt; 19] = [
         name: "GPUPOOL_EXPANDABLE_LARGE_PAGES",
         kind: Kind::Bool,
         default: Value::Bool(true),
-        doc: "With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off); a growth for a request of 20 MiB and more maps 2 MiB pages instead where they map fewer bytes than its large pages, and at most 64 of them (not with `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0` nor with `GPUPOOL_EXPANDABLE_RECLAIM`): far fewer driver calls for large blocks than 2 MiB pages alone at about their reserved memory, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass (see docs/fragmentation.md)",
+        doc: "With expandable segments: requests of 20 MiB and more grow address ranges of their own, mapped in 20 MiB pages (PyTorch's page in its large pool), and smaller ones ranges of 2 MiB pages (gpupool's page in both pools when off); a growth for a request of 20 MiB and more maps 2 MiB pages instead where they map fewer bytes than its large pages, at most 64 of them, and where the bytes they save are at least a 480th of those the pool maps (not with `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=0` nor with `GPUPOOL_EXPANDABLE_RECLAIM`): far fewer driver calls for large blocks than 2 MiB pages alone at about their reserved memory, and with `GPUPOOL_EXPANDABLE_RECLAIM` far fewer pages moved in a warm pass (see docs/fragmentation.md)",
         set: |c, v| c.expandable_large_pages = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_large_pages),
     },

@@ -1,7 +1,8 @@
 //! The page by rounding on the simulated device (gpupool's default, issue 39): a growth for a
 //! request of 20 MiB and more maps 2 MiB pages where they map fewer bytes than its large
-//! pages, and at most 64 of them; large pages where they map no more; and 2 MiB pages last
-//! when the device has no room for the large ones, which `largest_allocatable` counts.
+//! pages, at most 64 of them, and where they save at least a 480th of what the pool maps;
+//! large pages otherwise; and 2 MiB pages last when the device has no room for the large ones,
+//! which `largest_allocatable` counts.
 use crate::common;
 
 use common::ladder::{ladder, touch_ends};
@@ -34,6 +35,27 @@ fn a_growth_maps_the_pages_that_round_least() {
     assert_eq!((pages, bytes), (11, 220 * MIB));
     check(&a);
     for p in [whole, p21, p101, p201] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache(0).unwrap();
+    assert_eq!((drv.used(0), drv.live_vmm()), (0, (0, 0)));
+}
+
+#[test]
+fn a_saving_small_against_what_the_pool_maps_takes_large_pages() {
+    let (a, drv) = sim_with(1, 4 << 30, ladder(16));
+    // 1,200 MiB: fifteen 80 MiB pages.
+    let (big, pages, bytes) = grow(&a, &drv, 1200 * MIB);
+    assert_eq!((pages, bytes), (15, 1200 * MIB));
+    // 21 MiB saves 18 MiB in small pages, more than a 480th of the 1,222 MiB mapped.
+    let (p21, pages, bytes) = grow(&a, &drv, 21 * MIB);
+    assert_eq!((pages, bytes), (11, 22 * MIB));
+    // 58 MiB would save 2 MiB (58 small pages' bytes against 60 of large ones), less than
+    // a 480th of 1,280 MiB: three large pages rather than 29 small ones.
+    let (p58, pages, bytes) = grow(&a, &drv, 58 * MIB);
+    assert_eq!((pages, bytes), (3, 60 * MIB));
+    check(&a);
+    for p in [big, p21, p58] {
         a.free(p).unwrap();
     }
     a.empty_cache(0).unwrap();

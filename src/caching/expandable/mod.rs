@@ -90,6 +90,10 @@ pub(crate) struct ExpandablePolicy {
     /// [`ShardState::grow_expandable`]); 0: never (with `pages_per_request` 0, and with the
     /// high-water rule).
     pub small_pages_within: usize,
+    /// Those small pages only where the bytes they save (the large pages' mapping less
+    /// theirs) are at least the bytes the shard's ranges of the pool would map with them over
+    /// this many (see [`ShardState::grow_expandable`]); 0: wherever they save any.
+    pub small_pages_saving: usize,
     /// The device's total memory (`cuMemGetInfo`): a shard's first range in the large pool
     /// is an eighth of it, in the small pool a sixty-fourth, and each further range of a pool
     /// (and page size) twice the largest it has, or the request if that is larger.

@@ -11,6 +11,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         huge_page: 20 << 20,
         pages_per_request: 0,
         small_pages_within: 0,
+        small_pages_saving: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.range_size(PoolKind::Large, 1 << 20, 0), Some(10 << 30));
@@ -26,6 +27,7 @@ fn ranges_grow_with_use_and_stay_whole_pages() {
         huge_page: 20 << 20,
         pages_per_request: 0,
         small_pages_within: 0,
+        small_pages_saving: 0,
         device_total: 64 << 20,
     };
     assert_eq!(tiny.range_size(PoolKind::Large, 512, 0), Some(20 << 20));
@@ -40,6 +42,7 @@ fn large_requests_take_large_pages_only_when_asked() {
         huge_page: 20 << 20,
         pages_per_request: 0,
         small_pages_within: 0,
+        small_pages_saving: 0,
         device_total: 80 << 30,
     };
     assert_eq!(p.page_for(PoolKind::Large, 64 << 20), 2 << 20, "off: one page size");
@@ -131,6 +134,7 @@ fn ladder_of_80_gib(small_pages_within: usize) -> ExpandablePolicy {
         huge_page: 20 * MIB,
         pages_per_request: 16,
         small_pages_within,
+        small_pages_saving: 0,
         device_total: 80 << 30,
     }
 }

@@ -86,6 +86,7 @@ fn growth_maps_the_first_run_that_holds_the_request() {
         huge_page: 20 * MIB,
         pages_per_request: 0,
         small_pages_within: 0,
+        small_pages_saving: 0,
         device_total: 80 << 30,
     });
     assert_eq!(largest(&s), 9 * MIB, "the second run: 3 free MiB and 6 mapped");
