@@ -1,6 +1,6 @@
 //! The devices' primary contexts: retained once, pushed around each call and popped after; and
-//! the calls of [`DeviceOps`](crate::driver::ops::DeviceOps): how many devices there are, which
-//! device or context is current, which one a stream belongs to.
+//! the calls of [`DeviceOps`]: how many devices there are, which device or context is current,
+//! which one a stream belongs to.
 
 use cudarc::driver::sys;
 

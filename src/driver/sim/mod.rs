@@ -34,19 +34,18 @@
 //! Selected with `GPUPOOL_DRIVER=sim`; capacity and device count from `GPUPOOL_SIM_CAPACITY`
 //! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
 //!
-//! This file holds the driver and its state, and the devices' calls
-//! ([`DeviceOps`](super::ops::DeviceOps)). Each mechanism is in a file of its own, which
-//! implements its sub-trait of [`Driver`](super::Driver) (see [`ops`](super::ops)), each call's
-//! body in the impl, starting with the hooks of [`SimDriver::on_call`] and the faults of
-//! [`SimDriver::inject`]: the devices' physical memory in `backing`, device memory
-//! (`MemoryOps`) in `memory`, virtual memory (`VirtualMemoryOps`) in `vmm`, memory shared with
-//! other processes (`IpcOps`) in `ipc`, dma-buf descriptors of ranges (`DmabufOps`) in
-//! `dmabuf`, pinned and pageable host memory (`HostMemoryOps`; pageable memory is a sleeping
-//! pool's host copy) in `host`, streams, events and the calls of stream capture (`StreamOps`)
-//! in `streams`, the captures a test begins and ends and CUDA's rules during them in
-//! `capture`, copies and copy streams (`CopyOps`) in `copy`, injected faults in `faults`, a
-//! test's code run at a chosen call in `hooks`, the count of each call made in `counts`; its
-//! unit tests in `tests.rs`.
+//! This file holds the driver and its state, and the devices' calls ([`DeviceOps`]). Each
+//! mechanism is in a file of its own, which implements its sub-trait of
+//! [`Driver`](super::Driver) (see [`ops`](super::ops)), each call's body in the impl, starting
+//! with the hooks of [`SimDriver::on_call`] and the faults of [`SimDriver::inject`]: the
+//! devices' physical memory in `backing`, device memory (`MemoryOps`) in `memory`, virtual
+//! memory (`VirtualMemoryOps`) in `vmm`, memory shared with other processes (`IpcOps`) in
+//! `ipc`, dma-buf descriptors of ranges (`DmabufOps`) in `dmabuf`, pinned and pageable host
+//! memory (`HostMemoryOps`; pageable memory is a sleeping pool's host copy) in `host`, streams,
+//! events and the calls of stream capture (`StreamOps`) in `streams`, the captures a test
+//! begins and ends and CUDA's rules during them in `capture`, copies and copy streams
+//! (`CopyOps`) in `copy`, injected faults in `faults`, a test's code run at a chosen call in
+//! `hooks`, the count of each call made in `counts`; its unit tests in `tests.rs`.
 
 mod backing;
 mod capture;
