@@ -2,8 +2,9 @@
 //! given back to the operating system when unmapped (`munmap`), not kept in a heap. What a
 //! sleeping pool's host copy is made of (`caching::sleep::copy`): it leaves no pinned memory behind
 //! and, unmapped at wake, truly returns to the system (vLLM#16663 is the complaint about a
-//! host copy that stayed). The [`Driver`](super::Driver) trait's `host_map` and `host_unmap`
-//! call these; the simulated driver counts the calls and injects faults there first.
+//! host copy that stayed). The default `host_map` and `host_unmap` of
+//! [`HostMemoryOps`](super::ops::HostMemoryOps) are these; the simulated driver's call them
+//! after counting the call and injecting faults.
 
 use super::{DriverError, HostPtr};
 use crate::os::mapping;

@@ -342,7 +342,7 @@ impl HostAllocator {
     /// Says that the block at `ptr` is used by work queued on `stream` (PyTorch
     /// `CachingHostAllocator_recordEvent`, `record_event`): at its free, an event is recorded
     /// on `stream`, and the block is reused only once it has completed. The stream's device is
-    /// found now ([`Driver::stream_device`]). Naming a stream twice counts once; 0 (null) is a
+    /// found now ([`DeviceOps::stream_device`](crate::driver::ops::DeviceOps::stream_device)). Naming a stream twice counts once; 0 (null) is a
     /// no-op.
     ///
     /// Errors: [`Error::InvalidPointer`] for a pointer that is not the start of an allocated

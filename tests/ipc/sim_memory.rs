@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use common::{MIB, check};
 use gpupool::Error;
 use gpupool::config::Config;
+use gpupool::driver::ops::*;
 use gpupool::driver::sim::SimDriver;
 use gpupool::driver::{Driver, DriverError};
 use gpupool::host::HostAllocator;

@@ -16,9 +16,10 @@ use std::sync::Arc;
 use common::{MIB, check, sim};
 use gpupool::Error;
 use gpupool::driver::sim::SimDriver;
-use gpupool::driver::{CaptureMode, CaptureStatus, Driver, DriverError};
+use gpupool::driver::{CaptureMode, CaptureStatus, DriverError};
 
 use crate::support::{S, S2};
+use gpupool::driver::ops::*;
 
 /// Prints "ok" when the pickle's segments carry, in order, the `segment_pool_id` pairs of
 /// argv[2] ("a,b a,b ...").

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{MIB, check, sim};
-use gpupool::driver::Driver;
+use gpupool::driver::ops::*;
 use gpupool::driver::sim::SimDriver;
 use gpupool::{Allocator, Error, SegmentEventKind};
 

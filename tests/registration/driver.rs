@@ -1,4 +1,4 @@
-//! The simulated `cuMemGetHandleForAddressRange` (`Driver::mem_range_dmabuf`) follows CUDA's
+//! The simulated `cuMemGetHandleForAddressRange` (`DmabufOps::mem_range_dmabuf`) follows CUDA's
 //! rules: host-page alignment, one `cuMemAlloc` allocation or one reserved range wholly
 //! mapped (by several handles side by side, allowed), of the device named; a real descriptor
 //! of the range's size; every fault kind injected fires and changes nothing.
@@ -7,8 +7,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::common::MIB;
 use crate::fd_size;
+use gpupool::driver::DriverError;
+use gpupool::driver::ops::*;
 use gpupool::driver::sim::{SIM_GRANULARITY, SimDriver, SimFault, SimOp};
-use gpupool::driver::{Driver, DriverError};
 
 const G: usize = SIM_GRANULARITY;
 

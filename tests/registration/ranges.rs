@@ -83,7 +83,7 @@ fn a_hole_cuts_an_expandable_segment_into_two_runs_each_its_own_descriptor() {
     assert_eq!((lo.segment_base, lo.segment_bytes), (hi.segment_base, hi.segment_bytes), "one segment");
     // The driver refuses a descriptor over the hole, as CUDA does for a range not wholly
     // mapped: why the runs are registered apart.
-    use gpupool::driver::Driver;
+    use gpupool::driver::ops::*;
     assert!(drv.mem_range_dmabuf(0, whole.base, whole.bytes).is_err());
     for p in [blocks[0], blocks[2]] {
         a.free(p).unwrap();
@@ -169,7 +169,7 @@ fn a_pool_over_the_programs_allocator_has_each_of_its_segments_as_one_range() {
     // the device pools use expandable segments.
     let (a, drv) = sim_with(1, 256 * MIB, Config::default());
     let (s, s2) = (drv.clone(), drv.clone());
-    use gpupool::driver::Driver;
+    use gpupool::driver::ops::*;
     let pool = a.pool_create_with_allocator(
         move |bytes, device, _| s.mem_alloc(device, bytes).ok(),
         move |p, _, device, _| s2.mem_free(device, p).unwrap(),

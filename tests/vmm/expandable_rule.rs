@@ -82,7 +82,7 @@ fn another_streams_free_pages_hold_the_growth_of_a_stream() {
 /// unmapped and the growth goes past the mark instead.
 #[test]
 fn the_rule_waits_for_the_growing_streams_work_only() {
-    use gpupool::driver::Driver;
+    use gpupool::driver::ops::*;
     for fail in [false, true] {
         let (a, drv) = sim_with(1, 1 << 30, reclaiming());
         let first = a.malloc(10 * PAGE, 0, 0x10).unwrap();

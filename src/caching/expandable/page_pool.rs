@@ -227,6 +227,7 @@ impl PagePool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::ops::*;
     use crate::driver::sim::{SIM_GRANULARITY, SimDriver, SimFault, SimOp};
 
     const P: usize = SIM_GRANULARITY;

@@ -2,6 +2,7 @@
 //! failures undone, orphans released, and the access each map grants.
 
 use super::*;
+use crate::driver::ops::*;
 use crate::driver::sim::{SIM_GRANULARITY, SimDriver, SimFault, SimOp};
 
 const P: usize = SIM_GRANULARITY;

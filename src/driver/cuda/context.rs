@@ -1,9 +1,11 @@
 //! The devices' primary contexts: retained once, pushed around each call and popped after; and
-//! the calls that ask which device or context is current, or which a stream belongs to.
+//! the calls of [`DeviceOps`]: how many devices there are, which device or context is current,
+//! which one a stream belongs to.
 
 use cudarc::driver::sys;
 
-use super::{CudaDriver, Driver, DriverError, StreamHandle, check};
+use super::{CudaDriver, DriverError, StreamHandle, check};
+use crate::driver::ops::DeviceOps;
 
 impl CudaDriver {
     pub(super) fn context(&self, device: i32) -> Result<sys::CUcontext, DriverError> {
@@ -37,8 +39,18 @@ impl CudaDriver {
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         }
     }
+}
 
-    pub(super) fn cuda_current_device(&self) -> Result<i32, DriverError> {
+impl DeviceOps for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> i32 {
+        self.devices.len() as i32
+    }
+
+    fn current_device(&self) -> Result<i32, DriverError> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: writes one pointer.
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
@@ -52,7 +64,7 @@ impl CudaDriver {
         Ok(self.devices.iter().position(|&d| d == dev).map_or(0, |p| p as i32))
     }
 
-    pub(super) fn cuda_current_primary_device(&self) -> Result<Option<i32>, DriverError> {
+    fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: writes one pointer.
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
@@ -67,7 +79,7 @@ impl CudaDriver {
         Ok((primary == ctx).then_some(ordinal as i32))
     }
 
-    pub(super) fn cuda_stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+    fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
         // The legacy default stream and the two special handles name the current context's.
         if stream <= 2 {
             return self.current_device();

@@ -10,6 +10,7 @@ use cudarc::driver::sys;
 
 use super::loading::{exported, first_missing};
 use super::{CudaDriver, DevicePtr, DriverError, HostPtr, StreamHandle, check};
+use crate::driver::ops::CopyOps;
 
 /// The driver functions of the copies, checked once, at the first copy stream.
 pub(super) const COPY_FUNCTIONS: [&str; 5] =
@@ -26,8 +27,8 @@ fn copy_functions() -> Result<(), DriverError> {
     }
 }
 
-impl CudaDriver {
-    pub(super) fn cuda_stream_create(&self, device: i32) -> Result<StreamHandle, DriverError> {
+impl CopyOps for CudaDriver {
+    fn stream_create(&self, device: i32) -> Result<StreamHandle, DriverError> {
         copy_functions()?;
         self.in_context(device, || {
             let mut s: sys::CUstream = std::ptr::null_mut();
@@ -38,23 +39,23 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_stream_destroy(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_destroy(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
         copy_functions()?;
-        // SAFETY: a stream from cuda_stream_create, no longer used by gpupool.
+        // SAFETY: a stream from stream_create, no longer used by gpupool.
         self.in_context(device, || {
             check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(stream as sys::CUstream) })
         })
     }
 
-    pub(super) fn cuda_stream_synchronize(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_synchronize(&self, device: i32, stream: StreamHandle) -> Result<(), DriverError> {
         copy_functions()?;
-        // SAFETY: a stream from cuda_stream_create.
+        // SAFETY: a stream from stream_create.
         self.in_context(device, || {
             check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) })
         })
     }
 
-    pub(super) fn cuda_memcpy_dtoh(
+    fn memcpy_dtoh_async(
         &self,
         device: i32,
         dst: HostPtr,
@@ -71,7 +72,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_memcpy_htod(
+    fn memcpy_htod_async(
         &self,
         device: i32,
         dst: DevicePtr,

@@ -13,18 +13,14 @@ use cudarc::driver::sys;
 
 use super::loading::exported;
 use super::{CudaDriver, DevicePtr, DriverError, check};
+use crate::driver::ops::DmabufOps;
 
 /// The driver functions of the dma-buf export, checked before each call (cudarc panics at
 /// the first call of a missing one).
 pub(super) const DMABUF_FUNCTIONS: [&str; 2] = ["cuDeviceGetAttribute", "cuMemGetHandleForAddressRange"];
 
-impl CudaDriver {
-    pub(super) fn cuda_mem_range_dmabuf(
-        &self,
-        device: i32,
-        ptr: DevicePtr,
-        size: usize,
-    ) -> Result<OwnedFd, DriverError> {
+impl DmabufOps for CudaDriver {
+    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<OwnedFd, DriverError> {
         if let Some(name) = super::loading::first_missing(&DMABUF_FUNCTIONS, exported) {
             return Err(DriverError::Unavailable(format!(
                 "the CUDA driver library (libcuda.so.1) lacks {name}, which a dma-buf export of device memory needs \

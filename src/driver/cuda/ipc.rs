@@ -9,6 +9,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 
 use super::{CudaDriver, DevicePtr, DriverError, PhysHandle, check};
+use crate::driver::ops::IpcOps;
 
 /// The driver functions of sharing memory (CUDA 10.2 and later, `cuDeviceGetUuid_v2` 11.4).
 /// Not required at start.
@@ -32,8 +33,10 @@ impl CudaDriver {
             ))),
         }
     }
+}
 
-    pub(super) fn cuda_device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+impl IpcOps for CudaDriver {
+    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
         self.ipc_functions()?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: writes one CUuuid; the device is from cuDeviceGet.
@@ -41,7 +44,7 @@ impl CudaDriver {
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
-    pub(super) fn cuda_mem_export(&self, device: i32, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
+    fn mem_export(&self, device: i32, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
         self.ipc_functions()?;
         if self.fd_handles_refused.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(DriverError::Unavailable(
@@ -63,12 +66,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_mem_import(
-        &self,
-        device: i32,
-        fd: BorrowedFd<'_>,
-        _size: usize,
-    ) -> Result<PhysHandle, DriverError> {
+    fn mem_import(&self, device: i32, fd: BorrowedFd<'_>, _size: usize) -> Result<PhysHandle, DriverError> {
         self.ipc_functions()?;
         self.in_context(device, || {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -84,7 +82,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
         self.ipc_functions()?;
         self.in_context(device, || {
             let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
@@ -94,7 +92,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_ipc_open_mem_handle(&self, device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+    fn ipc_open_mem_handle(&self, device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
         self.ipc_functions()?;
         self.in_context(device, || {
             let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
@@ -106,7 +104,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_ipc_close_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+    fn ipc_close_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
         self.ipc_functions()?;
         // SAFETY: a pointer from cuIpcOpenMemHandle, not used after.
         self.in_context(device, || check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(ptr) }))

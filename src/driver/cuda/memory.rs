@@ -5,9 +5,10 @@
 use cudarc::driver::sys;
 
 use super::{CudaDriver, DevicePtr, DriverError, HostPtr, MemInfo, check};
+use crate::driver::ops::{HostMemoryOps, MemoryOps};
 
-impl CudaDriver {
-    pub(super) fn cuda_mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+impl MemoryOps for CudaDriver {
+    fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
         self.in_context(device, || {
             let mut ptr: sys::CUdeviceptr = 0;
             // SAFETY: writes one device pointer.
@@ -16,12 +17,12 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_mem_free(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+    fn mem_free(&self, device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
         // SAFETY: `ptr` came from mem_alloc on this device and is not in use by gpupool.
         self.in_context(device, || check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) }))
     }
 
-    pub(super) fn cuda_mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
+    fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
         self.in_context(device, || {
             let (mut free, mut total) = (0usize, 0usize);
             // SAFETY: writes two sizes.
@@ -29,8 +30,10 @@ impl CudaDriver {
             Ok(MemInfo { free, total })
         })
     }
+}
 
-    pub(super) fn cuda_host_alloc(&self, device: i32, size: usize) -> Result<HostPtr, DriverError> {
+impl HostMemoryOps for CudaDriver {
+    fn host_alloc(&self, device: i32, size: usize) -> Result<HostPtr, DriverError> {
         self.in_context(device, || {
             let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
             // SAFETY: writes one pointer; PORTABLE makes the memory usable from every context.
@@ -39,12 +42,12 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_host_free(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+    fn host_free(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
         // SAFETY: `ptr` came from host_alloc and no work uses it (the caller's duty).
         self.in_context(device, || check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr as *mut _) }))
     }
 
-    pub(super) fn cuda_host_register(&self, device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+    fn host_register(&self, device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: `ptr` points to `size` bytes the caller owns, allocated and not registered yet.
         self.in_context(device, || {
@@ -52,7 +55,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_host_unregister(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+    fn host_unregister(&self, device: i32, ptr: HostPtr) -> Result<(), DriverError> {
         // SAFETY: `ptr` is the start of a range registered by host_register.
         self.in_context(device, || check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(ptr as *mut _) }))
     }

@@ -5,9 +5,10 @@
 use cudarc::driver::sys;
 
 use super::{CaptureMode, CaptureStatus, CudaDriver, DriverError, EventHandle, StreamHandle, check};
+use crate::driver::ops::StreamOps;
 
-impl CudaDriver {
-    pub(super) fn cuda_event_create(&self, device: i32) -> Result<EventHandle, DriverError> {
+impl StreamOps for CudaDriver {
+    fn event_create(&self, device: i32) -> Result<EventHandle, DriverError> {
         self.in_context(device, || {
             let mut ev: sys::CUevent = std::ptr::null_mut();
             let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -17,19 +18,14 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_event_record(
-        &self,
-        device: i32,
-        event: EventHandle,
-        stream: StreamHandle,
-    ) -> Result<(), DriverError> {
+    fn event_record(&self, device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
         self.in_context(device, || {
             // SAFETY: the event came from event_create; the stream is the caller's handle.
             check("cuEventRecord", unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream as sys::CUstream) })
         })
     }
 
-    pub(super) fn cuda_event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
         // SAFETY: the event came from event_create.
         let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -38,30 +34,26 @@ impl CudaDriver {
         check("cuEventQuery", r).map(|_| true)
     }
 
-    pub(super) fn cuda_event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
         // SAFETY: the event came from event_create.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
     }
 
-    pub(super) fn cuda_event_destroy(&self, device: i32, event: EventHandle) {
+    fn event_destroy(&self, device: i32, event: EventHandle) {
         // SAFETY: the event came from event_create and is no longer used. A failure leaks one
         // event and needs no report.
         let _ = self
             .in_context(device, || check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) }));
     }
 
-    pub(super) fn cuda_device_synchronize(&self, device: i32) -> Result<(), DriverError> {
+    fn device_synchronize(&self, device: i32) -> Result<(), DriverError> {
         // SAFETY: no arguments; runs in the device's primary context.
         self.in_context(device, || check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }))
     }
 
     /// In the device's primary context, where the legacy default stream (0) is the one the
     /// runtime API's kernels use.
-    pub(super) fn cuda_stream_capture_status(
-        &self,
-        device: i32,
-        stream: StreamHandle,
-    ) -> Result<CaptureStatus, DriverError> {
+    fn stream_capture_status(&self, device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
         if !self.capture {
             return Ok(CaptureStatus::None);
         }
@@ -84,7 +76,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
         if !self.capture {
             return Ok(mode);
         }

@@ -5,14 +5,15 @@
 
 use cudarc::driver::sys;
 
-use super::{CudaDriver, DevicePtr, Driver, DriverError, PhysHandle, check};
+use super::{CudaDriver, DevicePtr, DriverError, PhysHandle, check};
+use crate::driver::ops::VirtualMemoryOps;
 
 /// What `cuMemCreate` is asked for, and what the granularity is queried for: pinned memory on
 /// device `dev` (a `CUdevice`), as PyTorch's `ExpandableSegment::map` fills it. With
 /// `shareable`, the handle type PyTorch requests, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
 /// so that a page can be exported to another process (`gpupool_ipc_export`, PyTorch's
 /// `ExpandableSegment::share`); without, none, for where file-descriptor handles are refused
-/// (see [`CudaDriver::cuda_mem_create`]). With `rdma`, marked GPUDirect RDMA capable
+/// (see [`CudaDriver::mem_create`]). With `rdma`, marked GPUDirect RDMA capable
 /// (`allocFlags.gpuDirectRDMACapable`), asked where the device says it may be
 /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`), as NCCL's `ncclCuMemAlloc`
 /// does: so that a transport may register the pages with an RDMA NIC (a dma-buf of them,
@@ -66,7 +67,7 @@ impl CudaDriver {
         }
     }
 
-    /// The granularity of [`Driver::vmm_granularity`], or [`DriverError::Unavailable`] where
+    /// The granularity of [`VirtualMemoryOps::vmm_granularity`], or [`DriverError::Unavailable`] where
     /// the device cannot manage virtual memory.
     fn granularity(&self, device: i32) -> Result<usize, DriverError> {
         self.vmm_granularity(device)?.ok_or_else(|| {
@@ -76,8 +77,10 @@ impl CudaDriver {
             ))
         })
     }
+}
 
-    pub(super) fn cuda_vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError> {
+impl VirtualMemoryOps for CudaDriver {
+    fn vmm_granularity(&self, device: i32) -> Result<Option<usize>, DriverError> {
         if self.vmm_missing.is_some() {
             return Ok(None);
         }
@@ -117,7 +120,7 @@ impl CudaDriver {
     /// addresses that are multiples of it. PyTorch passes 0 (the driver's default alignment)
     /// and relies on that default being enough; an explicit alignment must be a power of two,
     /// so any other granularity falls back to the default.
-    pub(super) fn cuda_address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
         self.vmm_functions()?;
         let granularity = self.granularity(device)?;
         let alignment = if granularity.is_power_of_two() { granularity } else { 0 };
@@ -129,7 +132,7 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_address_free(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    fn address_free(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
         self.vmm_functions()?;
         // SAFETY: `ptr` and `size` are a whole reservation from address_reserve, unmapped.
         self.in_context(device, || check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, size) }))
@@ -139,7 +142,7 @@ impl CudaDriver {
     /// expandable segments; where the driver refuses them (`CUDA_ERROR_NOT_SUPPORTED` or
     /// `CUDA_ERROR_INVALID_VALUE`: some containers and virtual GPUs), asks again without and
     /// never asks for them again in this process, and an export then says why it cannot.
-    pub(super) fn cuda_mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
         use std::sync::atomic::Ordering;
         self.vmm_functions()?;
         let dev = self.devices[device as usize];
@@ -168,19 +171,13 @@ impl CudaDriver {
         })
     }
 
-    pub(super) fn cuda_mem_release(&self, device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+    fn mem_release(&self, device: i32, handle: PhysHandle) -> Result<(), DriverError> {
         self.vmm_functions()?;
         // SAFETY: a handle from mem_create, mapped nowhere and not used after.
         self.in_context(device, || check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) }))
     }
 
-    pub(super) fn cuda_mem_map(
-        &self,
-        device: i32,
-        ptr: DevicePtr,
-        size: usize,
-        handle: PhysHandle,
-    ) -> Result<(), DriverError> {
+    fn mem_map(&self, device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
         self.vmm_functions()?;
         // SAFETY: maps the whole handle (offset 0, `size` bytes) at `ptr`, inside a reservation
         // of this device; flags 0 as required.
@@ -197,7 +194,7 @@ impl CudaDriver {
     /// Management"; PyTorch's Note [Expandable Segments]). The allocator names the owner and the
     /// peers the program enabled (`caching::peers`), as PyTorch's `ExpandableSegment::setAccess`.
     /// The cost of each call grows with the devices named: it updates each one's page tables.
-    pub(super) fn cuda_mem_set_access(
+    fn mem_set_access(
         &self,
         device: i32,
         ptr: DevicePtr,
@@ -220,7 +217,7 @@ impl CudaDriver {
 
     /// Whether `accessor` can reach `owner`'s memory directly (`cuDeviceCanAccessPeer(&can,
     /// accessor, owner)`); a device reaches its own.
-    pub(super) fn cuda_can_access_peer(&self, accessor: i32, owner: i32) -> Result<bool, DriverError> {
+    fn can_access_peer(&self, accessor: i32, owner: i32) -> Result<bool, DriverError> {
         self.vmm_functions()?;
         if accessor == owner {
             return Ok(true);
@@ -234,7 +231,7 @@ impl CudaDriver {
         Ok(can == 1)
     }
 
-    pub(super) fn cuda_mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    fn mem_unmap(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
         self.vmm_functions()?;
         // SAFETY: whole mappings made by mem_map; no work uses them (the caller's duty).
         self.in_context(device, || check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) }))

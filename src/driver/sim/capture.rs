@@ -1,10 +1,12 @@
 //! Stream capture (CUDA graphs): the captures a test begins and ends, the calling thread's
 //! capture mode, and CUDA's rules for the calls it forbids while a stream captures (which
-//! fail with CUDA's codes and invalidate the capture).
+//! fail with CUDA's codes and invalidate the capture). The driver calls that read them
+//! (`stream_capture_status`, `exchange_capture_mode`) are in `streams`, with the other calls of
+//! [`StreamOps`](crate::driver::ops::StreamOps).
 
 use std::cell::Cell;
 
-use super::{CaptureMode, CaptureStatus, DriverError, EventHandle, SimDriver, SimOp, State, StreamHandle};
+use super::{CaptureMode, CaptureStatus, DriverError, EventHandle, SimDriver, State, StreamHandle};
 
 /// A capture under way on a stream.
 pub(super) struct Capture {
@@ -15,7 +17,7 @@ pub(super) struct Capture {
     thread: std::thread::ThreadId,
     /// Cleared by a forbidden call; [`SimDriver::end_capture`] then reports the capture
     /// failed.
-    valid: bool,
+    pub(super) valid: bool,
 }
 
 /// What CUDA answers a call it forbids during capture.
@@ -26,7 +28,7 @@ fn capture_unsupported(call: &'static str) -> DriverError {
 thread_local! {
     /// The thread's capture mode (`cuThreadExchangeStreamCaptureMode`); CUDA starts every
     /// thread in global mode.
-    static THREAD_CAPTURE_MODE: Cell<CaptureMode> = const { Cell::new(CaptureMode::Global) };
+    pub(super) static THREAD_CAPTURE_MODE: Cell<CaptureMode> = const { Cell::new(CaptureMode::Global) };
 }
 
 impl State {
@@ -150,21 +152,5 @@ impl SimDriver {
             Some(c) if c.valid => CaptureStatus::Active(c.id),
             Some(_) => CaptureStatus::Invalidated,
         }
-    }
-
-    pub(super) fn sim_stream_capture_status(&self, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
-        let mut st = self.state.lock();
-        st.counts.capture_info += 1;
-        st.fault(SimOp::StreamGetCaptureInfo)?;
-        Ok(match st.captures.iter().find(|c| c.stream == stream) {
-            None => CaptureStatus::None,
-            Some(c) if c.valid => CaptureStatus::Active(c.id),
-            Some(_) => CaptureStatus::Invalidated,
-        })
-    }
-
-    pub(super) fn sim_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
-        self.lock_free_fault(SimOp::ThreadExchangeCaptureMode)?;
-        Ok(THREAD_CAPTURE_MODE.with(|m| m.replace(mode)))
     }
 }

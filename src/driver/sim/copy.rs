@@ -5,6 +5,7 @@
 //! host range is pinned.
 
 use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, State, StreamHandle, invalid};
+use crate::driver::ops::CopyOps;
 
 /// The first handle of a stream the simulated driver makes: far from the small values tests
 /// use for their own streams.
@@ -36,36 +37,9 @@ impl State {
 }
 
 impl SimDriver {
-    pub(super) fn sim_stream_create(&self) -> Result<StreamHandle, DriverError> {
-        let mut st = self.state.lock();
-        st.counts.stream_create += 1;
-        st.fault(SimOp::StreamCreate)?;
-        let stream = FIRST_STREAM + st.next_stream;
-        st.next_stream += 1;
-        st.copy_streams.insert(stream);
-        Ok(stream)
-    }
-
-    pub(super) fn sim_stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError> {
-        let mut st = self.state.lock();
-        st.fault(SimOp::StreamDestroy)?;
-        if !st.copy_streams.remove(&stream) {
-            return Err(invalid("cuStreamDestroy"));
-        }
-        st.streams.remove(&stream);
-        Ok(())
-    }
-
-    pub(super) fn sim_stream_synchronize(&self, stream: StreamHandle) -> Result<(), DriverError> {
-        let mut st = self.state.lock();
-        st.fault(SimOp::StreamSynchronize)?;
-        // Copies run at once: nothing is left to wait for.
-        st.wait_on(Some(stream), "cuStreamSynchronize")
-    }
-
     /// A copy of `size` bytes to `to` from `from`, which way `dir` says (`to` is the host
     /// pointer for [`Direction::ToHost`]), on `stream`: run at once.
-    pub(super) fn sim_memcpy(
+    pub(super) fn copy_now(
         &self,
         dir: Direction,
         to: usize,
@@ -95,5 +69,61 @@ impl SimDriver {
         // state's lock keeps either from being unmapped meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, size) };
         Ok(())
+    }
+}
+
+impl CopyOps for SimDriver {
+    fn stream_create(&self, _device: i32) -> Result<StreamHandle, DriverError> {
+        self.run_hooks(SimOp::StreamCreate);
+        let mut st = self.state.lock();
+        st.counts.stream_create += 1;
+        st.fault(SimOp::StreamCreate)?;
+        let stream = FIRST_STREAM + st.next_stream;
+        st.next_stream += 1;
+        st.copy_streams.insert(stream);
+        Ok(stream)
+    }
+
+    fn stream_destroy(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::StreamDestroy);
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamDestroy)?;
+        if !st.copy_streams.remove(&stream) {
+            return Err(invalid("cuStreamDestroy"));
+        }
+        st.streams.remove(&stream);
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::StreamSynchronize);
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamSynchronize)?;
+        // Copies run at once: nothing is left to wait for.
+        st.wait_on(Some(stream), "cuStreamSynchronize")
+    }
+
+    fn memcpy_dtoh_async(
+        &self,
+        _device: i32,
+        dst: HostPtr,
+        src: DevicePtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemcpyDtoH);
+        self.copy_now(Direction::ToHost, dst, src as usize, size, stream)
+    }
+
+    fn memcpy_htod_async(
+        &self,
+        _device: i32,
+        dst: DevicePtr,
+        src: HostPtr,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemcpyHtoD);
+        self.copy_now(Direction::ToDevice, dst as usize, src, size, stream)
     }
 }

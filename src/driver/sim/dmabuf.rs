@@ -14,6 +14,7 @@ use std::os::fd::OwnedFd;
 
 use super::vmm::Backing;
 use super::{DevicePtr, DriverError, SimDriver, SimOp, State, invalid};
+use crate::driver::ops::DmabufOps;
 use crate::os::memfd;
 
 const CALL: &str = "cuMemGetHandleForAddressRange";
@@ -42,13 +43,9 @@ impl State {
     }
 }
 
-impl SimDriver {
-    pub(super) fn sim_mem_range_dmabuf(
-        &self,
-        device: i32,
-        ptr: DevicePtr,
-        size: usize,
-    ) -> Result<OwnedFd, DriverError> {
+impl DmabufOps for SimDriver {
+    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<OwnedFd, DriverError> {
+        self.run_hooks(SimOp::MemGetHandleForAddressRange);
         let mut st = self.state.lock();
         st.counts.dmabufs += 1;
         st.fault(SimOp::MemGetHandleForAddressRange)?;

@@ -1,6 +1,9 @@
 //! Pinned host memory (`cuMemHostAlloc`, `cuMemHostRegister` and their inverses): the ranges
 //! pinned now, within what the host can pin, and the simulated host-to-device copy that counts
-//! a copy from memory that is not pinned.
+//! a copy from memory that is not pinned. And pageable host memory of gpupool's own
+//! (`host_map`, `host_unmap`: the system's `mmap` and `munmap`, see `driver::pageable`): real
+//! mappings, counted, with faults injected first, and the ranges mapped now, so that a test
+//! sees a sleeping pool's host copy come and go.
 //!
 //! Pinned memory is physical memory the kernel may not page out: a real host refuses to pin
 //! more than it has (`cuMemHostAlloc` fails with `CUDA_ERROR_OUT_OF_MEMORY`). The simulated
@@ -9,6 +12,7 @@
 //! request succeeded (its mapping reserves no memory), where a real host fails.
 
 use super::{DevicePtr, DriverError, HostPtr, SimDriver, SimOp, StreamHandle, invalid};
+use crate::driver::ops::HostMemoryOps;
 use crate::os::mapping;
 
 /// How a range of host memory is pinned.
@@ -78,7 +82,16 @@ impl SimDriver {
         DriverError::Cuda { call, code, name: name.into() }
     }
 
-    pub(super) fn sim_host_alloc(&self, size: usize) -> Result<HostPtr, DriverError> {
+    /// Pageable host memory mapped now through `host_map` and not unmapped: (ranges, bytes).
+    pub fn live_pageable(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        (st.pageable.len(), st.pageable.values().sum())
+    }
+}
+
+impl HostMemoryOps for SimDriver {
+    fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
+        self.run_hooks(SimOp::HostAlloc);
         let mut st = self.state.lock();
         st.counts.host_alloc += 1;
         st.fault(SimOp::HostAlloc)?;
@@ -94,7 +107,8 @@ impl SimDriver {
         Ok(p as HostPtr)
     }
 
-    pub(super) fn sim_host_free(&self, ptr: HostPtr) -> Result<(), DriverError> {
+    fn host_free(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostFree);
         let mut st = self.state.lock();
         st.counts.host_free += 1;
         st.fault(SimOp::HostFree)?;
@@ -110,7 +124,8 @@ impl SimDriver {
         }
     }
 
-    pub(super) fn sim_host_register(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+    fn host_register(&self, _device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostRegister);
         let mut st = self.state.lock();
         st.counts.host_register += 1;
         st.fault(SimOp::HostRegister)?;
@@ -130,7 +145,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+    fn host_unregister(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostUnregister);
         let mut st = self.state.lock();
         st.counts.host_unregister += 1;
         st.fault(SimOp::HostUnregister)?;
@@ -142,5 +158,28 @@ impl SimDriver {
             }
             _ => Err(SimDriver::host_error("cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")),
         }
+    }
+
+    fn host_map(&self, size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
+        self.run_hooks(SimOp::HostMap);
+        let mut st = self.state.lock();
+        st.counts.host_map += 1;
+        st.fault(SimOp::HostMap)?;
+        let p = crate::driver::pageable::map(size, huge_pages)?;
+        st.pageable.insert(p, size);
+        Ok(p)
+    }
+
+    fn host_unmap(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::HostUnmap);
+        let mut st = self.state.lock();
+        st.counts.host_unmap += 1;
+        st.fault(SimOp::HostUnmap)?;
+        if st.pageable.get(&ptr) != Some(&size) {
+            return Err(invalid("munmap"));
+        }
+        crate::driver::pageable::unmap(ptr, size)?;
+        st.pageable.remove(&ptr);
+        Ok(())
     }
 }

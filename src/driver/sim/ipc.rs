@@ -19,6 +19,7 @@ use std::os::fd::BorrowedFd;
 use super::backing::{imported_extent, map_fd};
 use super::vmm::Backing;
 use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, invalid};
+use crate::driver::ops::IpcOps;
 use crate::os::{memfd, process};
 
 /// The first bytes of a simulated `cuIpcGetMemHandle` handle.
@@ -34,15 +35,19 @@ impl SimDriver {
     pub fn opened_ipc_bytes(&self) -> usize {
         self.state.lock().opened.values().sum()
     }
+}
 
-    pub(super) fn sim_device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+impl IpcOps for SimDriver {
+    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
+        self.run_hooks(SimOp::DeviceUuid);
         self.state.lock().fault(SimOp::DeviceUuid)?;
         let mut uuid = *b"gpupool-sim-gpu\0";
         uuid[15] = device as u8;
         Ok(uuid)
     }
 
-    pub(super) fn sim_mem_export(&self, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+    fn mem_export(&self, _device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
+        self.run_hooks(SimOp::MemExport);
         let mut st = self.state.lock();
         st.fault(SimOp::MemExport)?;
         let call = "cuMemExportToShareableHandle";
@@ -53,12 +58,8 @@ impl SimDriver {
         file.export(offset).map_err(|_| cuda_error(call, 2, "CUDA_ERROR_OUT_OF_MEMORY"))
     }
 
-    pub(super) fn sim_mem_import(
-        &self,
-        device: i32,
-        fd: BorrowedFd<'_>,
-        size: usize,
-    ) -> Result<PhysHandle, DriverError> {
+    fn mem_import(&self, device: i32, fd: BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
+        self.run_hooks(SimOp::MemImport);
         let mut st = self.state.lock();
         st.fault(SimOp::MemImport)?;
         let call = "cuMemImportFromShareableHandle";
@@ -77,7 +78,8 @@ impl SimDriver {
         Ok(PhysHandle(id))
     }
 
-    pub(super) fn sim_ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
+        self.run_hooks(SimOp::IpcGetMemHandle);
         let mut st = self.state.lock();
         st.fault(SimOp::IpcGetMemHandle)?;
         let call = "cuIpcGetMemHandle";
@@ -95,7 +97,8 @@ impl SimDriver {
         Ok(out)
     }
 
-    pub(super) fn sim_ipc_open_mem_handle(&self, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+    fn ipc_open_mem_handle(&self, _device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::IpcOpenMemHandle);
         let mut st = self.state.lock();
         st.fault(SimOp::IpcOpenMemHandle)?;
         let call = "cuIpcOpenMemHandle_v2";
@@ -119,7 +122,8 @@ impl SimDriver {
         Ok(p)
     }
 
-    pub(super) fn sim_ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<(), DriverError> {
+    fn ipc_close_mem_handle(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::IpcCloseMemHandle);
         let mut st = self.state.lock();
         st.fault(SimOp::IpcCloseMemHandle)?;
         let size = st.opened.remove(&ptr).ok_or_else(|| invalid("cuIpcCloseMemHandle"))?;

@@ -2,6 +2,7 @@
 //! device's file (`backing`) mapped shared, counted against the device's fixed capacity.
 
 use super::{DevicePtr, DriverError, MemInfo, SimDriver, SimOp, State, invalid};
+use crate::driver::ops::MemoryOps;
 
 impl State {
     /// Device `device`'s file, made at its first use.
@@ -27,8 +28,11 @@ impl SimDriver {
     pub fn live_allocations(&self) -> usize {
         self.state.lock().allocations.len()
     }
+}
 
-    pub(super) fn sim_mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+impl MemoryOps for SimDriver {
+    fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::MemAlloc);
         let mut st = self.state.lock();
         st.counts.mem_alloc += 1;
         st.fault(SimOp::MemAlloc)?;
@@ -53,7 +57,8 @@ impl SimDriver {
         Ok(p)
     }
 
-    pub(super) fn sim_mem_free(&self, ptr: DevicePtr) -> Result<(), DriverError> {
+    fn mem_free(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemFree);
         let mut st = self.state.lock();
         st.counts.mem_free += 1;
         st.fault(SimOp::MemFree)?;
@@ -68,7 +73,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
+    fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
+        self.run_hooks(SimOp::MemInfo);
         let mut st = self.state.lock();
         st.fault(SimOp::MemInfo)?;
         Ok(MemInfo { free: self.capacity - st.used[device as usize], total: self.capacity })

@@ -34,15 +34,18 @@
 //! Selected with `GPUPOOL_DRIVER=sim`; capacity and device count from `GPUPOOL_SIM_CAPACITY`
 //! and `GPUPOOL_SIM_DEVICES` (see [`crate::config`]).
 //!
-//! This file holds the driver and its state; each mechanism is in a file of its own, and the
-//! [`Driver`] impl below forwards each call to it, as an inherent method named `sim_<call>` (an
-//! inherent method of the trait's name would shadow the trait's): the devices' physical memory
-//! in `backing`, device memory in `memory`, virtual memory in `vmm`, memory shared with other
-//! processes in `ipc`, dma-buf descriptors of ranges in `dmabuf`, pinned host memory in `host`,
-//! pageable host memory (a sleeping pool's host copy) in `pageable`, streams and events in
-//! `streams`, stream capture in `capture`, copies and copy streams in `copy`, injected faults
-//! in `faults`, a test's code run at a chosen call in `hooks`, the count of each call made in
-//! `counts`; its unit tests in `tests.rs`.
+//! This file holds the driver and its state, and the devices' calls ([`DeviceOps`]). Each
+//! mechanism is in a file of its own, which implements its sub-trait of
+//! [`Driver`](super::Driver) (see [`ops`](super::ops)), each call's body in the impl, starting
+//! with the hooks of [`SimDriver::on_call`] and the faults of [`SimDriver::inject`]: the
+//! devices' physical memory in `backing`, device memory (`MemoryOps`) in `memory`, virtual
+//! memory (`VirtualMemoryOps`) in `vmm`, memory shared with other processes (`IpcOps`) in
+//! `ipc`, dma-buf descriptors of ranges (`DmabufOps`) in `dmabuf`, pinned and pageable host
+//! memory (`HostMemoryOps`; pageable memory is a sleeping pool's host copy) in `host`, streams,
+//! events and the calls of stream capture (`StreamOps`) in `streams`, the captures a test
+//! begins and ends and CUDA's rules during them in `capture`, copies and copy streams
+//! (`CopyOps`) in `copy`, injected faults in `faults`, a test's code run at a chosen call in
+//! `hooks`, the count of each call made in `counts`; its unit tests in `tests.rs`.
 
 mod backing;
 mod capture;
@@ -54,7 +57,6 @@ mod hooks;
 mod host;
 mod ipc;
 mod memory;
-mod pageable;
 mod streams;
 #[cfg(test)]
 mod tests;
@@ -67,8 +69,9 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::{
-    CaptureMode, CaptureStatus, DevicePtr, Driver, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
+    CaptureMode, CaptureStatus, DevicePtr, DriverError, EventHandle, HostPtr, MemInfo, PhysHandle, StreamHandle,
 };
+use crate::driver::ops::DeviceOps;
 use capture::Capture;
 pub use counts::SimCounts;
 use faults::Fault;
@@ -162,7 +165,7 @@ fn invalid(call: &'static str) -> DriverError {
     DriverError::Cuda { call, code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() }
 }
 
-impl Driver for SimDriver {
+impl DeviceOps for SimDriver {
     fn name(&self) -> &'static str {
         "sim"
     }
@@ -176,224 +179,16 @@ impl Driver for SimDriver {
         Ok(CURRENT_DEVICE.with(|c| c.get()))
     }
 
-    fn mem_alloc(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
-        self.run_hooks(SimOp::MemAlloc);
-        self.sim_mem_alloc(device, size)
-    }
-
-    fn mem_free(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemFree);
-        self.sim_mem_free(ptr)
-    }
-
-    fn mem_info(&self, device: i32) -> Result<MemInfo, DriverError> {
-        self.run_hooks(SimOp::MemInfo);
-        self.sim_mem_info(device)
-    }
-
-    fn event_create(&self, _device: i32) -> Result<EventHandle, DriverError> {
-        self.run_hooks(SimOp::EventCreate);
-        self.sim_event_create()
-    }
-
-    fn event_record(&self, _device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::EventRecord);
-        self.sim_event_record(event, stream)
-    }
-
-    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
-        self.run_hooks(SimOp::EventQuery);
-        self.sim_event_query(event)
-    }
-
-    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::EventSynchronize);
-        self.sim_event_synchronize(event)
-    }
-
-    fn event_destroy(&self, _device: i32, event: EventHandle) {
-        self.run_hooks(SimOp::EventDestroy);
-        self.sim_event_destroy(event)
-    }
-
-    fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::DeviceSynchronize);
-        self.sim_device_synchronize()
-    }
-
     fn current_primary_device(&self) -> Result<Option<i32>, DriverError> {
         self.lock_free_fault(SimOp::CurrentPrimaryDevice)?;
         Ok(Some(CURRENT_DEVICE.with(|c| c.get())))
     }
 
-    fn stream_capture_status(&self, _device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
-        self.run_hooks(SimOp::StreamGetCaptureInfo);
-        self.sim_stream_capture_status(stream)
-    }
-
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
-        self.run_hooks(SimOp::ThreadExchangeCaptureMode);
-        self.sim_exchange_capture_mode(mode)
-    }
-
-    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
-        self.run_hooks(SimOp::VmmGranularity);
-        self.sim_vmm_granularity()
-    }
-
-    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
-        self.run_hooks(SimOp::AddressReserve);
-        self.sim_address_reserve(device, size)
-    }
-
-    fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::AddressFree);
-        self.sim_address_free(ptr, size)
-    }
-
-    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
-        self.run_hooks(SimOp::MemCreate);
-        self.sim_mem_create(device, size)
-    }
-
-    fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemRelease);
-        self.sim_mem_release(handle)
-    }
-
-    fn mem_map(&self, _device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemMap);
-        self.sim_mem_map(ptr, size, handle)
-    }
-
-    fn mem_set_access(
-        &self,
-        _device: i32,
-        ptr: DevicePtr,
-        size: usize,
-        to: &[i32],
-        read_write: bool,
-    ) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemSetAccess);
-        self.sim_mem_set_access(ptr, size, to, read_write)
-    }
-
-    fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemUnmap);
-        self.sim_mem_unmap(ptr, size)
-    }
-
-    fn handle_is_free(&self, handle: PhysHandle) -> Option<bool> {
-        Some(self.handle_mapped_at(handle) == Some(None))
-    }
-
-    fn host_alloc(&self, _device: i32, size: usize) -> Result<HostPtr, DriverError> {
-        self.run_hooks(SimOp::HostAlloc);
-        self.sim_host_alloc(size)
-    }
-
-    fn host_free(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::HostFree);
-        self.sim_host_free(ptr)
-    }
-
-    fn host_register(&self, _device: i32, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::HostRegister);
-        self.sim_host_register(ptr, size)
-    }
-
-    fn host_unregister(&self, _device: i32, ptr: HostPtr) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::HostUnregister);
-        self.sim_host_unregister(ptr)
-    }
-
-    fn host_map(&self, size: usize, huge_pages: bool) -> Result<HostPtr, DriverError> {
-        self.run_hooks(SimOp::HostMap);
-        self.sim_host_map(size, huge_pages)
-    }
-
-    fn host_unmap(&self, ptr: HostPtr, size: usize) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::HostUnmap);
-        self.sim_host_unmap(ptr, size)
-    }
-
     fn stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
         self.run_hooks(SimOp::StreamDevice);
-        self.sim_stream_device(stream)
-    }
-
-    fn stream_create(&self, _device: i32) -> Result<StreamHandle, DriverError> {
-        self.run_hooks(SimOp::StreamCreate);
-        self.sim_stream_create()
-    }
-
-    fn stream_destroy(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::StreamDestroy);
-        self.sim_stream_destroy(stream)
-    }
-
-    fn stream_synchronize(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::StreamSynchronize);
-        self.sim_stream_synchronize(stream)
-    }
-
-    fn memcpy_dtoh_async(
-        &self,
-        _device: i32,
-        dst: HostPtr,
-        src: DevicePtr,
-        size: usize,
-        stream: StreamHandle,
-    ) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemcpyDtoH);
-        self.sim_memcpy(copy::Direction::ToHost, dst, src as usize, size, stream)
-    }
-
-    fn memcpy_htod_async(
-        &self,
-        _device: i32,
-        dst: DevicePtr,
-        src: HostPtr,
-        size: usize,
-        stream: StreamHandle,
-    ) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::MemcpyHtoD);
-        self.sim_memcpy(copy::Direction::ToDevice, dst as usize, src, size, stream)
-    }
-
-    fn device_uuid(&self, device: i32) -> Result<[u8; 16], DriverError> {
-        self.run_hooks(SimOp::DeviceUuid);
-        self.sim_device_uuid(device)
-    }
-
-    fn mem_export(&self, _device: i32, handle: PhysHandle) -> Result<std::os::fd::OwnedFd, DriverError> {
-        self.run_hooks(SimOp::MemExport);
-        self.sim_mem_export(handle)
-    }
-
-    fn mem_import(&self, device: i32, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysHandle, DriverError> {
-        self.run_hooks(SimOp::MemImport);
-        self.sim_mem_import(device, fd, size)
-    }
-
-    fn ipc_get_mem_handle(&self, device: i32, ptr: DevicePtr) -> Result<[u8; 64], DriverError> {
-        self.run_hooks(SimOp::IpcGetMemHandle);
-        self.sim_ipc_get_mem_handle(device, ptr)
-    }
-
-    fn ipc_open_mem_handle(&self, _device: i32, handle: &[u8; 64]) -> Result<DevicePtr, DriverError> {
-        self.run_hooks(SimOp::IpcOpenMemHandle);
-        self.sim_ipc_open_mem_handle(handle)
-    }
-
-    fn ipc_close_mem_handle(&self, _device: i32, ptr: DevicePtr) -> Result<(), DriverError> {
-        self.run_hooks(SimOp::IpcCloseMemHandle);
-        self.sim_ipc_close_mem_handle(ptr)
-    }
-
-    fn mem_range_dmabuf(&self, device: i32, ptr: DevicePtr, size: usize) -> Result<std::os::fd::OwnedFd, DriverError> {
-        self.run_hooks(SimOp::MemGetHandleForAddressRange);
-        self.sim_mem_range_dmabuf(device, ptr, size)
+        let mut st = self.state.lock();
+        st.fault(SimOp::StreamDevice)?;
+        Ok(st.stream_devices.get(&stream).copied().unwrap_or_else(|| CURRENT_DEVICE.with(|c| c.get())))
     }
 }
 

@@ -1,8 +1,11 @@
 //! Streams and events: a stream completes its work at once unless a test holds it, and an
-//! event is complete once its stream's work up to it is; the event calls and the device's
-//! synchronisation, and the device a stream belongs to.
+//! event is complete once its stream's work up to it is; the event calls, the device's
+//! synchronisation, and the two calls of stream capture (a stream's status, the thread's mode,
+//! both kept in `capture`).
 
-use super::{CURRENT_DEVICE, DriverError, EventHandle, SimDriver, SimOp, State, StreamHandle, invalid};
+use super::capture::THREAD_CAPTURE_MODE;
+use super::{CaptureMode, CaptureStatus, DriverError, EventHandle, SimDriver, SimOp, State, StreamHandle, invalid};
+use crate::driver::ops::StreamOps;
 
 #[derive(Default)]
 pub(super) struct SimStream {
@@ -40,7 +43,7 @@ impl SimDriver {
         self.state.lock().events.len()
     }
 
-    /// Places `stream` on `device`, for [`Driver::stream_device`](crate::driver::Driver::stream_device)
+    /// Places `stream` on `device`, for [`DeviceOps::stream_device`](crate::driver::ops::DeviceOps::stream_device)
     /// (a stream no test placed belongs to the calling thread's current device).
     pub fn set_stream_device(&self, stream: StreamHandle, device: i32) {
         self.state.lock().stream_devices.insert(stream, device);
@@ -53,8 +56,11 @@ impl SimDriver {
             Some(Some((stream, ticket))) => Ok(st.streams.get(stream).is_none_or(|s| s.completed >= *ticket)),
         }
     }
+}
 
-    pub(super) fn sim_event_create(&self) -> Result<EventHandle, DriverError> {
+impl StreamOps for SimDriver {
+    fn event_create(&self, _device: i32) -> Result<EventHandle, DriverError> {
+        self.run_hooks(SimOp::EventCreate);
         let mut st = self.state.lock();
         st.counts.event_create += 1;
         st.fault(SimOp::EventCreate)?;
@@ -64,7 +70,8 @@ impl SimDriver {
         Ok(EventHandle(id))
     }
 
-    pub(super) fn sim_event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+    fn event_record(&self, _device: i32, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::EventRecord);
         let mut st = self.state.lock();
         st.counts.event_record += 1;
         st.fault(SimOp::EventRecord)?;
@@ -87,7 +94,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        self.run_hooks(SimOp::EventQuery);
         let mut st = self.state.lock();
         st.counts.event_query += 1;
         st.fault(SimOp::EventQuery)?;
@@ -95,7 +103,8 @@ impl SimDriver {
         SimDriver::event_done(&st, event)
     }
 
-    pub(super) fn sim_event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::EventSynchronize);
         let mut st = self.state.lock();
         st.counts.event_synchronize += 1;
         st.fault(SimOp::EventSynchronize)?;
@@ -112,7 +121,8 @@ impl SimDriver {
         }
     }
 
-    pub(super) fn sim_event_destroy(&self, event: EventHandle) {
+    fn event_destroy(&self, _device: i32, event: EventHandle) {
+        self.run_hooks(SimOp::EventDestroy);
         let mut st = self.state.lock();
         st.counts.event_destroy += 1;
         if st.fault(SimOp::EventDestroy).is_ok() {
@@ -124,7 +134,8 @@ impl SimDriver {
     /// The simulated device runs no work, so there is nothing to wait for (a held stream stays
     /// held): counts the call, or fails or panics with an injected fault, or fails as CUDA
     /// does while a stream captures.
-    pub(super) fn sim_device_synchronize(&self) -> Result<(), DriverError> {
+    fn device_synchronize(&self, _device: i32) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::DeviceSynchronize);
         let mut st = self.state.lock();
         st.counts.device_synchronize += 1;
         st.fault(SimOp::DeviceSynchronize)?;
@@ -132,9 +143,21 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_stream_device(&self, stream: StreamHandle) -> Result<i32, DriverError> {
+    fn stream_capture_status(&self, _device: i32, stream: StreamHandle) -> Result<CaptureStatus, DriverError> {
+        self.run_hooks(SimOp::StreamGetCaptureInfo);
         let mut st = self.state.lock();
-        st.fault(SimOp::StreamDevice)?;
-        Ok(st.stream_devices.get(&stream).copied().unwrap_or_else(|| CURRENT_DEVICE.with(|c| c.get())))
+        st.counts.capture_info += 1;
+        st.fault(SimOp::StreamGetCaptureInfo)?;
+        Ok(match st.captures.iter().find(|c| c.stream == stream) {
+            None => CaptureStatus::None,
+            Some(c) if c.valid => CaptureStatus::Active(c.id),
+            Some(_) => CaptureStatus::Invalidated,
+        })
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        self.run_hooks(SimOp::ThreadExchangeCaptureMode);
+        self.lock_free_fault(SimOp::ThreadExchangeCaptureMode)?;
+        Ok(THREAD_CAPTURE_MODE.with(|m| m.replace(mode)))
     }
 }

@@ -2,6 +2,7 @@
 //! wait runs held work up to its event.
 
 use super::*;
+use crate::driver::ops::*;
 
 #[test]
 fn a_fault_fires_on_the_chosen_call_of_its_kind_only() {

@@ -7,6 +7,7 @@
 use rustc_hash::FxHashMap;
 
 use super::{DevicePtr, DriverError, PhysHandle, SimDriver, SimOp, State, invalid};
+use crate::driver::ops::VirtualMemoryOps;
 use crate::os::mapping;
 
 // Rust API only: cbindgen run over the whole crate would otherwise put it into the C header.
@@ -166,13 +167,17 @@ impl SimDriver {
         all.sort_unstable_by_key(|p| p.0);
         all
     }
+}
 
-    pub(super) fn sim_vmm_granularity(&self) -> Result<Option<usize>, DriverError> {
+impl VirtualMemoryOps for SimDriver {
+    fn vmm_granularity(&self, _device: i32) -> Result<Option<usize>, DriverError> {
+        self.run_hooks(SimOp::VmmGranularity);
         self.state.lock().fault(SimOp::VmmGranularity)?;
         Ok(Some(SIM_GRANULARITY))
     }
 
-    pub(super) fn sim_address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+    fn address_reserve(&self, device: i32, size: usize) -> Result<DevicePtr, DriverError> {
+        self.run_hooks(SimOp::AddressReserve);
         let mut st = self.state.lock();
         st.counts.address_reserve += 1;
         st.fault(SimOp::AddressReserve)?;
@@ -187,7 +192,8 @@ impl SimDriver {
         Ok(base as DevicePtr)
     }
 
-    pub(super) fn sim_address_free(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    fn address_free(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::AddressFree);
         let mut st = self.state.lock();
         st.fault(SimOp::AddressFree)?;
         st.unsafe_call("cuMemAddressFree")?;
@@ -201,7 +207,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+    fn mem_create(&self, device: i32, size: usize) -> Result<PhysHandle, DriverError> {
+        self.run_hooks(SimOp::MemCreate);
         let mut st = self.state.lock();
         st.counts.mem_create += 1;
         st.fault(SimOp::MemCreate)?;
@@ -221,7 +228,8 @@ impl SimDriver {
         Ok(PhysHandle(id))
     }
 
-    pub(super) fn sim_mem_release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+    fn mem_release(&self, _device: i32, handle: PhysHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemRelease);
         let mut st = self.state.lock();
         st.counts.mem_release += 1;
         st.fault(SimOp::MemRelease)?;
@@ -244,7 +252,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_mem_map(&self, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+    fn mem_map(&self, _device: i32, ptr: DevicePtr, size: usize, handle: PhysHandle) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemMap);
         let mut st = self.state.lock();
         st.counts.mem_map += 1;
         st.fault(SimOp::MemMap)?;
@@ -266,13 +275,15 @@ impl SimDriver {
     /// granted read and write (`read_write`) or none. A piece's bytes are placed at its address
     /// at its first grant (what a copy or the host may touch from then on); a grant records the
     /// devices, a revocation removes them (the bytes stay placed).
-    pub(super) fn sim_mem_set_access(
+    fn mem_set_access(
         &self,
+        _device: i32,
         ptr: DevicePtr,
         size: usize,
         to: &[i32],
         read_write: bool,
     ) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemSetAccess);
         let mut st = self.state.lock();
         st.counts.mem_set_access += 1;
         st.counts.mem_access_descs += to.len() as u64;
@@ -310,7 +321,8 @@ impl SimDriver {
         Ok(())
     }
 
-    pub(super) fn sim_mem_unmap(&self, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+    fn mem_unmap(&self, _device: i32, ptr: DevicePtr, size: usize) -> Result<(), DriverError> {
+        self.run_hooks(SimOp::MemUnmap);
         let mut st = self.state.lock();
         st.counts.mem_unmap += 1;
         st.fault(SimOp::MemUnmap)?;
@@ -333,5 +345,9 @@ impl SimDriver {
             st.handles.get_mut(&h).expect("a mapped handle exists").mapped_at = None;
         }
         Ok(())
+    }
+
+    fn handle_is_free(&self, handle: PhysHandle) -> Option<bool> {
+        Some(self.handle_mapped_at(handle) == Some(None))
     }
 }
