@@ -156,7 +156,8 @@ impl StreamOps for SimDriver {
     }
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
-        self.run_hooks(SimOp::ThreadExchangeCaptureMode);
+        // The lock-free fault check runs the call's hooks too (`on_call` arms its flag): a
+        // second `run_hooks` here ran each hook twice and counted each call twice.
         self.lock_free_fault(SimOp::ThreadExchangeCaptureMode)?;
         Ok(THREAD_CAPTURE_MODE.with(|m| m.replace(mode)))
     }

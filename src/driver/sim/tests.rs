@@ -65,3 +65,25 @@ fn a_host_wait_runs_held_work_up_to_its_event_and_is_counted() {
         sim.event_destroy(0, ev);
     }
 }
+
+#[test]
+fn a_hook_counts_each_call_once_the_lock_free_calls_included() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let sim = SimDriver::new(1, 1 << 30);
+    for op in [SimOp::ThreadExchangeCaptureMode, SimOp::CurrentDevice] {
+        let ran = Arc::new(AtomicU32::new(0));
+        let r = ran.clone();
+        sim.on_call(op, 1, move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        let call = || match op {
+            SimOp::CurrentDevice => drop(sim.current_device().unwrap()),
+            _ => drop(sim.exchange_capture_mode(CaptureMode::Global).unwrap()),
+        };
+        call();
+        assert_eq!((ran.load(Ordering::SeqCst), sim.pending_hooks()), (0, 1), "{op:?}: skipped once");
+        call();
+        assert_eq!((ran.load(Ordering::SeqCst), sim.pending_hooks()), (1, 0), "{op:?}: the second call");
+    }
+}
