@@ -205,7 +205,8 @@ impl ShardCache {
         }
         // SAFETY: as above.
         let slots = unsafe { &*self.slots.get() };
-        let stale = slots.iter().position(|c| c.allocator == allocator && c.device == device && c.stream == stream);
+        // The stream first: the entries of a thread's streams differ in it alone.
+        let stale = slots.iter().position(|c| c.stream == stream && c.allocator == allocator && c.device == device);
         let i = stale.unwrap_or_else(|| {
             // Not the marker's entry.
             let next = self.next.get().max(1);
