@@ -208,8 +208,7 @@ impl ShardCache {
         // The stream first: the entries of a thread's streams differ in it alone.
         let stale = slots.iter().position(|c| c.stream == stream && c.allocator == allocator && c.device == device);
         let i = stale.unwrap_or_else(|| {
-            // Not the marker's entry.
-            let next = self.next.get().max(1);
+            let next = self.next.get().max(1); // not the marker's entry
             self.next.set((next + 1) % SHARD_CACHE_SLOTS);
             next
         });

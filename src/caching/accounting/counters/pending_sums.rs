@@ -148,14 +148,15 @@ impl ShardCounters {
     #[inline(never)]
     fn lazy_short(&mut self) {
         self.flush();
-        for group in MEMBERS {
-            for &m in group {
-                for t in [StatType::All, StatType::Pool(PoolKind::Small), StatType::Pool(PoolKind::Large)] {
-                    let c = cell(m, t);
-                    if self.cells[c].headroom < 0 {
-                        self.went_short(c);
-                    }
-                }
+        // Only a cell in the mask of cells with credit can be below zero (`credit_cells`): a
+        // stream's calls move one pool's cells, 6 to 10 of the 15 (a pass over all 15 cost a
+        // cold malloc about 15 instructions more, callgrind, `examples/stream_rotation.rs`).
+        let mut cells = self.credit_cells & LAZY_CELLS;
+        while cells != 0 {
+            let c = cells.trailing_zeros() as usize;
+            cells &= cells - 1;
+            if self.cells[c].headroom < 0 {
+                self.went_short(c);
             }
         }
         self.take_minimums();

@@ -196,9 +196,8 @@ pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool
                 r.fetch_add(c.headroom, Ordering::Relaxed);
                 c.headroom = 0;
                 c.low = 0;
-            }
-            // Below zero only where a cell went past its credit (`low` follows it there).
-            if c.headroom != 0 {
+            } else if c.headroom < 0 {
+                // Only where a cell went past its credit (`low` follows it there).
                 left |= 1 << i;
             }
             continue;
