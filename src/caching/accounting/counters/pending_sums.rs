@@ -143,10 +143,17 @@ impl ShardCounters {
     }
 
     /// Some cell's headroom went below zero, or the minimums were stale: the cells take the
-    /// pending sums, and each cell below zero is followed as the eager count follows it.
+    /// pending sums, each cell below zero is followed as the eager count follows it, and stale
+    /// minimums are taken again.
     #[cold]
     #[inline(never)]
     fn lazy_short(&mut self) {
+        // Minimums that are not stale are exact (each hit moves them by its amount), and the
+        // flush and `went_short` leave every headroom as it is: they are taken again only when
+        // stale. A cold malloc that went past the 0 its stream's minimums were left at
+        // (`minimums_at_zero`) took them at every other pair at 1,000 streams in rotation,
+        // for the end of its call to replace them (callgrind, `examples/stream_rotation.rs`).
+        let stale = self.lazy.stale();
         self.flush();
         // Only a cell in the mask of cells with credit can be below zero (`credit_cells`): a
         // stream's calls move one pool's cells, 6 to 10 of the 15 (a pass over all 15 cost a
@@ -159,7 +166,9 @@ impl ShardCounters {
                 self.went_short(c);
             }
         }
-        self.take_minimums();
+        if stale {
+            self.take_minimums();
+        }
     }
 
     /// The cells are about to change other than by the hit path: its minimums are taken again
