@@ -183,7 +183,8 @@ pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: boo
 /// Visits only the cells that may hold credit (`ShardCounters::cells_with_credit`) and takes
 /// every cell it empties out of that mask: a borrow and a give-back over all 29 cells, and a
 /// second pass over those in the mask, cost a cold malloc about 470 instructions
-/// (callgrind, `examples/stream_rotation.rs`, 1,000 streams).
+/// (callgrind, `examples/stream_rotation.rs`, 1,000 streams). A shard it leaves with no credit
+/// has its hit path's minimums taken at once (`ShardCounters::minimums_at_zero`).
 pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     let mut all = true;
     let (cells, mask) = shard.cells_with_credit();
@@ -195,9 +196,8 @@ pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool
                 r.fetch_add(c.headroom, Ordering::Relaxed);
                 c.headroom = 0;
                 c.low = 0;
-            }
-            // Below zero only where a cell went past its credit (`low` follows it there).
-            if c.headroom != 0 {
+            } else if c.headroom < 0 {
+                // Only where a cell went past its credit (`low` follows it there).
                 left |= 1 << i;
             }
             continue;
@@ -225,6 +225,9 @@ pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool
         }
     }
     *mask = left;
+    if left == 0 {
+        shard.minimums_at_zero();
+    }
     shard.needs_settle = !all;
     shard.has_surplus = false;
     all
