@@ -51,17 +51,7 @@ pub fn fill(ptr: u64, len: usize, seed: u8) {
 pub fn matches(ptr: u64, len: usize, seed: u8) -> bool {
     // SAFETY: as `fill`.
     let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-    // A piece at a time into a buffer, then compared whole: a byte-by-byte `all` does not
-    // vectorise, and the sleep races check 96 MiB a round so.
-    const PIECE: usize = 64 << 10;
-    let mut want = vec![0u8; PIECE.min(len)];
-    s.chunks(PIECE).enumerate().all(|(k, got)| {
-        let want = &mut want[..got.len()];
-        for (j, x) in want.iter_mut().enumerate() {
-            *x = pattern(seed, k * PIECE + j);
-        }
-        got == want
-    })
+    crate::common::holds_pattern(s, |i| pattern(seed, i))
 }
 
 /// This process's virtual memory size in KiB and its open descriptors.

@@ -58,3 +58,18 @@ pub fn check(a: &Allocator) {
         panic!("invariant broken: {e}");
     }
 }
+
+/// Whether every byte of `b` is `byte(i)` at its index `i`: a piece at a time into a buffer,
+/// then compared whole (`memcmp`), since a byte-by-byte `all` does not vectorise and the sleep
+/// and IPC tests check hundreds of MiB so.
+pub fn holds_pattern(b: &[u8], byte: impl Fn(usize) -> u8) -> bool {
+    const PIECE: usize = 64 << 10;
+    let mut want = vec![0u8; PIECE.min(b.len())];
+    b.chunks(PIECE).enumerate().all(|(k, got)| {
+        let want = &mut want[..got.len()];
+        for (j, x) in want.iter_mut().enumerate() {
+            *x = byte(k * PIECE + j);
+        }
+        got == want
+    })
+}

@@ -28,17 +28,7 @@ pub fn fill(p: u64, n: usize, seed: u32) {
 pub fn holds(p: u64, n: usize, seed: u32) -> bool {
     // SAFETY: as in `fill`; the pool is awake.
     let b = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-    // A piece at a time into a buffer, then compared whole: a byte-by-byte `all` does not
-    // vectorise, and the sleep tests check hundreds of MiB this way.
-    const PIECE: usize = 64 << 10;
-    let mut want = vec![0u8; PIECE.min(n)];
-    b.chunks(PIECE).enumerate().all(|(k, got)| {
-        let want = &mut want[..got.len()];
-        for (j, x) in want.iter_mut().enumerate() {
-            *x = pattern(k * PIECE + j, seed);
-        }
-        got == want
-    })
+    super::holds_pattern(b, |i| pattern(i, seed))
 }
 
 /// A sleepable pool with `sizes` allocated on streams `S` and `S2` in turn (two shards), the

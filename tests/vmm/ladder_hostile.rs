@@ -241,7 +241,12 @@ fn replay(config: &Config, capacity: usize, sizes: &[(usize, usize)]) -> (Alloca
 }
 
 /// `largest_allocatable` is exact after `sizes`: a request of the answer succeeds, one byte
-/// more fails.
+/// more fails. Each half on a replay of its own (the first request changes what the second
+/// would find), each against that replay's own answer: two replays need not lay their blocks
+/// out alike, since where the simulated driver reserves a range is where the host's `mmap`
+/// puts it (as `cuMemAddressReserve`'s address is the driver's choice), other tests of the
+/// process map and unmap meanwhile, and the rule and the pools order ranges by address. Asking
+/// the two to agree failed now and then with the high-water rule on (answers 1.5 MB apart).
 fn exact(config: &Config, capacity: usize, sizes: &[(usize, usize)]) {
     let (a, _) = replay(config, capacity, sizes);
     let answer = a.largest_allocatable(0, 0).unwrap();
@@ -251,7 +256,8 @@ fn exact(config: &Config, capacity: usize, sizes: &[(usize, usize)]) {
     }
     check(&a);
     let (b, _) = replay(config, capacity, sizes);
-    assert_eq!(b.largest_allocatable(0, 0).unwrap(), answer);
+    let answer = b.largest_allocatable(0, 0).unwrap();
+    assert_eq!(b.largest_allocatable(0, 0).unwrap(), answer, "asking changes nothing");
     match b.malloc(answer + 1, 0, 0) {
         Err(Error::OutOfMemory(_)) => {}
         other => panic!("one byte more than the answer, {answer} + 1, gave {other:?}"),
