@@ -340,6 +340,14 @@ if want gpu || want expandable || want budget || want dmabuf || want graphs || w
   fi
 fi
 
+# Whether python3 imports each module named; where it does not, says that the section is
+# skipped and why.
+python_has() {
+  python3 -c "import $(IFS=,; echo "$*")" 2>/dev/null && return 0
+  echo "skipped: python3 lacks $*"
+  return 1
+}
+
 # The examples, the LD_PRELOAD shim and the Python programs (section examples to jax), then the
 # measurements and the libraries beside gpupool (snapshot to nccl); each part reads the
 # variables and functions above (want, out, prefix, status, build_against_prefix).

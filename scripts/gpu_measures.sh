@@ -7,7 +7,7 @@
 # HTML pages go to OUT/snapshot (the pages load the viewer's script from the web when opened).
 if want snapshot; then
   echo "== snapshot: PyTorch's memory viewer on PyTorch's allocator and on gpupool"
-  if python3 -c "import torch, torchvision" 2>/dev/null; then
+  if python_has torch torchvision; then
     mkdir -p "$out/snapshot"
     python3 examples/python/dump_snapshot.py --lib "$prefix/lib/libgpupool.so" --out "$out/snapshot" 2>&1 |
       tee "$out/snapshot.log" || status=1
@@ -34,8 +34,6 @@ if want snapshot; then
         fi
       done
     done
-  else
-    echo "skipped: python3 lacks torch or torchvision"
   fi
 fi
 
@@ -43,12 +41,10 @@ fi
 # whether PyTorch's viewer shows gpupool's (examples/python/frames_cost.py).
 if want frames; then
   echo "== frames: Python frames in the allocation history, PyTorch's and gpupool's"
-  if python3 -c "import torch" 2>/dev/null; then
+  if python_has torch; then
     mkdir -p "$out/frames"
     python3 examples/python/frames_cost.py --torch --lib "$prefix/lib/libgpupool.so" --out "$out/frames" 2>&1 |
       tee "$out/frames.log" || status=1
-  else
-    echo "skipped: python3 lacks torch"
   fi
 fi
 

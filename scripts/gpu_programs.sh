@@ -117,54 +117,44 @@ fi
 
 if want python; then
   echo "== PyTorch: pluggable allocator, and the shim under PYTORCH_NO_CUDA_MEMORY_CACHING=1"
-  if python3 -c "import torch, torchvision, transformers" 2>/dev/null; then
+  if python_has torch torchvision transformers; then
     python3 examples/python/compare.py --lib "$prefix/lib/libgpupool.so" --preload "$preload" \
       --out "$out/python" 2>&1 | tee "$out/python.log" || status=1
-  else
-    echo "skipped: python3 lacks torch, torchvision or transformers"
   fi
 fi
 
 if want models; then
   echo "== PyTorch: models with dynamic shapes, PyTorch's allocator against gpupool's (issue 39)"
-  if python3 -c "import torch, transformers" 2>/dev/null; then
+  if python_has torch transformers; then
     python3 examples/python/dynamic_compare.py --lib "$prefix/lib/libgpupool.so" --out "$out/models" \
       ${MODELS_WORKLOADS:+--workloads "$MODELS_WORKLOADS"} ${MODELS_ROUNDS:+--rounds "$MODELS_ROUNDS"} 2>&1 |
       tee "$out/models.log" || status=1
-  else
-    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 
 if want torch_sleep; then
   echo "== PyTorch: a model's pools asleep and awake (gpupool.torch.use_pool, sleep, wake)"
-  if python3 -c "import torch, transformers" 2>/dev/null; then
+  if python_has torch transformers; then
     PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/torch_sleep.py \
       --lib "$prefix/lib/libgpupool.so" 2>&1 | tee "$out/torch_sleep.log" || status=1
-  else
-    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 
 if want torch_fallback; then
   echo "== PyTorch: fallback and unsplit pools (gpupool.Pool(use_on_oom=True), no_split=True)"
-  if python3 -c "import torch" 2>/dev/null; then
+  if python_has torch; then
     # Out of memory prints gpupool's message once a request (PyTorch gets NULL, docs/pytorch.md).
     PYTHONPATH="$prefix/share/gpupool/python${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 tests/gpu/torch_fallback.py \
       --lib "$prefix/lib/libgpupool.so" 2>&1 | grep -v "^gpupool: out of memory: gpupool_torch_malloc" |
       tee "$out/torch_fallback.log" || status=1
-  else
-    echo "skipped: python3 lacks torch"
   fi
 fi
 
 if want graphs; then
   echo "== PyTorch: torch.cuda.graph on gpupool's private pools"
-  if python3 -c "import torch" 2>/dev/null; then
+  if python_has torch; then
     python3 examples/python/graphs.py --lib "$prefix/lib/libgpupool.so" --out "$out/torch_graphs" 2>&1 |
       tee "$out/torch_graphs.log" || status=1
-  else
-    echo "skipped: python3 lacks torch"
   fi
 fi
 
@@ -173,14 +163,12 @@ fi
 # OUT/traces with their table (traces.md) and the children's logs.
 if want traces; then
   echo "== traces: recorded from models with dynamic shapes"
-  if python3 -c "import torch, transformers" 2>/dev/null; then
+  if python_has torch transformers; then
     rm -rf build-gpu/traces
     python3 examples/python/record_trace.py --out build-gpu/traces ${RECORD_WORKLOADS:+--workloads "$RECORD_WORKLOADS"} 2>&1 | tee "$out/traces.log" || status=1
     mkdir -p "$out/traces"
     find build-gpu/traces -maxdepth 1 \( -name '*.txt.gz' -o -name '*.md' -o -name '*.log' -o -name '*.json' \) \
       -exec cp {} "$out/traces/" \;
-  else
-    echo "skipped: python3 lacks torch or transformers"
   fi
 fi
 
