@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "gpupool.h"
+#include "cuda_check.h"
 
 #ifdef GPUPOOL_BENCH_TORCH
 int torch_init(void);
@@ -32,15 +33,6 @@ int torch_expandable_segments(void);
 #endif
 
 extern char **environ;
-
-#define CUDA(call)                                                                           \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 typedef struct {
   const char *name;

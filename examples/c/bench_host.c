@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "gpupool.h"
+#include "cuda_check.h"
 
 #ifdef GPUPOOL_BENCH_TORCH_HOST
 void *torch_host_alloc(size_t n);
@@ -30,15 +31,6 @@ void torch_host_free(void *p);
 void torch_host_empty_cache(void);
 double torch_host_pair_ns(size_t n, int pairs);
 #endif
-
-#define CUDA(call)                                                                           \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 #define REPS 5
 #define RING 8
