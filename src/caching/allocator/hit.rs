@@ -30,14 +30,8 @@ const EMPTY: CachedShard = CachedShard { allocator: 0, device: 0, stream: 0, dev
 
 const SHARD_CACHE_SLOTS: usize = 4;
 
-/// The device of a *marker*, an entry with no shard that stops an allocator's frees from
-/// guessing ([`Allocator::free_recent`]) while it is the first of its entries: put in front by
-/// a store (a malloc that missed the cache), taken out by the first indexed free that the guess
-/// would have served ([`ShardCache::guess_again_if_right`]). With more streams than entries
-/// (1,000 in rotation) every guess was wrong: a lock and a hash probe, about 60 instructions a
-/// pair (cachegrind, `examples/stream_rotation.rs`). An entry, not a flag, whose test cost the
-/// hit pair 2 instructions (callgrind, `tests/c/hit_loop.c`). No call names this device.
-const MARKER: i32 = i32::MIN;
+#[path = "hit_marker.rs"]
+mod marker;
 
 /// Each thread remembers the shards it used last, so the hit path finds its stream's shard
 /// without a lock.
@@ -184,26 +178,16 @@ impl ShardCache {
     }
 
     /// Stores a strong count of `shard` in place of the entry of its allocator, device and
-    /// stream, or of the oldest, behind a [`MARKER`] of the allocator in the first entry (the
-    /// last entry given back to make room for it where there was none). Does nothing while
-    /// lent, or once the thread's counts were given back (its exit), when nothing would give
-    /// the count back: the count is taken only once the entry is stored.
+    /// stream, or of the oldest, behind the allocator's [`MARKER`](marker::MARKER) ([`ShardCache::put_marker`]).
+    /// Does nothing while lent, or once the thread's counts were given back (its exit), when
+    /// nothing would give the count back: the count is taken only once the entry is stored.
     fn store(&self, allocator: u64, dev: &DeviceAllocator, stream: StreamHandle, shard: &Arc<Shard>) {
         if self.lent.get() != 0 || !self.owned() {
             return;
         }
         let device = dev.device;
+        self.put_marker(allocator, dev);
         // SAFETY: as in `clear`; the reference ends before `clear` below.
-        let slots = unsafe { &*self.slots.get() };
-        if !(slots[0].allocator == allocator && slots[0].device == MARKER) {
-            self.clear(SHARD_CACHE_SLOTS - 1);
-            let marker = CachedShard { allocator, device: MARKER, stream: 0, dev, shard: None };
-            // SAFETY: as in `clear`; the last entry holds no count, so none is lost.
-            let slots = unsafe { &mut *self.slots.get() };
-            slots.rotate_right(1);
-            slots[0] = marker;
-        }
-        // SAFETY: as above.
         let slots = unsafe { &*self.slots.get() };
         // The stream first: the entries of a thread's streams differ in it alone.
         let stale = slots.iter().position(|c| c.stream == stream && c.allocator == allocator && c.device == device);
@@ -216,26 +200,6 @@ impl ShardCache {
         let entry = CachedShard { allocator, device, stream, dev, shard: Some(ManuallyDrop::new(shard.clone())) };
         // SAFETY: as in `clear`.
         unsafe { (*self.slots.get())[i] = entry };
-    }
-
-    /// After an indexed free of a block of `owner` on `allocator`: takes the allocator's
-    /// [`MARKER`] out if the guess it stops would have named `owner`, so that a thread back on
-    /// one stream guesses again after one free. Not while lent.
-    fn guess_again_if_right(&self, allocator: u64, owner: &Arc<Shard>) {
-        if self.lent.get() != 0 {
-            return;
-        }
-        // SAFETY: not lent (as in `clear`); entries are moved, no count taken or given.
-        let slots = unsafe { &mut *self.slots.get() };
-        let Some(p) = slots.iter().position(|c| c.allocator == allocator) else { return };
-        if slots[p].device != MARKER {
-            return;
-        }
-        let guess = slots[p + 1..].iter().find(|c| c.allocator == allocator).and_then(|c| c.shard.as_deref());
-        if guess.is_some_and(|s| Arc::ptr_eq(s, owner)) {
-            slots[p..].rotate_left(1);
-            slots[SHARD_CACHE_SLOTS - 1] = EMPTY;
-        }
     }
 }
 
@@ -405,7 +369,7 @@ impl Allocator {
     /// blocks; the segment index, whose lock-free read costs more than the rest of the free
     /// (callgrind, `examples/hit_loop`: 130 of 530 instructions), is searched only when it is
     /// not. A wrong guess costs a lock and a hash probe; after a malloc that missed the
-    /// thread's cache, frees do not guess until one would have guessed right ([`MARKER`]).
+    /// thread's cache, frees do not guess until one would have guessed right ([`MARKER`](marker::MARKER)).
     /// `None`: not freed here.
     #[inline(always)]
     fn free_recent(&self, ptr: DevicePtr) -> Option<Result<(), Box<Error>>> {

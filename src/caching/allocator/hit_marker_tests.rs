@@ -1,0 +1,85 @@
+//! The thread cache's [`MARKER`] (`hit_marker.rs`): a malloc that missed puts it first among its
+//! allocator's entries, so that frees do not guess another stream's shard; the first free its
+//! guess would have served takes it out; a free it would have got wrong leaves it; frees and
+//! the invariants are the same either way. On the simulated device, each case on a thread of
+//! its own (a fresh cache).
+
+use std::sync::Arc;
+
+use super::super::{SHARD_CACHE_SLOTS, ShardCache};
+use super::MARKER;
+use crate::caching::allocator::Allocator;
+use crate::config::Config;
+use crate::driver::sim::SimDriver;
+
+/// (allocator, device, stream) of the calling thread's entries, first to last.
+fn entries() -> Vec<(u64, i32, usize)> {
+    // SAFETY: read on the cache's own thread while no call of the hit path is under way.
+    let slots = unsafe { &*ShardCache::get().slots.get() };
+    slots.iter().map(|c| (c.allocator, c.device, c.stream)).collect()
+}
+
+fn marked(id: u64) -> bool {
+    entries().iter().find(|e| e.0 == id).is_some_and(|e| e.1 == MARKER)
+}
+
+/// The stream of the entry a free would guess: the allocator's first after its marker.
+fn guessed(id: u64) -> usize {
+    entries().iter().filter(|e| e.0 == id && e.1 != MARKER).map(|e| e.2).next().unwrap()
+}
+
+#[test]
+fn a_miss_stops_the_guess_until_a_free_it_would_have_served() {
+    std::thread::spawn(|| {
+        let a = Allocator::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+        let p = a.malloc(4096, 0, 0x10).unwrap();
+        assert!(marked(a.id), "a miss puts the marker first: {:?}", entries());
+        assert!(entries().contains(&(a.id, 0, 0x10)));
+        a.free(p).unwrap();
+        assert!(!marked(a.id), "the guess would have named 0x10's shard: {:?}", entries());
+        let q = a.malloc(4096, 0, 0x10).unwrap();
+        assert!(!marked(a.id), "a hit stores nothing");
+        let r = a.malloc(4096, 0, 0x20).unwrap();
+        assert!(marked(a.id), "another stream's miss puts it back: {:?}", entries());
+        let (right, wrong) = if guessed(a.id) == 0x10 { (q, r) } else { (r, q) };
+        a.free(wrong).unwrap();
+        assert!(marked(a.id), "a free the guess would have got wrong leaves it: {:?}", entries());
+        a.free(right).unwrap();
+        assert!(!marked(a.id), "{:?}", entries());
+        assert_eq!(a.stats(0).unwrap().allocation.all.current, 0);
+        a.check_invariants().unwrap();
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn two_allocators_keep_one_marker_each_first_of_their_entries() {
+    std::thread::spawn(|| {
+        let a = Allocator::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+        let b = Allocator::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+        let mut live = Vec::new();
+        for s in 1..=6usize {
+            live.push((&a, a.malloc(512, 0, s << 4).unwrap()));
+            live.push((&b, b.malloc(512, 0, s << 4).unwrap()));
+            let e = entries();
+            assert_eq!(e.len(), SHARD_CACHE_SLOTS);
+            for id in [a.id, b.id] {
+                // At most one, first of its allocator's entries (another allocator's store may
+                // have made room of it: its frees then guess again, which is all a marker stops).
+                let own: Vec<_> = e.iter().filter(|x| x.0 == id).collect();
+                assert!(own.iter().skip(1).all(|x| x.1 != MARKER), "a marker behind an entry: {e:?}");
+            }
+            assert!(marked(b.id), "the last store's allocator is marked: {e:?}");
+        }
+        for (x, p) in live {
+            x.free(p).unwrap();
+        }
+        for x in [&a, &b] {
+            assert_eq!(x.stats(0).unwrap().allocation.all.current, 0);
+            x.check_invariants().unwrap();
+        }
+    })
+    .join()
+    .unwrap();
+}
