@@ -19,7 +19,7 @@ cpu() { awk -v hz="$(getconf CLK_TCK)" '{ t = int(($16 + $17) / hz); printf "%dm
 step() { echo "== [$(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s, CPU $(cpu)] $*"; }
 
 cat <<'EOF'
-test.sh: every test that needs no GPU, on the simulated device; 11 to 13 minutes from a fresh
+test.sh: every test that needs no GPU, on the simulated device; 11 to 14 minutes from a fresh
 clone on 2 cores (2026-11-29, docs/testing.md; less when target/ and build/ are warm):
   1. cargo test --profile ci: the rules, stress, streams, sleep, IPC, pools, history,
      observers, gpupool-replay, the repository's shape (links, file sizes, import circles,
