@@ -10,8 +10,11 @@
  *   3. the producer frees a block while it is imported: not reused until the close;
  *   4. a consumer killed with SIGKILL while holding a block: the producer gets it back;
  *   5. garbage handles; with two devices, a block of device 1 imported (for device 1) by the
- *      consumer, whose context is device 0's: bit for bit both ways, the owner's free waiting
- *      for the close; and the same handle imported as device 0's, refused.
+ *      consumer, whose context is device 0's and which enables device 0's access to device 1's
+ *      memory (gpupool_enable_peer_access(0, 1): an import of pages is mapped for its device
+ *      and its enabled peers only, PyTorch's rule, docs/rules.md) after the import: bit for bit
+ *      both ways, the owner's free waiting for the close; and the same handle imported as
+ *      device 0's, refused.
  * Each prints PASS or FAIL lines with its figures. */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -111,7 +114,7 @@ static void footprint(long *vm_kib, long *fds) {
 
 /* ---- messages ---- */
 
-enum { IMPORT, CHECK_FILL, CLOSE, CYCLE, STATE, GARBAGE, EXIT };
+enum { IMPORT, CHECK_FILL, CLOSE, CYCLE, STATE, GARBAGE, PEER, EXIT };
 struct msg {
   int op, status, device;
   gpupool_ipc_handle_t handle;
@@ -165,6 +168,10 @@ static void consumer(int fd) {
       }
       case CLOSE:
         m.status = gpupool_ipc_close((void *)(uintptr_t)m.ptr);
+        break;
+      case PEER: /* device m.device gains access to device m.a's memory, imports included */
+        m.status = gpupool_enable_peer_access(m.device, (int)m.a);
+        snprintf(m.text, sizeof m.text, "%s", m.status ? gpupool_last_error_message() : "");
         break;
       case CYCLE: { /* import, compare the first bytes, close */
         unsigned char want[4096], got[4096];
@@ -334,20 +341,30 @@ int main(void) {
   CHECK_OK(gpupool_device_count(&devices));
   if (devices >= 2) {
     /* A block of device 1, imported for device 1 by the consumer, whose context is device 0's,
-     * which copies from it and back (the copies through unified addressing); the owner's free
-     * waits for the close. */
+     * which copies from it and back (the copies through unified addressing) once device 0 may
+     * reach device 1's memory: gpupool maps an import of pages for its device and the peers
+     * enabled on it (PyTorch's rule), and an import mapped before the peer is enabled gains it.
+     * The producer copies with device 1's context current, as a program under PyTorch's rule
+     * does (its device guard). The owner's free waits for the close. */
     void *d1 = NULL;
     size_t n1 = 3 * MIB + 4096;
     CHECK_OK(gpupool_malloc(&d1, n1, 1, NULL));
     pattern(buf, n1, 21);
+    device_init(1);
     to_device(d1, buf, n1);
+    device_init(0);
     CHECK_OK(gpupool_ipc_export(d1, &h));
     m = ask(fd, (struct msg){.op = IMPORT, .handle = h, .device = 1});
     int imported = m.status == 0;
     q = m.ptr;
+    m = ask(fd, (struct msg){.op = PEER, .device = 0, .a = 1});
+    report("the consumer enables device 0's access to device 1's memory after the import", m.status == 0,
+           m.text);
     m = ask(fd, (struct msg){.op = CHECK_FILL, .ptr = q, .len = n1, .seed = 21});
     pattern(buf, n1, 22);
+    device_init(1);
     from_device(back, d1, n1);
+    device_init(0);
     snprintf(fig, sizeof fig, "%zu bytes", n1);
     report("a block of device 1 imported by a process on device 0, bit for bit both ways",
            imported && m.status == 0 && memcmp(buf, back, n1) == 0, fig);
