@@ -56,7 +56,10 @@
 #               page of GPUPOOL_PEERS_GIB GiB, default 4, with no peer, one, and every device),
 #               into OUT/peers.log, and
 #               tests/gpu/test_two_gpus (a pool on each slept and woken at once from two
-#               threads), into OUT/two-gpus.log
+#               threads), into OUT/two-gpus.log; on any number of GPUs, tests/gpu/test_sleep_all
+#               (every device's pool slept and woken at once from a thread each, pageable and
+#               pinned after gpupool_sleep_prepare, GB/s against the pinned copy bandwidth of all
+#               devices copying at once; GPUPOOL_SLEEP_ALL_GIB, default 4), into OUT/sleep-all.log
 #   sleep_tune  the sleep benchmark alone (`test_sleep bench`, sizes from GPUPOOL_SLEEP_BENCH_GIB,
 #               default "4 16" here) once per staging setting of SLEEP_TUNE, a list of
 #               CHUNK:BUFFERS:THREADS:HUGE_PAGES (GPUPOOL_SLEEP_CHUNK, _BUFFERS, _THREADS,
@@ -311,6 +314,7 @@ if want gpu || want expandable || want budget || want dmabuf || want graphs || w
       run_gpu_test test_first_sleep first-sleep.log
       run_gpu_test test_two_gpus two-gpus.log
       run_gpu_test test_peers peers.log
+      run_gpu_test test_sleep_all sleep-all.log
     fi
     if want sleep_tune && cmake --build build-gpu/gpu -j --target test_sleep >>"$out/gpu-tests-build.log" 2>&1; then
       echo "== sleep_tune"
