@@ -43,6 +43,8 @@
 //! - `registration`: the whole mapped range of a pointer's segment, and a dma-buf descriptor
 //!   of it, for transports to register once (`gpupool_segment_mapped_range`), every part in
 //!   one folder.
+//! - `retire`: a stream about to be destroyed (`gpupool_stream_retire`): its work waited for,
+//!   so that the next stream CUDA gives its handle reuses what was freed on it safely.
 
 mod accounting;
 pub(crate) mod allocator;
@@ -65,6 +67,7 @@ mod peers;
 mod pool;
 pub(crate) mod pools;
 pub(crate) mod registration;
+mod retire;
 pub(crate) mod rules;
 pub(crate) mod segment_index;
 mod shard;

@@ -1,4 +1,4 @@
-//! Allocation, free, record_stream and empty_cache.
+//! Allocation, free, record_stream, a stream's retirement and empty_cache.
 
 use std::ffi::{c_int, c_void};
 
@@ -132,6 +132,52 @@ pub unsafe extern "C-unwind" fn gpupool_free(ptr: *mut c_void) -> gpupool_status
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn gpupool_record_stream(ptr: *mut c_void, stream: gpupool_stream_t) -> gpupool_status {
     boundary("gpupool_record_stream", || record_stream(ptr, stream))
+}
+
+/// Call last before destroying `stream` (`cudaStreamDestroy`) of `device` (-1: the current
+/// device), with no work queued on it after: when gpupool holds any block or segment of the
+/// stream (in the default pools or a private pool), waits for the stream's work
+/// (`cuStreamSynchronize`); `*waited` (may be NULL) says whether it did. gpupool's own: PyTorch
+/// never destroys its streams (they come from its stream pool), and has no such call.
+///
+/// Why: gpupool keys a stream's cached blocks by its handle, as PyTorch does, and serves a
+/// block freed on a stream to the next request on that handle without an event (the stream's
+/// order makes that safe). CUDA gives a destroyed stream's handle to the next stream created,
+/// at once, while the old stream's work may still run, and the new stream is not ordered after
+/// it: without this call, a block freed on the old stream and still read by its kernels can be
+/// handed to the new stream and overwritten (seen on two H200s; rapidsai/rmm#2251 is the same
+/// defect in RMM). Telling the streams apart on each allocation would cost a driver call on the
+/// hit path (`cuStreamGetId`: 25 ns on an H200, against about 60 ns for a whole cached
+/// malloc and free), so the program says when a stream ends instead (rapidsai/rmm#649's
+/// `invalidate_stream`). A stream gpupool never served costs nothing. Not needed for streams
+/// that live as long as the program, nor when the program synchronizes the stream (or the
+/// device) itself before destroying it.
+///
+/// Errors, each leaving every pool as it was: `GPUPOOL_ERROR_INVALID_VALUE` for a device out of
+/// range and for CUDA's default streams (handles 0, 1 and 2: never destroyed);
+/// `GPUPOOL_ERROR_STREAM_CAPTURE` while the stream captures a CUDA graph (a wait would
+/// invalidate the capture: end it first); `GPUPOOL_ERROR_CUDA` when the driver cannot read the
+/// capture status or wait (the stream's work may then still use what was freed on it: wait
+/// for it another way before destroying the stream); `GPUPOOL_ERROR_DRIVER_UNAVAILABLE`.
+///
+/// Thread-safe; holds no gpupool lock while it waits.
+///
+/// # Safety
+/// `waited` must be NULL or point to writable storage for one `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn gpupool_stream_retire(
+    device: c_int,
+    stream: gpupool_stream_t,
+    waited: *mut c_int,
+) -> gpupool_status {
+    boundary("gpupool_stream_retire", || {
+        let did = runtime()?.allocator.retire_stream(device, stream as usize)?;
+        if !waited.is_null() {
+            // SAFETY: the caller passes NULL or storage for one int.
+            unsafe { waited.write(c_int::from(did)) };
+        }
+        Ok(())
+    })
 }
 
 /// Returns every cached segment that is wholly free to the driver (`cuMemFree`), after waiting

@@ -59,6 +59,7 @@ int main(void) {
       (any_fn)gpupool_malloc,
       (any_fn)gpupool_free,
       (any_fn)gpupool_record_stream,
+      (any_fn)gpupool_stream_retire,
       (any_fn)gpupool_empty_cache,
       (any_fn)gpupool_device_count,
       (any_fn)gpupool_set_memory_fraction,

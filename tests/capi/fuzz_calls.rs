@@ -93,6 +93,12 @@ pub(crate) enum Call {
     },
     Free(Addr),
     RecordStream(Addr, usize),
+    /// `gpupool_stream_retire`; `null` passes a NULL `waited`.
+    RetireStream {
+        device: c_int,
+        stream: usize,
+        null: bool,
+    },
     EmptyCache(c_int),
     SetMemoryFraction(f64, c_int),
     DeviceCount {
@@ -146,6 +152,8 @@ pub(crate) fn call() -> impl Strategy<Value = Call> {
             .prop_map(|(out_null, size, device, stream)| Call::Malloc { out_null, size, device, stream }),
         10 => addr().prop_map(Call::Free),
         3 => (addr(), stream()).prop_map(|(a, s)| Call::RecordStream(a, s)),
+        2 => (device(), stream(), any::<bool>())
+            .prop_map(|(device, stream, null)| Call::RetireStream { device, stream, null }),
         1 => device().prop_map(Call::EmptyCache),
         1 => (fraction(), device()).prop_map(|(f, d)| Call::SetMemoryFraction(f, d)),
         1 => any::<bool>().prop_map(|null| Call::DeviceCount { null }),

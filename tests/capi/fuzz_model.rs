@@ -8,7 +8,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use gpupool::ffi::gpupool_stream_t;
 use gpupool::ffi::memory::{
     gpupool_device_count, gpupool_empty_cache, gpupool_free, gpupool_largest_allocatable, gpupool_malloc,
-    gpupool_record_stream, gpupool_set_memory_fraction,
+    gpupool_record_stream, gpupool_set_memory_fraction, gpupool_stream_retire,
 };
 use gpupool::ffi::sim::{gpupool_sim_hold_stream, gpupool_sim_release_stream, gpupool_sim_set_device};
 use gpupool::ffi::stats::{
@@ -189,6 +189,15 @@ pub(crate) fn run_call(m: &mut Model, call: &Call) {
             let st = unsafe { gpupool_record_stream(p as *mut c_void, stream_t(s)) };
             let want = if p == 0 || m.live.contains_key(&p) { GPUPOOL_SUCCESS } else { GPUPOOL_ERROR_INVALID_POINTER };
             after(call, st, &[want]);
+        }
+        Call::RetireStream { device, stream, null } => {
+            let mut waited: c_int = -7;
+            let ptr = if null { std::ptr::null_mut() } else { &raw mut waited };
+            // SAFETY: NULL or a writable int.
+            let st = unsafe { gpupool_stream_retire(device, stream_t(stream), ptr) };
+            let ok = valid_device(device) && stream > 2;
+            after(call, st, &[if ok { GPUPOOL_SUCCESS } else { GPUPOOL_ERROR_INVALID_VALUE }]);
+            assert!(if ok && !null { waited == 0 || waited == 1 } else { waited == -7 }, "{call:?}: waited {waited}");
         }
         Call::EmptyCache(d) => {
             let st = gpupool_empty_cache(d);

@@ -23,6 +23,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
             "gpupool_malloc",
             "gpupool_free",
             "gpupool_record_stream",
+            "gpupool_stream_retire",
             "gpupool_empty_cache",
             "gpupool_device_count",
             "gpupool_set_memory_fraction",

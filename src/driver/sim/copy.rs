@@ -98,9 +98,18 @@ impl CopyOps for SimDriver {
     fn stream_synchronize(&self, _device: i32, stream: StreamHandle) -> Result<(), DriverError> {
         self.run_hooks(SimOp::StreamSynchronize);
         let mut st = self.state.lock();
+        st.counts.stream_synchronize += 1;
         st.fault(SimOp::StreamSynchronize)?;
-        // Copies run at once: nothing is left to wait for.
-        st.wait_on(Some(stream), "cuStreamSynchronize")
+        st.wait_on(Some(stream), "cuStreamSynchronize")?;
+        // Copies run at once; work a test holds on the stream runs now that the host waits for
+        // it (as `event_synchronize` does), counted for the test.
+        if let Some(s) = st.streams.get_mut(&stream) {
+            if s.held && s.recorded > s.completed {
+                s.waits += 1;
+            }
+            s.completed = s.recorded;
+        }
+        Ok(())
     }
 
     fn memcpy_dtoh_async(

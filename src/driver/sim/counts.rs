@@ -33,6 +33,8 @@ pub struct SimCounts {
     pub unpinned_copies: u64,
     /// Streams made by `stream_create` (gpupool's copy streams).
     pub stream_create: u64,
+    /// `stream_synchronize` calls (each a `cuStreamSynchronize`), failed ones included.
+    pub stream_synchronize: u64,
     /// Copies queued by `memcpy_dtoh_async` and `memcpy_htod_async`, and their bytes.
     pub copies: u64,
     pub copied_bytes: u64,

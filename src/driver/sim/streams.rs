@@ -9,12 +9,12 @@ use crate::driver::ops::StreamOps;
 
 #[derive(Default)]
 pub(super) struct SimStream {
-    recorded: u64,
-    completed: u64,
-    held: bool,
+    pub(super) recorded: u64,
+    pub(super) completed: u64,
+    pub(super) held: bool,
     /// Times a host wait (`cuEventSynchronize`) completed work of this stream while it was held
     /// (the host waited for it: the simulated device runs it then).
-    waits: u64,
+    pub(super) waits: u64,
 }
 
 impl SimDriver {

@@ -1,0 +1,75 @@
+//! A stream about to be destroyed (`gpupool_stream_retire`; not in PyTorch, whose streams come
+//! from its own pool and are never destroyed). gpupool keys a stream's pools by its handle, as
+//! PyTorch does (`BlockPool` by `cudaStream_t`), and reuses a block freed on a stream for the
+//! next request on that handle without an event: the stream's order makes it safe. CUDA hands
+//! a destroyed stream's handle to the next stream created, at once and while the old stream's
+//! work still runs (on an H200, 1,000 create/destroy cycles gave one handle, with work pending
+//! at each destroy: `examples/c/stream_id_cost.c`; rapidsai/rmm#2251). The new stream is not
+//! ordered after the old one's work, so a block freed on the old stream and still read by its
+//! kernels could be handed to the new one and overwritten: `tests/gpu/test_streams.cu` read
+//! 40% of its words wrong so on two H200s (2026-11-29).
+//!
+//! Telling the two streams apart on every malloc would take the driver's unique id
+//! (`cuStreamGetId`, 25 ns a call on that H200, against 55-65 ns for the whole hit pair), so
+//! the hit path keeps the handle, and a program that destroys a stream says so first:
+//! [`Allocator::retire_stream`] waits for the stream's work when gpupool holds any block or
+//! segment of it (rapidsai/rmm#649's `invalidate_stream`, its "trivial implementation"), after
+//! which what was freed on it is free for whatever stream gets the handle next. A stream
+//! gpupool never served costs no wait.
+//!
+//! - `mod.rs`: [`Allocator::retire_stream`]; the shard table's `holds_stream` answers whether
+//!   gpupool holds anything of the stream.
+//! - `tests`: on the simulated device (whose `cuStreamSynchronize` runs the work a test holds
+//!   on the stream): the wait, the refusals, the driver's faults.
+
+use crate::caching::allocator::Allocator;
+use crate::driver::StreamHandle;
+use crate::error::Error;
+
+impl Allocator {
+    /// Before `stream` of `device` (-1: the current device) is destroyed: when any pool of the
+    /// device (the default pools or a private pool) has a shard for the stream, waits for the
+    /// stream's work (`cuStreamSynchronize`), so that the blocks freed on it, which the next
+    /// stream given the same handle reuses without an event, are no longer in use. Returns
+    /// whether it waited. Call it last before `cudaStreamDestroy`, with no work queued on the
+    /// stream after it.
+    ///
+    /// Errors, each leaving every pool as it was: [`Error::InvalidValue`] for a device out of
+    /// range and for one of CUDA's default streams (handles 0, 1 and 2: never destroyed);
+    /// [`Error::Capture`] for a stream that captures a CUDA graph (a wait would invalidate the
+    /// capture: end it first); [`Error::Cuda`] when the driver cannot read the capture status
+    /// or wait (the stream's work may then still use what was freed on it).
+    ///
+    /// Thread-safe; takes the device's shard table lock briefly, then no lock while it waits.
+    pub fn retire_stream(&self, device: i32, stream: StreamHandle) -> Result<bool, Error> {
+        if stream <= 2 {
+            return Err(Error::InvalidValue(format!(
+                "stream {stream:#x} is one of CUDA's default streams (legacy or per-thread), which are never \
+                 destroyed: there is nothing to retire (gpupool_stream_retire)"
+            )));
+        }
+        let dev = self.device_or_init(device)?;
+        if !dev.shards.holds_stream(stream) {
+            return Ok(false);
+        }
+        let d = dev.device;
+        let what = |doing: &str| format!("{doing} stream {stream:#x} of device {d} before it is destroyed");
+        let status = self
+            .driver
+            .stream_capture_status(d, stream)
+            .map_err(|e| Error::driver_call(e, &what("reading the capture status of")))?;
+        if status.is_capturing() {
+            return Err(Error::Capture(format!(
+                "stream {stream:#x} of device {d} captures a CUDA graph: waiting for it would invalidate the \
+                 capture; end the capture before retiring the stream (gpupool_stream_retire)"
+            )));
+        }
+        self.driver
+            .stream_synchronize(d, stream)
+            .map_err(|e| Error::driver_call(e, &what("waiting for the work of")))?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests;
