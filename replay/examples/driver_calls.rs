@@ -17,16 +17,14 @@
 //!     cargo run --release -p gpupool-replay --example driver_calls -- [--no-rule] TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
 //!
-//! `--no-rule`: only one replay, the rule as the environment says (off unless
-//! `GPUPOOL_EXPANDABLE_RECLAIM` is set: the default's), in half the time; its lines say
-//! `reclaim false` whatever the environment says (`scripts/frag_table.sh` reads them so).
+//! `--no-rule`: only the replay without the rule (the default's), in half the time.
 //!
 //! TRACE `random`: `bench`'s random working set (`random_trace` in `examples/c/bench.c`: the
 //! same generator, seed and sizes, 100,000 events, sizes log-uniform from 256 B to 4 GiB, up to
 //! 1,000 live), made here rather than read.
 //!
-//! `GPUPOOL_EXPANDABLE_LARGE_PAGES`, `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` and
-//! `GPUPOOL_EXPANDABLE_RECLAIM_SLACK` are read from the environment (gpupool's defaults otherwise: requests of 20 MiB and more map 20 MiB
+//! `GPUPOOL_EXPANDABLE_LARGE_PAGES` and `GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST` are read from
+//! the environment (gpupool's defaults otherwise: requests of 20 MiB and more map 20 MiB
 //! pages, or larger ones past 16 a request, in ranges of their own).
 //!
 //! TRACE `synthetic-bert`: a synthetic dynamic-shape trace, made up here and not recorded
@@ -64,24 +62,12 @@ fn main() {
     let rules: &[bool] = if no_rule { &[false] } else { &[false, true] };
     for &reclaim in rules {
         // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
-        let config = expandable((!no_rule).then_some(reclaim));
+        let config = expandable(reclaim);
         let drv = Arc::new(SimDriver::new(1, capacity));
         let a = Allocator::new(drv.clone(), config);
         let streams: Vec<usize> = (1..=t.streams.len()).map(|i| i * 0x100).collect();
         let mut ptrs = vec![0u64; t.blocks as usize];
-        let passes: usize = std::env::var("TMP_PASSES").map_or(2, |v| v.parse().unwrap());
-        let names: Vec<String> = (0..passes)
-            .map(|i| {
-                if i == 0 {
-                    "cold".into()
-                } else if i == 1 {
-                    "warm".into()
-                } else {
-                    format!("warm{i}")
-                }
-            })
-            .collect();
-        for pass in names.iter().map(|s| s.as_str()) {
+        for pass in ["cold", "warm"] {
             let c0 = drv.counts();
             // The counts include the frees after the pass: with expandable segments a free
             // calls the driver for nothing, so they count what the events did.
@@ -125,7 +111,7 @@ fn on_gpu(args: &[String]) {
     );
     for reclaim in [false, true] {
         // GPUPOOL_EXPANDABLE_LARGE_PAGES from the environment, read by gpupool's own parser.
-        let config = expandable(Some(reclaim));
+        let config = expandable(reclaim);
         for _ in 0..repeats {
             let o = gpu.replay(t, &config).expect("replay");
             println!(
@@ -138,25 +124,17 @@ fn on_gpu(args: &[String]) {
     }
 }
 
-/// Expandable segments, with the high-water rule or not (`None`: as
-/// `GPUPOOL_EXPANDABLE_RECLAIM` says), and the page and slack options from the environment,
-/// read by gpupool's own parser.
-fn expandable(reclaim: Option<bool>) -> gpupool::config::Config {
+/// Expandable segments, with the high-water rule or not, and `GPUPOOL_EXPANDABLE_LARGE_PAGES`
+/// from the environment, read by gpupool's own parser.
+fn expandable(reclaim: bool) -> gpupool::config::Config {
     let mut row = "GPUPOOL_CONF=expandable_segments:True".to_string();
-    for name in [
-        "GPUPOOL_EXPANDABLE_LARGE_PAGES",
-        "GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST",
-        "GPUPOOL_EXPANDABLE_RECLAIM",
-        "GPUPOOL_EXPANDABLE_RECLAIM_SLACK",
-    ] {
+    for name in ["GPUPOOL_EXPANDABLE_LARGE_PAGES", "GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST"] {
         if let Ok(v) = std::env::var(name) {
             row += &format!(";{name}={v}");
         }
     }
     let mut config = setting::Setting::row(&row).unwrap_or_else(|e| panic!("{e}")).config;
-    if let Some(reclaim) = reclaim {
-        config.expandable_reclaim = reclaim;
-    }
+    config.expandable_reclaim = reclaim;
     config
 }
 

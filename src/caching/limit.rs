@@ -29,14 +29,6 @@ pub(crate) struct MemoryLimit {
     /// (`expandable::high_water`) keeps what the device holds from the driver under its mark, and
     /// a growth that maps the pages the rule unmapped passes no mark.
     mark: AtomicI64,
-    /// The device's peak allocated bytes as its last settle of the peaks saw it (PyTorch's
-    /// `allocated_bytes.all.peak`): with a slack, the high-water rule's floor.
-    live_peak: AtomicI64,
-    /// `GPUPOOL_EXPANDABLE_RECLAIM_SLACK`: thousandths of `live_peak` by which the rule lets
-    /// physical bytes pass it before unmapping (0: the mark alone).
-    slack: u32,
-    /// TMP measuring: bytes the rule forgave.
-    bonus: AtomicI64,
 }
 
 /// Bytes counted against the limit for a segment the driver has not yet given
@@ -97,7 +89,6 @@ impl MemoryLimit {
     /// The high-water mark starts again from the bytes reserved now (the cache was released,
     /// or the peak statistics reset: the caller asks for a new peak).
     pub fn reset_mark(&self) {
-        self.bonus.store(0, Ordering::Relaxed);
         self.mark.store(self.count.counted(), Ordering::Relaxed);
     }
 
@@ -106,42 +97,6 @@ impl MemoryLimit {
     pub fn over_mark(&self, size: usize) -> usize {
         let after = self.count.counted() + size as i64;
         (after - self.mark.load(Ordering::Relaxed)).max(0) as usize
-    }
-
-    /// A limit whose high-water rule lets physical bytes reach `slack` thousandths above
-    /// the peak allocated bytes before it unmaps ([`MemoryLimit::over_rule_mark`]).
-    pub fn with_slack(slack: u32) -> Self {
-        MemoryLimit { slack, ..MemoryLimit::default() }
-    }
-
-    /// The device's peak allocated bytes, as a settle of the peaks just counted them (set, not
-    /// raised: `reset_peak_stats` lowers it).
-    pub fn note_live_peak(&self, bytes: i64) {
-        self.live_peak.store(bytes, Ordering::Relaxed);
-    }
-
-    /// By how many bytes `size` more would take the device's physical bytes past what the
-    /// high-water rule keeps them to: the high-water mark, or with a slack the peak allocated
-    /// bytes times 1 + slack / 1000 where that is higher. Past the mark but under that, the
-    /// rule lets the growth create pages (and the mark rises with them), so that a warm pass
-    /// whose blocks land elsewhere than the cold pass's has room to map them without moving
-    /// pages; past both, it unmaps as without a slack.
-    pub fn over_rule_mark(&self, size: usize) -> usize {
-        let over = self.over_mark(size).saturating_sub(self.bonus.load(Ordering::Relaxed).max(0) as usize);
-        if self.slack == 0 || over == 0 {
-            return over;
-        }
-        let live = self.live_peak.load(Ordering::Relaxed).max(0) as i128;
-        let floor = (live * (1000 + self.slack as i128) / 1000).min(i64::MAX as i128) as i64;
-        let after = self.count.counted().saturating_add(size as i64);
-        over.min((after - floor).max(0) as usize)
-    }
-
-    /// TMP measuring: forgive a share (thousandths from TMP_FORGIVE) of what a growth passes by.
-    pub fn forgive(&self, over: usize) {
-        static F: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-        let f = *F.get_or_init(|| std::env::var("TMP_FORGIVE").map_or(0, |v| v.parse().unwrap()));
-        self.bonus.fetch_add(over as i64 * f / 1000, Ordering::Relaxed);
     }
 
     /// The physical bytes counted: reserved bytes plus held pages.

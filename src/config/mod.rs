@@ -215,10 +215,6 @@ pub struct Config {
     /// on the device are unmapped (after the growing stream's work, or the device, is waited
     /// for). Off: PyTorch's behaviour.
     pub expandable_reclaim: bool,
-    /// `GPUPOOL_EXPANDABLE_RECLAIM_SLACK` (0 by default): with `expandable_reclaim`, the rule
-    /// unmaps only what takes the device's physical bytes past the higher of its high-water
-    /// mark and its peak allocated bytes times 1 + this / 1000 (thousandths, 0 to 1000).
-    pub expandable_reclaim_slack: u32,
     /// `GPUPOOL_EXPANDABLE_LARGE_PAGES` (on by default): with expandable segments, requests of
     /// 20 MiB and more grow address ranges of their own mapped in 20 MiB pages (PyTorch's page
     /// in its large pool), or 2 MiB pages where those map fewer bytes (at most 64 a growth),
@@ -279,7 +275,6 @@ impl Default for Config {
             preload_sync_bytes: 256 << 20,
             preload_stats: false,
             expandable_reclaim: false,
-            expandable_reclaim_slack: 0,
             expandable_large_pages: true,
             expandable_pages_per_request: 16,
             release_unused_streams: false,

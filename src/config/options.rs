@@ -61,7 +61,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 20] = [
+pub static OPTIONS: [Opt; 19] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -145,14 +145,6 @@ pub static OPTIONS: [Opt; 20] = [
         doc: "With `expandable_segments:True`: a segment does not grow past the device's peak reserved bytes (since the cache was last emptied or the peak statistics reset) while wholly free pages are mapped anywhere on the device; they are unmapped first (the growing stream's own after its queued work has run, an event recorded on it and waited for; other streams' after a device synchronisation), so that reserved memory stays near the most ever in use. Off: PyTorch's behaviour (pages are unmapped only by `empty_cache` and on out of memory), much faster where shapes change (see docs/fragmentation.md)",
         set: |c, v| c.expandable_reclaim = v == Value::Bool(true),
         get: |c| Value::Bool(c.expandable_reclaim),
-    },
-    Opt {
-        name: "GPUPOOL_EXPANDABLE_RECLAIM_SLACK",
-        kind: Kind::Count { min: 0, max: 1000 },
-        default: Value::Count(0),
-        doc: "With `GPUPOOL_EXPANDABLE_RECLAIM`: thousandths of the device's peak allocated bytes (PyTorch's `allocated_bytes.all.peak`, which `reset_peak_stats` resets) by which the rule lets physical memory pass that peak before it unmaps: a growth unmaps free pages only past the higher of the high-water mark and the peak times 1 + this / 1000. 0 (the default): the high-water mark alone (see docs/fragmentation.md)",
-        set: |c, v| c.expandable_reclaim_slack = v.count() as u32,
-        get: |c| Value::Count(c.expandable_reclaim_slack.into()),
     },
     Opt {
         name: "GPUPOOL_EXPANDABLE_LARGE_PAGES",

@@ -285,7 +285,6 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_PRELOAD_SYNC_BYTES=256MiB (default)\n\
          GPUPOOL_PRELOAD_STATS=on\n\
          GPUPOOL_EXPANDABLE_RECLAIM=off (default)\n\
-         GPUPOOL_EXPANDABLE_RECLAIM_SLACK=0 (default)\n\
          GPUPOOL_EXPANDABLE_LARGE_PAGES=on (default)\n\
          GPUPOOL_EXPANDABLE_PAGES_PER_REQUEST=16 (default)\n\
          GPUPOOL_RELEASE_UNUSED_STREAMS=off (default)\n\

@@ -8,7 +8,6 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::MutexGuard;
 
-use super::cell_layout::{Metric, StatType, cell};
 use super::counters::{self, ShardCounters};
 use super::peaks::{self, Totals};
 use crate::caching::device::{DeviceAllocator, PeakState};
@@ -136,14 +135,6 @@ impl DeviceAllocator {
 
     pub(in crate::caching) fn settle_locked(&self, ps: &mut PeakState) {
         self.visit_locked(ps, |t, shards, holds| peaks::settle(t, shards, &self.spare, holds));
-        self.note_live_peak(&ps.totals);
-    }
-
-    /// The high-water rule's slack follows the peak allocated bytes a settle (or a reset) just
-    /// counted (`MemoryLimit::over_rule_mark`). Every new peak is settled before its call
-    /// returns (see `peaks`), so the rule sees the peak of every call before the current one.
-    pub(super) fn note_live_peak(&self, t: &Totals) {
-        self.limit.note_live_peak(t.peak[cell(Metric::AllocatedBytes, StatType::All)]);
     }
 
     /// How many times a call settled the peaks (a diagnostic; reads of the statistics settle
@@ -160,17 +151,13 @@ impl DeviceAllocator {
             s.unmapped_held_bytes = self.pages.stat();
             s.sleeping_bytes = self.sleepers.stat();
             s.pool_limit = self.pool_limit(0);
-            self.note_live_peak(t);
             s
         })
     }
 
     /// PyTorch `resetPeakStats`.
     pub fn reset_peak_stats(&self) {
-        self.visit(|t, shards, _| {
-            peaks::reset(t, shards, &self.spare);
-            self.note_live_peak(t);
-        });
+        self.visit(|t, shards, _| peaks::reset(t, shards, &self.spare));
         self.reset_pool_peaks();
         self.pages.reset_peak();
         self.sleepers.reset_peak();

@@ -43,7 +43,6 @@ impl DeviceAllocator {
             holds.push(settle.visit(totals, &mut shard.lock_hot().counters));
         }
         settle.raise(totals);
-        self.note_live_peak(totals);
         if settle.pay_from_spare(&self.spare) {
             for (shard, h) in visit.iter().zip(holds.iter_mut()).rev() {
                 if *h {

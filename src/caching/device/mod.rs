@@ -182,8 +182,7 @@ impl DeviceAllocator {
         // The high-water rule moves pages one by one to keep reserved memory at the floor,
         // which larger pages would raise (the random working set of `bench`: 1.11 of live
         // rather than 1.01 on the simulated device): with it, 20 MiB pages at any size.
-        let per_request =
-            if reclaim && std::env::var("TMP_KEEP_PAGES").is_err() { 0 } else { config.expandable_pages_per_request };
+        let per_request = if reclaim { 0 } else { config.expandable_pages_per_request };
         let expandable = expandable
             .then(|| expandable_policy(&*driver, device, config.expandable_large_pages, per_request))
             .flatten();
@@ -202,7 +201,7 @@ impl DeviceAllocator {
             peaks: Mutex::default(),
             spare: std::array::from_fn(|_| AtomicI64::new(0)),
             counters: DeviceCounters::default(),
-            limit: MemoryLimit::with_slack(config.expandable_reclaim_slack),
+            limit: MemoryLimit::default(),
             pages: PagePool::default(),
             deferred: DeferredFrees::default(),
             observers,

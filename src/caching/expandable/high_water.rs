@@ -49,11 +49,7 @@ impl ShardState {
         page: usize,
         bytes: usize,
     ) -> Option<usize> {
-        let mut over = ctx.limit.over_rule_mark(bytes);
-        if over > 0 && ctx.reclaim != Reclaim::Off {
-            ctx.limit.forgive(over);
-            over = ctx.limit.over_rule_mark(bytes);
-        }
+        let over = ctx.limit.over_mark(bytes);
         if over > 0 && ctx.reclaim != Reclaim::Off {
             // The free pages outside the bytes the request will take (the free blocks the plan
             // walks may hold more than it needs), as many as it passes the mark by. The plan
