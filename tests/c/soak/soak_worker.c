@@ -150,6 +150,16 @@ void *worker(void *arg) {
     /* Snapshots from the workers too, so that even when the statistics thread gets little CPU
      * the statistics are read while other threads are in the middle of their calls. */
     if ((i & 63) == 63) check_snapshot((int)below(&rng, (uint64_t)ndevices));
+    if ((i & 127) == 64) {
+      /* One of the thread's own streams retired, as before cudaStreamDestroy, while the other
+       * threads allocate, free and sleep: its work waited for at most (its blocks stay as they
+       * are; the stream is used again after, as a new stream given the handle would be). */
+      int waited = -1;
+      EXPECT_STATUS(gpupool_stream_retire((int)below(&rng, (uint64_t)ndevices), own_stream(t, (int)below(&rng, OWN_STREAMS)),
+                                          &waited),
+                    GPUPOOL_SUCCESS);
+      if (waited != 0 && waited != 1) fail("gpupool_stream_retire wrote %d to waited", waited);
+    }
     if (r < 4) {
       /* Hold or release a side stream. */
       int k = (int)below(&rng, SIDE_STREAMS);
