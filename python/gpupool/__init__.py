@@ -46,7 +46,7 @@ from ._pools import (
 
 __all__ = [
     "Error", "OutOfMemoryError", "bind", "bound_path", "find_library", "version", "device_count",
-    "malloc", "free", "record_stream", "empty_cache", "set_memory_fraction", "largest_allocatable", "enable_peer_access",
+    "malloc", "free", "record_stream", "stream_retire", "empty_cache", "set_memory_fraction", "largest_allocatable", "enable_peer_access",
     "segment_mapped_range",
     "stats", "pool_stats", "reset_peak_stats", "memory_summary", "set_config", "config",
     "record_history", "dump_snapshot", "snapshot", "set_memory_metadata", "get_memory_metadata",
@@ -97,6 +97,19 @@ def record_stream(ptr, stream):
     """The block at `ptr` is also used on `stream`: once freed, it waits for that stream's work
     queued so far before reuse (gpupool_record_stream, PyTorch's Tensor.record_stream)."""
     check(lib().gpupool_record_stream(unsigned(ptr, "ptr"), stream_handle(stream)), "gpupool_record_stream")
+
+
+def stream_retire(stream, device=-1):
+    """Call just before `stream` is destroyed (a CuPy or Numba stream collected, a
+    cudaStreamDestroy): when gpupool holds anything of it, waits for its work
+    (gpupool_stream_retire), so that the next stream CUDA gives the same handle, which gpupool
+    cannot tell from it, does not reuse its freed blocks under its running kernels. Returns
+    whether it waited. Raises Error for CUDA's default streams (None, 0, 1, 2) and for a stream
+    that captures a graph. PyTorch's streams come from its pool and are never destroyed."""
+    waited = ctypes.c_int(0)
+    check(lib().gpupool_stream_retire(_device(device), stream_handle(stream), ctypes.byref(waited)),
+          "gpupool_stream_retire")
+    return bool(waited.value)
 
 
 def empty_cache(device=-1):

@@ -230,6 +230,7 @@ def _declare(lib):
         "gpupool_malloc": [ctypes.POINTER(_P), _SZ, _INT, _P],
         "gpupool_free": [_P],
         "gpupool_record_stream": [_P, _P],
+        "gpupool_stream_retire": [_INT, _P, ctypes.POINTER(_INT)],
         "gpupool_empty_cache": [_INT],
         "gpupool_device_count": [ctypes.POINTER(_INT)],
         "gpupool_set_memory_fraction": [ctypes.c_double, _INT],

@@ -123,6 +123,13 @@ def test_streams_as_objects():
     p = gpupool.malloc(MIB, 0, CupyLike())
     gpupool.record_stream(p, TorchLike())
     gpupool.free(p)
+    # A stream about to be destroyed: waited for, since gpupool holds a block freed on it; one
+    # it never served is not; the default streams are never destroyed.
+    assert gpupool.stream_retire(CupyLike(), 0) is True
+    assert gpupool.stream_retire(0x7770, 0) is False
+    for default in (None, 0, 2):
+        with pytest.raises(gpupool.Error, match="default streams"):
+            gpupool.stream_retire(default, 0)
 
 
 def test_summary_config_and_largest():
