@@ -98,6 +98,13 @@
  *   with offload: CPU threads (the calling one included) that copy between the staging buffers
  *   and the host copy while the device copies the next buffer; 0: the cores the process may
  *   use, at most 16
+ * - GPUPOOL_SLEEP_PAGE (size (a bare number counts MiB), at least 2MiB; default `64MiB`):
+ *   Sleepable private pools (`gpupool_pool_create_sleepable`): the page of their expandable
+ *   segments, every request's, rounded up to the driver's granularity (2 MiB). A sleep unmaps
+ *   and releases each page and a wake creates and maps it again, tens of microseconds a page
+ *   whatever its size, so larger pages cost a sleep and a wake less beside the copy; a pool
+ *   reserves up to a page more than it uses at the end of each of its ranges (see
+ *   docs/sleep.md)
  * - GPUPOOL_SLEEP_HUGE_PAGES (boolean; default `on`): `gpupool_sleep` with offload: the host
  *   copy (ordinary memory, an anonymous mapping unmapped at `gpupool_wake`) asks for
  *   transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults when it is first

@@ -52,6 +52,7 @@
 //! | `GPUPOOL_SLEEP_CHUNK` | size, at least 1 | `32MiB` | `gpupool_sleep` and `gpupool_wake` with offload: bytes of each pinned staging buffer, the most one copy between the device and the host copy carries (blocks are cut into, and small blocks packed into, pieces of this size; see docs/sleep.md) |
 //! | `GPUPOOL_SLEEP_BUFFERS` | count, 2 to 64 | `4` | `gpupool_sleep` and `gpupool_wake` with offload: pinned staging buffers per device (the ring), allocated at the first offload and kept until `gpupool_empty_cache`; buffers times `GPUPOOL_SLEEP_CHUNK` bytes of pinned host memory |
 //! | `GPUPOOL_SLEEP_THREADS` | count, 0 to 256 | `0` | `gpupool_sleep` and `gpupool_wake` with offload: CPU threads (the calling one included) that copy between the staging buffers and the host copy while the device copies the next buffer; 0: the cores the process may use, at most 16 |
+//! | `GPUPOOL_SLEEP_PAGE` | size (a bare number counts MiB), at least 2MiB | `64MiB` | Sleepable private pools (`gpupool_pool_create_sleepable`): the page of their expandable segments, every request's, rounded up to the driver's granularity (2 MiB). A sleep unmaps and releases each page and a wake creates and maps it again, tens of microseconds a page whatever its size, so larger pages cost a sleep and a wake less beside the copy; a pool reserves up to a page more than it uses at the end of each of its ranges (see docs/sleep.md) |
 //! | `GPUPOOL_SLEEP_HUGE_PAGES` | boolean | `on` | `gpupool_sleep` with offload: the host copy (ordinary memory, an anonymous mapping unmapped at `gpupool_wake`) asks for transparent huge pages (`MADV_HUGEPAGE`), a 512th of the page faults when it is first written |
 //! | `GPUPOOL_RECORD_HISTORY` | `off` or `<max_entries>[:<context>[:<stacks>]]` | `off` | Records the allocation history from the start, as `gpupool_record_history(1, max_entries, context)` would (PyTorch `_record_memory_history`): the newest `max_entries` events per device and the call stacks of `context` (`none`, `state`, `alloc` or `all`, default `all`), holding the frames of `stacks` (`all`: native and, under CPython, Python; `python`; `native`; default `all`); `gpupool_dump_snapshot` writes them |
 //! | `GPUPOOL_LIVE_REPORT_AT_EXIT` | boolean | `off` | At exit, print the live report of each device used (stderr): its allocated blocks grouped by tag and by call stack, largest first, as `gpupool_live_report` prints it; what a leak hunt reads |
@@ -249,6 +250,9 @@ pub struct Config {
     /// Whether the host copy of a sleeping pool asks for transparent huge pages
     /// (`GPUPOOL_SLEEP_HUGE_PAGES`, on).
     pub sleep_huge_pages: bool,
+    /// Bytes of each page of sleepable pools' expandable segments (`GPUPOOL_SLEEP_PAGE`, 20 MiB,
+    /// rounded up to the driver's granularity).
+    pub sleep_page: usize,
 }
 
 impl Default for Config {
@@ -285,6 +289,7 @@ impl Default for Config {
             sleep_buffers: 4,
             sleep_threads: 0,
             sleep_huge_pages: true,
+            sleep_page: 64 * MIB,
         }
     }
 }

@@ -61,7 +61,7 @@ pub struct Opt {
 
 /// Every option gpupool and the LD_PRELOAD shim read from the environment, in the order they
 /// are read and printed. The module docs' list is made from it.
-pub static OPTIONS: [Opt; 19] = [
+pub static OPTIONS: [Opt; 20] = [
     Opt {
         name: "GPUPOOL_DRIVER",
         kind: Kind::Word(&["cuda", "sim"]),
@@ -201,6 +201,18 @@ pub static OPTIONS: [Opt; 19] = [
         // The range check makes the count fit a usize.
         set: |c, v| c.sleep_threads = v.count() as usize,
         get: |c| Value::Count(c.sleep_threads as i64),
+    },
+    Opt {
+        name: "GPUPOOL_SLEEP_PAGE",
+        kind: Kind::Size { unit: MIB, min: 2 * MIB },
+        default: Value::Size(64 * MIB),
+        doc: "Sleepable private pools (`gpupool_pool_create_sleepable`): the page of their expandable \
+              segments, every request's, rounded up to the driver's granularity (2 MiB). A sleep unmaps \
+              and releases each page and a wake creates and maps it again, tens of microseconds a page \
+              whatever its size, so larger pages cost a sleep and a wake less beside the copy; a pool \
+              reserves up to a page more than it uses at the end of each of its ranges (see docs/sleep.md)",
+        set: |c, v| c.sleep_page = v.size(),
+        get: |c| Value::Size(c.sleep_page),
     },
     Opt {
         name: "GPUPOOL_SLEEP_HUGE_PAGES",

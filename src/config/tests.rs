@@ -56,7 +56,7 @@ fn the_defaults_are_the_tables() {
 #[test]
 fn every_size_option_takes_every_suffix() {
     let sizes: Vec<&Opt> = OPTIONS.iter().filter(|o| matches!(o.kind, Kind::Size { .. })).collect();
-    assert_eq!(sizes.len(), 4);
+    assert_eq!(sizes.len(), 5);
     let cases = [
         ("64M", 64 << 20),
         ("64MiB", 64 << 20),
@@ -202,6 +202,7 @@ fn bad_values_name_the_variable_the_value_and_what_is_expected() {
         ("GPUPOOL_SLEEP_CHUNK", "big", "a size"),
         ("GPUPOOL_SLEEP_BUFFERS", "1", "from 2 to 64"),
         ("GPUPOOL_SLEEP_THREADS", "-1", "from 0 to 256"),
+        ("GPUPOOL_SLEEP_PAGE", "1M", "at least 2MiB"),
         ("GPUPOOL_SLEEP_HUGE_PAGES", "2M", "a boolean"),
         ("GPUPOOL_RECORD_HISTORY", "100000:stacks", "100000:alloc"),
         ("GPUPOOL_LIVE_REPORT_AT_EXIT", "later", "a boolean"),
@@ -291,6 +292,7 @@ fn options_text_shows_every_option_with_its_value() {
          GPUPOOL_SLEEP_CHUNK=32MiB (default)\n\
          GPUPOOL_SLEEP_BUFFERS=4 (default)\n\
          GPUPOOL_SLEEP_THREADS=0 (default)\n\
+         GPUPOOL_SLEEP_PAGE=64MiB (default)\n\
          GPUPOOL_SLEEP_HUGE_PAGES=on (default)\n\
          GPUPOOL_RECORD_HISTORY=off (default)\n\
          GPUPOOL_LIVE_REPORT_AT_EXIT=off (default)\n\

@@ -18,8 +18,10 @@ use gpupool::{Allocator, Error, SleepMode};
 
 const S: usize = 0x10;
 
+/// Pages of 20 MiB in sleepable pools (`GPUPOOL_SLEEP_PAGE`): the blocks below are sized so
+/// that a pool spans several pages, and each fault lands on a page that is not the first.
 fn config() -> Config {
-    Config { expandable_segments: true, ..Config::default() }
+    Config { expandable_segments: true, sleep_page: 20 * MIB, ..Config::default() }
 }
 
 /// `config` with a staging chunk of `chunk` bytes: the fault tests' pools are a quarter or a

@@ -9,6 +9,7 @@ mod common;
 mod faults;
 mod observed;
 mod observer_race;
+mod page;
 mod pinned;
 mod pinned_hostile;
 mod prepare;

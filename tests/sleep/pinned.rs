@@ -15,8 +15,10 @@ use gpupool::driver::DriverError;
 use gpupool::driver::sim::{SimFault, SimOp};
 use gpupool::{Error, SleepMode};
 
+/// Pages of 20 MiB in sleepable pools (`GPUPOOL_SLEEP_PAGE`): the faults below land on the
+/// fourth map of a wake, which `sizes` spans.
 fn config() -> Config {
-    Config { sleep_threads: 3, ..Config::default() }
+    Config { sleep_threads: 3, sleep_page: 20 * MIB, ..Config::default() }
 }
 
 /// Block sizes of both pools, a run of blocks beside each other, one larger than a piece.

@@ -57,8 +57,17 @@ const FREED: usize = 1;
 
 /// Expandable segments, and a small staging ring (2 MiB chunks, two of them) so that each of
 /// the few hundred allocators pins little.
+/// Pages of 20 MiB in sleepable pools (`GPUPOOL_SLEEP_PAGE`): `SIZES` puts the middle block on
+/// pages of its own.
 fn config() -> Config {
-    Config { expandable_segments: true, sleep_chunk: 2 * MIB, sleep_buffers: 2, sleep_threads: 1, ..Config::default() }
+    Config {
+        expandable_segments: true,
+        sleep_chunk: 2 * MIB,
+        sleep_buffers: 2,
+        sleep_threads: 1,
+        sleep_page: 20 * MIB,
+        ..Config::default()
+    }
 }
 
 fn setup() -> Setup {

@@ -114,6 +114,8 @@ pub(crate) struct DeviceAllocator {
     /// (`expandable_segments:False`), found at their first use; `None` inside: the driver
     /// cannot map memory.
     pub(in crate::caching) sleep_policy: std::sync::OnceLock<Option<ExpandablePolicy>>,
+    /// The page of sleepable pools' expandable segments, bytes (`GPUPOOL_SLEEP_PAGE`).
+    pub(in crate::caching) sleep_page: usize,
     /// The pinned staging ring of sleep and wake with offload (see `caching::sleep::staging`).
     pub(in crate::caching) staging: Staging,
     /// The pinned host copies pools keep between sleeps (see `caching::sleep::pinned_copies`).
@@ -211,6 +213,7 @@ impl DeviceAllocator {
             pools: crate::caching::pools::Pools::default(),
             sleepers: Sleepers::default(),
             sleep_policy: std::sync::OnceLock::new(),
+            sleep_page: config.sleep_page,
             staging: Staging::new(StagingSettings::from_config(config)),
             kept: Default::default(),
             peers: Peers::default(),

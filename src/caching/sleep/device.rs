@@ -25,31 +25,38 @@ use crate::driver::{DriverError, PhysHandle};
 use crate::error::Error;
 
 /// A sleepable pool's layout: `base` with the small and the large pool mapped in pages of
-/// `base.huge_page` bytes (PyTorch's `kLargeBuffer`, 20 MiB, rounded to the granularity), not
-/// PyTorch's 2 MiB of the small pool (`kSmallBuffer`) nor gpupool's 2 MiB of the large pool.
+/// `page` bytes (`GPUPOOL_SLEEP_PAGE`, 64 MiB by default, rounded up to the driver's
+/// granularity), for every request, not PyTorch's 2 MiB of the small pool (`kSmallBuffer`) nor
+/// its 20 MiB of the large one (`kLargeBuffer`), and no ladder of larger pages.
 ///
-/// Why: a sleep unmaps every page and a wake maps every page again, one driver call each, which
-/// the driver serialises (on an H100, 49-67 us a page to map and 42-68 us to unmap, from 1 to 16
-/// threads alike, 2 MiB and 20 MiB pages alike: `docs/sleep.md`). At 2 MiB a page, 40 GiB of
-/// blocks of 1 MiB were 20,480 pages, 0.86 s to unmap and 1.14 s to map against 0.78 s for the
-/// copy at the bus's speed; at 20 MiB, a tenth of that. What it costs: a stream's last page of
-/// each pool holds up to 20 MiB where 2 MiB would do, and a page goes back to the driver (at
-/// `empty_cache`) only once all of its 20 MiB is free; for the weights and caches that pools
-/// made to sleep hold, a small share.
-pub(crate) fn sleepable_layout(base: ExpandablePolicy) -> ExpandablePolicy {
-    ExpandablePolicy { small_page: base.huge_page, large_page: base.huge_page, huge_from: usize::MAX, ..base }
+/// Why: a sleep unmaps and releases every page and a wake creates and maps every page again,
+/// driver calls whose cost is per page, whatever its size (one H200, 4 GiB: 205 pages of 20 MiB
+/// took 3.6-5.2 ms to unmap and 3.8-6.7 ms to release, one page of 4 GiB 0.09 and 2 ms:
+/// `examples/c/vmm_unmap_cost.c`), and which the driver serialises (on an H100, 49-67 us a page
+/// to map and 42-68 us to unmap, from 1 to 16 threads alike). At 2 MiB a page, 40 GiB of blocks
+/// of 1 MiB were 20,480 pages, 0.86 s to unmap and 1.14 s to map against 0.78 s for the copy at
+/// the bus's speed. At 20 MiB a pinned sleep of 4 GiB ran at 0.84-0.86 of the pinned copy
+/// bandwidth and its wake at 0.86; at 64 MiB at 0.91-0.94 and 0.91-0.93; at 160 MiB 0.94 and
+/// 0.91-0.92 (one H200, 2026-11-29, `test_sleep bench`, docs/sleep.md). What it costs: a
+/// stream's last page of each pool holds up to a page where 2 MiB would do, and a page goes back
+/// to the driver (at `empty_cache`) only once all of it is free; for the weights and caches that
+/// pools made to sleep hold (gigabytes), a small share; a pool of a few MiB reserves a page of
+/// each of its pools.
+pub(crate) fn sleepable_layout(base: ExpandablePolicy, page: usize) -> ExpandablePolicy {
+    // The driver's granularity divides the default pools' 2 MiB page.
+    let page = page.max(base.small_page).next_multiple_of(base.small_page);
+    ExpandablePolicy { small_page: page, large_page: page, huge_page: page, huge_from: usize::MAX, ..base }
 }
 
 impl DeviceAllocator {
     /// The expandable layout of sleepable private pools: the default pools' (or one found for
-    /// them when the default pools use ordinary segments) with every page of the large
-    /// ranges' size, 20 MiB ([`sleepable_layout`]); `None` when the driver cannot map memory on
-    /// the device.
+    /// them when the default pools use ordinary segments) with every page `GPUPOOL_SLEEP_PAGE`
+    /// bytes ([`sleepable_layout`]); `None` when the driver cannot map memory on the device.
     pub(in crate::caching) fn sleep_policy(&self) -> Option<&ExpandablePolicy> {
         self.sleep_policy
             .get_or_init(|| {
                 let base = self.expandable.or_else(|| expandable_policy(&*self.driver, self.device, true, 0))?;
-                Some(sleepable_layout(base))
+                Some(sleepable_layout(base, self.sleep_page))
             })
             .as_ref()
     }
