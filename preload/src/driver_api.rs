@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
 
-use crate::shim::{NOT_INITIALIZED, Shim, UNKNOWN, bump, guard, owner_of, shim, status};
+use crate::shim::{Shim, UNKNOWN, bump, guard, owner_of, shim, status};
 
 type AllocFn = unsafe extern "C" fn(*mut sys::CUdeviceptr, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(sys::CUdeviceptr) -> c_int;
@@ -45,21 +45,22 @@ pub(crate) fn have_libcuda() -> bool {
 /// driver lacks the symbol (one older than the function).
 macro_rules! call_real {
     ($name:literal, $ty:ty, $($arg:expr),*) => {{
-        static SLOT: OnceLock<Option<$ty>> = OnceLock::new();
-        if !have_libcuda() {
-            NOT_INITIALIZED
+        static SLOT: ::std::sync::OnceLock<Option<$ty>> = ::std::sync::OnceLock::new();
+        if !$crate::driver_api::have_libcuda() {
+            $crate::shim::NOT_INITIALIZED
         } else {
             // SAFETY: the library is present, so cudarc's handle opens it without panicking; a
             // symbol of this name has CUDA's signature `$ty`.
-            let f = *SLOT.get_or_init(|| unsafe { sys::culib().get::<$ty>($name).ok().map(|f| *f) });
+            let f = *SLOT.get_or_init(|| unsafe { ::cudarc::driver::sys::culib().get::<$ty>($name).ok().map(|f| *f) });
             match f {
                 // SAFETY: the real function, with the caller's arguments.
                 Some(f) => unsafe { f($($arg),*) },
-                None => UNKNOWN,
+                None => $crate::shim::UNKNOWN,
             }
         }
     }};
 }
+pub(crate) use call_real;
 
 /// The device whose primary context is current, when gpupool should serve the call.
 fn primary_device() -> Option<i32> {
@@ -259,7 +260,7 @@ pub(crate) fn ours(symbol: &CStr, cuda_version: c_int, per_thread: bool) -> Opti
         b"cuGetProcAddress" if cuda_version >= 12000 && per_thread => cuGetProcAddress_v2_ptsz as *mut c_void,
         b"cuGetProcAddress" if cuda_version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
-        _ => return None,
+        _ => return crate::streams::ours(symbol.to_bytes(), cuda_version),
     })
 }
 
@@ -280,7 +281,7 @@ pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress_v2_ptsz" => cuGetProcAddress_v2_ptsz as *mut c_void,
-        _ => return None,
+        _ => return crate::streams::driver_by_name(name),
     })
 }
 
@@ -342,8 +343,8 @@ pub(crate) unsafe fn substitute(
 
 /// `CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t
 /// flags)` (CUDA 11.3 to 11.8's signature): the real lookup, with the shim's functions for
-/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync` (not its per-thread stream variant),
-/// `cuMemFreeAsync` (both variants), `cuMemAllocHost`, `cuMemHostAlloc`, `cuMemFreeHost` and `cuGetProcAddress`.
+/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync` (not its per-thread stream variant), `cuMemFreeAsync`
+/// (both variants), `cuMemAllocHost`, `cuMemHostAlloc`, `cuMemFreeHost`, `cuGetProcAddress`, `cuStreamDestroy`.
 ///
 /// # Safety
 /// As CUDA's `cuGetProcAddress`.

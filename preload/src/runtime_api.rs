@@ -1,7 +1,8 @@
-//! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed. The real ones
-//! are found with `dlsym(RTLD_NEXT, ...)`: the `libcudart.so` the program links, when it is in
-//! the global scope; else in the `libcudart.so*` loaded privately (`RTLD_LOCAL`, as Python
-//! loads an extension module and the runtime it links).
+//! The CUDA runtime's allocation functions (`cuda_runtime_api.h`), interposed (its
+//! `cudaStreamDestroy` is `streams.rs`'s). The real ones are found with `dlsym(RTLD_NEXT,
+//! ...)`: the `libcudart.so` the program links, when it is in the global scope; else in the
+//! `libcudart.so*` loaded privately (`RTLD_LOCAL`, as Python loads an extension module and the
+//! runtime it links).
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
@@ -20,7 +21,7 @@ type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 /// after this library (`RTLD_NEXT`, which sees only the global scope), else the one in a
 /// loaded `libcudart.so*` ([`in_loaded_runtime`]). A program that calls a runtime function
 /// has its runtime loaded by then, so the first lookup finds it if anything does.
-fn next(name: &CStr, slot: &OnceLock<usize>) -> usize {
+pub(crate) fn next(name: &CStr, slot: &OnceLock<usize>) -> usize {
     *slot.get_or_init(|| {
         // SAFETY: dlsym with a NUL-terminated name; the result is only compared or transmuted
         // to the function type CUDA declares for that name.
@@ -71,14 +72,16 @@ fn in_loaded_runtime(name: &CStr) -> usize {
     0
 }
 
+/// The real runtime's `$name` (a C string literal) as CUDA's type `$ty`, or `None` ([`next`]).
 macro_rules! real {
     ($name:literal, $ty:ty) => {{
-        static SLOT: OnceLock<usize> = OnceLock::new();
-        let f = next($name, &SLOT);
+        static SLOT: ::std::sync::OnceLock<usize> = ::std::sync::OnceLock::new();
+        let f = $crate::runtime_api::next($name, &SLOT);
         // SAFETY: a non-null result of dlsym for this CUDA symbol has CUDA's signature.
         (f != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(f) })
     }};
 }
+pub(crate) use real;
 
 /// The runtime's current device (`cudaGetDevice`), or -1 (gpupool's current device) when the
 /// runtime cannot say.
@@ -400,6 +403,7 @@ pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
         b"cudaGetDriverEntryPoint_ptsz" => cudaGetDriverEntryPoint_ptsz as *mut c_void,
         b"cudaGetDriverEntryPointByVersion" => cudaGetDriverEntryPointByVersion as *mut c_void,
         b"cudaGetDriverEntryPointByVersion_ptsz" => cudaGetDriverEntryPointByVersion_ptsz as *mut c_void,
+        b"cudaStreamDestroy" => crate::streams::cudaStreamDestroy as *mut c_void,
         _ => return None,
     })
 }
