@@ -113,6 +113,7 @@
 //!   counters printed at exit;
 //! - `lookups.rs`: counts of the lookups of driver functions, for the exit report;
 //! - `passed.rs`: calls to memory functions the shim does not serve, counted by name;
+//! - `real.rs`: how the shim reaches the real driver's and runtime's functions;
 //! - `vmm.rs`: `cuMemCreate`, interposed only to be counted;
 //! - `streams.rs`: `cudaStreamDestroy` and `cuStreamDestroy`, interposed so that gpupool waits
 //!   for a stream it holds blocks of before CUDA gives its handle to the next stream created.
@@ -123,6 +124,7 @@ mod dlsym;
 mod driver_api;
 mod lookups;
 mod passed;
+mod real;
 mod runtime_api;
 mod shim;
 mod streams;

@@ -342,7 +342,7 @@ impl Shim {
                 n(&crate::lookups::SERVED),
                 n(&crate::lookups::PASSED)
             ),
-            crate::streams::report(),
+            crate::lookups::streams_report(),
             format!("{} device synchronisations released {} deferred frees", d.syncs, d.released),
             format!("{} frees ({} bytes) still deferred at exit", d.blocks, d.bytes),
             format!(

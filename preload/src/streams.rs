@@ -30,22 +30,14 @@
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpupool::Allocator;
 
+use crate::lookups::{STREAM_RETIRE_FAILURES as FAILED, STREAM_RETIRES as RETIRES, STREAM_WAITS as WAITS};
+use crate::real::{call_real, real};
 use crate::shim::{UNKNOWN, bump, guard};
 
 type DestroyFn = unsafe extern "C" fn(*mut c_void) -> c_int;
-
-/// Destroys of a stream that the shim retired first (gpupool started, not a default stream),
-/// for the exit report. Relaxed counter, any thread.
-static RETIRES: AtomicU64 = AtomicU64::new(0);
-/// Retires that waited for the stream: gpupool held a block or segment of it.
-static WAITS: AtomicU64 = AtomicU64::new(0);
-/// Retires that failed (the stream's device unknown, the driver's error, a graph capture, a
-/// panic caught): the stream was destroyed without the wait.
-static FAILED: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// Set while the calling thread is inside a destroy the shim retired: the runtime's
@@ -61,12 +53,6 @@ impl Drop for Destroying {
     fn drop(&mut self) {
         DESTROYING.set(false);
     }
-}
-
-/// The exit report's line (`GPUPOOL_PRELOAD_STATS`), under 100 characters.
-pub(crate) fn report() -> String {
-    let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    format!("retired {} streams before their destroy: waited for {}, {} failed", n(&RETIRES), n(&WAITS), n(&FAILED))
 }
 
 /// Waits for `stream` when gpupool holds anything of it, on the device the driver says the
@@ -111,7 +97,7 @@ pub unsafe extern "C-unwind" fn cudaStreamDestroy(stream: *mut c_void) -> c_int 
     guard(UNKNOWN, || {
         destroy(started(), stream as usize, || {
             // SAFETY: the real function, with the caller's argument.
-            crate::runtime_api::real!(c"cudaStreamDestroy", DestroyFn).map_or(UNKNOWN, |f| unsafe { f(stream) })
+            real!(c"cudaStreamDestroy", DestroyFn).map_or(UNKNOWN, |f| unsafe { f(stream) })
         })
     })
 }
@@ -123,9 +109,7 @@ pub unsafe extern "C-unwind" fn cudaStreamDestroy(stream: *mut c_void) -> c_int 
 /// As CUDA's `cuStreamDestroy_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn cuStreamDestroy_v2(stream: *mut c_void) -> c_int {
-    guard(UNKNOWN, || {
-        destroy(started(), stream as usize, || crate::driver_api::call_real!(b"cuStreamDestroy_v2", DestroyFn, stream))
-    })
+    guard(UNKNOWN, || destroy(started(), stream as usize, || call_real!(b"cuStreamDestroy_v2", DestroyFn, stream)))
 }
 
 /// `CUresult cuStreamDestroy(CUstream hStream)`, the CUDA 2.0 function the driver still
@@ -136,9 +120,7 @@ pub unsafe extern "C-unwind" fn cuStreamDestroy_v2(stream: *mut c_void) -> c_int
 /// As CUDA's `cuStreamDestroy`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn cuStreamDestroy(stream: *mut c_void) -> c_int {
-    guard(UNKNOWN, || {
-        destroy(started(), stream as usize, || crate::driver_api::call_real!(b"cuStreamDestroy", DestroyFn, stream))
-    })
+    guard(UNKNOWN, || destroy(started(), stream as usize, || call_real!(b"cuStreamDestroy", DestroyFn, stream)))
 }
 
 /// The shim's function for a driver symbol as `cuGetProcAddress` names it at `cuda_version`
@@ -166,29 +148,13 @@ pub(crate) fn driver_by_name(name: &[u8]) -> Option<*mut c_void> {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     use gpupool::config::{Config, DriverKind};
     use gpupool::driver::DriverError;
     use gpupool::driver::sim::{SimDriver, SimOp};
 
     use super::*;
-
-    #[test]
-    fn every_lookup_answers_with_the_shims_destroy() {
-        let v2 = cuStreamDestroy_v2 as *mut c_void;
-        for (version, per_thread) in [(4000, false), (12080, false), (12080, true), (13000, true)] {
-            assert_eq!(crate::driver_api::ours(c"cuStreamDestroy", version, per_thread), Some(v2));
-        }
-        let legacy = cuStreamDestroy as *mut c_void;
-        assert_eq!(crate::driver_api::ours(c"cuStreamDestroy", 3020, false), Some(legacy));
-        assert_eq!(crate::driver_api::ours(c"cuStreamDestroy_v2", 12080, false), None);
-        assert_eq!(crate::driver_api::ours(c"cuStreamCreate", 12080, false), None);
-        assert_eq!(crate::driver_api::served_by_name(b"cuStreamDestroy_v2"), Some(v2));
-        assert_eq!(crate::driver_api::served_by_name(b"cuStreamDestroy"), Some(legacy));
-        assert_eq!(crate::driver_api::served_by_name(b"cuStreamDestroy_v2_ptsz"), None);
-        let runtime = crate::runtime_api::served_by_name(b"cudaStreamDestroy");
-        assert_eq!(runtime, Some(cudaStreamDestroy as *mut c_void));
-    }
 
     /// The only test that reads the global counters (the others run beside it).
     #[test]
@@ -228,7 +194,7 @@ mod tests {
         sim.inject_panic(SimOp::StreamDevice, 0);
         assert_eq!(destroy(Some(&alloc), 0x40, || 0), 0);
         assert_eq!((n(&RETIRES) - r0, n(&WAITS) - w0, n(&FAILED) - f0), (5, 2, 2));
-        let line = report();
+        let line = crate::lookups::streams_report();
         assert!(line.starts_with("retired ") && line.len() < 100, "{line}");
     }
 }
