@@ -68,6 +68,13 @@ if want preload; then
     grep -q "served 0 cudaMalloc, 0 cudaMallocAsync, 2 cuMemAlloc, 1 cuMemAllocAsync" "$out/driver-shim.err" &&
       grep -q "passed through 1 allocations" "$out/driver-shim.err" && echo "driver_app: caught as claimed" ||
       { echo "driver_app: not caught as claimed"; grep served "$out/driver-shim.err" || true; status=1; }
+    # Its stream, on which gpupool served and freed a block, is destroyed with cuStreamDestroy:
+    # the shim waits for it first (preload/src/streams.rs). app's two streams held nothing of
+    # gpupool's (its cudaMalloc is the legacy stream's): shown, not required.
+    grep -q "retired 1 streams before their destroy: waited for 1, 0 failed" "$out/driver-shim.err" &&
+      echo "driver_app: its stream destroy retired as claimed" ||
+      { echo "driver_app: stream destroy not retired as claimed"; grep retired "$out/driver-shim.err" || true; status=1; }
+    echo "app: $(grep -o "retired .*" "$out/app-shim.err" || echo "no stream destroys retired")"
     # The driver opened by the program (XLA's way): every cuMemAlloc it makes served, found by
     # dlsym in its handle and through cuGetProcAddress.
     run_without_and_with_shim dlopen_app dlopen

@@ -1,8 +1,6 @@
 //! The driver API's allocation functions (`cuda.h`) and `cuGetProcAddress`, interposed, and
 //! handed out by the shim's `dlsym` (`dlsym.rs`) to programs that open the driver
-//! themselves. The real ones are looked up in cudarc's handle of `libcuda.so`, which cudarc
-//! opens itself; its lookups come from inside this library, which the shim's `dlsym` passes
-//! to glibc, so they always reach the driver's definitions, never these.
+//! themselves. The real ones are called through cudarc's handle of `libcuda.so` (`real.rs`).
 //!
 //! Without `libcuda.so` there is no driver for a call the shim does not serve (a pointer that
 //! is not gpupool's, NULL, an allocation outside a primary context, `cuGetProcAddress`): it
@@ -11,12 +9,12 @@
 //! and cudarc's handle is never touched: it panics when the library is missing.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
 
-use crate::shim::{NOT_INITIALIZED, Shim, UNKNOWN, bump, guard, owner_of, shim, status};
+use crate::real::call_real;
+use crate::shim::{Shim, UNKNOWN, bump, guard, owner_of, shim, status};
 
 type AllocFn = unsafe extern "C" fn(*mut sys::CUdeviceptr, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(sys::CUdeviceptr) -> c_int;
@@ -32,34 +30,6 @@ type GetProcV2Fn = unsafe extern "C" fn(
     sys::cuuint64_t,
     *mut sys::CUdriverProcAddressQueryResult,
 ) -> c_int;
-
-/// Whether `libcuda.so` can be opened (as cudarc looks for it), checked once.
-pub(crate) fn have_libcuda() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: only opens and closes the library; nothing is called through it.
-    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
-}
-
-/// Calls the real driver's `$name` (declared by CUDA as `$ty`) with `$args`, or returns
-/// `CUDA_ERROR_NOT_INITIALIZED` without `libcuda.so` and `CUDA_ERROR_UNKNOWN` when the
-/// driver lacks the symbol (one older than the function).
-macro_rules! call_real {
-    ($name:literal, $ty:ty, $($arg:expr),*) => {{
-        static SLOT: OnceLock<Option<$ty>> = OnceLock::new();
-        if !have_libcuda() {
-            NOT_INITIALIZED
-        } else {
-            // SAFETY: the library is present, so cudarc's handle opens it without panicking; a
-            // symbol of this name has CUDA's signature `$ty`.
-            let f = *SLOT.get_or_init(|| unsafe { sys::culib().get::<$ty>($name).ok().map(|f| *f) });
-            match f {
-                // SAFETY: the real function, with the caller's arguments.
-                Some(f) => unsafe { f($($arg),*) },
-                None => UNKNOWN,
-            }
-        }
-    }};
-}
 
 /// The device whose primary context is current, when gpupool should serve the call.
 fn primary_device() -> Option<i32> {
@@ -259,7 +229,7 @@ pub(crate) fn ours(symbol: &CStr, cuda_version: c_int, per_thread: bool) -> Opti
         b"cuGetProcAddress" if cuda_version >= 12000 && per_thread => cuGetProcAddress_v2_ptsz as *mut c_void,
         b"cuGetProcAddress" if cuda_version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
-        _ => return None,
+        _ => return crate::streams::ours(symbol.to_bytes(), cuda_version),
     })
 }
 
@@ -280,7 +250,7 @@ pub(crate) fn served_by_name(name: &[u8]) -> Option<*mut c_void> {
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress_v2_ptsz" => cuGetProcAddress_v2_ptsz as *mut c_void,
-        _ => return None,
+        _ => return crate::streams::driver_by_name(name),
     })
 }
 
@@ -342,8 +312,8 @@ pub(crate) unsafe fn substitute(
 
 /// `CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t
 /// flags)` (CUDA 11.3 to 11.8's signature): the real lookup, with the shim's functions for
-/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync` (not its per-thread stream variant),
-/// `cuMemFreeAsync` (both variants), `cuMemAllocHost`, `cuMemHostAlloc`, `cuMemFreeHost` and `cuGetProcAddress`.
+/// `cuMemAlloc`, `cuMemFree`, `cuMemAllocAsync` (not its per-thread stream variant), `cuMemFreeAsync`
+/// (both variants), `cuMemAllocHost`, `cuMemHostAlloc`, `cuMemFreeHost`, `cuGetProcAddress`, `cuStreamDestroy`.
 ///
 /// # Safety
 /// As CUDA's `cuGetProcAddress`.
@@ -435,6 +405,22 @@ mod tests {
         assert_eq!(ours(c"cuMemFree", 12080, true), Some(cuMemFree_v2 as *mut c_void));
         assert_eq!(ours(c"cuGetProcAddress", 12080, true), Some(cuGetProcAddress_v2_ptsz as *mut c_void));
         assert_eq!(ours(c"cuGetProcAddress", 11080, true), Some(cuGetProcAddress as *mut c_void));
+    }
+
+    #[test]
+    fn every_driver_lookup_answers_with_the_shims_stream_destroy() {
+        let (v2, legacy) =
+            (crate::streams::cuStreamDestroy_v2 as *mut c_void, crate::streams::cuStreamDestroy as *mut c_void);
+        for (version, per_thread) in [(4000, false), (12080, false), (12080, true), (13000, true)] {
+            assert_eq!(ours(c"cuStreamDestroy", version, per_thread), Some(v2));
+        }
+        assert_eq!(ours(c"cuStreamDestroy", 3020, false), Some(legacy));
+        assert_eq!(ours(c"cuStreamDestroy_v2", 12080, false), None);
+        assert_eq!(
+            (served_by_name(b"cuStreamDestroy_v2"), served_by_name(b"cuStreamDestroy")),
+            (Some(v2), Some(legacy))
+        );
+        assert_eq!(served_by_name(b"cuStreamDestroy_v2_ptsz"), None);
     }
 
     #[test]

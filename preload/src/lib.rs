@@ -17,6 +17,7 @@
 //! | `cudaMallocHost`, `cudaHostAlloc`, `cuMemAllocHost_v2`, `cuMemHostAlloc` | flags default or portable (gpupool started): gpupool's pinned host allocator | the real function (other flags: mapped, write-combined) |
 //! | `cudaFreeHost`, `cuMemFreeHost` | the pointer is one of gpupool's pinned blocks | the real function |
 //! | `cuMemFreeAsync_ptsz` (the per-thread default stream's) | the pointer is gpupool's (NULL stream: as `cuMemFree`) | the real function |
+//! | `cudaStreamDestroy`, `cuStreamDestroy_v2`, `cuStreamDestroy` | never: gpupool started, it first waits for the stream if it holds anything of it (`Allocator::retire_stream`), then the real function | - |
 //! | `cuGetProcAddress`, `cuGetProcAddress_v2`, `cuGetProcAddress_v2_ptsz` | always: the real lookup, with gpupool's functions returned for the driver symbols above (`cuMemAllocAsync` not for the per-thread default stream) | - |
 //! | `cudaGetDriverEntryPoint`, `cudaGetDriverEntryPointByVersion` and their `_ptsz` twins | always: the runtime's lookup, with gpupool's functions returned as by `cuGetProcAddress` | - |
 //! | `cuMemCreate` | never: counted for the exit report, then the real function (memory a program maps itself, as ggml's VMM pool does) | - |
@@ -97,7 +98,8 @@
 //! freed already; they are not counted as frees) and passed through, the lookups (`dlsym` of
 //! driver or runtime functions, `cuGetProcAddress`, `cudaGetDriverEntryPoint`) it answered
 //! with its own and the driver lookups it passed through, the calls to memory functions it
-//! does not serve (`passed through 812 calls to cuMemCreate (not served)`), the deferred frees, every
+//! does not serve (`passed through 812 calls to cuMemCreate (not served)`), the stream
+//! destroys it retired first and how many of them waited, the deferred frees, every
 //! option with its value (`Config::options_text`), and gpupool's memory summary of each device
 //! it used, and the same for pinned host memory. It reads gpupool's counters only and calls nothing in CUDA, which may have shut
 //! down by then.
@@ -111,7 +113,10 @@
 //!   counters printed at exit;
 //! - `lookups.rs`: counts of the lookups of driver functions, for the exit report;
 //! - `passed.rs`: calls to memory functions the shim does not serve, counted by name;
-//! - `vmm.rs`: `cuMemCreate`, interposed only to be counted.
+//! - `real.rs`: how the shim reaches the real driver's and runtime's functions;
+//! - `vmm.rs`: `cuMemCreate`, interposed only to be counted;
+//! - `streams.rs`: `cudaStreamDestroy` and `cuStreamDestroy`, interposed so that gpupool waits
+//!   for a stream it holds blocks of before CUDA gives its handle to the next stream created.
 
 // glibc's dlsym is entered with the caller's return address by x86-64 assembly (dlsym.rs).
 #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
@@ -119,6 +124,8 @@ mod dlsym;
 mod driver_api;
 mod lookups;
 mod passed;
+mod real;
 mod runtime_api;
 mod shim;
+mod streams;
 mod vmm;

@@ -66,7 +66,8 @@ pub(crate) struct Shim {
     sync_bytes: usize,
 }
 
-static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
+/// The shim once started (`None` inside: gpupool could not start); unset until first use.
+pub(crate) static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr(), "gpupool_preload: {msg}");
@@ -341,6 +342,7 @@ impl Shim {
                 n(&crate::lookups::SERVED),
                 n(&crate::lookups::PASSED)
             ),
+            crate::lookups::streams_report(),
             format!("{} device synchronisations released {} deferred frees", d.syncs, d.released),
             format!("{} frees ({} bytes) still deferred at exit", d.blocks, d.bytes),
             format!(

@@ -12,8 +12,8 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys;
 
-use crate::driver_api::have_libcuda;
 use crate::lookups::{VMM_BYTES, VMM_CREATES};
+use crate::real::have_libcuda;
 use crate::shim::{NOT_INITIALIZED, UNKNOWN, guard};
 
 type CreateFn = unsafe extern "C" fn(*mut c_void, usize, *const c_void, u64) -> c_int;

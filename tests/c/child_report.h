@@ -1,6 +1,7 @@
-/* Runs this test program again as `argv0 report` with GPUPOOL_PRELOAD_STATS=on (under the same
- * LD_PRELOAD), and collects what the child writes to stderr: the shim's exit report. Shared by
- * the shim's C tests (test_preload.c, test_preload_dlopen.c). */
+/* Runs this test program again as `argv0 report` (or `argv0 MODE`: child_run) with
+ * GPUPOOL_PRELOAD_STATS=on (under the same LD_PRELOAD), and collects what the child writes to
+ * stderr: the shim's exit report. Shared by the shim's C tests (test_preload.c,
+ * test_preload_dlopen.c, test_preload_streams.c). */
 #ifndef GPUPOOL_TEST_CHILD_REPORT_H
 #define GPUPOOL_TEST_CHILD_REPORT_H
 
@@ -10,9 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* Writes the child's stderr into `out` (`cap` bytes, NUL-terminated, truncated beyond) and
- * returns 1 when the child ran and exited 0, else 0. */
-static int child_report(const char *argv0, char *out, size_t cap) {
+/* Runs `argv0 mode`; writes the child's stderr into `out` (`cap` bytes, NUL-terminated,
+ * truncated beyond) and returns 1 when the child ran and exited 0, else 0. */
+static int child_run(const char *argv0, const char *mode, char *out, size_t cap) {
   int fds[2];
   if (cap == 0 || pipe(fds) != 0) return 0;
   fflush(NULL);
@@ -22,7 +23,7 @@ static int child_report(const char *argv0, char *out, size_t cap) {
     close(fds[0]);
     close(fds[1]);
     setenv("GPUPOOL_PRELOAD_STATS", "on", 1);
-    execl("/proc/self/exe", argv0, "report", (char *)NULL);
+    execl("/proc/self/exe", argv0, mode, (char *)NULL);
     _exit(127);
   }
   close(fds[1]);
@@ -34,5 +35,8 @@ static int child_report(const char *argv0, char *out, size_t cap) {
   int status = -1;
   return pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
+
+/* child_run(argv0, "report", out, cap). */
+static int child_report(const char *argv0, char *out, size_t cap) { return child_run(argv0, "report", out, cap); }
 
 #endif

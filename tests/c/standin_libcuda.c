@@ -1,8 +1,9 @@
-/* A stand-in CUDA driver, libcuda.so.1, for test_preload_dlopen: the entry points a runtime
- * resolves itself (XLA: dlopen, dlsym, cuGetProcAddress), each counting its calls, none of
- * them able to allocate. The shim (LD_PRELOAD=libgpupool_preload.so, GPUPOOL_DRIVER=sim) must
- * answer the allocation functions from gpupool's simulated device, so an allocation that
- * reaches this library is a failure the test sees (CUDA_ERROR_OUT_OF_MEMORY, and a count).
+/* A stand-in CUDA driver, libcuda.so.1, for test_preload_dlopen and test_preload_streams: the
+ * entry points a runtime resolves itself (XLA: dlopen, dlsym, cuGetProcAddress) and the stream
+ * destroys, each counting its calls, none of them able to allocate. The shim
+ * (LD_PRELOAD=libgpupool_preload.so, GPUPOOL_DRIVER=sim) must answer the allocation functions
+ * from gpupool's simulated device, so an allocation that reaches this library is a failure the
+ * test sees (CUDA_ERROR_OUT_OF_MEMORY, and a count).
  *
  * As in the real driver, cuGetProcAddress hands out the library's internal functions, not its
  * exported symbols (which the dynamic linker would bind to the shim's, preloaded first): a
@@ -11,11 +12,12 @@
 #include <string.h>
 
 enum { F_INIT, F_ALLOC, F_FREE, F_ALLOC_ASYNC, F_FREE_ASYNC, F_ALLOC_ASYNC_PTSZ, F_FREE_ASYNC_PTSZ,
-       F_DEVICE_COUNT, F_GET_PROC, F_MEM_CREATE, F_MEM_MAP, F_COUNT };
+       F_DEVICE_COUNT, F_GET_PROC, F_MEM_CREATE, F_MEM_MAP, F_STREAM_DESTROY, F_STREAM_DESTROY_LEGACY,
+       F_COUNT };
 static const char *const names[F_COUNT] = {
     "cuInit", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAllocAsync", "cuMemFreeAsync",
     "cuMemAllocAsync_ptsz", "cuMemFreeAsync_ptsz", "cuDeviceGetCount", "cuGetProcAddress", "cuMemCreate",
-    "cuMemMap"};
+    "cuMemMap", "cuStreamDestroy_v2", "cuStreamDestroy"};
 static unsigned long calls[F_COUNT];
 
 static void count(int f) { __atomic_fetch_add(&calls[f], 1, __ATOMIC_RELAXED); }
@@ -39,6 +41,17 @@ static int mem_create(uint64_t *h, size_t n, const void *prop, unsigned long lon
 static int mem_map(uint64_t p, size_t n, size_t offset, uint64_t h, unsigned long long flags) {
   count(F_MEM_MAP);
   return p == 1 && n == 2 && offset == 3 && h == 4 && flags == 5 ? 0 : 1;
+}
+
+/* A stream destroyed: CUDA_ERROR_INVALID_HANDLE (400) for the handle 0xbad, so that the test
+ * sees the status come back unchanged through the shim; else success. */
+static int stream_destroy(void *s) {
+  count(F_STREAM_DESTROY);
+  return s == (void *)0xbad ? 400 : 0;
+}
+static int stream_destroy_legacy(void *s) {
+  count(F_STREAM_DESTROY_LEGACY);
+  return s == (void *)0xbad ? 400 : 0;
 }
 
 /* The internal function for a base name at cudaVersion with flags, as cuGetProcAddress sees it:
@@ -70,6 +83,9 @@ static void *internal(const char *symbol, int version, uint64_t flags) {
   if (!strcmp(symbol, "cuDeviceGetCount")) return (void *)device_count;
   if (!strcmp(symbol, "cuMemCreate")) return (void *)mem_create;
   if (!strcmp(symbol, "cuMemMap")) return (void *)mem_map;
+  /* cuda.h: #define cuStreamDestroy cuStreamDestroy_v2, from CUDA 4.0 */
+  if (!strcmp(symbol, "cuStreamDestroy"))
+    return version >= 4000 ? (void *)stream_destroy : (void *)stream_destroy_legacy;
   if (!strcmp(symbol, "cuGetProcAddress")) return version >= 12000 ? (void *)get_proc_v2 : (void *)get_proc;
   return NULL;
 }
@@ -90,6 +106,8 @@ EXPORT int cuMemCreate(uint64_t *h, size_t n, const void *prop, unsigned long lo
 EXPORT int cuMemMap(uint64_t p, size_t n, size_t offset, uint64_t h, unsigned long long flags) {
   return mem_map(p, n, offset, h, flags);
 }
+EXPORT int cuStreamDestroy_v2(void *s) { return stream_destroy(s); }
+EXPORT int cuStreamDestroy(void *s) { return stream_destroy_legacy(s); }
 EXPORT int cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
   return get_proc(symbol, pfn, version, flags);
 }

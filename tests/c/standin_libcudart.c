@@ -1,11 +1,13 @@
-/* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen: the runtime's way to
- * the driver's functions (cudaGetDriverEntryPoint, cudaGetDriverEntryPointByVersion and
- * their _ptsz twins), cudaRuntimeGetVersion, and a cudaMalloc and cudaFree that count their
- * calls and have no memory. As the real runtime asks the driver, the lookups give the
- * stand-in driver's internal functions (standin_libcuda.c's standin_internal), never the
- * shim's: the shim must put its own in their place. Unlike the real runtime it links the
- * driver (DT_NEEDED), so that the test can look the driver up through a handle of a library
- * that links it. */
+/* A stand-in CUDA runtime, libcudart.so.12, for test_preload_dlopen and test_preload_streams:
+ * the runtime's way to the driver's functions (cudaGetDriverEntryPoint,
+ * cudaGetDriverEntryPointByVersion and their _ptsz twins), cudaRuntimeGetVersion, a cudaMalloc
+ * and cudaFree that count their calls and have no memory, and a cudaStreamDestroy that counts
+ * its calls and destroys through the driver, as the real one does. As the real runtime asks
+ * the driver, the lookups give the stand-in driver's internal functions (standin_libcuda.c's
+ * standin_internal), never the shim's: the shim must put its own in their place. Unlike the
+ * real runtime it links the driver (DT_NEEDED), so that the test can look the driver up
+ * through a handle of a library that links it. */
+#include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -43,7 +45,7 @@ EXPORT int cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, void **fn, 
   return lookup(symbol, fn, (int)version, flags & 1 ? flags : flags | 2, status);
 }
 
-static unsigned long mallocs, frees, managed;
+static unsigned long mallocs, frees, managed, stream_destroys;
 /* cudaErrorMemoryAllocation: this runtime has no memory. */
 EXPORT int cudaMalloc(void **p, size_t n) {
   (void)p;
@@ -65,8 +67,25 @@ EXPORT int cudaMallocManaged(void **p, size_t n, unsigned flags) {
   __atomic_fetch_add(&managed, 1, __ATOMIC_RELAXED);
   return 2;
 }
-/* The test's window: calls that reached cudaMalloc (`which` 0), cudaFree (1) or
- * cudaMallocManaged (2). */
+/* As the real runtime destroys a stream: through the driver's cuStreamDestroy_v2, which it
+ * found as it finds every driver function, with cuGetProcAddress from its dlsym in its own
+ * handle of libcuda.so.1. Under the shim both lookups answer with the shim's functions, so the
+ * shim's cudaStreamDestroy calls its own cuStreamDestroy_v2 through here. */
+EXPORT int cudaStreamDestroy(void *stream) {
+  __atomic_fetch_add(&stream_destroys, 1, __ATOMIC_RELAXED);
+  void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  int (*get_proc)(const char *, void **, int, uint64_t, int *) = NULL;
+  int (*destroy)(void *) = NULL;
+  if (cuda) *(void **)(&get_proc) = dlsym(cuda, "cuGetProcAddress_v2");
+  int r = get_proc ? get_proc("cuStreamDestroy", (void **)&destroy, RUNTIME_VERSION, 0, NULL) : 1;
+  r = r == 0 && destroy ? destroy(stream) : 1;
+  if (cuda) dlclose(cuda);
+  return r; /* 400: cudaErrorInvalidResourceHandle, as the driver's CUDA_ERROR_INVALID_HANDLE */
+}
+
+/* The test's window: calls that reached cudaMalloc (`which` 0), cudaFree (1),
+ * cudaMallocManaged (2) or cudaStreamDestroy (3). */
 EXPORT long standin_runtime_calls(int which) {
-  return (long)__atomic_load_n(which == 2 ? &managed : which ? &frees : &mallocs, __ATOMIC_RELAXED);
+  unsigned long *counts[] = {&mallocs, &frees, &managed, &stream_destroys};
+  return which >= 0 && which < 4 ? (long)__atomic_load_n(counts[which], __ATOMIC_RELAXED) : -1;
 }

@@ -296,12 +296,19 @@ int main(int argc, char **argv) {
     void *fn = NULL;
     int found = 0;
     int lookup = cu_get_proc("cuMemAlloc", &fn, 12080, 0, &found);
+    /* Stream destroys (streams.rs): retired first, then no driver (3) and no runtime (999). */
+    free_fn cu_stream_destroy = NULL, cuda_stream_destroy = NULL;
+    LOOKUP(cu_stream_destroy, "cuStreamDestroy_v2");
+    LOOKUP(cuda_stream_destroy, "cudaStreamDestroy");
+    int destroyed = cu_stream_destroy ? cu_stream_destroy((void *)0x1234) : -1;
+    int destroyed_rt = cuda_stream_destroy ? cuda_stream_destroy((void *)0x1234) : -1;
     long printed = capture_end();
     CHECK(null_free == 3);
     CHECK(foreign_free == 3);
     CHECK(foreign_free_async == 3);
     CHECK(lookup == 3);
     CHECK(fn == NULL);
+    CHECK(destroyed == 3 && destroyed_rt == 999);
     CHECK(printed == 0);
     CHECK(stats().allocation.all.current == before.allocation.all.current);
   } else {

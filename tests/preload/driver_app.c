@@ -1,7 +1,8 @@
 /* driver_app: a program on the CUDA driver API (linked with -lcuda), for the LD_PRELOAD tests.
  * It allocates in the primary context with cuMemAlloc, through a pointer from
- * cuGetProcAddress, and with cuMemAllocAsync on a stream; and in a context of its own, which
- * the shim must leave to the driver. Every buffer round-trips data, checked.
+ * cuGetProcAddress, and with cuMemAllocAsync on a stream, which it then destroys (the shim
+ * waits for it first); and in a context of its own, which the shim must leave to the driver.
+ * Every buffer round-trips data, checked.
  * Prints "driver_app: ok" and exits 0 when every check passed. */
 #include <cuda.h>
 #include <stdio.h>
