@@ -28,30 +28,12 @@
 
 #include "gpupool.h"
 #include "check.h"
+#include "barrier.cuh"
 
 #define CUDA_OK(call) CHECK((call) == cudaSuccess)
 static const size_t MIB = size_t(1) << 20;
 static const size_t GIB = size_t(1) << 30;
 #include "measure.cuh"
-
-// Every thread starts each step together, so that the sleeps (and the copies) overlap.
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    int gen = gen_.load();
-    if (count_.fetch_add(1) + 1 == n_) {
-      count_.store(0);
-      gen_.fetch_add(1);
-    } else {
-      while (gen_.load() == gen) std::this_thread::yield();
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0}, gen_{0};
-};
 
 static const int kModes[2] = {GPUPOOL_SLEEP_OFFLOAD, GPUPOOL_SLEEP_OFFLOAD_PINNED};
 static const int kRounds = 3;

@@ -22,6 +22,7 @@
 
 #include "gpupool.h"
 #include "check.h"
+#include "barrier.cuh"
 // pattern, fill, and slow_check (with no spin: the words that differ from a pattern).
 #include "readers.cuh"
 
@@ -32,25 +33,6 @@ struct Round {
   long long rose = -2;         // free device memory after the sleep less before it
   long long back = -3;         // free device memory after the wake less before the sleep
   long long wrong = -1;        // words that differ after the wake (offload), or after a new fill (discard)
-};
-
-// Both threads start each step together, so that their sleeps and wakes overlap.
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    int gen = gen_.load();
-    if (count_.fetch_add(1) + 1 == n_) {
-      count_.store(0);
-      gen_.fetch_add(1);
-    } else {
-      while (gen_.load() == gen) std::this_thread::yield();
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0}, gen_{0};
 };
 
 static long long free_bytes(bool *ok) {
