@@ -83,3 +83,36 @@ fn two_allocators_keep_one_marker_each_first_of_their_entries() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn three_allocators_keep_their_marker_first_after_each_miss() {
+    // With a third allocator a marker is pushed deeper than the first entry by the others'
+    // misses; the allocator's next miss found it first of its own entries, kept it where it
+    // was, and its store could land in front of it: its frees guessed the stream just missed,
+    // and the marker stayed behind that entry, an entry lost.
+    std::thread::spawn(|| {
+        let xs: Vec<Allocator> =
+            (0..3).map(|_| Allocator::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default())).collect();
+        let mut live = Vec::new();
+        for s in 1..=8usize {
+            for x in &xs {
+                live.push((x, x.malloc(512, 0, s << 4).unwrap()));
+                let e = entries();
+                assert!(marked(x.id), "a miss puts the marker first of its allocator's entries: {e:?}");
+                for y in &xs {
+                    let own: Vec<_> = e.iter().filter(|c| c.0 == y.id).collect();
+                    assert!(own.iter().skip(1).all(|c| c.1 != MARKER), "a marker behind an entry: {e:?}");
+                }
+            }
+        }
+        for (x, p) in live {
+            x.free(p).unwrap();
+        }
+        for x in &xs {
+            assert_eq!(x.stats(0).unwrap().allocation.all.current, 0);
+            x.check_invariants().unwrap();
+        }
+    })
+    .join()
+    .unwrap();
+}
