@@ -7,5 +7,6 @@
 mod common;
 
 mod c_api;
+mod largest;
 mod rules;
 mod tenants;
