@@ -7,6 +7,6 @@
 mod common;
 
 mod c_api;
-mod largest;
+mod limit_largest;
 mod rules;
 mod tenants;
