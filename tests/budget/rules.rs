@@ -305,3 +305,28 @@ fn a_refused_growth_leaves_segments_reserved_bytes_and_their_peaks_as_they_were(
         }
     }
 }
+
+/// A growth of expandable segments tries its page sizes in turn (2 MiB pages first where they
+/// round less): one refused by the device and the next by the limit is the device's refusal,
+/// whose path releases every pool's cache, not the limit's, which releases the pool's own only.
+#[test]
+fn a_request_within_the_limit_that_the_device_refuses_takes_the_devices_path() {
+    // 256 MiB, 140 of it cached free by a private pool; the default pools limited to 130 MiB.
+    // 128 MiB: 64 small pages (128 MiB, within the limit, past the 116 MiB the driver has)
+    // first, then seven of 20 MiB (140 MiB, past the limit). Releasing the private pool's
+    // cache serves it in small pages, within the limit.
+    let (a, drv) = sim_with(1, 256 * MIB, Config::default());
+    let pool = a.pool_create();
+    a.begin_allocate_to_pool_thread(0, pool).unwrap();
+    let p = a.malloc(140 * MIB, 0, 0x70).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    a.free(p).unwrap();
+    a.pool_set_limit(0, 0, Some(130 * MIB as u64)).unwrap();
+    let q = a.malloc(128 * MIB, 0, S).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(reserved(&a, pool), 0, "the private pool's cache went back to the driver");
+    assert_eq!(a.stats(0).unwrap().num_ooms, 0);
+    check(&a);
+    a.free(q).unwrap();
+    a.empty_cache(0).unwrap();
+    assert_eq!(drv.used(0), 0);
+}
