@@ -94,3 +94,46 @@ fn a_private_pools_cache_counts_for_the_device_not_for_the_limit() {
         assert!(answer <= 100 * MIB, "{name}: {answer}");
     }
 }
+
+/// An allocator of `capacity` bytes with the default pools limited to `limit`, after `ops`
+/// ((size or 0 for a free, stream, pick), failures skipped) and, where `keep` is set, a
+/// private pool's block allocated and freed first (cache the device counts, the limit not).
+fn replay(config: &Config, capacity: usize, limit: usize, keep: bool, ops: &[(usize, usize, usize)]) -> Allocator {
+    let (a, _) = sim_with(1, capacity, config.clone());
+    if keep {
+        let pool = a.pool_create();
+        a.begin_allocate_to_pool_thread(0, pool).unwrap();
+        let p = a.malloc(capacity / 4, 0, 0x70).unwrap();
+        a.end_allocate_to_pool(0, pool).unwrap();
+        a.free(p).unwrap();
+    }
+    a.pool_set_limit(0, 0, Some(limit as u64)).unwrap();
+    let mut live = Vec::new();
+    for &(size, stream, pick) in ops {
+        if size > 0 {
+            live.extend(a.malloc(size, 0, stream));
+        } else if !live.is_empty() {
+            a.free(live.swap_remove(pick % live.len())).unwrap();
+        }
+    }
+    a
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 128, ..Default::default() })]
+
+    #[test]
+    fn the_answer_is_exact_under_a_limit_after_any_sequence(
+        ops in proptest::collection::vec(
+            (proptest::prop_oneof![2 => 1usize..2 * MIB, 3 => 2 * MIB..60 * MIB, 2 => proptest::strategy::Just(0usize)],
+             0usize..3, 0usize..64),
+            0..24),
+        expandable in proptest::bool::ANY,
+        capacity in proptest::sample::select(vec![128 * MIB, 256 * MIB]),
+        limit in proptest::sample::select(vec![0usize, 20 * MIB, 64 * MIB + 512, 100 * MIB, 200 * MIB]),
+        keep in proptest::bool::ANY,
+    ) {
+        let config = if expandable { Config::default() } else { Config::pytorch() };
+        exact(&|| replay(&config, capacity, limit, keep, &ops));
+    }
+}
