@@ -31,10 +31,12 @@ impl DeviceAllocator {
         // `process_events` is skipped while a capture may be under way (see `serve`).
         let query = (!underway && !capturing).then_some(&*self.driver);
         let (mut now, mut others_release, mut others_release_default) = (ShardModel::default(), 0usize, 0usize);
+        let mut orphans = 0usize;
         for shard in self.shards.all() {
             let st = shard.lock();
             let mine = shard.pool == 0 && shard.stream == stream;
             let copy = st.model(if mine { query } else { None })?;
+            orphans += st.orphan_bytes();
             drop(st);
             if mine {
                 now = copy.settled();
@@ -51,6 +53,8 @@ impl DeviceAllocator {
             pages: self.expandable,
             now,
             room: info.free.min(headroom),
+            // The memory fraction never counted them: freed, they add room only up to it.
+            orphans: info.free.saturating_add(orphans).min(headroom) - info.free.min(headroom),
             held: self.pages.held_by_page(),
             others_release,
             budget: self.default_pools_budget(),

@@ -16,7 +16,8 @@
 //!    free segment of every stream given back and every wholly free page of expandable
 //!    segments unmapped: the same, with what was given back added to the driver's free memory
 //!    and taken off the reserved bytes that the memory fraction counts, and the default pools'
-//!    part off those their limit counts. A request the limit refuses takes the limit's path
+//!    part off those their limit counts; the handles a failed unmap left to the driver
+//!    (orphans, counted nowhere) are released too, free memory within the fraction. A request the limit refuses takes the limit's path
 //!    instead (`budget::device`: the default pools' cache released without waiting for
 //!    events), which serves the same while no block of those pools awaits events or a
 //!    synchronisation: with some, and a limit that binds, the answer may be too high.
@@ -221,6 +222,10 @@ pub(crate) struct Situation {
     /// reserve more now; `usize::MAX` without one. A growth of the default pools is charged
     /// there first: one past it is refused whatever the driver has free.
     pub budget: usize,
+    /// The room release-and-retry adds by releasing the handles the device's expandable
+    /// segments hold for no page (orphans, counted in no statistic, nor by the memory
+    /// fraction, so within what the fraction leaves).
+    pub orphans: usize,
     /// Of `others_release`, the bytes of the default pools (other streams' shards of pool 0):
     /// what the limit stops counting once they are given back, with the stream's own.
     pub others_release_default: usize,
@@ -374,6 +379,7 @@ pub(crate) fn largest(s: &Situation) -> usize {
         let (after, freed) = s.now.freeing(&[Kind::Events, Kind::Sync]).released();
         let held: usize = s.held.iter().map(|h| h.1).sum();
         let room = s.room.saturating_add(s.others_release).saturating_add(freed).saturating_add(held);
+        let room = room.saturating_add(s.orphans);
         let budget = s.budget.saturating_add(freed).saturating_add(s.others_release_default);
         attempts.push(Attempt::new(after, room, Vec::new(), budget));
     }

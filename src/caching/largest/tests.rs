@@ -18,6 +18,7 @@ fn situation(now: ShardModel, room: usize) -> Situation {
         others_release: 0,
         budget: usize::MAX,
         others_release_default: 0,
+        orphans: 0,
         grow: true,
         release: true,
         deferred: false,
