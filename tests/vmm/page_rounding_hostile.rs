@@ -112,6 +112,32 @@ proptest! {
         counted(&a, &drv, false);
         prop_assert_eq!((drv.used(0), drv.live_vmm(), drv.live_allocations()), (0, (0, 0), 0));
     }
+
+    #[test]
+    fn largest_allocatable_is_exact_after_a_fault_near_the_edge(
+        sizes in proptest::collection::vec((near_edge(), 0usize..2), 1..7),
+        capacity in capacity(),
+        op in proptest::sample::select(vec![SimOp::MemCreate, SimOp::MemMap, SimOp::MemUnmap, SimOp::MemRelease]),
+        nth in 0u32..40,
+        fraction in proptest::sample::select(vec![1.0, 0.8]),
+    ) {
+        let config = Config { per_process_memory_fraction: fraction, ..Config::default() };
+        let fault = Some((op, nth, false));
+        let (a, drv, _) = replay(&config, capacity, &sizes, fault);
+        drv.clear_faults();
+        let answer = a.largest_allocatable(0, 1).unwrap();
+        if answer > 0 {
+            let p = a.malloc(answer, 0, 1);
+            prop_assert!(p.is_ok(), "a request of the answer, {} bytes, failed: {:?}", answer, p);
+        }
+        let (b, drv, _) = replay(&config, capacity, &sizes, fault);
+        drv.clear_faults();
+        let answer = b.largest_allocatable(0, 1).unwrap();
+        match b.malloc(answer + 1, 0, 1) {
+            Err(Error::OutOfMemory(_)) => {}
+            other => prop_assert!(false, "one byte more than the answer {} gave {:?}", answer, other),
+        }
+    }
 }
 
 #[test]
