@@ -330,3 +330,31 @@ fn a_request_within_the_limit_that_the_device_refuses_takes_the_devices_path() {
     a.empty_cache(0).unwrap();
     assert_eq!(drv.used(0), 0);
 }
+
+/// PyTorch #189504's case under a limit (`tests/core/oom_retry.rs` without one): a block freed
+/// behind another stream's event fits the request, and the limit refuses a growth. The limit's
+/// path waits for the pool's events as release-and-retry does, and serves it from the pool.
+#[test]
+fn a_block_freed_behind_an_event_serves_a_request_the_limit_refuses_to_grow() {
+    for config in [Config::pytorch(), Config::default()] {
+        let (a, drv) = sim_with(1, 1 << 30, config);
+        a.pool_set_limit(0, 0, Some(100 * MIB as u64)).unwrap();
+        let x = a.malloc(60 * MIB, 0, S).unwrap();
+        let y = a.malloc(30 * MIB, 0, S).unwrap();
+        a.record_stream(x, 0x52).unwrap();
+        drv.hold_stream(0x52);
+        a.free(x).unwrap();
+        let before = a.stats(0).unwrap().reserved_bytes.all.current;
+        let again = a.malloc(60 * MIB, 0, S).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(drv.counts().event_synchronize, 1, "the event waited for");
+        let s = a.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes.all.current, s.num_ooms), (before, 0), "served from the pool");
+        check(&a);
+        for p in [again, y] {
+            a.free(p).unwrap();
+        }
+        drv.release_stream(0x52);
+        a.empty_cache(0).unwrap();
+        assert_eq!(drv.used(0), 0);
+    }
+}
