@@ -1487,9 +1487,7 @@ gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
  * with `free_after_device_sync`, gives back every stream's wholly free cached segments and
  * unmaps every wholly free page (what the default pools give back no longer counts in their
  * limit). Not counted: what an out-of-memory observer would free
- * (`gpupool_attach_oom_observer`). With a limit that binds, blocks of the default pools still
- * awaiting events or a synchronisation count as given back, though a request the limit
- * refuses releases the pools' cache without waiting for them: the answer may then be too high.
+ * (`gpupool_attach_oom_observer`).
  *
  * The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
  * more than the device's memory. Success is not monotone in the size: with ordinary segments

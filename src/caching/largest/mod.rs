@@ -17,10 +17,11 @@
 //!    segments unmapped: the same, with what was given back added to the driver's free memory
 //!    and taken off the reserved bytes that the memory fraction counts, and the default pools'
 //!    part off those their limit counts; the handles a failed unmap left to the driver
-//!    (orphans, counted nowhere) are released too, free memory within the fraction. A request the limit refuses takes the limit's path
-//!    instead (`budget::device`: the default pools' cache released without waiting for
-//!    events), which serves the same while no block of those pools awaits events or a
-//!    synchronisation: with some, and a limit that binds, the answer may be too high.
+//!    (orphans, counted nowhere) are released too, free memory within the fraction. A request
+//!    the limit refuses at every page size takes the limit's path instead (`budget::device`:
+//!    the same waits, the default pools' cache released alone): that serves what this
+//!    attempt does, the limit being the same, and where the device refuses it the device's
+//!    path follows.
 //!
 //! The detours on the way (`release_available_cached_blocks` with `max_split_size`,
 //! `garbage_collection_threshold`, the high-water rule of expandable segments) only give
