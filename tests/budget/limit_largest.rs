@@ -98,8 +98,11 @@ fn a_private_pools_cache_counts_for_the_device_not_for_the_limit() {
 /// An allocator of `capacity` bytes with the default pools limited to `limit`, after `ops`
 /// ((size or 0 for a free, stream, pick), failures skipped) and, where `keep` is set, a
 /// private pool's block allocated and freed first (cache the device counts, the limit not).
+/// A free is plain, after use on a held stream (its block awaits an event) or with
+/// `free_after_device_sync` (its block awaits a synchronisation), as `pick` says.
 fn replay(config: &Config, capacity: usize, limit: usize, keep: bool, ops: &[(usize, usize, usize)]) -> Allocator {
-    let (a, _) = sim_with(1, capacity, config.clone());
+    let (a, drv) = sim_with(1, capacity, config.clone());
+    drv.hold_stream(0x52);
     if keep {
         let pool = a.pool_create();
         a.begin_allocate_to_pool_thread(0, pool).unwrap();
@@ -113,7 +116,14 @@ fn replay(config: &Config, capacity: usize, limit: usize, keep: bool, ops: &[(us
         if size > 0 {
             live.extend(a.malloc(size, 0, stream));
         } else if !live.is_empty() {
-            a.free(live.swap_remove(pick % live.len())).unwrap();
+            let p = live.swap_remove(pick % live.len());
+            match pick % 4 {
+                0 => a.record_stream(p, 0x52).and_then(|()| a.free(p)).unwrap(),
+                1 => {
+                    a.free_after_device_sync(p).unwrap();
+                }
+                _ => a.free(p).unwrap(),
+            }
         }
     }
     a
