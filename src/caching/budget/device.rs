@@ -42,14 +42,19 @@ impl DeviceAllocator {
     /// refused: the pool's own free cache goes back to the driver (every stream's shard of the
     /// pool, one at a time, after waiting for its blocks' events, and for the device where
     /// blocks await its synchronisation, as release-and-retry does) and the request is tried
-    /// again; if the budget still refuses, the
-    /// request counts in `num_ooms`, the out-of-memory observers are called, one more attempt
-    /// (the pool's cache released again) is made if one of them asked, and the error names the
-    /// pool, its limit and its use.
-    /// Other pools' caches are not released. `Ok(None)`: the last refusal was the device's (the
-    /// driver or the memory fraction), whose path the caller takes.
+    /// again; if the budget still refuses, the request counts in `num_ooms`, the out-of-memory
+    /// observers are called, one more attempt (the pool's cache released again) is made if one
+    /// of them asked, and the error names the pool, its limit and its use. Other pools' caches
+    /// are not released. `Ok(None)`: the retry's refusal was the device's (the driver or the
+    /// memory fraction), whose path the caller takes.
     ///
     /// Errors: [`Error::OutOfMemory`] as above; [`Error::Cuda`] when a driver call fails.
+    ///
+    /// Cold and out of line: the out-of-memory path, whose inlining moved the hit pairs by an
+    /// instruction each (callgrind, `tests/c/hit_budget.sh`: 395 and 145 with its waits
+    /// inlined, 394 and 144 without).
+    #[cold]
+    #[inline(never)]
     pub(in crate::caching) fn malloc_over_budget(
         &self,
         pool: u64,
