@@ -1,7 +1,9 @@
 //! `largest_allocatable` under a limit of the default pools (`pool_set_limit` with pool 0): a
 //! request of the answer succeeds and one byte more fails, as without a limit
-//! (`tests/core/largest.rs`). Red team: the answer counted the driver's free memory and the
-//! memory fraction, not the limit, so on a device with room past it the answer was refused.
+//! (`tests/core/largest.rs`), with blocks awaiting events or a device synchronisation too.
+//! Red team: the answer counted the driver's free memory and the memory fraction, not the
+//! limit, so on a device with room past it the answer was refused; and the limit's path did
+//! not wait for the pool's events (PyTorch #189504's case, `rules.rs`).
 
 use crate::common;
 
