@@ -1394,7 +1394,10 @@ gpupool_status gpupool_pool_stats(int device, uint64_t pool, struct gpupool_stat
  * What counts: the pool's `reserved_bytes` (its segments, and the pages mapped in its
  * expandable segments; not the device's unmapped held pages). Once a new segment or new pages
  * would take them past the limit, the pool's own free cache on the device goes back to the
- * driver and the request is tried again; if the limit still refuses it, the request fails
+ * driver and the request is tried again, after waiting (as on out of memory) for the events
+ * of the pool's freed blocks (`gpupool_record_stream`) and for the device where blocks await
+ * it (`free_after_device_sync`), so that such a block that fits serves it; if the limit
+ * still refuses it (at every page size an expandable growth tries), the request fails
  * with `GPUPOOL_ERROR_OUT_OF_MEMORY` (counted in `num_ooms`, the out-of-memory observers
  * called first, one more attempt if one asks), the message naming the pool, its limit and its
  * use. Other pools' caches and the driver are not touched. Requests served from the pool's
@@ -1522,11 +1525,13 @@ gpupool_status gpupool_pool_create_with_allocator_aligned(uint64_t *pool,
  * PyTorch's size for the request (`get_allocation_size`: 2 MiB up to 1 MiB, 20 MiB up to 10
  * MiB, then the request rounded up to 2 MiB), or the pages an expandable segment must map
  * (its free pages and unmapped address space used first); what the driver has free
- * (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`); and the same
- * again after release-and-retry, which waits for pending `gpupool_record_stream` events and
- * blocks freed with `free_after_device_sync`, gives back every stream's wholly free cached
- * segments and unmaps every wholly free page. Not counted: what an out-of-memory observer
- * would free (`gpupool_attach_oom_observer`).
+ * (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`) and the
+ * default pools' limit (`gpupool_pool_set_limit` with pool 0); and the same again after
+ * release-and-retry, which waits for pending `gpupool_record_stream` events and blocks freed
+ * with `free_after_device_sync`, gives back every stream's wholly free cached segments and
+ * unmaps every wholly free page (what the default pools give back no longer counts in their
+ * limit). Not counted: what an out-of-memory observer would free
+ * (`gpupool_attach_oom_observer`).
  *
  * The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
  * more than the device's memory. Success is not monotone in the size: with ordinary segments

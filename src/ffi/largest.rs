@@ -39,11 +39,13 @@ use super::status::{boundary, gpupool_status, out_ptr};
 /// PyTorch's size for the request (`get_allocation_size`: 2 MiB up to 1 MiB, 20 MiB up to 10
 /// MiB, then the request rounded up to 2 MiB), or the pages an expandable segment must map
 /// (its free pages and unmapped address space used first); what the driver has free
-/// (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`); and the same
-/// again after release-and-retry, which waits for pending `gpupool_record_stream` events and
-/// blocks freed with `free_after_device_sync`, gives back every stream's wholly free cached
-/// segments and unmaps every wholly free page. Not counted: what an out-of-memory observer
-/// would free (`gpupool_attach_oom_observer`).
+/// (`cuMemGetInfo`), within the memory fraction (`gpupool_set_memory_fraction`) and the
+/// default pools' limit (`gpupool_pool_set_limit` with pool 0); and the same again after
+/// release-and-retry, which waits for pending `gpupool_record_stream` events and blocks freed
+/// with `free_after_device_sync`, gives back every stream's wholly free cached segments and
+/// unmaps every wholly free page (what the default pools give back no longer counts in their
+/// limit). Not counted: what an out-of-memory observer would free
+/// (`gpupool_attach_oom_observer`).
 ///
 /// The answer is a multiple of 512 bytes (or a step of `roundup_power2_divisions`), never
 /// more than the device's memory. Success is not monotone in the size: with ordinary segments

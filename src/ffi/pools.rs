@@ -326,7 +326,10 @@ pub const GPUPOOL_NO_LIMIT: u64 = u64::MAX;
 /// What counts: the pool's `reserved_bytes` (its segments, and the pages mapped in its
 /// expandable segments; not the device's unmapped held pages). Once a new segment or new pages
 /// would take them past the limit, the pool's own free cache on the device goes back to the
-/// driver and the request is tried again; if the limit still refuses it, the request fails
+/// driver and the request is tried again, after waiting (as on out of memory) for the events
+/// of the pool's freed blocks (`gpupool_record_stream`) and for the device where blocks await
+/// it (`free_after_device_sync`), so that such a block that fits serves it; if the limit
+/// still refuses it (at every page size an expandable growth tries), the request fails
 /// with `GPUPOOL_ERROR_OUT_OF_MEMORY` (counted in `num_ooms`, the out-of-memory observers
 /// called first, one more attempt if one asks), the message naming the pool, its limit and its
 /// use. Other pools' caches and the driver are not touched. Requests served from the pool's

@@ -305,3 +305,56 @@ fn a_refused_growth_leaves_segments_reserved_bytes_and_their_peaks_as_they_were(
         }
     }
 }
+
+/// A growth of expandable segments tries its page sizes in turn (2 MiB pages first where they
+/// round less): one refused by the device and the next by the limit is the device's refusal,
+/// whose path releases every pool's cache, not the limit's, which releases the pool's own only.
+#[test]
+fn a_request_within_the_limit_that_the_device_refuses_takes_the_devices_path() {
+    // 256 MiB, 140 of it cached free by a private pool; the default pools limited to 130 MiB.
+    // 128 MiB: 64 small pages (128 MiB, within the limit, past the 116 MiB the driver has)
+    // first, then seven of 20 MiB (140 MiB, past the limit). Releasing the private pool's
+    // cache serves it in small pages, within the limit.
+    let (a, drv) = sim_with(1, 256 * MIB, Config::default());
+    let pool = a.pool_create();
+    a.begin_allocate_to_pool_thread(0, pool).unwrap();
+    let p = a.malloc(140 * MIB, 0, 0x70).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    a.free(p).unwrap();
+    a.pool_set_limit(0, 0, Some(130 * MIB as u64)).unwrap();
+    let q = a.malloc(128 * MIB, 0, S).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(reserved(&a, pool), 0, "the private pool's cache went back to the driver");
+    assert_eq!(a.stats(0).unwrap().num_ooms, 0);
+    check(&a);
+    a.free(q).unwrap();
+    a.empty_cache(0).unwrap();
+    assert_eq!(drv.used(0), 0);
+}
+
+/// PyTorch #189504's case under a limit (`tests/core/oom_retry.rs` without one): a block freed
+/// behind another stream's event fits the request, and the limit refuses a growth. The limit's
+/// path waits for the pool's events as release-and-retry does, and serves it from the pool.
+#[test]
+fn a_block_freed_behind_an_event_serves_a_request_the_limit_refuses_to_grow() {
+    for config in [Config::pytorch(), Config::default()] {
+        let (a, drv) = sim_with(1, 1 << 30, config);
+        a.pool_set_limit(0, 0, Some(100 * MIB as u64)).unwrap();
+        let x = a.malloc(60 * MIB, 0, S).unwrap();
+        let y = a.malloc(30 * MIB, 0, S).unwrap();
+        a.record_stream(x, 0x52).unwrap();
+        drv.hold_stream(0x52);
+        a.free(x).unwrap();
+        let before = a.stats(0).unwrap().reserved_bytes.all.current;
+        let again = a.malloc(60 * MIB, 0, S).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(drv.counts().event_synchronize, 1, "the event waited for");
+        let s = a.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes.all.current, s.num_ooms), (before, 0), "served from the pool");
+        check(&a);
+        for p in [again, y] {
+            a.free(p).unwrap();
+        }
+        drv.release_stream(0x52);
+        a.empty_cache(0).unwrap();
+        assert_eq!(drv.used(0), 0);
+    }
+}

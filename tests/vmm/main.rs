@@ -16,4 +16,5 @@ mod held_pages;
 mod ladder_hostile;
 mod page_by_rounding;
 mod page_ladder;
+mod page_rounding_hostile;
 mod peers;

@@ -17,15 +17,17 @@ use crate::caching::shard::Shard;
 pub(super) const MARKER: i32 = i32::MIN;
 
 impl ShardCache {
-    /// Puts `allocator`'s [`MARKER`] first in the cache unless its first entry is one already.
-    /// One marker an allocator, wherever other allocators' are: an older one behind its
-    /// entries is put out (it holds no count), and the entry made room of is an empty one,
-    /// else the last (its count given back). Called by `store`, which checks the lend.
+    /// Puts `allocator`'s [`MARKER`] first in the cache unless it is there already. One
+    /// marker an allocator, wherever other allocators' are: an older one is put out (it holds
+    /// no count), and the entry made room of is an empty one, else the last (its count given
+    /// back). First of the cache, not only of the allocator's entries: `store` then writes
+    /// behind it (from the second entry on), where a marker that other allocators' misses had
+    /// pushed deeper could be passed, the entry written in front of it. Called by `store`,
+    /// which checks the lend.
     pub(super) fn put_marker(&self, allocator: u64, dev: &DeviceAllocator) {
         // SAFETY: as in `clear`; each reference ends before the next is taken.
         let slots = unsafe { &*self.slots.get() };
-        let first = slots.iter().position(|c| c.allocator == allocator);
-        if first.is_some_and(|p| slots[p].device == MARKER) {
+        if slots[0].allocator == allocator && slots[0].device == MARKER {
             return;
         }
         let j = {

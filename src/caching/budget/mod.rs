@@ -63,6 +63,12 @@ pub(crate) fn take_refusal() -> bool {
     REFUSED.with(|r| r.replace(false))
 }
 
+/// Whether the last budget charge of the calling thread was refused, the flag left as it is:
+/// for a growth that tries several page sizes, each charged (`expandable::grow`).
+pub(crate) fn refused() -> bool {
+    REFUSED.with(Cell::get)
+}
+
 /// One pool's reserved bytes on one device, and the most it may reserve.
 #[derive(Debug)]
 pub(crate) struct PoolBudget {

@@ -5,6 +5,7 @@
 use super::{ExpandablePolicy, round_up};
 use crate::caching::accounting::counters::Metric;
 use crate::caching::block::{Block, BlockId, BlockState, NIL};
+use crate::caching::budget;
 use crate::caching::expandable::Expandable;
 use crate::caching::rules::PoolKind;
 use crate::caching::segment_index::SegmentEntry;
@@ -96,11 +97,21 @@ impl ShardState {
                 tried.rotate_right(1);
             }
         }
+        // The out-of-memory path tells the pool's budget's refusal from the device's by the
+        // last charge (`budget::take_refusal`): the budget's only where it refused every page
+        // size. A size the device had no room for, even if the budget refused the next, is the
+        // device's refusal, whose release-and-retry releases every pool's cache; the budget's
+        // path releases only the pool's own, and would fail a request within the budget.
+        let mut budget_only = true;
         for page in tried {
             grown = self.grow_in_pages(ctx, rounded, pool, page);
             if !matches!(grown, Err(DriverError::OutOfMemory)) {
                 break;
             }
+            budget_only &= budget::refused();
+        }
+        if !budget_only {
+            budget::take_refusal();
         }
         grown
     }

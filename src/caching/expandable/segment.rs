@@ -112,6 +112,12 @@ impl Expandable {
         failure
     }
 
+    /// Bytes of the orphaned handles, which the driver holds and no page counts: the next
+    /// release frees them (`gpupool_largest_allocatable` counts them so).
+    pub fn orphan_bytes(&self) -> usize {
+        self.orphans.len() * self.page
+    }
+
     /// Whether the page at `offset` bytes into the range is mapped.
     pub fn is_mapped(&self, offset: usize) -> bool {
         self.pages.get(offset / self.page).is_some_and(Option::is_some)

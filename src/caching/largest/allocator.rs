@@ -9,7 +9,8 @@ impl Allocator {
     /// The largest single request in bytes that [`Allocator::malloc`] on `device` (-1:
     /// current) and `stream` would serve now, counting the stream's cached free blocks, the
     /// free pages and unmapped room of its expandable segments, what the driver has free
-    /// (`cuMemGetInfo`) within the memory fraction, and what release-and-retry would give
+    /// (`cuMemGetInfo`) within the memory fraction and the default pools' limit
+    /// (`pool_set_limit` with pool 0), and what release-and-retry would give
     /// back (every stream's wholly free cached segments and pages); 0 when every request but
     /// one of 0 bytes would fail. RMM's `available_device_memory` (rapidsai/rmm#813) answers
     /// with `cudaMemGetInfo` alone; PyTorch has no equivalent. Success is not monotone in the

@@ -30,16 +30,22 @@ impl DeviceAllocator {
         let headroom = self.limit.get().map_or(usize::MAX, |l| (l - self.limit.reserved()).max(0) as usize);
         // `process_events` is skipped while a capture may be under way (see `serve`).
         let query = (!underway && !capturing).then_some(&*self.driver);
-        let (mut now, mut others_release) = (ShardModel::default(), 0usize);
+        let (mut now, mut others_release, mut others_release_default) = (ShardModel::default(), 0usize, 0usize);
+        let mut orphans = 0usize;
         for shard in self.shards.all() {
             let st = shard.lock();
             let mine = shard.pool == 0 && shard.stream == stream;
             let copy = st.model(if mine { query } else { None })?;
+            orphans += st.orphan_bytes();
             drop(st);
             if mine {
                 now = copy.settled();
             } else {
-                others_release += copy.settled().release_bytes();
+                let bytes = copy.settled().release_bytes();
+                others_release += bytes;
+                if shard.pool == 0 {
+                    others_release_default += bytes;
+                }
             }
         }
         Ok(super::largest(&Situation {
@@ -47,11 +53,22 @@ impl DeviceAllocator {
             pages: self.expandable,
             now,
             room: info.free.min(headroom),
+            // The memory fraction never counted them: freed, they add room only up to it.
+            orphans: info.free.saturating_add(orphans).min(headroom) - info.free.min(headroom),
             held: self.pages.held_by_page(),
             others_release,
+            budget: self.default_pools_budget(),
+            others_release_default,
             grow: !capturing,
             release: !underway,
             deferred: self.deferred.stats().blocks > 0,
         }))
+    }
+
+    /// Bytes the default pools' limit (`gpupool_pool_set_limit` with pool 0) lets them reserve
+    /// more now, charges in flight counted; `usize::MAX` without a limit.
+    fn default_pools_budget(&self) -> usize {
+        let left = |b: &crate::caching::budget::PoolBudget| Some((b.limit()? - b.reserved()).max(0) as usize);
+        self.shards.budgets.get(0).and_then(|b| left(&b)).unwrap_or(usize::MAX)
     }
 }

@@ -8,13 +8,20 @@
 //!    cached fit of the stream's pool (`get_free_block`, with the `max_split_size` rules),
 //!    else new memory from the driver: a segment of `get_allocation_size(R)` bytes, or the
 //!    pages an expandable segment must map for it (`try_allocate_expandable_block`), within
-//!    what the driver has free and the memory fraction allows;
+//!    what the driver has free, the memory fraction and the default pools' limit allow
+//!    (`caching::budget`, charged before the driver is asked);
 //! 2. after the device synchronisation that blocks freed with `free_after_device_sync` await
 //!    (only when some do): the same, with those blocks free;
 //! 3. after release-and-retry (`release_cached_blocks`): every event waited for, every wholly
 //!    free segment of every stream given back and every wholly free page of expandable
 //!    segments unmapped: the same, with what was given back added to the driver's free memory
-//!    and taken off the reserved bytes that the memory fraction counts.
+//!    and taken off the reserved bytes that the memory fraction counts, and the default pools'
+//!    part off those their limit counts; the handles a failed unmap left to the driver
+//!    (orphans, counted nowhere) are released too, free memory within the fraction. A request
+//!    the limit refuses at every page size takes the limit's path instead (`budget::device`:
+//!    the same waits, the default pools' cache released alone): that serves what this
+//!    attempt does, the limit being the same, and where the device refuses it the device's
+//!    path follows.
 //!
 //! The detours on the way (`release_available_cached_blocks` with `max_split_size`,
 //! `garbage_collection_threshold`, the high-water rule of expandable segments) only give
@@ -212,6 +219,17 @@ pub(crate) struct Situation {
     pub held: Vec<(usize, usize)>,
     /// Bytes release-and-retry gives back from the device's other streams and private pools.
     pub others_release: usize,
+    /// Bytes the default pools' limit (`gpupool_pool_set_limit` with pool 0) lets them
+    /// reserve more now; `usize::MAX` without one. A growth of the default pools is charged
+    /// there first: one past it is refused whatever the driver has free.
+    pub budget: usize,
+    /// The room release-and-retry adds by releasing the handles the device's expandable
+    /// segments hold for no page (orphans, counted in no statistic, nor by the memory
+    /// fraction, so within what the fraction leaves).
+    pub orphans: usize,
+    /// Of `others_release`, the bytes of the default pools (other streams' shards of pool 0):
+    /// what the limit stops counting once they are given back, with the stream's own.
+    pub others_release_default: usize,
     /// Whether a miss may take new memory (not while the stream captures a CUDA graph).
     pub grow: bool,
     /// Whether release-and-retry may run (not while a capture may be under way).
@@ -220,23 +238,31 @@ pub(crate) struct Situation {
     pub deferred: bool,
 }
 
-/// One attempt: the stream's blocks, the room new memory may take and the held pages a
-/// growth maps first, (page bytes, bytes held).
+/// One attempt: the stream's blocks, the room new memory may take, the held pages a growth
+/// maps first, (page bytes, bytes held), and the bytes the default pools' limit lets a growth
+/// take (held pages mapped included: the limit counts every page mapped).
 struct Attempt {
     shard: ShardModel,
     free: [Vec<usize>; 2],
     room: usize,
     held: Vec<(usize, usize)>,
+    budget: usize,
 }
 
 impl Attempt {
-    fn new(shard: ShardModel, room: usize, held: Vec<(usize, usize)>) -> Attempt {
-        Attempt { free: shard.free_sizes(), shard, room, held }
+    fn new(shard: ShardModel, room: usize, held: Vec<(usize, usize)>, budget: usize) -> Attempt {
+        Attempt { free: shard.free_sizes(), shard, room, held, budget }
     }
 
-    /// The room for a growth in `page`-byte pages: new memory, and the held pages of that size.
+    /// The bytes a growth in `page`-byte pages may map: new memory and the held pages of that
+    /// size, within the default pools' limit.
     fn room_for(&self, page: usize) -> usize {
-        self.held.iter().filter(|h| h.0 == page).fold(self.room, |r, h| r.saturating_add(h.1))
+        self.held.iter().filter(|h| h.0 == page).fold(self.room, |r, h| r.saturating_add(h.1)).min(self.budget)
+    }
+
+    /// The bytes a new ordinary segment may take: new memory within the limit.
+    fn segment_room(&self) -> usize {
+        self.room.min(self.budget)
     }
 
     /// Whether this attempt serves a request of `rounded` bytes (a size `round_size` keeps).
@@ -257,7 +283,7 @@ impl Attempt {
             Some(p) => {
                 p.pages_tried(pool, rounded).any(|page| self.pages_to_map(pool, page, rounded) <= self.room_for(page))
             }
-            None => rules::segment_size(rounded, &s.rules).is_some_and(|seg| seg <= self.room),
+            None => rules::segment_size(rounded, &s.rules).is_some_and(|seg| seg <= self.segment_room()),
         }
     }
 
@@ -297,7 +323,8 @@ impl Attempt {
         if !s.grow {
             return;
         }
-        out.extend([self.room, self.room / ROUND_LARGE * ROUND_LARGE]);
+        let room = self.segment_room();
+        out.extend([room, room / ROUND_LARGE * ROUND_LARGE]);
         let Some(p) = s.pages else { return };
         for (pool, page) in p.page_sizes() {
             let room = self.room_for(page);
@@ -343,16 +370,19 @@ pub(crate) fn largest_rounded_within(x: usize, rules: &SizeRules) -> Option<usiz
 /// The largest request in bytes that one of malloc's attempts serves in situation `s`; 0
 /// when none does (every request fails, but a request of 0 bytes).
 pub(crate) fn largest(s: &Situation) -> usize {
-    let mut attempts = vec![Attempt::new(s.now.clone(), s.room, s.held.clone())];
+    let mut attempts = vec![Attempt::new(s.now.clone(), s.room, s.held.clone(), s.budget)];
     if s.release && s.grow {
         if s.deferred {
-            attempts.push(Attempt::new(s.now.freeing(&[Kind::Sync]), s.room, s.held.clone()));
+            attempts.push(Attempt::new(s.now.freeing(&[Kind::Sync]), s.room, s.held.clone(), s.budget));
         }
-        // Release-and-retry unmaps the free pages into the pool and gives every held handle back.
+        // Release-and-retry unmaps the free pages into the pool and gives every held handle back;
+        // the limit stops counting what the default pools gave back.
         let (after, freed) = s.now.freeing(&[Kind::Events, Kind::Sync]).released();
         let held: usize = s.held.iter().map(|h| h.1).sum();
         let room = s.room.saturating_add(s.others_release).saturating_add(freed).saturating_add(held);
-        attempts.push(Attempt::new(after, room, Vec::new()));
+        let room = room.saturating_add(s.orphans);
+        let budget = s.budget.saturating_add(freed).saturating_add(s.others_release_default);
+        attempts.push(Attempt::new(after, room, Vec::new(), budget));
     }
     let mut bounds = Vec::new();
     for a in &attempts {

@@ -61,4 +61,11 @@ impl ShardState {
             .collect();
         Ok(ShardModel { segs })
     }
+
+    /// Bytes of the handles the shard's expandable segments hold for no page (orphans of a
+    /// map undone, or of a page the driver would not unmap: `expandable/segment.rs`), counted
+    /// in no statistic; release-and-retry releases them with the rest (`release_pages`).
+    pub fn orphan_bytes(&self) -> usize {
+        self.segments.values().filter_map(|s| s.exp.as_deref()).map(|e| e.orphan_bytes()).sum()
+    }
 }

@@ -16,6 +16,9 @@ fn situation(now: ShardModel, room: usize) -> Situation {
         room,
         held: Vec::new(),
         others_release: 0,
+        budget: usize::MAX,
+        others_release_default: 0,
+        orphans: 0,
         grow: true,
         release: true,
         deferred: false,
@@ -71,7 +74,7 @@ fn growth_maps_the_first_run_that_holds_the_request() {
             &[(4 * MIB, Unmapped), (MIB, Used), (3 * MIB, Free), (12 * MIB, Unmapped)],
         )],
     };
-    let a = Attempt::new(m, 0, Vec::new());
+    let a = Attempt::new(m, 0, Vec::new(), usize::MAX);
     // 4 MiB fits the first run (4 unmapped MiB); 5 MiB the second: 3 free MiB and 2 to map.
     assert_eq!(a.pages_to_map(PoolKind::Large, PAGE, 4 * MIB), 4 * MIB);
     assert_eq!(a.pages_to_map(PoolKind::Large, PAGE, 5 * MIB), 2 * MIB);
@@ -97,7 +100,7 @@ fn the_largest_request_is_not_the_largest_that_bisection_would_find() {
     // 15 MiB of room, nothing cached: 14 MiB (a 14 MiB segment) but not 5 MiB (20 MiB).
     let s = situation(ShardModel::default(), 15 * MIB);
     assert_eq!(largest(&s), 14 * MIB);
-    assert!(!Attempt::new(ShardModel::default(), 15 * MIB, Vec::new()).serves(5 * MIB, &s));
+    assert!(!Attempt::new(ShardModel::default(), 15 * MIB, Vec::new(), usize::MAX).serves(5 * MIB, &s));
     // 3 MiB of room: 1 MiB, a small request in a 2 MiB segment.
     assert_eq!(largest(&situation(ShardModel::default(), 3 * MIB)), MIB);
     assert_eq!(largest(&situation(ShardModel::default(), MIB)), 0);
