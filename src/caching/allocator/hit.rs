@@ -33,6 +33,9 @@ const SHARD_CACHE_SLOTS: usize = 4;
 #[path = "hit_marker.rs"]
 mod marker;
 
+#[path = "hit_freed.rs"]
+mod freed;
+
 /// Each thread remembers the shards it used last, so the hit path finds its stream's shard
 /// without a lock.
 ///
@@ -159,6 +162,7 @@ impl ShardCache {
         for i in 0..SHARD_CACHE_SLOTS {
             self.clear(i);
         }
+        freed::give_back();
     }
 
     /// Whether the thread's exit will give back what is stored now: sets the thread's
@@ -266,7 +270,8 @@ impl Allocator {
         {
             return r;
         }
-        let shard = dev.shard_or_create(stream);
+        // The shard of the block this thread freed last, when it is the stream's (`hit_freed`).
+        let shard = freed::take(self.id, dev.device, stream).unwrap_or_else(|| dev.shard_or_create(stream));
         self.remember_shard(dev, stream, &shard);
         dev.malloc(&shard, size, false)
     }
@@ -358,6 +363,7 @@ impl Allocator {
             None => Err(not_allocated(ptr)),
             Some(e) => {
                 ShardCache::get().guess_again_if_right(self.id, &e.owner);
+                freed::remember(self.id, e.device, &e.owner);
                 self.used_device(e.device)?.free(&e.owner, ptr, e.base)
             }
         })
