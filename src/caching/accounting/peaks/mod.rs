@@ -187,7 +187,7 @@ pub(crate) fn give_back(shard: &mut ShardCounters, spare: &SpareCredit, all: boo
 /// has its hit path's minimums taken at once (`ShardCounters::minimums_at_zero`).
 pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool {
     let mut all = true;
-    let (cells, mask) = shard.cells_with_credit();
+    let (cells, mask) = shard.cells_with_credit_flushed();
     let mut left = 0;
     for i in cell_bits(*mask) {
         let (c, r) = (&mut cells[i], &spare[i]);
@@ -227,6 +227,8 @@ pub(crate) fn return_all(shard: &mut ShardCounters, spare: &SpareCredit) -> bool
     *mask = left;
     if left == 0 {
         shard.minimums_at_zero();
+    } else {
+        shard.minimums_stale();
     }
     shard.needs_settle = !all;
     shard.has_surplus = false;
