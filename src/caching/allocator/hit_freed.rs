@@ -63,13 +63,15 @@ pub(super) fn remember(allocator: u64, device: i32, shard: &Arc<Shard>) {
         if OWNER.get() != OWNED && !ShardCache::get().owned() {
             return;
         }
-        let old = f.take();
-        f.shard.set(Arc::into_raw(shard.clone()));
+        let old = f.shard.replace(Arc::into_raw(shard.clone()));
         f.allocator.set(allocator);
         f.device.set(device);
         // Given back once this thread's entry is whole again: dropping a shard may run code
         // (its state's destructors), none of which comes back here.
-        drop(old);
+        if !old.is_null() {
+            // SAFETY: the count kept before (see `FreedShard::shard`), now taken out.
+            drop(unsafe { Arc::from_raw(old) });
+        }
     })
 }
 
