@@ -22,6 +22,7 @@
 //! not depend on what owns the segments.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -78,7 +79,7 @@ impl<T> Chunk<T> {
 }
 
 /// The chunks in address order, none empty, and their first bases (see the module's doc).
-struct Snapshot<T> {
+pub(crate) struct Snapshot<T> {
     /// `chunks`' first bases, then `DevicePtr::MAX` up to a power of two (at least one key).
     firsts: Vec<DevicePtr>,
     chunks: Vec<Arc<Chunk<T>>>,
@@ -112,20 +113,38 @@ impl<T> Snapshot<T> {
         self.chunks.get(c).map(|c| &**c)
     }
 
+    /// The segment that contains `ptr`, if any.
+    #[inline(always)]
+    pub fn find(&self, ptr: DevicePtr) -> Option<&SegmentEntry<T>> {
+        self.chunk_of(ptr).and_then(|c| c.at_or_below(ptr)).filter(|e| ptr - e.base < e.size as u64)
+    }
+
     /// The chunk a new base falls in: the last that starts at or below it, or the first.
     fn insert_at(&self, base: DevicePtr) -> usize {
         self.chunks.partition_point(|c| c.bases[0] <= base).saturating_sub(1)
     }
 }
 
+/// Ids of indexes ([`SegmentIndex::version`]), 0 being none's.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
 pub(crate) struct SegmentIndex<T> {
     snapshot: ArcSwap<Snapshot<T>>,
+    /// This index's, unique in the process.
+    id: u64,
+    /// Moved on by each writer once it published its snapshot (see [`SegmentIndex::version`]).
+    generation: AtomicU64,
     writer: Mutex<()>,
 }
 
 impl<T> Default for SegmentIndex<T> {
     fn default() -> Self {
-        SegmentIndex { snapshot: ArcSwap::from_pointee(Snapshot::new(Vec::new())), writer: Mutex::new(()) }
+        SegmentIndex {
+            snapshot: ArcSwap::from_pointee(Snapshot::new(Vec::new())),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            generation: AtomicU64::new(0),
+            writer: Mutex::new(()),
+        }
     }
 }
 
@@ -134,8 +153,28 @@ impl<T: Clone> SegmentIndex<T> {
     #[inline]
     pub fn with_segment<R>(&self, ptr: DevicePtr, f: impl FnOnce(Option<&SegmentEntry<T>>) -> R) -> R {
         let snap = self.snapshot.load();
-        let hit = snap.chunk_of(ptr).and_then(|c| c.at_or_below(ptr)).filter(|e| ptr - e.base < e.size as u64);
-        f(hit)
+        f(snap.find(ptr))
+    }
+
+    /// The index's id and the count of snapshots published so far. A reader that keeps the
+    /// snapshot of [`SegmentIndex::current`], taken after this was read, may search it for as
+    /// long as this reads the same: each writer publishes its snapshot before it moves the count
+    /// on (with release ordering, read here with acquire), so a segment inserted before the
+    /// call that reads this (the malloc that handed out a block of it, say) is in it.
+    #[inline(always)]
+    pub fn version(&self) -> (u64, u64) {
+        (self.id, self.generation.load(Ordering::Acquire))
+    }
+
+    /// The snapshot published last, kept by the caller (see [`SegmentIndex::version`]).
+    pub fn current(&self) -> Arc<Snapshot<T>> {
+        self.snapshot.load_full()
+    }
+
+    /// Publishes `next` (writers, under the writer's lock).
+    fn publish(&self, next: Vec<Arc<Chunk<T>>>) {
+        self.snapshot.store(Arc::new(Snapshot::new(next)));
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     /// Adds a segment (a new one from the driver, or one put back after a failed release).
@@ -161,7 +200,7 @@ impl<T: Clone> SegmentIndex<T> {
         if at < old.len() {
             next.extend(old[at + 1..].iter().cloned());
         }
-        self.snapshot.store(Arc::new(Snapshot::new(next)));
+        self.publish(next);
     }
 
     /// Removes the segment at `base`. Call before the segment goes back to the driver: from
@@ -182,7 +221,7 @@ impl<T: Clone> SegmentIndex<T> {
             next.push(Chunk::new(chunk));
         }
         next.extend(old[at + 1..].iter().cloned());
-        self.snapshot.store(Arc::new(Snapshot::new(next)));
+        self.publish(next);
     }
 
     /// Every segment as (base, size, device), in address order.

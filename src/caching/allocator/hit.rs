@@ -36,6 +36,9 @@ mod marker;
 #[path = "hit_freed.rs"]
 mod freed;
 
+#[path = "hit_index.rs"]
+mod kept_index;
+
 /// Each thread remembers the shards it used last, so the hit path finds its stream's shard
 /// without a lock.
 ///
@@ -163,6 +166,7 @@ impl ShardCache {
             self.clear(i);
         }
         freed::give_back();
+        kept_index::give_back();
     }
 
     /// Whether the thread's exit will give back what is stored now: sets the thread's
@@ -359,7 +363,7 @@ impl Allocator {
     /// [`Allocator::free`] of a block found through the segment index.
     #[inline(never)]
     fn free_indexed(&self, ptr: DevicePtr) -> Result<(), Error> {
-        self.index.with_segment(ptr, |seg| match seg {
+        kept_index::with_segment(&self.index, ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => {
                 ShardCache::get().guess_again_if_right(self.id, &e.owner);

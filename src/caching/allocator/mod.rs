@@ -3,7 +3,8 @@
 //! Here: the allocator, its configuration, its table of devices (each started on first use),
 //! the out-of-memory observers and the lookups of a pointer. The rest by mechanism:
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards, whose
-//!   marker after a miss is in `hit_marker` (its tests in `hit_marker_tests`);
+//!   marker after a miss is in `hit_marker` (its tests in `hit_marker_tests`), the shard of
+//!   the last indexed free in `hit_freed`, the index's snapshot the thread keeps in `hit_index`;
 //! - `pools`: private pools and the routes to them;
 //! - `empty_cache`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
