@@ -166,6 +166,12 @@ impl<T: Clone> SegmentIndex<T> {
         (self.id, self.generation.load(Ordering::Acquire))
     }
 
+    /// The snapshot published last, for a search (as [`SegmentIndex::with_segment`]'s).
+    #[inline(always)]
+    pub fn load(&self) -> arc_swap::Guard<Arc<Snapshot<T>>> {
+        self.snapshot.load()
+    }
+
     /// The snapshot published last, kept by the caller (see [`SegmentIndex::version`]).
     pub fn current(&self) -> Arc<Snapshot<T>> {
         self.snapshot.load_full()
