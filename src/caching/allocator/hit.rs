@@ -368,7 +368,7 @@ impl Allocator {
             Some(e) => {
                 ShardCache::get().guess_again_if_right(self.id, &e.owner);
                 freed::remember(self.id, e.device, &e.owner);
-                self.used_device(e.device)?.free(&e.owner, ptr, e.base)
+                self.used_device_in_parent(e.device)?.free(&e.owner, ptr, e.base)
             }
         })
     }
