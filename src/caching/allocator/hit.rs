@@ -258,18 +258,19 @@ impl Allocator {
 
     /// The work of [`Allocator::malloc_uncached`].
     fn uncached_body(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Box<Error>> {
-        let dev = self.device_or_init(device)?;
+        // The caller checked the process is not a forked child (`malloc_in_parent`).
+        let dev = self.device_or_init_in_parent(device)?;
         if size == 0 {
             return Ok(0);
         }
-        if dev.routes_active()
-            && let Some(pool) = dev.route_for(stream)
-        {
+        // Read once for both tests (a second read cost 3 instructions a cold malloc).
+        let routed = dev.routes_active();
+        if routed && let Some(pool) = dev.route_for(stream) {
             return Ok(dev.malloc_in_pool(pool, stream, size)?);
         }
         // Asked again only where the first ask could not match: the device named by -1, or a
         // route looked for (the cache's scan, about 15 instructions a cold malloc).
-        if (device != dev.device || dev.routes_active())
+        if (device != dev.device || routed)
             && let Some(r) = self.malloc_cached(size, dev.device, stream, true)
         {
             return r;

@@ -190,6 +190,17 @@ impl Allocator {
         self.device_or_start(device)
     }
 
+    /// [`Allocator::device_or_init`] for a caller that checked the process is not a forked
+    /// child (the malloc that missed the thread's cache, below `Allocator::malloc_in_parent`):
+    /// a check fewer.
+    #[inline(always)]
+    pub(in crate::caching) fn device_or_init_in_parent(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        if let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get) {
+            return Ok(dev);
+        }
+        self.device_or_start(device)
+    }
+
     /// [`Allocator::device_or_init`] for the current device, a device not started yet, or an
     /// error.
     #[inline(never)]
