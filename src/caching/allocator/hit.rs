@@ -33,6 +33,12 @@ const SHARD_CACHE_SLOTS: usize = 4;
 #[path = "hit_marker.rs"]
 mod marker;
 
+#[path = "hit_freed.rs"]
+mod freed;
+
+#[path = "hit_index.rs"]
+mod kept_index;
+
 /// Each thread remembers the shards it used last, so the hit path finds its stream's shard
 /// without a lock.
 ///
@@ -159,6 +165,8 @@ impl ShardCache {
         for i in 0..SHARD_CACHE_SLOTS {
             self.clear(i);
         }
+        freed::give_back();
+        kept_index::give_back();
     }
 
     /// Whether the thread's exit will give back what is stored now: sets the thread's
@@ -250,23 +258,25 @@ impl Allocator {
 
     /// The work of [`Allocator::malloc_uncached`].
     fn uncached_body(&self, size: usize, device: i32, stream: StreamHandle) -> Result<DevicePtr, Box<Error>> {
-        let dev = self.device_or_init(device)?;
+        // The caller checked the process is not a forked child (`malloc_in_parent`).
+        let dev = self.device_or_init_in_parent(device)?;
         if size == 0 {
             return Ok(0);
         }
-        if dev.routes_active()
-            && let Some(pool) = dev.route_for(stream)
-        {
+        // Read once for both tests (a second read cost 3 instructions a cold malloc).
+        let routed = dev.routes_active();
+        if routed && let Some(pool) = dev.route_for(stream) {
             return Ok(dev.malloc_in_pool(pool, stream, size)?);
         }
         // Asked again only where the first ask could not match: the device named by -1, or a
         // route looked for (the cache's scan, about 15 instructions a cold malloc).
-        if (device != dev.device || dev.routes_active())
+        if (device != dev.device || routed)
             && let Some(r) = self.malloc_cached(size, dev.device, stream, true)
         {
             return r;
         }
-        let shard = dev.shard_or_create(stream);
+        // The shard of the block this thread freed last, when it is the stream's (`hit_freed`).
+        let shard = freed::take(self.id, dev.device, stream).unwrap_or_else(|| dev.shard_or_create(stream));
         self.remember_shard(dev, stream, &shard);
         dev.malloc(&shard, size, false)
     }
@@ -354,11 +364,12 @@ impl Allocator {
     /// [`Allocator::free`] of a block found through the segment index.
     #[inline(never)]
     fn free_indexed(&self, ptr: DevicePtr) -> Result<(), Error> {
-        self.index.with_segment(ptr, |seg| match seg {
+        kept_index::with_segment(&self.index, ptr, |seg| match seg {
             None => Err(not_allocated(ptr)),
             Some(e) => {
                 ShardCache::get().guess_again_if_right(self.id, &e.owner);
-                self.used_device(e.device)?.free(&e.owner, ptr, e.base)
+                freed::remember(self.id, e.device, &e.owner);
+                self.used_device_in_parent(e.device)?.free(&e.owner, ptr, e.base)
             }
         })
     }

@@ -3,7 +3,8 @@
 //! Here: the allocator, its configuration, its table of devices (each started on first use),
 //! the out-of-memory observers and the lookups of a pointer. The rest by mechanism:
 //! - `hit`: malloc, free and `record_stream`, and each thread's cache of recent shards, whose
-//!   marker after a miss is in `hit_marker` (its tests in `hit_marker_tests`);
+//!   marker after a miss is in `hit_marker` (its tests in `hit_marker_tests`), the shard of
+//!   the last indexed free in `hit_freed`, the index's snapshot the thread keeps in `hit_index`;
 //! - `pools`: private pools and the routes to them;
 //! - `empty_cache`: `empty_cache`, the deferred frees' synchronisation, the memory fraction;
 //! - `caching::sleep::allocator`, in sleep's folder: sleep and wake of a pool;
@@ -189,6 +190,17 @@ impl Allocator {
         self.device_or_start(device)
     }
 
+    /// [`Allocator::device_or_init`] for a caller that checked the process is not a forked
+    /// child (the malloc that missed the thread's cache, below `Allocator::malloc_in_parent`):
+    /// a check fewer.
+    #[inline(always)]
+    pub(in crate::caching) fn device_or_init_in_parent(&self, device: i32) -> Result<&DeviceAllocator, Error> {
+        if let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get) {
+            return Ok(dev);
+        }
+        self.device_or_start(device)
+    }
+
     /// [`Allocator::device_or_init`] for the current device, a device not started yet, or an
     /// error.
     #[inline(never)]
@@ -327,6 +339,13 @@ impl Allocator {
     /// The device of a segment: started already, since it has segments.
     pub(in crate::caching) fn used_device(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         super::fork::check()?;
+        self.used_device_in_parent(device)
+    }
+
+    /// [`Allocator::used_device`] for a caller that checked the process is not a forked child
+    /// (the indexed free, below `Allocator::free_in_parent`): a check fewer.
+    #[inline(always)]
+    pub(in crate::caching) fn used_device_in_parent(&self, device: i32) -> Result<&DeviceAllocator, Error> {
         self.devices[device as usize]
             .get()
             .ok_or_else(|| Error::Internal(format!("a segment names device {device}, which was never used")))
