@@ -1,0 +1,70 @@
+//! The page of sleepable pools (`GPUPOOL_SLEEP_PAGE`) at its extremes on the simulated device:
+//! values the parser accepts up to `usize::MAX` bytes, a page larger than the device, a budget
+//! or memory fraction smaller than a page. Each request is refused as out of memory, never a
+//! panic, a hang or a wrapped page, and the pools and statistics are left as they were.
+use crate::common;
+
+use common::{MIB, check, sim_with};
+use gpupool::Error;
+use gpupool::config::Config;
+
+const S: usize = 0x10;
+
+fn config(page: usize) -> Config {
+    Config { expandable_segments: true, sleep_page: page, ..Config::default() }
+}
+
+/// A request of `n` bytes from a new sleepable pool on stream `S`.
+fn malloc_sleepable(a: &gpupool::Allocator, n: usize) -> (u64, Result<u64, Error>) {
+    let pool = a.pool_create_sleepable();
+    a.begin_allocate_to_pool(0, pool, S).unwrap();
+    let r = a.malloc(n, 0, S);
+    a.end_allocate_to_pool(0, pool).unwrap();
+    (pool, r)
+}
+
+/// Pages the parser accepts (`18446744073709551615B` is `usize::MAX`) whose rounding to the
+/// driver's 2 MiB would pass `usize::MAX`, and pages larger than the 1 GiB device: each
+/// request is out of memory, nothing is reserved, and a request of the default pools still
+/// succeeds.
+#[test]
+fn a_page_past_the_device_or_the_address_space_is_out_of_memory() {
+    for page in [usize::MAX, usize::MAX - MIB + 1, 1 << 63, 1 << 40, 2 << 30] {
+        let (a, drv) = sim_with(1, 1 << 30, config(page));
+        let (pool, r) = malloc_sleepable(&a, MIB);
+        match r {
+            Err(Error::OutOfMemory(m)) => assert!(!m.is_empty(), "page {page:#x}"),
+            other => panic!("page {page:#x}: {other:?}"),
+        }
+        assert_eq!(drv.used(0), 0, "page {page:#x}: nothing is left mapped");
+        assert_eq!(a.pool_stats(0, pool).unwrap().stats.reserved_bytes.all.current, 0, "page {page:#x}");
+        let q = a.malloc(MIB, 0, S).unwrap();
+        a.free(q).unwrap();
+        a.release_pool(0, pool).unwrap();
+        check(&a);
+    }
+}
+
+/// A page of 16 MiB under a pool budget smaller than it: the request of 1 MiB, which maps a
+/// whole page, is out of memory; once the budget holds a page, it is served, and sleep and
+/// wake give the page back and take it again.
+#[test]
+fn a_budget_below_one_page_refuses_the_first_request() {
+    let (a, drv) = sim_with(1, 1 << 30, config(16 * MIB));
+    let pool = a.pool_create_sleepable();
+    a.pool_set_limit(0, pool, Some(8 * MIB as u64)).unwrap();
+    a.begin_allocate_to_pool(0, pool, S).unwrap();
+    assert!(matches!(a.malloc(MIB, 0, S), Err(Error::OutOfMemory(_))), "an 8 MiB budget holds no 16 MiB page");
+    assert_eq!(drv.used(0), 0);
+    a.pool_set_limit(0, pool, Some(16 * MIB as u64)).unwrap();
+    let p = a.malloc(MIB, 0, S).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    assert_eq!(drv.used(0), 16 * MIB);
+    a.sleep(0, pool, gpupool::SleepMode::Discard).unwrap();
+    assert_eq!(drv.used(0), 0);
+    a.wake(0, pool).unwrap();
+    assert_eq!(drv.used(0), 16 * MIB);
+    a.free(p).unwrap();
+    a.release_pool(0, pool).unwrap();
+    check(&a);
+}
