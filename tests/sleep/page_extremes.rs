@@ -68,3 +68,19 @@ fn a_budget_below_one_page_refuses_the_first_request() {
     a.release_pool(0, pool).unwrap();
     check(&a);
 }
+/// A memory fraction of a 1 GiB device below one page (8 MiB of 16): the request is out of
+/// memory, as PyTorch's is while its capture route is active (it skips `release_cached_blocks`
+/// while `captures_underway` is not empty), not a refusal to release the cache, which the
+/// request never asked for; the out-of-memory observers are told.
+#[test]
+fn a_fraction_below_one_page_is_out_of_memory_while_the_route_is_active() {
+    let (a, drv) = sim_with(1, 1 << 30, config(16 * MIB));
+    a.set_memory_fraction(8.0 / 1024.0, 0).unwrap();
+    let ooms = a.stats(0).unwrap().num_ooms;
+    let (pool, r) = malloc_sleepable(&a, MIB);
+    assert!(matches!(r, Err(Error::OutOfMemory(_))), "{r:?}");
+    assert_eq!(a.stats(0).unwrap().num_ooms, ooms + 1);
+    assert_eq!(drv.used(0), 0);
+    a.release_pool(0, pool).unwrap();
+    check(&a);
+}
