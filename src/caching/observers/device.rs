@@ -93,7 +93,14 @@ impl DeviceAllocator {
         {
             return Ok(Some(ptr));
         }
-        self.release_cached_blocks()?;
+        // While a capture may be under way the cache stays (its release would synchronise):
+        // still out of memory, as PyTorch, which skips `release_cached_blocks` while
+        // `captures_underway` is not empty. The refusal, checked by the release itself, is no
+        // error of this request's.
+        match self.release_cached_blocks() {
+            Err(Error::Capture(_)) => return Ok(None),
+            r => r?,
+        }
         bump(&self.counters.num_alloc_retries);
         self.serve_stream(pool, stream, req)
     }
