@@ -11,6 +11,7 @@ mod front;
 mod gc;
 mod largest;
 mod oom_retry;
+mod retire;
 mod rules;
 mod rules_errors;
 mod scale;
