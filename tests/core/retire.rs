@@ -131,3 +131,23 @@ fn threads_racing_a_retire_on_the_same_stream() {
     assert_eq!(st.reserved_bytes.all.current, 0);
     check(&a);
 }
+
+/// A block of stream 6 in use on stream 5 (`record_stream`), stream 5 never served: its retire
+/// waits for stream 5's work, which reads the block, and the block forgets the use, so that
+/// its free records no event on the destroyed handle (an error of the driver, or an event of
+/// whatever new stream got the handle, not ordered after the old one's work).
+#[test]
+fn a_live_block_in_use_on_the_stream_is_waited_for_and_forgets_it() {
+    let (a, drv) = sim_with(1, 1 << 30, config());
+    let y = a.malloc(4 * MIB, 0, 6).unwrap();
+    a.record_stream(y, 5).unwrap();
+    drv.hold_stream(5);
+    assert!(a.retire_stream(0, 5).unwrap(), "the block is in use on stream 5");
+    assert_eq!(drv.stream_waits(5), 1, "the host waited for stream 5's held work");
+    let records = drv.counts().event_record;
+    a.free(y).unwrap();
+    assert_eq!(drv.counts().event_record, records, "no event on the retired stream");
+    assert_eq!(a.malloc(4 * MIB, 0, 6).unwrap(), y, "free at once for stream 6");
+    a.free(y).unwrap();
+    check(&a);
+}
