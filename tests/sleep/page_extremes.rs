@@ -84,3 +84,37 @@ fn a_fraction_below_one_page_is_out_of_memory_while_the_route_is_active() {
     a.release_pool(0, pool).unwrap();
     check(&a);
 }
+
+/// `largest_allocatable` of the default pools beside a sleepable pool of 64 MiB pages on a
+/// 512 MiB device, awake (a page holding a live block, a wholly free page its cache gives
+/// back at release-and-retry) and asleep (its pages given back): a request of the answer
+/// succeeds, and one byte more, on a second allocator built the same, is out of memory.
+#[test]
+fn the_largest_request_beside_a_sleepable_pool_is_exact() {
+    for asleep in [false, true] {
+        let build = || {
+            let (a, drv) = sim_with(1, 512 * MIB, config(64 * MIB));
+            let pool = a.pool_create_sleepable();
+            a.begin_allocate_to_pool(0, pool, S).unwrap();
+            let _live = a.malloc(MIB, 0, S).unwrap();
+            let gone = a.malloc(30 * MIB, 0, S).unwrap();
+            a.end_allocate_to_pool(0, pool).unwrap();
+            a.free(gone).unwrap();
+            if asleep {
+                a.sleep(0, pool, gpupool::SleepMode::Discard).unwrap();
+            }
+            (a, drv)
+        };
+        let (a, _) = build();
+        let answer = a.largest_allocatable(0, 0x20).unwrap();
+        assert!(answer > 300 * MIB, "asleep {asleep}: {answer}");
+        let p = a.malloc(answer, 0, 0x20);
+        assert!(p.is_ok(), "asleep {asleep}: a request of the answer, {answer} bytes: {p:?}");
+        check(&a);
+        let (b, _) = build();
+        assert_eq!(b.largest_allocatable(0, 0x20).unwrap(), answer);
+        let r = b.malloc(answer + 1, 0, 0x20);
+        assert!(matches!(r, Err(Error::OutOfMemory(_))), "asleep {asleep}: {answer} + 1: {r:?}");
+        check(&b);
+    }
+}
