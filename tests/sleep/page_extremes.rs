@@ -118,3 +118,31 @@ fn the_largest_request_beside_a_sleepable_pool_is_exact() {
         check(&b);
     }
 }
+
+/// A wake under a memory fraction below one 16 MiB page fails all or nothing: the pool stays
+/// asleep with nothing mapped, and wakes with its contents once the fraction holds its page.
+#[test]
+fn a_wake_under_a_fraction_below_one_page_fails_whole_then_succeeds() {
+    let (a, drv) = sim_with(1, 1 << 30, config(16 * MIB));
+    let pool = a.pool_create_sleepable();
+    a.begin_allocate_to_pool(0, pool, S).unwrap();
+    let p = a.malloc(MIB, 0, S).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    // SAFETY: a live block of 1 MiB mapped by the simulated driver.
+    unsafe { (p as *mut u8).write_bytes(0xa5, MIB) };
+    a.sleep(0, pool, gpupool::SleepMode::Offload).unwrap();
+    a.set_memory_fraction(8.0 / 1024.0, 0).unwrap();
+    let before = a.pool_stats(0, pool).unwrap();
+    assert!(matches!(a.wake(0, pool), Err(Error::OutOfMemory(_))));
+    assert_eq!(drv.used(0), 0);
+    assert_eq!(a.pool_stats(0, pool).unwrap(), before, "the failed wake changed nothing");
+    assert!(a.malloc(MIB, 0, S).is_ok_and(|q| a.free(q).is_ok()), "the default pools still serve");
+    check(&a);
+    a.set_memory_fraction(1.0, 0).unwrap();
+    a.wake(0, pool).unwrap();
+    // SAFETY: as above, mapped again by the wake.
+    assert!(unsafe { std::slice::from_raw_parts(p as *const u8, MIB) }.iter().all(|&b| b == 0xa5));
+    a.free(p).unwrap();
+    a.release_pool(0, pool).unwrap();
+    check(&a);
+}
