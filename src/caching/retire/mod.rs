@@ -49,7 +49,9 @@ impl Allocator {
     /// capture: end it first); [`Error::Cuda`] when the driver cannot read the capture status
     /// or wait (the stream's work may then still use what was freed on it).
     ///
-    /// Thread-safe; takes the device's shard table lock briefly, then no lock while it waits.
+    /// Thread-safe; takes the device's shard table lock briefly and each shard's lock in turn
+    /// (so a shard's sleep or wake under way, which holds its lock, delays the retire), and no
+    /// lock while it waits.
     pub fn retire_stream(&self, device: i32, stream: StreamHandle) -> Result<bool, Error> {
         if stream <= 2 {
             return Err(Error::InvalidValue(format!(
