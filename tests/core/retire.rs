@@ -150,3 +150,41 @@ fn a_live_block_in_use_on_the_stream_is_waited_for_and_forgets_it() {
     a.free(y).unwrap();
     check(&a);
 }
+
+/// One thread puts a sleepable pool holding a block of stream 9 to sleep and wakes it, over
+/// and over, while another allocates and frees on stream 9 in the default pools and a third
+/// retires stream 9: every call succeeds, and the pool's block comes back whole.
+#[test]
+fn a_retire_racing_sleep_and_wake_of_the_streams_pool() {
+    let (a, _drv) = sim_with(1, 1 << 30, config());
+    let pool = a.pool_create_sleepable();
+    a.begin_allocate_to_pool(0, pool, 9).unwrap();
+    let p = a.malloc(3 * MIB, 0, 9).unwrap();
+    a.end_allocate_to_pool(0, pool).unwrap();
+    // SAFETY: a live block of 3 MiB mapped by the simulated driver.
+    unsafe { (p as *mut u8).write_bytes(0x3c, 3 * MIB) };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..200 {
+                a.sleep(0, pool, SleepMode::Offload).unwrap();
+                a.wake(0, pool).unwrap();
+            }
+        });
+        s.spawn(|| {
+            for i in 0..2_000usize {
+                let q = a.malloc((1 + i % 5) * MIB, 0, 9).unwrap();
+                a.free(q).unwrap();
+            }
+        });
+        s.spawn(|| {
+            for _ in 0..2_000 {
+                a.retire_stream(0, 9).unwrap();
+            }
+        });
+    });
+    // SAFETY: as above, awake.
+    assert!(unsafe { std::slice::from_raw_parts(p as *const u8, 3 * MIB) }.iter().all(|&b| b == 0x3c));
+    a.free(p).unwrap();
+    a.release_pool(0, pool).unwrap();
+    check(&a);
+}
