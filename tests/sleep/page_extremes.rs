@@ -33,7 +33,8 @@ fn a_page_past_the_device_or_the_address_space_is_out_of_memory() {
         let (a, drv) = sim_with(1, 1 << 30, config(page));
         let (pool, r) = malloc_sleepable(&a, MIB);
         match r {
-            Err(Error::OutOfMemory(m)) => assert!(!m.is_empty(), "page {page:#x}"),
+            // No budget was set: the message may not blame one.
+            Err(Error::OutOfMemory(m)) => assert!(!m.contains("gpupool_pool_set_limit"), "page {page:#x}: {m}"),
             other => panic!("page {page:#x}: {other:?}"),
         }
         assert_eq!(drv.used(0), 0, "page {page:#x}: nothing is left mapped");
