@@ -147,3 +147,17 @@ fn a_wake_under_a_fraction_below_one_page_fails_whole_then_succeeds() {
     a.release_pool(0, pool).unwrap();
     check(&a);
 }
+
+/// A request of 1 MiB from a sleepable pool whose 2 GiB page the 1 GiB device cannot map: the
+/// out-of-memory message names the page and its setting, the cause that "Tried to allocate
+/// 2.00 MiB" with all the device free would hide.
+#[test]
+fn the_out_of_memory_message_names_a_page_larger_than_the_request() {
+    let (a, _) = sim_with(1, 1 << 30, config(2 << 30));
+    let (pool, r) = malloc_sleepable(&a, MIB);
+    match r {
+        Err(Error::OutOfMemory(m)) => assert!(m.contains("GPUPOOL_SLEEP_PAGE") && m.contains("2.00 GiB"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    a.release_pool(0, pool).unwrap();
+}
