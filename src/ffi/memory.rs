@@ -136,9 +136,11 @@ pub unsafe extern "C-unwind" fn gpupool_record_stream(ptr: *mut c_void, stream: 
 
 /// Call last before destroying `stream` (`cudaStreamDestroy`) of `device` (-1: the current
 /// device), with no work queued on it after: when gpupool holds any block or segment of the
-/// stream (in the default pools or a private pool), waits for the stream's work
-/// (`cuStreamSynchronize`); `*waited` (may be NULL) says whether it did. gpupool's own: PyTorch
-/// never destroys its streams (they come from its stream pool), and has no such call.
+/// stream (in the default pools or a private pool), or a live block is in use on it
+/// (`gpupool_record_stream`), waits for the stream's work (`cuStreamSynchronize`), after which
+/// those blocks forget the use (their free records no event on the destroyed handle);
+/// `*waited` (may be NULL) says whether it did. gpupool's own: PyTorch never destroys its
+/// streams (they come from its stream pool), and has no such call.
 ///
 /// Why: gpupool keys a stream's cached blocks by its handle, as PyTorch does, and serves a
 /// block freed on a stream to the next request on that handle without an event (the stream's

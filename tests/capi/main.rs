@@ -20,5 +20,6 @@ mod host_fuzz;
 mod host_hit_hostile;
 mod plugins;
 mod prepare_peers;
+mod retire;
 mod segment_observers;
 mod sleep_pinned;

@@ -12,6 +12,7 @@ mod gc;
 mod largest;
 mod oom_retry;
 mod oom_retry_hostile;
+mod retire;
 mod rules;
 mod rules_errors;
 mod scale;

@@ -10,6 +10,7 @@ mod faults;
 mod observed;
 mod observer_race;
 mod page;
+mod page_extremes;
 mod pinned;
 mod pinned_hostile;
 mod prepare;

@@ -73,7 +73,26 @@ impl DeviceAllocator {
                 return Ok(ptr);
             }
         }
-        Err(self.out_of_memory(req))
+        Err(self.sleep_page_note(pool, req, self.out_of_memory(req)))
+    }
+
+    /// `e` with a sentence on the page of a sleepable pool, when that page is larger than the
+    /// request: its requests map whole pages (`GPUPOOL_SLEEP_PAGE`), so one that fails may
+    /// have asked the driver for far more than "Tried to allocate" says, with the device's
+    /// memory free (a page larger than the device fails every request).
+    fn sleep_page_note(&self, pool: u64, req: &Request, e: Error) -> Error {
+        let page = match self.sleep_policy() {
+            Some(p) if pool != 0 && crate::caching::sleep::sleepable(pool) => p.large_page,
+            _ => return e,
+        };
+        match e {
+            Error::OutOfMemory(m) if page > req.rounded => Error::OutOfMemory(format!(
+                "{m} Pool {pool:#x} is sleepable: each of its requests maps whole pages of {} (GPUPOOL_SLEEP_PAGE, \
+                 {page} bytes); a smaller page may fit.",
+                crate::stats::summary::format_size(page as u64)
+            )),
+            e => e,
+        }
     }
 
     /// Blocks in IPC limbo that no process holds any more are freed first
@@ -93,7 +112,14 @@ impl DeviceAllocator {
         {
             return Ok(Some(ptr));
         }
-        self.release_cached_blocks()?;
+        // While a capture may be under way the cache stays (its release would synchronise):
+        // still out of memory, as PyTorch, which skips `release_cached_blocks` while
+        // `captures_underway` is not empty. The refusal, checked by the release itself, is no
+        // error of this request's.
+        match self.release_cached_blocks() {
+            Err(Error::Capture(_)) => return Ok(None),
+            r => r?,
+        }
         bump(&self.counters.num_alloc_retries);
         self.serve_stream(pool, stream, req)
     }

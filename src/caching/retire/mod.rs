@@ -14,8 +14,10 @@
 //! the hit path keeps the handle, and a program that destroys a stream says so first:
 //! [`Allocator::retire_stream`] waits for the stream's work when gpupool holds any block or
 //! segment of it (rapidsai/rmm#649's `invalidate_stream`, its "trivial implementation"), after
-//! which what was freed on it is free for whatever stream gets the handle next. A stream
-//! gpupool never served costs no wait.
+//! which what was freed on it is free for whatever stream gets the handle next. So does a live
+//! block in use on the stream (`record_stream`), which then forgets the use: its free would
+//! otherwise record an event on the destroyed handle. A stream gpupool never served costs no
+//! wait.
 //!
 //! - `mod.rs`: [`Allocator::retire_stream`]; the shard table's `holds_stream` answers whether
 //!   gpupool holds anything of the stream.
@@ -23,16 +25,23 @@
 //!   on the stream): the wait, the refusals, the driver's faults.
 
 use crate::caching::allocator::Allocator;
+use crate::caching::shard::ShardState;
 use crate::driver::StreamHandle;
 use crate::error::Error;
 
 impl Allocator {
     /// Before `stream` of `device` (-1: the current device) is destroyed: when any pool of the
-    /// device (the default pools or a private pool) has a shard for the stream, waits for the
-    /// stream's work (`cuStreamSynchronize`), so that the blocks freed on it, which the next
-    /// stream given the same handle reuses without an event, are no longer in use. Returns
-    /// whether it waited. Call it last before `cudaStreamDestroy`, with no work queued on the
-    /// stream after it.
+    /// device (the default pools or a private pool) has a shard for the stream, or a live
+    /// block of the device is in use on it (`record_stream`), waits for the stream's work
+    /// (`cuStreamSynchronize`), so that the blocks freed on it, which the next stream given
+    /// the same handle reuses without an event, are no longer in use; then the live blocks
+    /// forget their use on it, whose work is done, so that their free records no event on the
+    /// destroyed handle (a driver error, or an event of the next stream given the handle).
+    /// Returns whether it waited. Call it last before `cudaStreamDestroy`, with no work queued
+    /// on the stream after it.
+    ///
+    /// Cost: without a shard of the stream, a look at each live block of the device, each
+    /// shard locked in turn (as after a wait, to forget the uses); no driver call.
     ///
     /// Errors, each leaving every pool as it was: [`Error::InvalidValue`] for a device out of
     /// range and for one of CUDA's default streams (handles 0, 1 and 2: never destroyed);
@@ -40,7 +49,9 @@ impl Allocator {
     /// capture: end it first); [`Error::Cuda`] when the driver cannot read the capture status
     /// or wait (the stream's work may then still use what was freed on it).
     ///
-    /// Thread-safe; takes the device's shard table lock briefly, then no lock while it waits.
+    /// Thread-safe; takes the device's shard table lock briefly and each shard's lock in turn
+    /// (so a shard's sleep or wake under way, which holds its lock, delays the retire), and no
+    /// lock while it waits.
     pub fn retire_stream(&self, device: i32, stream: StreamHandle) -> Result<bool, Error> {
         if stream <= 2 {
             return Err(Error::InvalidValue(format!(
@@ -49,7 +60,8 @@ impl Allocator {
             )));
         }
         let dev = self.device_or_init(device)?;
-        if !dev.shards.holds_stream(stream) {
+        let shards = dev.shards.all();
+        if !dev.shards.holds_stream(stream) && !shards.iter().any(|s| s.lock().uses_stream(stream)) {
             return Ok(false);
         }
         let d = dev.device;
@@ -67,7 +79,28 @@ impl Allocator {
         self.driver
             .stream_synchronize(d, stream)
             .map_err(|e| Error::driver_call(e, &what("waiting for the work of")))?;
+        for shard in &shards {
+            shard.lock().forget_stream_use(stream);
+        }
         Ok(true)
+    }
+}
+
+impl ShardState {
+    /// Whether a live block is in use on `stream` besides its own (`record_stream`).
+    fn uses_stream(&self, stream: StreamHandle) -> bool {
+        self.live.values().any(|&id| self.blocks[id].stream_uses.contains(&stream))
+    }
+
+    /// Drops `stream` from the uses of every live block: its work is done (the retire waited).
+    fn forget_stream_use(&mut self, stream: StreamHandle) {
+        let ids: Vec<_> = self.live.values().copied().collect();
+        for id in ids {
+            let b = &mut self.blocks[id];
+            if b.stream_uses.contains(&stream) {
+                b.stream_uses = b.stream_uses.iter().copied().filter(|&s| s != stream).collect();
+            }
+        }
     }
 }
 

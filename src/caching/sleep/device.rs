@@ -43,8 +43,13 @@ use crate::error::Error;
 /// pools made to sleep hold (gigabytes), a small share; a pool of a few MiB reserves a page of
 /// each of its pools.
 pub(crate) fn sleepable_layout(base: ExpandablePolicy, page: usize) -> ExpandablePolicy {
-    // The driver's granularity divides the default pools' 2 MiB page.
-    let page = page.max(base.small_page).next_multiple_of(base.small_page);
+    // The driver's granularity divides the default pools' 2 MiB page. The parser takes pages up
+    // to `usize::MAX` bytes, whose rounding would pass it (a wrapped page of 0 divided by zero
+    // in the first malloc), and the budgets and statistics count bytes as i64, past which a
+    // page was refused as over a budget never set: a page is at most the largest multiple of
+    // the granularity within i64, which no device maps (its requests are out of memory).
+    let small = base.small_page;
+    let page = page.clamp(small, i64::MAX as usize / small * small).next_multiple_of(small);
     ExpandablePolicy { small_page: page, large_page: page, huge_page: page, huge_from: usize::MAX, ..base }
 }
 
