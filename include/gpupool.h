@@ -818,8 +818,10 @@ extern "C" {
  * cached block of the default pools fits fails with `GPUPOOL_ERROR_STREAM_CAPTURE` (the
  * capture stays intact; route the stream to a private pool, or warm up first), and a private
  * pool grows as in PyTorch (see `gpupool_begin_allocate_to_pool`). While a capture may be
- * under way on the device, the out-of-memory path cannot release the cache (that would break
- * the capture): a request that needs it fails with `GPUPOOL_ERROR_STREAM_CAPTURE`.
+ * under way on the device, the out-of-memory path does not release the cache (that would break
+ * the capture), as PyTorch's `malloc` skips `release_cached_blocks` while `captures_underway`
+ * is not empty: a request that needed it fails with `GPUPOOL_ERROR_OUT_OF_MEMORY`, counted in
+ * `num_ooms`, the out-of-memory observers called.
  *
  * Thread-safe.
  *
