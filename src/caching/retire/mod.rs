@@ -94,11 +94,10 @@ impl ShardState {
 
     /// Drops `stream` from the uses of every live block: its work is done (the retire waited).
     fn forget_stream_use(&mut self, stream: StreamHandle) {
-        let ids: Vec<_> = self.live.values().copied().collect();
-        for id in ids {
-            let b = &mut self.blocks[id];
-            if b.stream_uses.contains(&stream) {
-                b.stream_uses = b.stream_uses.iter().copied().filter(|&s| s != stream).collect();
+        for &id in self.live.values() {
+            let uses = &mut self.blocks[id].stream_uses;
+            if uses.contains(&stream) {
+                *uses = uses.iter().copied().filter(|&s| s != stream).collect();
             }
         }
     }
