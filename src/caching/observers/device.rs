@@ -76,25 +76,6 @@ impl DeviceAllocator {
         Err(self.sleep_page_note(pool, req, self.out_of_memory(req)))
     }
 
-    /// `e` with a sentence on the page of a sleepable pool, when that page is larger than the
-    /// request: its requests map whole pages (`GPUPOOL_SLEEP_PAGE`), so one that fails may
-    /// have asked the driver for far more than "Tried to allocate" says, with the device's
-    /// memory free (a page larger than the device fails every request).
-    fn sleep_page_note(&self, pool: u64, req: &Request, e: Error) -> Error {
-        let page = match self.sleep_policy() {
-            Some(p) if pool != 0 && crate::caching::sleep::sleepable(pool) => p.large_page,
-            _ => return e,
-        };
-        match e {
-            Error::OutOfMemory(m) if page > req.rounded => Error::OutOfMemory(format!(
-                "{m} Pool {pool:#x} is sleepable: each of its requests maps whole pages of {} (GPUPOOL_SLEEP_PAGE, \
-                 {page} bytes); a smaller page may fit.",
-                crate::stats::summary::format_size(page as u64)
-            )),
-            e => e,
-        }
-    }
-
     /// Blocks in IPC limbo that no process holds any more are freed first
     /// (`caching::ipc::device`). Blocks awaiting a device synchronisation are cache that a
     /// synchronisation frees, so they are tried before the whole cache goes back to the driver

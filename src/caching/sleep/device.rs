@@ -20,7 +20,7 @@ use super::shard::ShardSleep;
 use super::sleepers::{SleepMode, sleepable};
 use crate::caching::capture;
 use crate::caching::device::{DeviceAllocator, expandable_policy};
-use crate::caching::shard::{ExpandablePolicy, Shard};
+use crate::caching::shard::{ExpandablePolicy, Request, Shard};
 use crate::driver::{DriverError, PhysHandle};
 use crate::error::Error;
 
@@ -64,6 +64,25 @@ impl DeviceAllocator {
                 Some(sleepable_layout(base, self.sleep_page))
             })
             .as_ref()
+    }
+
+    /// `e` with a sentence on the page of a sleepable pool, when that page is larger than the
+    /// request: its requests map whole pages (`GPUPOOL_SLEEP_PAGE`), so one that fails may
+    /// have asked the driver for far more than "Tried to allocate" says, with the device's
+    /// memory free (a page larger than the device fails every request).
+    pub(in crate::caching) fn sleep_page_note(&self, pool: u64, req: &Request, e: Error) -> Error {
+        let page = match self.sleep_policy() {
+            Some(p) if pool != 0 && sleepable(pool) => p.large_page,
+            _ => return e,
+        };
+        match e {
+            Error::OutOfMemory(m) if page > req.rounded => Error::OutOfMemory(format!(
+                "{m} Pool {pool:#x} is sleepable: each of its requests maps whole pages of {} (GPUPOOL_SLEEP_PAGE, \
+                 {page} bytes); a smaller page may fit.",
+                crate::stats::summary::format_size(page as u64)
+            )),
+            e => e,
+        }
     }
 
     /// What the messages call `pool`.
