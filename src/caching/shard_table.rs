@@ -70,11 +70,6 @@ impl ShardTable {
         self.by_stream.lock().iter().filter(|(k, _)| k.0 == pool).map(|(_, s)| s.clone()).collect()
     }
 
-    /// Whether any pool has a shard of `stream` (`gpupool_stream_retire`).
-    pub fn holds_stream(&self, stream: StreamHandle) -> bool {
-        self.by_stream.lock().keys().any(|&(_, s)| s == stream)
-    }
-
     /// Every shard in the table (for the slow paths that visit them all).
     pub fn all(&self) -> Vec<Arc<Shard>> {
         self.by_stream.lock().values().cloned().collect()

@@ -19,8 +19,8 @@
 //! otherwise record an event on the destroyed handle. A stream gpupool never served costs no
 //! wait.
 //!
-//! - `mod.rs`: [`Allocator::retire_stream`]; the shard table's `holds_stream` answers whether
-//!   gpupool holds anything of the stream.
+//! - `mod.rs`: [`Allocator::retire_stream`], and the two looks at a shard's live blocks it
+//!   makes (a use on the stream, then forgetting it).
 //! - `tests`: on the simulated device (whose `cuStreamSynchronize` runs the work a test holds
 //!   on the stream): the wait, the refusals, the driver's faults.
 
@@ -61,7 +61,7 @@ impl Allocator {
         }
         let dev = self.device_or_init(device)?;
         let shards = dev.shards.all();
-        if !dev.shards.holds_stream(stream) && !shards.iter().any(|s| s.lock().uses_stream(stream)) {
+        if !shards.iter().any(|s| s.stream == stream || s.lock().uses_stream(stream)) {
             return Ok(false);
         }
         let d = dev.device;
