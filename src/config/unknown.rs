@@ -19,7 +19,7 @@ use super::options::OPTIONS;
 /// docs/configuration.md lists them too (a unit test checks). CMake's `GPUPOOL_*` variables
 /// (`-DGPUPOOL_BUILD_TESTS=OFF`, `-DGPUPOOL_TEST_DRIVER=cuda`...) are not environment
 /// variables and are not listed.
-pub(super) const READ_ELSEWHERE: [(&str, &str); 13] = [
+pub(super) const READ_ELSEWHERE: [(&str, &str); 15] = [
     ("GPUPOOL_LIB", "the Python glue (`examples/python/gpupool_torch.py`): the libgpupool.so to load"),
     ("GPUPOOL_FUZZ_CASES", "the C API fuzz test (`tests/capi/fuzz.rs`): cases per property"),
     ("GPUPOOL_SOAK_OPS", "the C soak test (`tests/c/test_soak.c`): operations, all threads together"),
@@ -28,6 +28,8 @@ pub(super) const READ_ELSEWHERE: [(&str, &str); 13] = [
     ("GPUPOOL_SLEEP_BENCH_GIB", "the GPU sleep test (`tests/gpu/test_sleep.cu`): the sizes of its benchmark"),
     ("GPUPOOL_FIRST_SLEEP_GIB", "the GPU first-sleep test (`tests/gpu/test_first_sleep.cu`): the pool sizes"),
     ("GPUPOOL_PEERS_GIB", "the GPU peer test (`tests/gpu/test_peers.cu`): the pool size whose mapping is timed"),
+    ("GPUPOOL_SLEEP_ALL_GIB", "the GPU all-devices sleep test (`tests/gpu/test_sleep_all.cu`): each pool's size"),
+    ("GPUPOOL_SLEEP_ALL_DEVICES", "the GPU all-devices sleep test: how many devices at most"),
     ("GPUPOOL_IPC_CYCLES", "the C IPC test (`tests/c/test_ipc.c`): export, import and close cycles"),
     ("GPUPOOL_DEVICE_PAIR_BUDGET", "the hit-path budget (`tests/c/hit_budget.sh`): instructions per device pair"),
     ("GPUPOOL_HOST_PAIR_BUDGET", "the hit-path budget: instructions per pinned-host pair"),
