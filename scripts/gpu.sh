@@ -109,9 +109,10 @@
 #               alternating (base, new, base, new) into OUT/bench-host-ab.log
 #   threads     examples/c/thread_scaling on the simulated device (this host's CPUs and gpupool
 #               alone): 1, 4, 8 and 16 threads on one device and on a device each, M ops/s and
-#               peak settles per million calls; with DIR/base/libgpupool.so there, base and this
-#               library alternating (base, new, base, new), each run's library named by ldd;
-#               OUT/threads.log
+#               peak settles per million calls, after lscpu's cores and the host's control (a
+#               loop calling no gpupool function, 1-16 threads, twice); with
+#               DIR/base/libgpupool.so there, base and this library alternating (base, new,
+#               base, new), each run's library named by ldd; OUT/threads.log
 #   ab          bench's main table (BENCH_ONLY=main) with DIR/base/libgpupool.so (the library
 #               before a change: put it there with `scripts/gpu.sh prepare-base REV`) and with
 #               the new one, alternating base, new, base, new, each run's loaded library named

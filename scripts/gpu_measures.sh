@@ -69,6 +69,14 @@ if want threads; then
   [ -e "$dir/base/libgpupool.so" ] && runs="base new base new"
   : >"$out/threads.log"
   if [ -x build-gpu/examples/thread_scaling ]; then
+    lscpu 2>&1 | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU\(s\)|CPU max MHz)" |
+      tee -a "$out/threads.log" || true
+    # The host's control first (no gpupool call): what its cores give work that shares nothing.
+    for round in 1 2; do
+      for t in 1 4 8 16; do
+        ./build-gpu/examples/thread_scaling "$t" 0 2>&1 | tee -a "$out/threads.log" || status=1
+      done
+    done
     for run in $runs; do
       libs=$([ "$run" = base ] && (cd "$dir/base" && pwd) || echo "$prefix/lib")
       echo "-- $run: $(LD_LIBRARY_PATH="$libs" ldd build-gpu/examples/thread_scaling | grep gpupool)" | tee -a "$out/threads.log"
