@@ -12,7 +12,11 @@
 //! reserved and at its peak of live (`gpupool_replay::breakdown::line`: MiB; free bytes of
 //! expandable segments by page size, whole pages between live blocks / at a range's mapped
 //! edge, then bytes sharing a page with a live block, between / at an edge; by stream when
-//! there are several). The ns/event include reading those breakdowns.
+//! there are several); the maps a multi-mapping allocator (GMLake) would have been spared
+//! (the simulated driver's `multimap` counts: maps of a page whose address's last handle is
+//! held unmapped, or is the page itself; the rest; runs of a growth all spared; 2 MiB pages of
+//! address space ever mapped beside peak reserved). The ns/event include reading those
+//! breakdowns.
 //!
 //!     cargo run --release -p gpupool-replay --example driver_calls -- [--no-rule] TRACE [CAPACITY_GIB]
 //!     driver_calls --cuda TRACE [REPEATS]
@@ -90,6 +94,19 @@ fn main() {
                 s.unmapped_held_bytes.current >> 21,
                 s.unmapped_held_bytes.peak >> 21,
                 s.reserved_bytes.all.peak as f64 / t.peak_live() as f64
+            );
+            println!(
+                "  multi-mapping: maps returnable {} same {} new {} (fresh {}); runs spared {}/{}; address space mapped \
+                 {} pages (new this pass {}), peak reserved {} pages",
+                d(|c| c.map_returnable),
+                d(|c| c.map_same),
+                d(|c| c.map_new),
+                d(|c| c.map_fresh),
+                d(|c| c.map_runs_spared),
+                d(|c| c.map_runs),
+                c1.va_pages_first_mapped,
+                d(|c| c.va_pages_first_mapped),
+                s.reserved_bytes.all.peak >> 21
             );
             println!("  at peak reserved: {}", breakdown::line(&peaks.at_reserved));
             println!("  at peak live:     {}", breakdown::line(&peaks.at_live));

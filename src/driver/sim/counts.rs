@@ -14,6 +14,30 @@ pub struct SimCounts {
     pub address_reserve: u64,
     pub mem_create: u64,
     pub mem_map: u64,
+    /// Successful `mem_map`s of a handle at the address where it was last mapped (its
+    /// granules last mapped by it, in order): a multi-mapping allocator (GMLake) would have
+    /// left it mapped there and made no call. With `map_returnable` and `map_new`, each
+    /// successful map counted once (see `multimap`).
+    pub map_same: u64,
+    /// Successful `mem_map`s at an address whose last handle (the same size, over the same
+    /// granules) is alive and mapped nowhere now: a multi-mapping allocator would have given
+    /// the address that handle back without a call. Optimistic: a handle left at several
+    /// addresses is returnable at each.
+    pub map_returnable: u64,
+    /// The other successful `mem_map`s: at an address never mapped, or whose last handle is
+    /// mapped elsewhere now or was released. A multi-mapping allocator would map too.
+    pub map_new: u64,
+    /// Of `map_new`, the maps whose first granule was never mapped before (since reserved);
+    /// the others' last handle is mapped elsewhere now or was released.
+    pub map_fresh: u64,
+    /// Runs of maps granted access by one `mem_set_access` (one growth of a segment), and
+    /// those whose every map was `map_same` or `map_returnable`: a bound that needs a growth's
+    /// pages all spared at once.
+    pub map_runs: u64,
+    pub map_runs_spared: u64,
+    /// 2 MiB granules of address space mapped for the first time (since reserved): the
+    /// address space a multi-mapping allocator would keep mapped.
+    pub va_pages_first_mapped: u64,
     pub mem_set_access: u64,
     /// Devices named over all `mem_set_access` calls (the access descriptors): what the calls
     /// cost grows with, one page table per device.

@@ -45,7 +45,8 @@
 //! events and the calls of stream capture (`StreamOps`) in `streams`, the captures a test
 //! begins and ends and CUDA's rules during them in `capture`, copies and copy streams
 //! (`CopyOps`) in `copy`, injected faults in `faults`, a test's code run at a chosen call in
-//! `hooks`, the count of each call made in `counts`; its unit tests in `tests.rs`.
+//! `hooks`, the count of each call made in `counts`, the maps a multi-mapping allocator would
+//! have been spared in `multimap`; its unit tests in `tests.rs`.
 
 mod backing;
 mod capture;
@@ -57,6 +58,7 @@ mod hooks;
 mod host;
 mod ipc;
 mod memory;
+mod multimap;
 mod streams;
 #[cfg(test)]
 mod tests;
@@ -115,6 +117,9 @@ struct State {
     stream_devices: FxHashMap<StreamHandle, i32>,
     /// Allocations of other processes mapped by `ipc_open_mem_handle`: start -> size.
     opened: FxHashMap<DevicePtr, usize>,
+    /// The handle last mapped over each address, to count the maps a multi-mapping allocator
+    /// would have been spared (`multimap`).
+    last_mapped: multimap::LastMapped,
 }
 
 thread_local! {

@@ -87,3 +87,64 @@ fn a_hook_counts_each_call_once_the_lock_free_calls_included() {
         assert_eq!((ran.load(Ordering::SeqCst), sim.pending_hooks()), (1, 0), "{op:?}: the second call");
     }
 }
+
+#[test]
+fn each_map_is_classified_against_the_handle_last_mapped_at_its_address() {
+    let sim = SimDriver::new(1, 1 << 30);
+    let g = SIM_GRANULARITY;
+    let base = sim.address_reserve(0, 4 * g).unwrap();
+    let at = |i: u64| base + i * g as u64;
+    let (h1, h2, h3) = (sim.mem_create(0, g).unwrap(), sim.mem_create(0, g).unwrap(), sim.mem_create(0, g).unwrap());
+    let abc = |s: &SimDriver| {
+        let c = s.counts();
+        assert!(c.map_fresh <= c.map_new);
+        (c.map_returnable, c.map_same, c.map_new, c.map_runs, c.map_runs_spared, c.va_pages_first_mapped)
+    };
+    // A run of two maps at addresses never mapped: new, new.
+    sim.mem_map(0, at(0), g, h1).unwrap();
+    sim.mem_map(0, at(1), g, h2).unwrap();
+    sim.mem_set_access(0, at(0), 2 * g, &[0], true).unwrap();
+    assert_eq!(abc(&sim), (0, 0, 2, 1, 0, 2));
+    // h1 back where it was: same, a run wholly spared; h2 moved to page 2: new.
+    sim.mem_unmap(0, at(0), g).unwrap();
+    sim.mem_unmap(0, at(1), g).unwrap();
+    sim.mem_map(0, at(0), g, h1).unwrap();
+    sim.mem_set_access(0, at(0), g, &[0], true).unwrap();
+    sim.mem_map(0, at(2), g, h2).unwrap();
+    sim.mem_set_access(0, at(2), g, &[0], true).unwrap();
+    assert_eq!(abc(&sim), (0, 1, 3, 3, 1, 3));
+    // Page 1's last handle, h2, is mapped at page 2 now: h3 there is new. Once h2 is unmapped
+    // (held, not released), h3 at page 2 is returnable: h2 could have stayed there.
+    sim.mem_map(0, at(1), g, h3).unwrap();
+    sim.mem_set_access(0, at(1), g, &[0], true).unwrap();
+    assert_eq!(abc(&sim), (0, 1, 4, 4, 1, 3));
+    sim.mem_unmap(0, at(1), g).unwrap();
+    sim.mem_unmap(0, at(2), g).unwrap();
+    sim.mem_map(0, at(2), g, h3).unwrap();
+    sim.mem_set_access(0, at(2), g, &[0], true).unwrap();
+    assert_eq!(abc(&sim), (1, 1, 4, 5, 2, 3));
+    // Page 2's last handle is h3 now; once h3 is released, h2 there is new: the page is gone.
+    sim.mem_unmap(0, at(2), g).unwrap();
+    sim.mem_release(0, h3).unwrap();
+    sim.mem_map(0, at(2), g, h2).unwrap();
+    sim.mem_set_access(0, at(2), g, &[0], true).unwrap();
+    assert_eq!(abc(&sim), (1, 1, 5, 6, 2, 3));
+    // A peer's grant over mapped pages closes no run; a freed range is forgotten.
+    sim.mem_set_access(0, at(0), g, &[0], true).unwrap();
+    assert_eq!(abc(&sim).3, 6);
+    for p in [0, 2] {
+        sim.mem_unmap(0, at(p), g).unwrap();
+    }
+    sim.address_free(0, base, 4 * g).unwrap();
+    assert_eq!(sim.handle_mapped_at(h1), Some(None));
+    let base2 = sim.address_reserve(0, 4 * g).unwrap();
+    sim.mem_map(0, base2, g, h1).unwrap();
+    sim.mem_set_access(0, base2, g, &[0], true).unwrap();
+    let c = sim.counts();
+    assert_eq!((c.map_same, c.map_new, c.map_fresh, c.va_pages_first_mapped), (1, 6, 4, 4), "a freed range forgotten");
+    sim.mem_unmap(0, base2, g).unwrap();
+    sim.address_free(0, base2, 4 * g).unwrap();
+    for h in [h1, h2] {
+        sim.mem_release(0, h).unwrap();
+    }
+}

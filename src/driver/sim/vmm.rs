@@ -202,6 +202,7 @@ impl VirtualMemoryOps for SimDriver {
             _ => return Err(invalid("cuMemAddressFree")),
         }
         st.ranges.remove(&ptr);
+        st.forget_maps(ptr, size);
         // SAFETY: exactly a reservation made by `address_reserve`, wholly unmapped.
         unsafe { libc::munmap(ptr as *mut libc::c_void, size) };
         Ok(())
@@ -268,6 +269,7 @@ impl VirtualMemoryOps for SimDriver {
         }
         r.mapped.insert(ptr, (size, handle.0));
         st.handles.get_mut(&handle.0).expect("checked above").mapped_at = Some(ptr);
+        st.classify_map(ptr, size, handle.0);
         Ok(())
     }
 
@@ -317,6 +319,9 @@ impl VirtualMemoryOps for SimDriver {
                 }
                 None => {}
             }
+        }
+        if read_write {
+            st.close_map_run();
         }
         Ok(())
     }
