@@ -89,7 +89,8 @@
 #   models      examples/python/dynamic_compare.py: record_trace.py's models with dynamic shapes
 #               (MODELS_WORKLOADS, default bert_infer,gpt2_generate,resnet_train) under PyTorch's
 #               allocator, its expandable segments and gpupool (pluggable), MODELS_ROUNDS rounds
-#               (default 2): identical outputs, median pass time, peak reserved; OUT/models.log
+#               (default 2), MODELS_CONFIGS adding gpupool_reclaim_2mib (the high-water rule with
+#               2 MiB pages): identical outputs, median pass time, peak reserved; OUT/models.log
 #               and OUT/models/
 #   traces      examples/python/record_trace.py into build-gpu/traces (RECORD_WORKLOADS: which, e.g.
 #               t5_generate,bert_train; default all)

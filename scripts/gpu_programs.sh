@@ -134,7 +134,8 @@ if want models; then
   echo "== PyTorch: models with dynamic shapes, PyTorch's allocator against gpupool's (issue 39)"
   if python_has torch transformers; then
     python3 examples/python/dynamic_compare.py --lib "$prefix/lib/libgpupool.so" --out "$out/models" \
-      ${MODELS_WORKLOADS:+--workloads "$MODELS_WORKLOADS"} ${MODELS_ROUNDS:+--rounds "$MODELS_ROUNDS"} 2>&1 |
+      ${MODELS_WORKLOADS:+--workloads "$MODELS_WORKLOADS"} ${MODELS_ROUNDS:+--rounds "$MODELS_ROUNDS"} \
+      ${MODELS_CONFIGS:+--configs "$MODELS_CONFIGS"} 2>&1 |
       tee "$out/models.log" || status=1
   fi
 fi
