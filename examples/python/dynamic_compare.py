@@ -119,11 +119,13 @@ def main():
             ratio = "-" if not v["requested"] else f"{v['reserved'] / v['requested']:.3f}"
             lines.append(f"| {w} | {name} | {v['ms']:.2f} | {v['ms'] / base:.3f}x | "
                          f"{v['reserved'] / 2**20:.0f} MiB | {ratio} | {'identical' if same else 'DIFFER'} |")
-        g, e = row["gpupool"], row["pytorch_expandable"]
-        verdict = (f"{w}: gpupool pass {g['ms'] / base:.3f}x PyTorch's (target at most 1.0), peak reserved "
-                   f"{g['reserved'] / e['reserved']:.3f}x PyTorch expandable segments' (target below 1.0); "
-                   f"outputs {'identical' if same else 'DIFFER'} over {sum(len(rs) for rs in runs.values())} runs")
-        print(verdict, file=sys.stderr, flush=True)
+        e = row["pytorch_expandable"]
+        for name in (n for n in row if n.startswith("gpupool")):
+            g = row[name]
+            verdict = (f"{w}: {name} pass {g['ms'] / base:.3f}x PyTorch's (target at most 1.0), peak reserved "
+                       f"{g['reserved'] / e['reserved']:.3f}x PyTorch expandable segments' (target below 1.0); "
+                       f"outputs {'identical' if same else 'DIFFER'} over {sum(len(rs) for rs in runs.values())} runs")
+            print(verdict, file=sys.stderr, flush=True)
         summary[w] = dict(row, identical=same)
     table = "\n".join(lines)
     print(table)
