@@ -20,11 +20,19 @@
 //! wait.
 //!
 //! - `mod.rs`: [`Allocator::retire_stream`], and the two looks at a shard's live blocks it
-//!   makes (a use on the stream, then forgetting it).
+//!   makes (a use on the stream, then forgetting it), each only where the shard's `uses`
+//!   says a live block may be in use on the stream.
+//! - `uses.rs`: [`UsedStreams`], the streams `record_stream` named for a shard's live blocks.
 //! - `tests`: on the simulated device (whose `cuStreamSynchronize` runs the work a test holds
-//!   on the stream): the wait, the refusals, the driver's faults.
+//!   on the stream): the wait, the refusals, the driver's faults; `uses_tests`: the set of
+//!   streams named, its bound, and the invariant checker's rule.
+
+mod uses;
+
+pub(crate) use uses::UsedStreams;
 
 use crate::caching::allocator::Allocator;
+use crate::caching::ipc::EXPORTED;
 use crate::caching::shard::ShardState;
 use crate::driver::StreamHandle;
 use crate::error::Error;
@@ -40,8 +48,10 @@ impl Allocator {
     /// Returns whether it waited. Call it last before `cudaStreamDestroy`, with no work queued
     /// on the stream after it.
     ///
-    /// Cost: without a shard of the stream, a look at each live block of the device, each
-    /// shard locked in turn (as after a wait, to forget the uses); no driver call.
+    /// Cost: without a shard of the stream, each shard of the device locked in turn and asked
+    /// whether `record_stream` named the stream for a live block (a set of such streams; its
+    /// live blocks are read only where it did, as after a wait, to forget the uses); no
+    /// driver call.
     ///
     /// Errors, each leaving every pool as it was: [`Error::InvalidValue`] for a device out of
     /// range and for one of CUDA's default streams (handles 0, 1 and 2: never destroyed);
@@ -87,21 +97,55 @@ impl Allocator {
 }
 
 impl ShardState {
+    /// Notes that `record_stream` named `stream` for a live block (its first use of that
+    /// block), for [`ShardState::uses_stream`]; past the set's bound, rebuilds it from the live
+    /// blocks (a look at each).
+    pub(in crate::caching) fn note_stream_use(&mut self, stream: StreamHandle) {
+        if self.retire_uses.note(stream) {
+            let (live, blocks) = (&self.live, &self.blocks);
+            let named = live.values().flat_map(|&id| blocks[id].stream_uses.iter().copied());
+            self.retire_uses.rebuild(named.filter(|&s| s != EXPORTED));
+        }
+    }
+
     /// Whether a live block is in use on `stream` besides its own (`record_stream`).
     fn uses_stream(&self, stream: StreamHandle) -> bool {
-        self.live.values().any(|&id| self.blocks[id].stream_uses.contains(&stream))
+        self.retire_uses.may_hold(stream) && self.live.values().any(|&id| self.blocks[id].stream_uses.contains(&stream))
     }
 
     /// Drops `stream` from the uses of every live block: its work is done (the retire waited).
+    /// Never the all-ones handle, which also marks an exported block (`ipc`): a stream of that
+    /// handle keeps its uses, and the exports their marks.
     fn forget_stream_use(&mut self, stream: StreamHandle) {
+        if stream == EXPORTED || !self.retire_uses.may_hold(stream) {
+            return;
+        }
         for &id in self.live.values() {
             let uses = &mut self.blocks[id].stream_uses;
             if uses.contains(&stream) {
                 *uses = uses.iter().copied().filter(|&s| s != stream).collect();
             }
         }
+        self.retire_uses.forget(stream);
+    }
+
+    /// The invariant checker's rule: every stream a live block is in use on (`record_stream`;
+    /// an export's mark aside) is noted, so that a retire skipping the shard skips no use.
+    pub(in crate::caching) fn check_retire_uses(&self) -> Result<(), String> {
+        for &id in self.live.values() {
+            let b = &self.blocks[id];
+            if let Some(&s) = b.stream_uses.iter().find(|&&s| s != EXPORTED && !self.retire_uses.may_hold(s)) {
+                return Err(format!(
+                    "live block {:#x} is in use on stream {s:#x}, which the retire's set does not note",
+                    b.addr
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod uses_tests;

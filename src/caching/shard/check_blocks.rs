@@ -205,6 +205,7 @@ impl ShardState {
             return Err(format!("stream {owner:#x}: the sets of unmapped blocks do not match the segments"));
         }
         self.check_sleep().map_err(|e| format!("stream {owner:#x}: {e}"))?;
+        self.check_retire_uses().map_err(|e| format!("stream {owner:#x}: {e}"))?;
         recount[OVERSIZE_ALLOCATIONS] = oversize[0];
         recount[OVERSIZE_SEGMENTS] = oversize[1];
         if !self.small.filter_consistent() || !self.large.filter_consistent() {

@@ -178,9 +178,9 @@ impl ShardState {
         let Some(id) = self.allocated(ptr) else {
             return Err(self.diagnose(ptr, segment));
         };
-        let b = &mut self.blocks[id];
-        if stream != owner && !b.stream_uses.contains(&stream) {
-            b.add_stream_use(stream);
+        if stream != owner && !self.blocks[id].stream_uses.contains(&stream) {
+            self.blocks[id].add_stream_use(stream);
+            self.note_stream_use(stream);
         }
         Ok(())
     }

@@ -56,6 +56,7 @@ use super::expandable::PagePool;
 use super::limit::MemoryLimit;
 use super::observers::segments::{SegmentEvent, SegmentObservers};
 use super::pool::FreePool;
+use super::retire::UsedStreams;
 use super::rules::PoolKind;
 use super::segment_index::SegmentIndex;
 use super::sleep::ShardSleep;
@@ -242,6 +243,9 @@ pub(crate) struct ShardState {
     /// [`BlockState::AwaitingEvents`](super::block::BlockState::AwaitingEvents) with no event yet.
     capture_deferred: Vec<BlockId>,
     pub counters: ShardCounters,
+    /// The streams `record_stream` named for live blocks, for `gpupool_stream_retire` (see
+    /// `caching::retire::uses`); last, away from the hit path's lines.
+    pub(in crate::caching) retire_uses: UsedStreams,
 }
 
 impl ShardState {
