@@ -30,10 +30,10 @@ pub struct SimCounts {
     /// Of `map_new`, the maps whose first granule was never mapped before (since reserved);
     /// the others' last handle is mapped elsewhere now or was released.
     pub map_fresh: u64,
-    /// Runs of maps granted access by one `mem_set_access` (one growth of a segment), and
-    /// those whose every map was `map_same` or `map_returnable`: a bound that needs a growth's
-    /// pages all spared at once.
+    /// Runs of maps granted access by one `mem_set_access` (one growth of a segment).
     pub map_runs: u64,
+    /// Of `map_runs`, those whose every map was `map_same` or `map_returnable`: a bound that
+    /// needs a growth's pages all spared at once.
     pub map_runs_spared: u64,
     /// 2 MiB granules of address space mapped for the first time (since reserved): the
     /// address space a multi-mapping allocator would keep mapped.
