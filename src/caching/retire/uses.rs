@@ -1,9 +1,9 @@
 //! The streams a shard's live blocks may be in use on besides their own (`record_stream`), so
 //! that a retire of a stream none of them names looks at no block. Without it the retire read
-//! every live block of the device under each shard's lock: 0.76 ms with 100,000 live blocks and
-//! 39 ms with a million on the simulated device (the 2-core development machine, 2026-11-29),
-//! once per `cudaStreamDestroy` under the LD_PRELOAD shim, every malloc and free of those
-//! shards waiting meanwhile.
+//! every live block of the device under each shard's lock: 1.1 ms with 100,000 live blocks and
+//! 38 ms with a million (`examples/c/retire_cost.c`, docs/rules.md), once per
+//! `cudaStreamDestroy` under the LD_PRELOAD shim, every malloc and free of those shards
+//! waiting meanwhile; with it, 0.13-0.25 us.
 //!
 //! A superset: a stream is noted when `record_stream` first names it for a block, and leaves
 //! only when a retire forgets its uses or the set is rebuilt from the live blocks (when it
