@@ -108,9 +108,17 @@ impl ShardState {
         }
     }
 
-    /// Whether a live block is in use on `stream` besides its own (`record_stream`).
-    fn uses_stream(&self, stream: StreamHandle) -> bool {
-        self.retire_uses.may_hold(stream) && self.live.values().any(|&id| self.blocks[id].stream_uses.contains(&stream))
+    /// Whether a live block is in use on `stream` besides its own (`record_stream`). A stream
+    /// noted that no live block uses any more (their frees came after the note) is forgotten.
+    fn uses_stream(&mut self, stream: StreamHandle) -> bool {
+        if !self.retire_uses.may_hold(stream) {
+            return false;
+        }
+        let used = self.live.values().any(|&id| self.blocks[id].stream_uses.contains(&stream));
+        if !used {
+            self.retire_uses.forget(stream);
+        }
+        used
     }
 
     /// Drops `stream` from the uses of every live block: its work is done (the retire waited).

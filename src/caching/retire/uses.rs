@@ -6,9 +6,10 @@
 //! waiting meanwhile; with it, 0.13-0.25 us.
 //!
 //! A superset: a stream is noted when `record_stream` first names it for a block, and leaves
-//! only when a retire forgets its uses or the set is rebuilt from the live blocks (when it
-//! passes its bound, twice what the last rebuild kept, at least 64), so a block freed or a use
-//! dropped otherwise leaves its stream noted until then. No memory until a `record_stream`.
+//! only when a retire finds no live block using it or forgets its uses, or when the set is
+//! rebuilt from the live blocks (once it passes its bound, twice what the last rebuild kept, at
+//! least 64), so a block freed or a use dropped otherwise leaves its stream noted until then.
+//! No memory until a `record_stream`.
 
 use rustc_hash::FxHashSet;
 

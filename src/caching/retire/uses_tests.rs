@@ -93,3 +93,53 @@ fn the_checker_catches_a_use_the_set_misses() {
     assert!(a.retire_stream(0, 42).unwrap());
     a.check_invariants().unwrap();
 }
+
+/// Threads naming streams for their blocks and freeing them while another retires those
+/// streams: the set and the blocks' uses stay consistent (the checker's rule), nothing panics,
+/// and a retire after the threads end finds no use left on any of them.
+#[test]
+fn threads_naming_and_retiring_streams_keep_the_rule() {
+    let (a, _drv) = sim();
+    let a = Arc::new(a);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let retirer = {
+        let (a, stop) = (a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.retire_stream(0, 0x9000 + n % 8).unwrap();
+                n += 1;
+            }
+        })
+    };
+    let workers: Vec<_> = (0..4usize)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..3_000usize {
+                    let p = a.malloc(4 * KIB, 0, 0x100 + t).unwrap();
+                    a.record_stream(p, 0x9000 + (i * 7 + t) % 8).unwrap();
+                    live.push(p);
+                    if live.len() > 16 {
+                        a.free(live.swap_remove(i % 16)).unwrap();
+                    }
+                }
+                for p in live {
+                    a.free(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    retirer.join().unwrap();
+    a.check_invariants().unwrap();
+    for s in 0..8 {
+        a.retire_stream(0, 0x9000 + s).unwrap();
+    }
+    assert_eq!(noted(&a), 0, "every use forgotten or freed, every stream forgotten");
+    a.check_invariants().unwrap();
+}
