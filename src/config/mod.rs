@@ -250,7 +250,7 @@ pub struct Config {
     /// Whether the host copy of a sleeping pool asks for transparent huge pages
     /// (`GPUPOOL_SLEEP_HUGE_PAGES`, on).
     pub sleep_huge_pages: bool,
-    /// Bytes of each page of sleepable pools' expandable segments (`GPUPOOL_SLEEP_PAGE`, 20 MiB,
+    /// Bytes of each page of sleepable pools' expandable segments (`GPUPOOL_SLEEP_PAGE`, 64 MiB,
     /// rounded up to the driver's granularity).
     pub sleep_page: usize,
 }
