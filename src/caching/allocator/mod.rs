@@ -182,12 +182,10 @@ impl Allocator {
     /// The hit path's case, a device named and started, inline; the rest out of line.
     #[inline(always)]
     pub(in crate::caching) fn device_or_init(&self, device: i32) -> Result<&DeviceAllocator, Error> {
-        if !super::fork::forked()
-            && let Some(dev) = usize::try_from(device).ok().and_then(|i| self.devices.get(i)).and_then(OnceLock::get)
-        {
-            return Ok(dev);
+        if super::fork::forked() {
+            return self.device_or_start(device);
         }
-        self.device_or_start(device)
+        self.device_or_init_in_parent(device)
     }
 
     /// [`Allocator::device_or_init`] for a caller that checked the process is not a forked
