@@ -104,10 +104,7 @@ impl CopyOps for SimDriver {
         // Copies run at once; work a test holds on the stream runs now that the host waits for
         // it (as `event_synchronize` does), counted for the test.
         if let Some(s) = st.streams.get_mut(&stream) {
-            if s.held && s.recorded > s.completed {
-                s.waits += 1;
-            }
-            s.completed = s.recorded;
+            s.host_waits_for_all();
         }
         Ok(())
     }

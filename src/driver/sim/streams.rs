@@ -9,12 +9,28 @@ use crate::driver::ops::StreamOps;
 
 #[derive(Default)]
 pub(super) struct SimStream {
-    pub(super) recorded: u64,
-    pub(super) completed: u64,
-    pub(super) held: bool,
-    /// Times a host wait (`cuEventSynchronize`) completed work of this stream while it was held
-    /// (the host waited for it: the simulated device runs it then).
-    pub(super) waits: u64,
+    recorded: u64,
+    completed: u64,
+    held: bool,
+    /// Times a host wait (`cuEventSynchronize`, `cuStreamSynchronize`) completed work of this
+    /// stream while it was held (the host waited for it: the simulated device runs it then).
+    waits: u64,
+}
+
+impl SimStream {
+    /// A host wait for the stream's work up to `ticket`: it runs now, held or not, and a wait
+    /// that ran held work is counted.
+    fn host_waits_for(&mut self, ticket: u64) {
+        if self.held && ticket > self.completed {
+            self.waits += 1;
+        }
+        self.completed = self.completed.max(ticket);
+    }
+
+    /// A host wait for all the work recorded on the stream (`cuStreamSynchronize`).
+    pub(super) fn host_waits_for_all(&mut self) {
+        self.host_waits_for(self.recorded);
+    }
 }
 
 impl SimDriver {
@@ -110,11 +126,7 @@ impl StreamOps for SimDriver {
         st.fault(SimOp::EventSynchronize)?;
         st.captured_event(event, "cuEventSynchronize")?;
         if let Some(Some((stream, ticket))) = st.events.get(&event.0).copied() {
-            let s = st.streams.entry(stream).or_default();
-            if s.held && ticket > s.completed {
-                s.waits += 1;
-            }
-            s.completed = s.completed.max(ticket);
+            st.streams.entry(stream).or_default().host_waits_for(ticket);
             Ok(())
         } else {
             SimDriver::event_done(&st, event).map(|_| ())
