@@ -119,9 +119,10 @@ impl<T> Snapshot<T> {
         self.chunk_of(ptr).and_then(|c| c.at_or_below(ptr)).filter(|e| ptr - e.base < e.size as u64)
     }
 
-    /// The chunk a new base falls in: the last that starts at or below it, or the first.
-    fn insert_at(&self, base: DevicePtr) -> usize {
-        self.chunks.partition_point(|c| c.bases[0] <= base).saturating_sub(1)
+    /// The chunk whose range holds `base`: the last that starts at or below it; `None` below
+    /// every chunk (a writer's search: [`Snapshot::chunk_of`] is the readers').
+    fn chunk_at(&self, base: DevicePtr) -> Option<usize> {
+        self.chunks.partition_point(|c| c.bases[0] <= base).checked_sub(1)
     }
 }
 
@@ -191,7 +192,7 @@ impl<T: Clone> SegmentIndex<T> {
         let mut next: Vec<Arc<Chunk<T>>> = Vec::with_capacity(old.len() + 1);
         // The chunk whose range the new base falls in (or the first chunk, for a base below
         // every segment).
-        let at = snap.insert_at(entry.base);
+        let at = snap.chunk_at(entry.base).unwrap_or(0);
         next.extend(old[..at.min(old.len())].iter().cloned());
         let mut chunk: Vec<SegmentEntry<T>> = old.get(at).map(|c| c.entries.clone()).unwrap_or_default();
         let i = chunk.partition_point(|e| e.base < entry.base);
@@ -216,7 +217,7 @@ impl<T: Clone> SegmentIndex<T> {
         let _w = self.writer.lock();
         let snap = self.snapshot.load();
         let old = &snap.chunks;
-        let Some(at) = old.partition_point(|c| c.bases[0] <= base).checked_sub(1) else { return };
+        let Some(at) = snap.chunk_at(base) else { return };
         let chunk: Vec<SegmentEntry<T>> = old[at].entries.iter().filter(|e| e.base != base).cloned().collect();
         if chunk.len() == old[at].entries.len() {
             return;
