@@ -36,7 +36,10 @@ int main(int argc, char **argv) {
     return 2;
   }
   void **live = malloc(sizeof *live * (size_t)n);
-  if (!live) return 2;
+  if (!live) {
+    fprintf(stderr, "retire_cost: no host memory for %ld pointers\n", n);
+    return 2;
+  }
   gpupool_stream_t owner = (gpupool_stream_t)(uintptr_t)0x1000;
   for (long i = 0; i < n; i++) ok(gpupool_malloc(&live[i], 512, 0, owner));
   int waited = 0, waits = 0;
